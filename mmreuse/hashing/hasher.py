@@ -1,0 +1,543 @@
+"""vLLM's prefix-cache block hashes for a request, one-shot and incremental.
+
+`BlockHasher` reproduces `get_request_block_hasher(hash_block_size, hash_fn,
+num_hash_lookahead_tokens)` of a vLLM generation (`HashScheme`) for a request whose
+`all_token_ids` are the given tokens. Two paths compute the same bytes: a plain
+Python reference that builds vLLM's exact objects and pickles / CBOR-encodes them,
+and a C++ fast path (`mmreuse._hashcore`) that writes the same serialization
+directly and digests it with OpenSSL's SHA-256 or XXH3-128.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import logging
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ..occurrence import MMOccurrence
+from .functions import DIGEST_SIZE, NON_CRYPTO_HASH_FUNCTIONS, check_hash_fn, get_hash_fn
+from .schemes import DEFAULT_SCHEME, HashScheme, get_scheme
+
+try:  # the C++ fast path; absent only when the package was built without OpenSSL headers
+    from .. import _hashcore
+except ImportError:  # pragma: no cover - exercised only on such builds
+    _hashcore = None
+
+logger = logging.getLogger(__name__)
+
+BlockHash = bytes
+
+# vLLM's fixed NONE_HASH seed for cryptographic hash functions when PYTHONHASHSEED is unset.
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+MAX_TOKEN_ID = 2**63 - 1
+
+# Pickle frames are split at 64 KiB; the fast path writes one frame, so larger blocks go the
+# reference way (vLLM's edge vectors include a 20,000-token block).
+_FAST_MAX_BLOCK_TOKENS = 4096
+
+_FN_ID = {"sha256": 0, "sha256_cbor": 1, "xxhash": 2, "xxhash_cbor": 3}
+_MM_KEY_ID = {"tagged": 0, "pair": 1, "bare": 2}
+_LORA_KEY_ID = {"tagged": 0, "name": 1, "int_id": 2}
+
+
+def fast_path_available() -> bool:
+    """Whether the C++ hashing fast path was built into this installation."""
+    return _hashcore is not None
+
+
+def to_event_id(block_hash: bytes) -> int:
+    """The 64-bit block hash vLLM's KV events publish by default: the low 64 bits, big-endian.
+
+    Same as vLLM's `maybe_convert_block_hash` with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1.
+    """
+    if not isinstance(block_hash, (bytes, bytearray)) or len(block_hash) < 8:
+        raise ValueError(f"block_hash must be bytes of length >= 8, got {block_hash!r}")
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+def _fresh(s: str) -> str:
+    """A new str object equal to `s`, as vLLM gets after decoding a request off the wire.
+
+    Pickle memoizes by object identity: two equal identifiers are two objects in vLLM
+    (msgspec decodes each) except CPython's cached empty and single-Latin-1 strings.
+    """
+    return s.encode("utf-8", "surrogatepass").decode("utf-8", "surrogatepass")
+
+
+def _identity_key(s: str, counter: list[int]) -> int:
+    """An int that is equal for two strings iff vLLM's pickler sees the same object."""
+    if len(s) == 0:
+        return 99
+    if len(s) == 1 and ord(s) < 256:
+        return 100 + ord(s)
+    counter[0] += 1
+    return 1000 + counter[0]
+
+
+def _utf8(s: str) -> bytes | None:
+    try:
+        return s.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: pickle uses surrogatepass, leave it to pickle
+        return None
+
+
+def _check_token(i: int, t: Any, allow_any: bool) -> None:
+    if isinstance(t, bool) or not isinstance(t, int):
+        raise ValueError(f"tokens[{i}] must be an int token id, got {t!r}")
+    if not allow_any and not 0 <= t <= MAX_TOKEN_ID:
+        raise ValueError(
+            f"tokens[{i}] must be a token id in [0, 2**63-1], got {t} "
+            "(pass allow_any_token_id=True to hash what vLLM's hasher would)"
+        )
+
+
+class BlockHasher:
+    """vLLM's `request_block_hasher` for one configuration.
+
+    Args:
+        hash_fn: "sha256" | "sha256_cbor" | "xxhash" | "xxhash_cbor" (vLLM's --prefix-caching-hash-algo).
+        block_size: vLLM's hash block size (cache_config.hash_block_size), >= 1.
+        seed: the PYTHONHASHSEED string of the vLLM process; None means unset.
+        lookahead: num_hash_lookahead_tokens (EAGLE), >= 0.
+        scheme: a `SCHEMES` name ("vllm-0.33", "vllm-0.30", "vllm-0.11") or a `HashScheme`.
+        allow_random_seed: with seed None where vLLM would seed randomly, opt in to a random
+            NONE_HASH (hashes then match no other process); otherwise that raises.
+        allow_any_token_id: hash ints outside [0, 2**63-1] as vLLM's hasher would
+            (its renderer rejects them earlier); otherwise they raise.
+        use_fast_path: use the C++ path when built (the result is identical).
+    """
+
+    __slots__ = (
+        "hash_fn", "block_size", "seed", "lookahead", "scheme", "none_hash",
+        "allow_any_token_id", "use_fast_path", "_fn",
+    )
+
+    def __init__(
+        self,
+        hash_fn: str = "sha256",
+        block_size: int = 16,
+        seed: str | None = None,
+        lookahead: int = 0,
+        scheme: str | HashScheme = DEFAULT_SCHEME,
+        *,
+        allow_random_seed: bool = False,
+        allow_any_token_id: bool = False,
+        use_fast_path: bool = True,
+    ) -> None:
+        self.scheme = get_scheme(scheme)
+        check_hash_fn(hash_fn)
+        if hash_fn not in self.scheme.hash_fns:
+            raise ValueError(
+                f"hash_fn {hash_fn!r} does not exist in scheme {self.scheme.name!r} "
+                f"(vLLM {self.scheme.vllm_versions}); it offers {self.scheme.hash_fns}"
+            )
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
+        if lookahead and not self.scheme.supports_lookahead:
+            raise ValueError(
+                f"lookahead={lookahead} but scheme {self.scheme.name!r} has no lookahead hashing"
+            )
+        if seed is not None and not isinstance(seed, str):
+            raise ValueError(f"seed must be the PYTHONHASHSEED string or None, got {seed!r}")
+        self.hash_fn = hash_fn
+        self.block_size = block_size
+        self.seed = seed
+        self.lookahead = lookahead
+        self.allow_any_token_id = bool(allow_any_token_id)
+        self.use_fast_path = bool(use_fast_path) and _hashcore is not None
+        self._fn = get_hash_fn(hash_fn)
+        self.none_hash: bytes = self._none_hash(allow_random_seed)
+
+    def _none_hash(self, allow_random_seed: bool) -> bytes:
+        if self.seed is not None:
+            return self._fn(self.seed)
+        crypto = self.hash_fn not in NON_CRYPTO_HASH_FUNCTIONS
+        if self.scheme.unset_seed == "default-seed" and crypto:
+            return self._fn(DEFAULT_NONE_HASH_SEED)
+        if not allow_random_seed:
+            raise ValueError(
+                f"seed=None with hash_fn={self.hash_fn!r} under scheme {self.scheme.name!r}: vLLM "
+                "then seeds NONE_HASH randomly per process, so its hashes cannot be reproduced "
+                "(and a public seed would let an attacker precompute collisions for xxhash). "
+                "Pass the PYTHONHASHSEED string the vLLM process uses, or "
+                "allow_random_seed=True for a random, process-local seed."
+            )
+        warnings.warn(
+            "BlockHasher: random NONE_HASH seed; these block hashes match no vLLM process",
+            stacklevel=3,
+        )
+        if self.scheme.unset_seed == "random":
+            return os.urandom(32)
+        return self._fn(os.urandom(32).hex())
+
+    @property
+    def digest_size(self) -> int:
+        """Bytes per block hash: 32 for sha256*, 16 for xxhash*."""
+        return DIGEST_SIZE[self.hash_fn]
+
+    def request(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        mm: Iterable[MMOccurrence] = (),
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        lora_int_id: int | None = None,
+        cache_salt: str | None = None,
+        prompt_embeds: Any = None,
+    ) -> RequestHasher:
+        """Start hashing a request whose prompt is `prompt_token_ids` (incremental form)."""
+        return RequestHasher(
+            self, prompt_token_ids, mm=mm, lora_name=lora_name, lora_path=lora_path,
+            lora_int_id=lora_int_id, cache_salt=cache_salt, prompt_embeds=prompt_embeds,
+        )
+
+    def hash_prompt(
+        self,
+        tokens: Sequence[int],
+        *,
+        mm: Iterable[MMOccurrence] = (),
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        lora_int_id: int | None = None,
+        cache_salt: str | None = None,
+        prompt_embeds: Any = None,
+    ) -> list[bytes]:
+        """One hash per full block of `tokens`, as vLLM gives for that `all_token_ids`."""
+        return self.request(
+            tokens, mm=mm, lora_name=lora_name, lora_path=lora_path, lora_int_id=lora_int_id,
+            cache_salt=cache_salt, prompt_embeds=prompt_embeds,
+        ).block_hashes
+
+    def block_extra_keys(self, tokens: Sequence[int], **request: Any) -> list[tuple | None]:
+        """The extra keys vLLM hashes into each full block (for display and debugging)."""
+        state = RequestHasher(self, tokens, _collect_keys=True, **request)
+        return state._collected_keys
+
+
+class RequestHasher:
+    """Block hashes of one request, extended as tokens are appended.
+
+    Mirrors a vLLM `Request` built with a block hasher: the prompt is hashed at
+    construction and `append_output_token_ids` hashes the blocks that new tokens
+    complete. `block_hashes` always equals the one-shot `hash_prompt` of all tokens
+    (for schemes whose `incremental_mm` is "window"; the older "last" schemes keep
+    vLLM's own incremental shortcut).
+    """
+
+    def __init__(
+        self,
+        hasher: BlockHasher,
+        prompt_token_ids: Sequence[int],
+        *,
+        mm: Iterable[MMOccurrence] = (),
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        lora_int_id: int | None = None,
+        cache_salt: str | None = None,
+        prompt_embeds: Any = None,
+        _collect_keys: bool = False,
+    ) -> None:
+        self._h = hasher
+        scheme = hasher.scheme
+        tokens = self._as_token_list(prompt_token_ids)
+        self._tokens: list[int] = tokens
+        self._validated = 0
+        self.block_hashes: list[bytes] = []
+        self._collected_keys: list[Any] | None = [] if _collect_keys else None
+        self._mm = self._check_mm(mm, len(tokens))
+        self._mm_ends = [m.end for m in self._mm]
+        self._check_lora(lora_name, lora_path, lora_int_id)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        self._embeds_bytes, self._row_bytes = self._check_embeds(prompt_embeds, len(tokens))
+        self._embeds_digests: dict[tuple[int, int], bytes] = {}
+
+        # Objects exactly as vLLM holds them (fresh strings: see `_fresh`).
+        self._mm_ids = [_fresh(m.identifier) for m in self._mm]
+        self._lora = None
+        if lora_name is not None:
+            if scheme.lora_key == "int_id":
+                self._lora = lora_int_id
+            else:
+                self._lora = (_fresh(lora_name), _fresh(lora_path or ""))
+        self._salt = _fresh(cache_salt) if cache_salt else None  # "" is falsy in vLLM: no key
+        self._fast_spec = self._make_fast_spec() if hasher.use_fast_path else None
+        self._hash_new_blocks()
+
+    # ---- validation -------------------------------------------------------------------------
+
+    @staticmethod
+    def _as_token_list(tokens: Any) -> list[int]:
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+            raise ValueError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+        if hasattr(tokens, "tolist"):  # numpy / torch
+            tokens = tokens.tolist()
+        return list(tokens)
+
+    def _check_mm(self, mm: Iterable[MMOccurrence], num_prompt: int) -> list[MMOccurrence]:
+        out = list(mm)
+        prev_end = 0
+        for i, m in enumerate(out):
+            if not isinstance(m, MMOccurrence):
+                raise ValueError(f"mm[{i}] must be an MMOccurrence, got {type(m).__name__}")
+            if m.end > num_prompt:
+                raise ValueError(
+                    f"mm[{i}] ({m.identifier!r}) spans [{m.offset}, {m.end}) outside the "
+                    f"prompt of {num_prompt} tokens"
+                )
+            if m.offset < prev_end:
+                raise ValueError(
+                    f"mm[{i}] offset {m.offset} is before the end {prev_end} of mm[{i - 1}]: vLLM "
+                    "requires occurrences sorted by offset and non-overlapping"
+                )
+            prev_end = m.end
+        return out
+
+    def _check_lora(self, name: Any, path: Any, int_id: Any) -> None:
+        scheme = self._h.scheme
+        if name is None:
+            if path is not None or int_id is not None:
+                raise ValueError(
+                    f"lora_path={path!r} / lora_int_id={int_id!r} given without lora_name"
+                )
+            return
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"lora_name must be a non-empty str, got {name!r}")
+        if path is not None and not isinstance(path, str):
+            raise ValueError(f"lora_path must be a str, got {path!r}")
+        if scheme.lora_key == "tagged" and not path:
+            raise ValueError(
+                f"lora_path is required with lora_name under scheme {scheme.name!r} "
+                f"(vLLM hashes ('lora', name, path)), got {path!r}"
+            )
+        if scheme.lora_key == "int_id":
+            if isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 1:
+                raise ValueError(
+                    f"lora_int_id must be an int >= 1 under scheme {scheme.name!r} "
+                    f"(vLLM hashes the LoRA int id), got {int_id!r}"
+                )
+
+    def _check_embeds(self, embeds: Any, num_prompt: int) -> tuple[memoryview | None, int]:
+        if embeds is None:
+            return None, 0
+        scheme = self._h.scheme
+        if scheme.embeds_key is None:
+            raise ValueError(
+                f"prompt_embeds given but scheme {scheme.name!r} (vLLM {scheme.vllm_versions}) "
+                "does not hash prompt embeddings"
+            )
+        import torch
+
+        if not isinstance(embeds, torch.Tensor):
+            raise ValueError(f"prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}")
+        if not embeds.is_floating_point():
+            raise ValueError(f"prompt_embeds must have a floating dtype, got {embeds.dtype}")
+        if embeds.dim() != 2:
+            raise ValueError(f"prompt_embeds must be 2-D (rows, hidden), got shape {tuple(embeds.shape)}")
+        if embeds.shape[0] > num_prompt:
+            raise ValueError(
+                f"prompt_embeds has {embeds.shape[0]} rows but the prompt has {num_prompt} tokens"
+            )
+        # vLLM's tensor_data(): flatten().cpu().contiguous().view(uint8); a row slice of a
+        # row-major tensor is a byte slice of the whole.
+        flat = embeds.detach().cpu().contiguous().flatten().view(torch.uint8).numpy()
+        row_bytes = embeds.shape[1] * embeds.element_size()
+        return memoryview(flat).cast("B"), row_bytes
+
+    # ---- public -----------------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens seen so far (vLLM's `request.num_tokens`)."""
+        return len(self._tokens)
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> list[bytes]:
+        """Append tokens; return the hashes of the blocks they complete (possibly none)."""
+        if isinstance(token_ids, int) and not isinstance(token_ids, bool):
+            self._tokens.append(token_ids)
+        else:
+            self._tokens.extend(self._as_token_list(token_ids))
+        return self._hash_new_blocks()
+
+    # ---- hashing ----------------------------------------------------------------------------
+
+    def _embeds_digest(self, start: int, end: int) -> bytes:
+        key = (start, end)
+        d = self._embeds_digests.get(key)
+        if d is None:
+            rb = self._row_bytes
+            d = hashlib.sha256(self._embeds_bytes[start * rb : end * rb]).digest()
+            self._embeds_digests[key] = d
+        return d
+
+    def _hash_new_blocks(self) -> list[bytes]:
+        h = self._h
+        bs, la = h.block_size, h.lookahead
+        tokens = self._tokens
+        start = len(self.block_hashes) * bs
+        num_tokens = len(tokens) - la
+        if self._fast_spec is not None and self._collected_keys is None:
+            new = self._hash_fast(start, num_tokens)
+        else:
+            for i in range(self._validated, len(tokens)):
+                _check_token(i, tokens[i], h.allow_any_token_id)
+            new = None
+        self._validated = len(tokens)
+        if new is None:
+            new = self._hash_reference(start, num_tokens)
+        self.block_hashes.extend(new)
+        return new
+
+    def _initial_mm_idx(self, start: int) -> int:
+        if start == 0 or not self._mm:
+            return 0
+        if self._h.scheme.incremental_mm == "last":
+            return -1
+        if self._mm_ends[-1] > start:  # vLLM's get_mm_features_in_window(...)[0]
+            return bisect.bisect_left(self._mm_ends, start + 1)
+        return 0
+
+    def _hash_reference(self, start: int, num_tokens: int) -> list[bytes]:
+        h = self._h
+        bs, la, fn = h.block_size, h.lookahead, h._fn
+        tokens = self._tokens
+        new: list[bytes] = []
+        if start + bs > num_tokens:
+            return new
+        mm_idx = self._initial_mm_idx(start)
+        parent = self.block_hashes[-1] if self.block_hashes else h.none_hash
+        while start + bs <= num_tokens:
+            end = start + bs
+            if la:
+                hend = end + la
+                inner, mm_idx = self._extra_keys(start, hend, mm_idx)
+                while mm_idx > 0 and self._mm[mm_idx - 1].end > end:
+                    mm_idx -= 1
+                extra = (inner, tokens[end]) if la == 1 else (inner, *tokens[end:hend])
+            else:
+                extra, mm_idx = self._extra_keys(start, end, mm_idx)
+            if self._collected_keys is not None:
+                self._collected_keys.append(extra)
+            parent = fn((parent, tuple(tokens[start:end]), extra))
+            new.append(parent)
+            start = end
+        return new
+
+    def _mm_keys(self, start: int, end: int, idx: int) -> tuple[list[Any], int]:
+        """vLLM's `_gen_mm_extra_hash_keys`, for this scheme's key shape and boundaries."""
+        mm = self._mm
+        keys: list[Any] = []
+        if not mm:
+            return keys, idx
+        scheme = self._h.scheme
+        inclusive = scheme.mm_bounds == "inclusive"
+        last_end = self._mm_ends[-1]
+        if (last_end < start) if inclusive else (last_end <= start):
+            return keys, idx
+        if idx < 0:
+            idx += len(mm)
+        while idx < len(mm):
+            m = mm[idx]
+            if end > m.offset:
+                if (start > m.end) if inclusive else (start >= m.end):
+                    idx += 1
+                    continue
+                ident = self._mm_ids[idx]
+                if scheme.mm_key == "tagged":
+                    keys.append(("mm", ident, m.offset - start))
+                elif scheme.mm_key == "pair":
+                    keys.append((ident, m.offset - start))
+                else:
+                    keys.append(ident)
+                if end >= m.end:
+                    idx += 1
+                else:
+                    break
+            else:
+                break
+        return keys, idx
+
+    def _extra_keys(self, start: int, end: int, idx: int) -> tuple[tuple | None, int]:
+        """vLLM's `generate_block_hash_extra_keys`: lora + mm + salt + embeds, None if empty."""
+        scheme = self._h.scheme
+        mm_keys, idx = self._mm_keys(start, end, idx)
+        keys: list[Any] = []
+        if self._lora is not None:
+            if scheme.lora_key == "tagged":
+                keys.append(("lora", self._lora[0], self._lora[1]))
+            elif scheme.lora_key == "name":
+                keys.append(self._lora[0])
+            else:
+                keys.append(self._lora)
+        keys.extend(mm_keys)
+        if start == 0 and self._salt:
+            keys.append(("cache_salt", self._salt) if scheme.salt_key == "tagged" else self._salt)
+        if self._embeds_bytes is not None:
+            d = self._embeds_digest(start, end)
+            keys.append(("prompt_embeds", d) if scheme.embeds_key == "tagged" else d)
+        return (tuple(keys) if keys else None), idx
+
+    # ---- fast path --------------------------------------------------------------------------
+
+    def _make_fast_spec(self) -> tuple | None:
+        h = self._h
+        scheme = h.scheme
+        if h.block_size > _FAST_MAX_BLOCK_TOKENS:
+            return None
+        counter = [0]
+        mm = []
+        for m, ident in zip(self._mm, self._mm_ids):
+            b = _utf8(ident)
+            if b is None:
+                return None
+            mm.append((b, _identity_key(ident, counter), m.offset, m.length))
+        lora = None
+        if self._lora is not None:
+            if scheme.lora_key == "int_id":
+                lora = (b"", 0, b"", 0, self._lora)
+            else:
+                name, path = self._lora
+                nb, pb = _utf8(name), _utf8(path)
+                if nb is None or pb is None:
+                    return None
+                lora = (nb, _identity_key(name, counter), pb, _identity_key(path, counter), 0)
+        salt = None
+        if self._salt:
+            sb = _utf8(self._salt)
+            if sb is None:
+                return None
+            salt = (sb, _identity_key(self._salt, counter))
+        flags = (
+            _MM_KEY_ID[scheme.mm_key]
+            | (4 if scheme.mm_bounds == "inclusive" else 0)
+            | (_LORA_KEY_ID[scheme.lora_key] << 3)
+            | (32 if scheme.salt_key == "tagged" else 0)
+            | (64 if scheme.embeds_key == "tagged" else 0)
+        )
+        if sum(len(m[0]) for m in mm) > 16384:
+            return None  # a block could exceed one pickle frame
+        return (_FN_ID[h.hash_fn], flags, tuple(mm), lora, salt)
+
+    def _hash_fast(self, start: int, num_tokens: int) -> list[bytes] | None:
+        h = self._h
+        bs, la = h.block_size, h.lookahead
+        nblocks = max(0, (num_tokens - start) // bs)
+        embeds = None
+        if self._embeds_bytes is not None and nblocks:
+            embeds = [
+                self._embeds_digest(s, s + bs + la) for s in range(start, start + nblocks * bs, bs)
+            ]
+        fn_id, flags, mm, lora, salt = self._fast_spec
+        parent = self.block_hashes[-1] if self.block_hashes else h.none_hash
+        return _hashcore.hash_blocks(
+            self._tokens, self._validated, h.allow_any_token_id, start, nblocks, bs, la,
+            fn_id, flags, parent, mm, self._initial_mm_idx(start), lora, salt, embeds,
+        )
