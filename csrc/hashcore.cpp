@@ -12,7 +12,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define OPENSSL_SUPPRESS_DEPRECATED  // SHA256(): the low-level one-shot, no EVP context per call
+// SHA256_Init/Update/Final: OpenSSL 3's low-level API (deprecated, still shipped) costs ~90 ns for
+// a 112-byte block here; SHA256() and EVP_Digest go through EVP and cost ~300-350 ns.
+#define OPENSSL_SUPPRESS_DEPRECATED
 #include <openssl/sha.h>
 
 #define XXH_INLINE_ALL
@@ -64,27 +66,43 @@ struct Spec {
   Str salt;
 };
 
-inline void put_le(std::string& b, uint64_t v, int n) {
+// An output cursor into a buffer sized in advance (see block_bound): no checks per byte.
+struct Out {
+  char* p;
+  void push_back(char c) { *p++ = c; }
+  void append(const char* src, size_t n) {
+    std::memcpy(p, src, n);
+    p += n;
+  }
+};
+
+inline void put_le(Out& b, uint64_t v, int n) {
   for (int i = 0; i < n; ++i) b.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
-inline void put_be(std::string& b, uint64_t v, int n) {
+inline void put_be(Out& b, uint64_t v, int n) {
   for (int i = n - 1; i >= 0; --i) b.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 
 // CPython's _pickle.Pickler, protocol 5, for the types vLLM's keys use.
 class PickleWriter {
  public:
-  explicit PickleWriter(std::string& b) : b_(b) {}
+  explicit PickleWriter(Out& b) : b_(b) {}
 
   void none() { b_.push_back('N'); }
 
   void integer(int64_t v) {
-    if (v >= 0 && v <= 0xff) {
-      b_.push_back('K');
-      b_.push_back(static_cast<char>(v));
-    } else if (v >= 0 && v <= 0xffff) {
-      b_.push_back('M');
-      put_le(b_, static_cast<uint64_t>(v), 2);
+    if (static_cast<uint64_t>(v) <= 0x7fffffff) {
+      // BININT1 / BININT2 / BININT without a data-dependent branch: token ids are random
+      // across those ranges, and mispredictions cost more than the unconditional stores.
+      const uint32_t u = static_cast<uint32_t>(v);
+      const int cls = (u > 0xff) + (u > 0xffff);
+      char* p = b_.p;  // a local: stores through char* would otherwise reload b_.p each time
+      p[0] = "KMJ"[cls];
+      p[1] = static_cast<char>(u);
+      p[2] = static_cast<char>(u >> 8);
+      p[3] = static_cast<char>(u >> 16);
+      p[4] = static_cast<char>(u >> 24);
+      b_.p = p + 2 + cls + (cls >> 1);  // 2, 3, 5 bytes
     } else if (v >= INT32_MIN && v <= INT32_MAX) {
       b_.push_back('J');
       put_le(b_, static_cast<uint64_t>(static_cast<uint32_t>(static_cast<int32_t>(v))), 4);
@@ -160,7 +178,7 @@ class PickleWriter {
       put_le(b_, i, 4);
     }
   }
-  std::string& b_;
+  Out& b_;
   std::vector<std::pair<long, uint32_t>> memo_;
   uint32_t next_ = 0;
 };
@@ -168,7 +186,7 @@ class PickleWriter {
 // cbor2.dumps(obj, canonical=True) for the same types.
 class CborWriter {
  public:
-  explicit CborWriter(std::string& b) : b_(b) {}
+  explicit CborWriter(Out& b) : b_(b) {}
   void none() { b_.push_back('\xf6'); }
   void integer(int64_t v) {
     if (v >= 0)
@@ -206,7 +224,7 @@ class CborWriter {
       put_be(b_, v, 8);
     }
   }
-  std::string& b_;
+  Out& b_;
 };
 
 enum class Kind { kLora, kMM, kSalt, kEmbeds };
@@ -388,26 +406,40 @@ bool parse_spec(PyObject* mm, PyObject* lora, PyObject* salt, Spec& s) {
   return true;
 }
 
-// Validate tokens[validate_from:] (exact ints; [0, 2**63-1] unless allow_any) and convert
-// tokens[lo:hi] to int64. Returns 1 ok, 0 when a valid token does not fit int64, -1 on error.
-int convert_tokens(PyObject* seq, Py_ssize_t validate_from, bool allow_any, Py_ssize_t lo,
-                   Py_ssize_t hi, std::vector<int64_t>& out) {
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
-  out.resize(hi > lo ? hi - lo : 0);
+// The value of an exact int that fits in 60 bits, read without a call (the common token id).
+inline bool small_int(PyObject* o, int64_t* v) {
+#if PY_VERSION_HEX >= 0x030C0000
+  if (!PyUnstable_Long_IsCompact(reinterpret_cast<PyLongObject*>(o))) return false;
+  *v = PyUnstable_Long_CompactValue(reinterpret_cast<PyLongObject*>(o));
+  return true;
+#else
+  const Py_ssize_t size = Py_SIZE(o);
+  const digit* d = reinterpret_cast<PyLongObject*>(o)->ob_digit;
+  if (size == 0) *v = 0;
+  else if (size == 1) *v = d[0];
+  else if (size == 2) *v = static_cast<int64_t>(d[0]) | (static_cast<int64_t>(d[1]) << PyLong_SHIFT);
+  else if (size == -1) *v = -static_cast<int64_t>(d[0]);
+  else return false;
+  return true;
+#endif
+}
+
+// Read tokens items[from:to] (exact ints; [0, 2**63-1] unless allow_any) into out (may be null:
+// validate only). Returns 1 ok, 0 when a valid token does not fit int64, -1 with an exception set.
+int read_tokens(PyObject** items, Py_ssize_t from, Py_ssize_t to, bool allow_any, int64_t* out) {
   int ok = 1;
-  const Py_ssize_t first = validate_from < lo ? validate_from : lo;
-  for (Py_ssize_t i = first; i < n; ++i) {
-    const bool need = i >= lo && i < hi;
-    if (i < validate_from && !need) continue;
+  for (Py_ssize_t i = from; i < to; ++i) {
     PyObject* item = items[i];
     if (!PyLong_CheckExact(item)) {
       PyErr_Format(PyExc_ValueError, "tokens[%zd] must be an int token id, got %R", i, item);
       return -1;
     }
+    int64_t v;
     int overflow = 0;
-    const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-    if (v == -1 && PyErr_Occurred()) return -1;
+    if (!small_int(item, &v)) {
+      v = PyLong_AsLongLongAndOverflow(item, &overflow);
+      if (v == -1 && PyErr_Occurred()) return -1;
+    }
     if (!allow_any && (overflow != 0 || v < 0)) {
       PyErr_Format(PyExc_ValueError,
                    "tokens[%zd] must be a token id in [0, 2**63-1], got %R (pass "
@@ -416,18 +448,21 @@ int convert_tokens(PyObject* seq, Py_ssize_t validate_from, bool allow_any, Py_s
       return -1;
     }
     if (overflow != 0) ok = 0;
-    if (need) out[i - lo] = v;
+    if (out != nullptr) out[i - from] = v;
   }
   return ok;
 }
 
-void digest(int fn, const std::string& data, unsigned char* out, size_t* out_len) {
+void digest(int fn, const char* data, size_t size, unsigned char* out, size_t* out_len) {
   if (fn <= 1) {
-    SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), out);
+    SHA256_CTX ctx;
+    SHA256_Init(&ctx);
+    SHA256_Update(&ctx, data, size);
+    SHA256_Final(out, &ctx);
     *out_len = 32;
   } else {
     XXH128_canonical_t c;
-    XXH128_canonicalFromHash(&c, XXH3_128bits(data.data(), data.size()));
+    XXH128_canonicalFromHash(&c, XXH3_128bits(data, size));
     std::memcpy(out, c.digest, 16);
     *out_len = 16;
   }
@@ -458,19 +493,33 @@ PyObject* hash_blocks(PyObject*, PyObject* args) {
   Py_ssize_t parent_n;
   if (PyBytes_AsStringAndSize(parent_obj, &parent_p, &parent_n) < 0) return nullptr;
 
-  PyObject* seq = PySequence_Fast(tokens_obj, "tokens must be a list");
-  if (seq == nullptr) return nullptr;
-  std::vector<int64_t> toks;
-  const int conv = convert_tokens(seq, validate_from, allow_any != 0, start,
-                                  start + nblocks * bs + (nblocks ? la : 0), toks);
-  Py_DECREF(seq);
+  if (!PyList_Check(tokens_obj)) {
+    PyErr_SetString(PyExc_TypeError, "tokens must be a list");
+    return nullptr;
+  }
+  // The list is only read, and nothing here runs Python code, so its items stay put.
+  PyObject** items = PySequence_Fast_ITEMS(tokens_obj);
+  const Py_ssize_t ntok = PyList_GET_SIZE(tokens_obj);
+  const Py_ssize_t lo = start, hi = start + nblocks * bs + (nblocks ? la : 0);
+  if (hi > ntok || lo < 0) {
+    PyErr_SetString(PyExc_ValueError, "block range outside tokens");
+    return nullptr;
+  }
+  // Tokens outside the hashed range are validated here; those inside, as each block reads them.
+  int conv = read_tokens(items, validate_from < lo ? validate_from : lo, lo, allow_any != 0, nullptr);
+  if (conv == 1) conv = read_tokens(items, hi > validate_from ? hi : validate_from, ntok,
+                                    allow_any != 0, nullptr);
   if (conv < 0) return nullptr;
   if (conv == 0) Py_RETURN_NONE;  // a huge int: the reference path writes LONG1 / bignums
+  std::vector<int64_t> toks(static_cast<size_t>(bs + la));
 
   PyObject* result = PyList_New(nblocks);
   if (result == nullptr) return nullptr;
-  std::string buf;
-  buf.reserve(static_cast<size_t>(64 + 10 * (bs + la)));
+  // Upper bound of one block's serialization: 10 bytes per int, every string once, 48 per key.
+  size_t strings = s.has_lora ? s.lora_name.n + s.lora_path.n : 0;
+  strings += s.has_salt ? s.salt.n : 0;
+  for (const auto& m : s.mm) strings += m.id.n;
+  std::vector<char> buf(256 + 10 * static_cast<size_t>(bs + la) + strings + 48 * (s.mm.size() + 4));
   std::vector<Entry> entries;
   unsigned char prev[32];
   size_t prev_len = static_cast<size_t>(parent_n);
@@ -496,26 +545,32 @@ PyObject* hash_blocks(PyObject*, PyObject* args) {
       mm_idx = extra_entries(s, bstart, bend + la, mm_idx, has_embeds, entries);
       while (mm_idx > 0 && s.mm[mm_idx - 1].end > bend) --mm_idx;
     }
-    const int64_t* bt = toks.data() + b * bs;
-    buf.clear();
+    conv = read_tokens(items, bstart, bend + la, allow_any != 0, toks.data());
+    if (conv <= 0) {
+      Py_DECREF(result);
+      if (conv < 0) return nullptr;
+      Py_RETURN_NONE;
+    }
+    const int64_t* bt = toks.data();
+    Out out{buf.data()};
     if (cbor) {
-      CborWriter w(buf);
+      CborWriter w(out);
       write_block(w, reinterpret_cast<const char*>(prev), prev_len, bt, bs, s, entries, dig,
                   bt + bs, la);
     } else {
-      buf.append("\x80\x05\x95\0\0\0\0\0\0\0\0", 11);
-      PickleWriter w(buf);
+      out.append("\x80\x05\x95\0\0\0\0\0\0\0\0", 11);
+      PickleWriter w(out);
       write_block(w, reinterpret_cast<const char*>(prev), prev_len, bt, bs, s, entries, dig,
                   bt + bs, la);
-      buf.push_back('.');
-      const uint64_t frame = buf.size() - 11;
+      out.push_back('.');
+      const uint64_t frame = static_cast<uint64_t>(out.p - buf.data()) - 11;
       if (frame >= 65536) {  // CPython would split frames here
         Py_DECREF(result);
         Py_RETURN_NONE;
       }
       for (int i = 0; i < 8; ++i) buf[3 + i] = static_cast<char>((frame >> (8 * i)) & 0xff);
     }
-    digest(fn, buf, prev, &prev_len);
+    digest(fn, buf.data(), static_cast<size_t>(out.p - buf.data()), prev, &prev_len);
     PyObject* h = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(prev), prev_len);
     if (h == nullptr) {
       Py_DECREF(result);

@@ -211,9 +211,10 @@ class BlockHasher:
         prompt_embeds: Any = None,
     ) -> list[bytes]:
         """One hash per full block of `tokens`, as vLLM gives for that `all_token_ids`."""
-        return self.request(
-            tokens, mm=mm, lora_name=lora_name, lora_path=lora_path, lora_int_id=lora_int_id,
-            cache_salt=cache_salt, prompt_embeds=prompt_embeds,
+        return RequestHasher(
+            self, tokens, mm=mm, lora_name=lora_name, lora_path=lora_path,
+            lora_int_id=lora_int_id, cache_salt=cache_salt, prompt_embeds=prompt_embeds,
+            _borrow_tokens=True,
         ).block_hashes
 
     def block_extra_keys(self, tokens: Sequence[int], **request: Any) -> list[tuple | None]:
@@ -244,10 +245,15 @@ class RequestHasher:
         cache_salt: str | None = None,
         prompt_embeds: Any = None,
         _collect_keys: bool = False,
+        _borrow_tokens: bool = False,
     ) -> None:
         self._h = hasher
         scheme = hasher.scheme
-        tokens = self._as_token_list(prompt_token_ids)
+        # A one-shot hash never appends, so it may read the caller's list without copying it.
+        if _borrow_tokens and type(prompt_token_ids) is list:
+            tokens = prompt_token_ids
+        else:
+            tokens = self._as_token_list(prompt_token_ids)
         self._tokens: list[int] = tokens
         self._validated = 0
         self.block_hashes: list[bytes] = []
@@ -481,8 +487,12 @@ class RequestHasher:
         if start == 0 and self._salt:
             keys.append(("cache_salt", self._salt) if scheme.salt_key == "tagged" else self._salt)
         if self._embeds_bytes is not None:
-            d = self._embeds_digest(start, end)
-            keys.append(("prompt_embeds", d) if scheme.embeds_key == "tagged" else d)
+            if scheme.embeds_key == "raw":  # vLLM 0.11.1 - 0.16.0: tensor_data(block).tobytes()
+                rb = self._row_bytes
+                keys.append(self._embeds_bytes[start * rb : end * rb].tobytes())
+            else:
+                d = self._embeds_digest(start, end)
+                keys.append(("prompt_embeds", d) if scheme.embeds_key == "tagged" else d)
         return (tuple(keys) if keys else None), idx
 
     # ---- fast path --------------------------------------------------------------------------
@@ -492,6 +502,8 @@ class RequestHasher:
         scheme = h.scheme
         if h.block_size > _FAST_MAX_BLOCK_TOKENS:
             return None
+        if self._embeds_bytes is not None and scheme.embeds_key == "raw":
+            return None  # whole tensor slices in the key: the reference path pickles them
         counter = [0]
         mm = []
         for m, ident in zip(self._mm, self._mm_ids):

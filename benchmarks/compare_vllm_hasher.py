@@ -1,0 +1,124 @@
+"""vLLM's request_block_hasher vs mmreuse's one-shot hasher, in one process, same inputs.
+
+Run inside the oracle venv (it has vLLM 0.33.0), with mmreuse importable:
+
+    PYTHONPATH=. ~/.cache/mmreuse/venv-oracle-0.33.0/bin/python benchmarks/compare_vllm_hasher.py
+
+For each row (32,768 tokens, block size 16; 0 or 16 images of 576 tokens; sha256 or xxhash) it
+checks that the digests are identical, then prints the medians of --repeat runs of: vLLM's
+hasher, mmreuse's `BlockHasher.hash_prompt` (validation included), and the floor -- the digest
+calls alone over the pre-serialized block preimages. Exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import pickle
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, os.environ.get("MMREUSE_ORACLE_DIR", str(REPO.parent / "shared/vllm-oracle")))
+
+import oracle  # noqa: E402  (shared/vllm-oracle/oracle.py: builds real vLLM requests)
+import xxhash  # noqa: E402
+
+from mmreuse import BlockHasher, MMOccurrence  # noqa: E402
+
+IMAGE_TOKEN = 151655
+
+
+def make_case(num_tokens: int, num_images: int, image_tokens: int, fn: str, seed: int) -> dict:
+    rng = random.Random(seed)
+    tokens = [rng.randrange(152000) for _ in range(num_tokens)]
+    mm = []
+    if num_images:
+        stride = num_tokens // num_images
+        for i in range(num_images):
+            off = i * stride + rng.randrange(stride - image_tokens)
+            tokens[off : off + image_tokens] = [IMAGE_TOKEN] * image_tokens
+            mm.append({"identifier": hashlib.sha256(f"image-{i}".encode()).hexdigest(),
+                       "offset": off, "length": image_tokens})
+    return {"hash_fn": fn, "seed": "0", "block_size": 16, "lookahead": 0, "tokens": tokens,
+            "mm": mm}
+
+
+def median_seconds(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_row(case: dict, repeat: int) -> dict:
+    V = oracle._vllm()
+    c = oracle.normalize_case(case)
+    os.environ["PYTHONHASHSEED"] = c["seed"]
+    vfn = V.hashing.get_hash_fn_by_name(c["hash_fn"])
+    V.kcu.init_none_hash(vfn)
+    ecr, _ = oracle._build_engine_core_request(c, len(c["tokens"]))
+    ecr = V.decoder.decode(V.encoder.encode(ecr))  # production object identity
+    request = V.Request.from_engine_core_request(ecr, block_hasher=None)
+    vllm_hasher = V.kcu.get_request_block_hasher(c["block_size"], vfn, 0)
+
+    preimages = []
+    recorder = V.kcu.get_request_block_hasher(
+        c["block_size"],
+        lambda obj: preimages.append(oracle._preimage(c["hash_fn"], obj)) or vfn(obj),
+        0,
+    )
+    expected = [bytes(h) for h in recorder(request)]
+
+    ours = BlockHasher(c["hash_fn"], c["block_size"], seed=c["seed"])
+    mm = [MMOccurrence(f["identifier"], f["offset"], f["length"]) for f in c["mm"]]
+    tokens = c["tokens"]
+    got = ours.hash_prompt(tokens, mm=mm)
+    if got != expected:
+        raise SystemExit(f"MISMATCH for {c['hash_fn']} with {len(mm)} images")
+
+    if c["hash_fn"].startswith("sha256"):
+        def floor():
+            for b in preimages:
+                hashlib.sha256(b).digest()
+    else:
+        def floor():
+            d = xxhash.xxh3_128_digest
+            for b in preimages:
+                d(b)
+
+    t_vllm = median_seconds(lambda: vllm_hasher(request), repeat)
+    t_ours = median_seconds(lambda: ours.hash_prompt(tokens, mm=mm), repeat)
+    t_floor = median_seconds(floor, repeat)
+    return {"fn": c["hash_fn"], "images": len(mm), "blocks": len(expected), "vllm": t_vllm,
+            "mmreuse": t_ours, "floor": t_floor}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--image-tokens", type=int, default=576)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    print(f"vLLM {oracle._vllm().vllm.__version__}, {args.tokens} tokens, block size 16, "
+          f"median of {args.repeat}; digests checked identical")
+    print(f"{'hash_fn':<8} {'images':>6} {'blocks':>6} {'vLLM ms':>9} {'mmreuse ms':>11} "
+          f"{'floor ms':>9} {'speedup':>8} {'x floor':>8}")
+    for fn in ("sha256", "xxhash"):
+        for images in (0, 16):
+            r = run_row(make_case(args.tokens, images, args.image_tokens, fn, seed=images), args.repeat)
+            print(f"{r['fn']:<8} {r['images']:>6} {r['blocks']:>6} {r['vllm'] * 1e3:>9.2f} "
+                  f"{r['mmreuse'] * 1e3:>11.3f} {r['floor'] * 1e3:>9.3f} "
+                  f"{r['vllm'] / r['mmreuse']:>7.1f}x {r['mmreuse'] / r['floor']:>7.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

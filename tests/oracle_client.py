@@ -1,0 +1,62 @@
+"""Talk to the real vLLM through shared/vllm-oracle (a side venv with vLLM 0.33.0 installed).
+
+Where it lives: MMREUSE_ORACLE_PYTHON (the venv's python) and MMREUSE_ORACLE_SCRIPT
+(oracle.py); by default ~/.cache/mmreuse/venv-oracle-0.33.0 and <repo>/../shared/vllm-oracle.
+Under CI (CI=true) a missing oracle fails the run instead of skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_PYTHON = Path.home() / ".cache/mmreuse/venv-oracle-0.33.0/bin/python"
+DEFAULT_SCRIPT = REPO.parent / "shared/vllm-oracle/oracle.py"
+
+
+def oracle_paths() -> tuple[Path, Path]:
+    py = Path(os.environ.get("MMREUSE_ORACLE_PYTHON", DEFAULT_PYTHON))
+    script = Path(os.environ.get("MMREUSE_ORACLE_SCRIPT", DEFAULT_SCRIPT))
+    return py, script
+
+
+def require_oracle() -> tuple[Path, Path]:
+    py, script = oracle_paths()
+    if py.exists() and script.exists():
+        return py, script
+    msg = (
+        f"vLLM oracle not found (python {py}, script {script}); build it with "
+        "`bash ../shared/vllm-oracle/setup.sh ~/.cache/mmreuse/venv-oracle-0.33.0`"
+    )
+    if os.environ.get("CI"):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+class Oracle:
+    """A long-lived `oracle.py --jsonl` process: one case in, one result out."""
+
+    def __init__(self, python: Path, script: Path, extra_args: tuple[str, ...] = ()):
+        self.proc = subprocess.Popen(
+            [str(python), str(script), "--jsonl", *extra_args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+
+    def compute(self, case: dict) -> dict:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(json.dumps(case) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"oracle exited (rc={self.proc.poll()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
