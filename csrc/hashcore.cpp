@@ -189,10 +189,23 @@ class CborWriter {
   explicit CborWriter(Out& b) : b_(b) {}
   void none() { b_.push_back('\xf6'); }
   void integer(int64_t v) {
-    if (v >= 0)
+    if (static_cast<uint64_t>(v) <= 0xffffffffULL) {
+      // Unsigned head without data-dependent branches (see PickleWriter::integer).
+      const uint32_t u = static_cast<uint32_t>(v);
+      const int cls = (u >= 24) + (u > 0xff) + (u > 0xffff);  // 0, 1, 2 or 3
+      static constexpr int kBytes[4] = {0, 1, 2, 4};
+      const int nbytes = kBytes[cls];
+      const uint32_t be = __builtin_bswap32(
+          static_cast<uint32_t>((static_cast<uint64_t>(u) << (8 * (4 - nbytes))) & 0xffffffffULL));
+      char* p = b_.p;
+      p[0] = static_cast<char>(cls ? 0x17 + cls : u);
+      std::memcpy(p + 1, &be, 4);
+      b_.p = p + 1 + nbytes;
+    } else if (v >= 0) {
       head(0, static_cast<uint64_t>(v));
-    else
+    } else {
       head(1, static_cast<uint64_t>(-1 - v));
+    }
   }
   void str(const Str& s) {
     head(3, static_cast<uint64_t>(s.n));

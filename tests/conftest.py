@@ -9,7 +9,7 @@ from .oracle_client import Oracle, require_oracle
 settings.register_profile("ci", max_examples=int(os.environ.get("MMREUSE_DIFF_EXAMPLES", "3000")),
                           deadline=None, print_blob=True)
 settings.register_profile("dev", max_examples=200, deadline=None, print_blob=True)
-settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 Where it lives: MMREUSE_ORACLE_PYTHON (the venv's python) and MMREUSE_ORACLE_SCRIPT
 (oracle.py); by default ~/.cache/mmreuse/venv-oracle-0.33.0 and <repo>/../shared/vllm-oracle.
-Under CI (CI=true) a missing oracle fails the run instead of skipping.
+Under CI (CI=true) or MMREUSE_REQUIRE_ORACLE=1 a missing oracle fails the run instead of skipping.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def require_oracle() -> tuple[Path, Path]:
         f"vLLM oracle not found (python {py}, script {script}); build it with "
         "`bash ../shared/vllm-oracle/setup.sh ~/.cache/mmreuse/venv-oracle-0.33.0`"
     )
-    if os.environ.get("CI"):
+    if os.environ.get("CI") or os.environ.get("MMREUSE_REQUIRE_ORACLE"):
         pytest.fail(msg)
     pytest.skip(msg)
 

@@ -1,0 +1,65 @@
+"""pytest-benchmark microbenchmarks of mmreuse.hashing (figures in BENCHMARKS.md).
+
+    .venv/bin/python -m pytest benchmarks/test_bench_hashing.py --benchmark-enable
+"""
+
+import hashlib
+import random
+
+import pytest
+
+from mmreuse import BlockHasher, MMOccurrence
+
+IMAGE_TOKEN = 151655
+
+
+def make_request(num_tokens=32768, num_images=0, image_tokens=576, seed=0):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(152000) for _ in range(num_tokens)]
+    mm = []
+    if num_images:
+        stride = num_tokens // num_images
+        for i in range(num_images):
+            off = i * stride + rng.randrange(stride - image_tokens)
+            tokens[off : off + image_tokens] = [IMAGE_TOKEN] * image_tokens
+            mm.append(MMOccurrence(hashlib.sha256(f"image-{i}".encode()).hexdigest(), off,
+                                   image_tokens))
+    return tokens, mm
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+@pytest.mark.parametrize("images", [0, 16])
+def test_hash_prompt_32k(benchmark, hash_fn, images):
+    tokens, mm = make_request(num_images=images)
+    hasher = BlockHasher(hash_fn, 16, seed="0")
+    hashes = benchmark(hasher.hash_prompt, tokens, mm=mm)
+    assert len(hashes) == 2048
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "xxhash"])
+def test_reference_path_32k(benchmark, hash_fn):
+    tokens, mm = make_request(num_images=16)
+    hasher = BlockHasher(hash_fn, 16, seed="0", use_fast_path=False)
+    benchmark.pedantic(hasher.hash_prompt, args=(tokens,), kwargs={"mm": mm}, rounds=3)
+
+
+def test_decode_step_completing_a_block(benchmark):
+    """One decode token that completes a block of a 4k-token multimodal request."""
+    tokens, mm = make_request(num_tokens=4096, num_images=2)
+    hasher = BlockHasher("sha256", 16, seed="0")
+
+    def setup():
+        return (hasher.request(tokens[:4095], mm=mm),), {}
+
+    def step(req):
+        return req.append_output_token_ids(tokens[4095])
+
+    benchmark.pedantic(step, setup=setup, rounds=200)
+
+
+def test_short_prompt_overhead(benchmark):
+    """Fixed cost of a call: a 64-token prompt with one image."""
+    hasher = BlockHasher("sha256", 16, seed="0")
+    tokens = [1] * 64
+    mm = [MMOccurrence("img", 8, 20)]
+    benchmark(hasher.hash_prompt, tokens, mm=mm)
