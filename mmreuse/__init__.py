@@ -3,9 +3,28 @@
 Parts: `mmreuse.hashing` (vLLM-exact block hashes), residency, demand and the simulator.
 """
 
+from .demand import (
+    Availability,
+    DemandResult,
+    Klass,
+    OccurrenceDecision,
+    compute_demand,
+    kv_coverage,
+)
 from .hashing import BlockHasher, to_event_id
 from .occurrence import MMOccurrence
 
 __version__ = "0.1.0"
 
-__all__ = ["BlockHasher", "MMOccurrence", "to_event_id", "__version__"]
+__all__ = [
+    "Availability",
+    "BlockHasher",
+    "DemandResult",
+    "Klass",
+    "MMOccurrence",
+    "OccurrenceDecision",
+    "__version__",
+    "compute_demand",
+    "kv_coverage",
+    "to_event_id",
+]

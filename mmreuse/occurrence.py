@@ -9,7 +9,8 @@ It mirrors vLLM's `MultiModalFeatureSpec` (`identifier`, `mm_position.offset`,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -57,25 +58,54 @@ class MMOccurrence:
     length: int
     is_embed: tuple[bool, ...] | None = None
     modality: str = "image"
+    # Derived once, read on hot paths (compute_demand, the simulator):
+    # offsets (relative to `offset`) of the embed positions, ascending, None when all are;
+    _embed_offsets: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
+    # offset + length; the embed count; the absolute position of the last embed (None: none).
+    _end: int = field(init=False, repr=False, compare=False)
+    _num_embeds: int = field(init=False, repr=False, compare=False)
+    _last_embed: int | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.identifier, str):
             raise ValueError(f"identifier must be a str, got {self.identifier!r}")
         _check_int("offset", self.offset, 0)
         _check_int("length", self.length, 1)
-        object.__setattr__(self, "is_embed", _normalize_mask(self.is_embed, self.length))
+        mask = _normalize_mask(self.is_embed, self.length)
+        object.__setattr__(self, "is_embed", mask)
+        offs = None if mask is None else tuple(j for j, e in enumerate(mask) if e)
+        object.__setattr__(self, "_embed_offsets", offs)
+        object.__setattr__(self, "_end", self.offset + self.length)
+        object.__setattr__(self, "_num_embeds", self.length if offs is None else len(offs))
+        last = self._end - 1 if offs is None else (self.offset + offs[-1] if offs else None)
+        object.__setattr__(self, "_last_embed", last)
         if not isinstance(self.modality, str) or not self.modality:
             raise ValueError(f"modality must be a non-empty str, got {self.modality!r}")
 
     @property
     def end(self) -> int:
         """One past the last placeholder position."""
-        return self.offset + self.length
+        return self._end
 
     @property
     def num_embeds(self) -> int:
-        """How many encoder embeddings the item feeds into the prompt."""
-        return self.length if self.is_embed is None else sum(self.is_embed)
+        """How many encoder embeddings the item feeds into the prompt (vLLM's get_num_embeds)."""
+        return self._num_embeds
+
+    @property
+    def last_embed_pos(self) -> int | None:
+        """Absolute position of the last embed, None when the item has none."""
+        return self._last_embed
+
+    def embeds_from(self, pos: int) -> tuple[int, int | None]:
+        """(number of embed positions >= pos, the first of them or None)."""
+        rel = pos - self.offset
+        offs = self._embed_offsets
+        if offs is None:
+            k = min(max(rel, 0), self.length)
+            return self.length - k, (self.offset + k if k < self.length else None)
+        k = bisect.bisect_left(offs, rel)
+        return len(offs) - k, (self.offset + offs[k] if k < len(offs) else None)
 
     @classmethod
     def from_vllm(cls, feature: Any) -> MMOccurrence:

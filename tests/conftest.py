@@ -3,6 +3,8 @@ import os
 import pytest
 from hypothesis import settings
 
+from pathlib import Path
+
 from .oracle_client import Oracle, require_oracle
 
 # Differential tests run thousands of examples in CI; locally fewer unless asked.
@@ -16,5 +18,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 def vllm_oracle():
     py, script = require_oracle()
     oracle = Oracle(py, script)
+    yield oracle
+    oracle.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_scheduler():
+    """vLLM's real Scheduler._try_schedule_encoder_inputs, through tests/vllm_scheduler_oracle.py."""
+    py, script = require_oracle()
+    here = Path(__file__).parent
+    oracle = Oracle(py, here / "vllm_scheduler_oracle.py", args=(str(script.parent),))
     yield oracle
     oracle.close()

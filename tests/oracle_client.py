@@ -39,11 +39,11 @@ def require_oracle() -> tuple[Path, Path]:
 
 
 class Oracle:
-    """A long-lived `oracle.py --jsonl` process: one case in, one result out."""
+    """A long-lived JSON-lines process in the oracle venv: one case in, one result out."""
 
-    def __init__(self, python: Path, script: Path, extra_args: tuple[str, ...] = ()):
+    def __init__(self, python: Path, script: Path, args: tuple[str, ...] = ("--jsonl",)):
         self.proc = subprocess.Popen(
-            [str(python), str(script), "--jsonl", *extra_args],
+            [str(python), str(script), *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
 

@@ -74,3 +74,51 @@ def cases(draw, hash_fns=HASH_FUNCTIONS, max_lookahead=3, embeds=True, lora_int_
             "dtype": draw(st.sampled_from(["float32", "bfloat16", "float16"])),
         }
     return case
+
+
+@st.composite
+def demand_requests(draw, max_tokens=300, max_items=8, overlap=True):
+    """(occurrences, N, C, Availability kwargs) for compute_demand."""
+    from mmreuse import MMOccurrence
+
+    n = draw(st.integers(1, max_tokens))
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    idents = ["A", "B", "C", "D", "lora:E"][: draw(st.integers(1, 5))]
+    occs = []
+    offset = 0
+    for _ in range(draw(st.integers(0, max_items))):
+        if overlap and occs and rng.random() < 0.2:
+            offset = rng.randrange(occs[-1].offset, occs[-1].end)  # use_audio_in_video
+        else:
+            offset += rng.choice([0, 0, 1, 3, 9, 16, 30])
+        if offset >= n:
+            break
+        length = rng.randint(1, min(n - offset, rng.choice([1, 4, 16, 40, 80])))
+        mask = None
+        kind = rng.random()
+        if kind < 0.2:
+            mask = [rng.random() < 0.6 for _ in range(length)]
+        elif kind < 0.3:
+            mask = [False] * length  # zero embeds
+        elif kind < 0.45:  # embeds with trailing / leading non-embed tokens
+            a, b = sorted(rng.sample(range(length + 1), 2)) if length > 1 else (0, 1)
+            mask = [a <= j < b for j in range(length)]
+        occs.append(MMOccurrence(rng.choice(idents), offset, length, is_embed=mask))
+        if not overlap:
+            offset += length
+    c = draw(st.integers(0, n - 1))
+    # Availability: p_local sizes usually consistent with the identifier's embed count.
+    counts = {}
+    for m in occs:
+        counts.setdefault(m.identifier, m.num_embeds)
+    p_local = {}
+    for ident in idents:
+        if rng.random() < 0.3:
+            good = counts.get(ident, 0)
+            p_local[ident] = good if good and rng.random() < 0.85 else rng.randint(1, 50)
+    freeable = frozenset(i for i in p_local if rng.random() < 0.4)
+    p_external = frozenset(i for i in idents if rng.random() < 0.3)
+    e_cached = frozenset(i for i in idents if rng.random() < 0.3)
+    avail = dict(p_local=p_local, p_local_freeable=freeable, p_external=p_external,
+                 e_cached=e_cached)
+    return occs, n, c, avail

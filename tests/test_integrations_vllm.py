@@ -1,0 +1,67 @@
+"""mmreuse.integrations.vllm: on duck-typed stand-ins here, and on real vLLM objects in the oracle venv."""
+
+import json
+import os
+import subprocess
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmreuse import Klass, MMOccurrence
+from mmreuse.integrations.vllm import (
+    availability_from_engine,
+    demand_for_request,
+    occurrences_from_request,
+)
+
+from .oracle_client import REPO, require_oracle
+
+
+def feature(ident, offset, length, mask=None):
+    pos = types.SimpleNamespace(offset=offset, length=length,
+                                is_embed=None if mask is None else torch.tensor(mask))
+    return types.SimpleNamespace(identifier=ident, modality="image", mm_position=pos)
+
+
+def test_occurrences_from_request():
+    req = types.SimpleNamespace(mm_features=[feature("A", 2, 3, [True, False, True])],
+                                num_tokens=10)
+    assert occurrences_from_request(req) == [MMOccurrence("A", 2, 3, (True, False, True))]
+    assert occurrences_from_request(types.SimpleNamespace(mm_features=None)) == []
+    with pytest.raises(ValueError, match="mm_features"):
+        occurrences_from_request(object())
+
+
+def test_availability_from_engine_stand_ins():
+    mgr = types.SimpleNamespace(cached={"A": {"r1"}, "B": set()}, num_embeds_by_hash={"A": 4, "B": 9})
+    conn = types.SimpleNamespace(has_cache_item=lambda i: i.startswith("x"))
+    a = availability_from_engine(mgr, conn, ["x1", "y"], e_cached=["z"])
+    assert a.p_local == {"A": 4, "B": 9} and a.p_local_freeable == {"B"}
+    assert a.p_external == {"x1"} and a.e_cached == {"z"}
+    with pytest.raises(ValueError, match="has_cache_item"):
+        availability_from_engine(None, object(), ["x"])
+
+
+def test_demand_for_request_stand_ins():
+    req = types.SimpleNamespace(mm_features=[feature("A", 0, 16), feature("B", 20, 8)], num_tokens=40)
+    mgr = types.SimpleNamespace(cached={"B": {"r"}}, num_embeds_by_hash={"B": 8})
+    res = demand_for_request(req, 16, encoder_cache_manager=mgr)
+    assert [d.klass for d in res.decisions] == [Klass.KV_COVERED, Klass.P_LOCAL] and res.skip_e
+
+
+@pytest.mark.oracle
+def test_adapter_on_real_vllm_objects():
+    py, script = require_oracle()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([str(py), str(Path(__file__).parent / "vllm_adapter_check.py"),
+                          str(script.parent)], capture_output=True, text=True, env=env, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["classes"] == ["KV_COVERED", "P_LOCAL", "P_EXTERNAL", "P_LOCAL", "E_COMPUTE"]
+    assert got["num_embeds"] == [16, 10, 10, 6, 5]
+    assert got["evictable"] == [False, False, False, True, False]
+    assert got["e_demand"] == [["E", True]] and got["p_loads"] == ["C"]
+    assert got["p_local_reuse"] == ["B", "F"]
+    assert got["p_local"] == {"B": 10, "F": 6} and got["freeable"] == ["F"]
+    assert got["p_external"] == ["C"]
