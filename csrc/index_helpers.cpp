@@ -1,0 +1,166 @@
+// Open-addressing hash table helpers of BlockIndex (see index_helpers.h).
+
+#include "index_helpers.h"
+
+#include <cstdint>
+
+namespace mmreuse {
+namespace {
+
+constexpr int64_t kEmpty = -1;
+constexpr int64_t kDeleted = -2;
+
+struct Table {
+  Py_buffer kbuf{}, vbuf{};
+  uint64_t* keys = nullptr;
+  int64_t* vals = nullptr;
+  uint64_t mask = 0;
+  bool ok = false;
+
+  Table(PyObject* k, PyObject* v) {
+    if (PyObject_GetBuffer(k, &kbuf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return;
+    if (PyObject_GetBuffer(v, &vbuf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+      PyBuffer_Release(&kbuf);
+      kbuf.obj = nullptr;
+      return;
+    }
+    const Py_ssize_t cap = kbuf.len / 8;
+    if (cap == 0 || (cap & (cap - 1)) != 0 || vbuf.len != kbuf.len) {
+      PyErr_SetString(PyExc_ValueError, "table arrays must be equal, power-of-two sized, 8-byte");
+      return;
+    }
+    keys = static_cast<uint64_t*>(kbuf.buf);
+    vals = static_cast<int64_t*>(vbuf.buf);
+    mask = static_cast<uint64_t>(cap) - 1;
+    ok = true;
+  }
+  ~Table() {
+    if (kbuf.obj) PyBuffer_Release(&kbuf);
+    if (vbuf.obj) PyBuffer_Release(&vbuf);
+  }
+  static uint64_t slot(uint64_t key) { return (key * 0x9E3779B97F4A7C15ull) >> 17; }
+
+  // Index of key's slot, or -1.
+  int64_t find(uint64_t key) const {
+    for (uint64_t i = slot(key) & mask, n = 0; n <= mask; i = (i + 1) & mask, ++n) {
+      const int64_t v = vals[i];
+      if (v == kEmpty) return -1;
+      if (v != kDeleted && keys[i] == key) return static_cast<int64_t>(i);
+    }
+    return -1;
+  }
+};
+
+bool key_of(PyObject* h, Py_ssize_t index, uint64_t* key) {
+  if (PyBytes_Check(h)) {
+    const Py_ssize_t len = PyBytes_Size(h);
+    if (len < 8) {
+      PyErr_Format(PyExc_ValueError, "block_hashes[%zd] must be a block hash of >= 8 bytes",
+                   index);
+      return false;
+    }
+    const unsigned char* b =
+        reinterpret_cast<const unsigned char*>(PyBytes_AsString(h)) + len - 8;
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v = (v << 8) | b[i];
+    *key = v;
+    return true;
+  }
+  if (PyLong_Check(h) && !PyBool_Check(h)) {
+    // PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray (~25 ns); the mask form
+    // reads the digits directly, so range-check by sign and bit length first.
+    if (_PyLong_Sign(h) < 0 || _PyLong_NumBits(h) > 64) {
+      PyErr_Format(PyExc_ValueError,
+                   "block_hashes[%zd] must be a 64-bit event id in [0, 2**64), got %R", index, h);
+      return false;
+    }
+    *key = PyLong_AsUnsignedLongLongMask(h);
+    return true;
+  }
+  PyErr_Format(PyExc_ValueError, "block_hashes[%zd] must be bytes or a 64-bit int event id, got %R",
+               index, h);
+  return false;
+}
+
+}  // namespace
+
+PyObject* table_put(PyObject*, PyObject* args) {
+  PyObject *k, *v;
+  unsigned long long key;
+  long long block;
+  if (!PyArg_ParseTuple(args, "OOKL", &k, &v, &key, &block)) return nullptr;
+  Table t(k, v);
+  if (!t.ok) return nullptr;
+  int64_t free_slot = -1;
+  for (uint64_t i = Table::slot(key) & t.mask, n = 0; n <= t.mask; i = (i + 1) & t.mask, ++n) {
+    const int64_t cur = t.vals[i];
+    if (cur == kEmpty) {
+      if (free_slot < 0) free_slot = static_cast<int64_t>(i);
+      break;
+    }
+    if (cur == kDeleted) {
+      if (free_slot < 0) free_slot = static_cast<int64_t>(i);
+      continue;
+    }
+    if (t.keys[i] == key) {
+      t.vals[i] = block;
+      Py_RETURN_NONE;
+    }
+  }
+  if (free_slot < 0) {
+    PyErr_SetString(PyExc_RuntimeError, "BlockIndex table is full");
+    return nullptr;
+  }
+  t.keys[free_slot] = key;
+  t.vals[free_slot] = block;
+  Py_RETURN_NONE;
+}
+
+PyObject* table_del(PyObject*, PyObject* args) {
+  PyObject *k, *v;
+  unsigned long long key;
+  if (!PyArg_ParseTuple(args, "OOK", &k, &v, &key)) return nullptr;
+  Table t(k, v);
+  if (!t.ok) return nullptr;
+  const int64_t i = t.find(key);
+  if (i < 0) Py_RETURN_FALSE;
+  t.vals[i] = kDeleted;
+  Py_RETURN_TRUE;
+}
+
+PyObject* chain_prefix(PyObject*, PyObject* args) {
+  PyObject *k, *v, *hashes, *out;
+  if (!PyArg_ParseTuple(args, "OOOO", &k, &v, &hashes, &out)) return nullptr;
+  const bool is_list = PyList_Check(hashes);
+  if (!is_list && !PyTuple_Check(hashes)) {
+    PyErr_SetString(PyExc_TypeError, "hashes must be a list or tuple");
+    return nullptr;
+  }
+  Table t(k, v);
+  if (!t.ok) return nullptr;
+  Py_buffer view;
+  if (PyObject_GetBuffer(out, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return nullptr;
+  const Py_ssize_t n = is_list ? PyList_Size(hashes) : PyTuple_Size(hashes);
+  if (view.len < n * static_cast<Py_ssize_t>(sizeof(int64_t))) {
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_ValueError, "out is smaller than hashes");
+    return nullptr;
+  }
+  int64_t* dst = static_cast<int64_t*>(view.buf);
+  Py_ssize_t found = 0;
+  for (; found < n; ++found) {
+    PyObject* h = is_list ? PyList_GetItem(hashes, found) : PyTuple_GetItem(hashes, found);
+    uint64_t key;
+    if (!key_of(h, found, &key)) {
+      PyBuffer_Release(&view);
+      return nullptr;
+    }
+    const int64_t i = t.find(key);
+    if (i < 0) break;
+    dst[found] = t.vals[i];
+  }
+  PyBuffer_Release(&view);
+  return PyLong_FromSsize_t(found);
+}
+
+}  // namespace mmreuse

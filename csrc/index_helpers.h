@@ -1,0 +1,19 @@
+// BlockIndex's hash table for the lookup hot path: open addressing over two numpy arrays that
+// Python owns (keys: uint64 event ids; vals: int64 block ids, -1 empty, -2 deleted), so that
+// walking a 2,048-hash chain costs ~15 ns a hash instead of a Python dict's ~45.
+#pragma once
+
+#include <Python.h>
+
+namespace mmreuse {
+
+// table_put(keys, vals, key, block_id) -> None   (the table must have a free slot)
+PyObject* table_put(PyObject* self, PyObject* args);
+// table_del(keys, vals, key) -> bool
+PyObject* table_del(PyObject* self, PyObject* args);
+// chain_prefix(keys, vals, hashes, out) -> int: block ids of the leading hashes found, written
+// into the int64 buffer out. A hash is an int event id in [0, 2**64) or digest bytes (keyed by
+// their low 64 bits, big-endian, as vLLM's KV events publish them).
+PyObject* chain_prefix(PyObject* self, PyObject* args);
+
+}  // namespace mmreuse

@@ -1,0 +1,212 @@
+"""ResidencyMap and BlockIndex: API, ABA safety of proofs, a stateful model, bad input."""
+
+import hashlib
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mmreuse.hashing import to_event_id
+from mmreuse.residency import BlockIndex, CoverageProof, ResidencyMap
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+def h(i: int) -> bytes:
+    return hashlib.sha256(f"block-{i}".encode()).digest()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_residency_map_basics(device):
+    r = ResidencyMap(100, device)
+    r.mark_resident([1, 2, 2, 99])
+    assert r.is_resident([0, 1, 2, 99]).tolist() == [False, True, True, True]
+    assert r.count() == 3
+    assert r.longest_prefix([1, 2, 3, 99]) == 2
+    g = r.generation([1, 2])
+    assert g.tolist() == [0, 0]
+    r.evict([2])
+    assert r.generation([2]).tolist() == [1]
+    assert not r.validate([1, 2], g) and r.validate([1], g[:1])
+    snap = r.snapshot()
+    r.mark_resident([5])  # after the snapshot: not in it
+    assert snap.is_resident([1, 2, 5]).tolist() == [True, False, False]
+    assert snap.generations.tolist()[2] == 1 and snap.ready
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bounds_errors_leave_state_unchanged(device):
+    r = ResidencyMap(64, device)
+    r.mark_resident([3])
+    for call in (lambda: r.mark_resident([1, 64]), lambda: r.evict([3, -1]),
+                 lambda: r.is_resident([70]), lambda: r.generation([64]),
+                 lambda: r.longest_prefix([3, 99]), lambda: r.validate([3, 65], [0, 0])):
+        with pytest.raises(ValueError, match="out of range"):
+            call()
+    assert r.count() == 1 and r.generation([3]).tolist() == [0]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_blocks": 0}, "num_blocks"), ({"num_blocks": 2.5}, "num_blocks"),
+    ({"num_blocks": 8, "device": "meta"}, "device"),
+])
+def test_residency_map_bad_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ResidencyMap(**kwargs)
+
+
+def test_residency_map_bad_ids():
+    r = ResidencyMap(8)
+    for bad in ([1.5], torch.tensor([1.0]), "12", [True, 1.0]):
+        with pytest.raises(ValueError, match="block_ids"):
+            r.mark_resident(bad)
+    with pytest.raises(ValueError, match="generations"):
+        r.validate([1, 2], [0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_index_prefix_and_proof(device):
+    idx = BlockIndex(16, device)
+    for i in range(6):
+        idx.store(h(i), i + 3)
+    k, proof = idx.lookup_prefix([h(i) for i in range(8)])
+    assert k == 6 and proof.block_ids.tolist() == [3, 4, 5, 6, 7, 8]
+    assert idx.validate(proof)
+    # event ids and bytes meet
+    assert idx.lookup_prefix([to_event_id(h(i)) for i in range(3)])[0] == 3
+    idx.evict_block(5)
+    assert idx.lookup_prefix([h(i) for i in range(8)])[0] == 2
+    assert not idx.validate(proof)
+
+
+def test_aba_reused_block_id_fails_old_proofs():
+    idx = BlockIndex(8)
+    idx.store(h(0), 2)
+    idx.store(h(1), 3)
+    k, proof = idx.lookup_prefix([h(0), h(1)])
+    assert k == 2 and idx.validate(proof)
+    idx.evict_block(3)
+    idx.store(h(1), 3)  # the same content comes back into the same block: still a new generation
+    assert idx.lookup_prefix([h(0), h(1)])[0] == 2
+    assert not idx.validate(proof)
+    # storing other content over a block without an explicit eviction also retires old proofs
+    k, proof = idx.lookup_prefix([h(0)])
+    idx.store(h(9), 2)
+    assert not idx.validate(proof) and idx.lookup_prefix([h(0)])[0] == 0
+
+
+def test_duplicate_holders_and_clear():
+    idx = BlockIndex(8)
+    idx.store(h(0), 1)
+    idx.store(h(0), 4)  # the same hash computed twice (two requests at once)
+    idx.evict_block(1)
+    assert idx.lookup_prefix([h(0)])[0] == 1 and idx.block_id(h(0)) == 4
+    idx.evict_block(4)
+    assert idx.block_id(h(0)) is None
+    idx.store(h(1), 1)
+    _, proof = idx.lookup_prefix([h(1)])
+    idx.clear()
+    assert len(idx) == 0 and idx.lookup_prefix([h(1)])[0] == 0 and not idx.validate(proof)
+
+
+def test_block_index_bad_input():
+    idx = BlockIndex(8)
+    for call, match in [
+        (lambda: idx.store(h(0), 8), "block_id"), (lambda: idx.store(h(0), -1), "block_id"),
+        (lambda: idx.store("abc", 1), "block_hash"), (lambda: idx.store(-5, 1), "block_hash"),
+        (lambda: idx.store(2**64, 1), "block_hash"), (lambda: idx.store(b"123", 1), "block_hash"),
+        (lambda: idx.evict_block(9), "block_id"),
+        (lambda: idx.lookup_prefix(h(0)), "block_hashes"),
+        (lambda: idx.lookup_prefix([-1]), r"block_hashes\[0\]"),
+        (lambda: idx.lookup_prefix([1.5]), r"block_hashes\[0\]"),
+        (lambda: idx.validate((1, 2)), "CoverageProof"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_many_stores_grow_the_table():
+    idx = BlockIndex(5000)
+    for i in range(5000):
+        idx.store(h(i), i)
+    for i in range(0, 5000, 2):
+        idx.evict_block(i)
+    for i in range(0, 5000, 2):
+        idx.store(h(10_000 + i), i)
+    assert len(idx) == 5000
+    assert idx.lookup_prefix([h(1), h(3), h(10_000), h(10_002), h(2)])[0] == 4
+
+
+class IndexModel(RuleBasedStateMachine):
+    """Random store / evict / reuse / lookup / validate against a plain Python model."""
+
+    NUM_BLOCKS = 12
+    HASHES = 10
+
+    def __init__(self):
+        super().__init__()
+        self.idx = BlockIndex(self.NUM_BLOCKS)
+        self.block_hash = {}  # block -> hash index
+        self.gen = [0] * self.NUM_BLOCKS
+        self.proofs = []  # (proof, {block: gen} at the time)
+
+    def model_prefix(self, chain):
+        held = {}
+        for b, hi in sorted(self.block_hash.items()):
+            held.setdefault(hi, b)
+        k = 0
+        for hi in chain:
+            if hi not in held:
+                break
+            k += 1
+        return k
+
+    @rule(hi=st.integers(0, HASHES - 1), block=st.integers(0, NUM_BLOCKS - 1))
+    def store(self, hi, block):
+        old = self.block_hash.get(block)
+        if old is not None and old != hi:
+            self.gen[block] += 1
+        self.block_hash[block] = hi
+        self.idx.store(h(hi), block)
+
+    @rule(block=st.integers(0, NUM_BLOCKS - 1))
+    def evict(self, block):
+        self.gen[block] += 1
+        self.block_hash.pop(block, None)
+        self.idx.evict_block(block)
+
+    @rule(chain=st.lists(st.integers(0, HASHES - 1), max_size=8))
+    def lookup(self, chain):
+        k, proof = self.idx.lookup_prefix([h(i) for i in chain])
+        assert k == self.model_prefix(chain)
+        assert proof.num_blocks == k
+        for b, hi in zip(proof.block_ids.tolist(), chain):
+            assert self.block_hash[b] == hi
+        assert proof.generations.tolist() == [self.gen[b] for b in proof.block_ids.tolist()]
+        self.proofs.append(proof)
+
+    @precondition(lambda self: self.proofs)
+    @rule(data=st.data())
+    def validate(self, data):
+        proof = data.draw(st.sampled_from(self.proofs))
+        ok = all(b in self.block_hash and self.gen[b] == g
+                 for b, g in zip(proof.block_ids.tolist(), proof.generations.tolist()))
+        assert self.idx.validate(proof) == ok
+
+    @invariant()
+    def residency_matches(self):
+        assert self.idx.residency.count() == len(self.block_hash)
+        assert self.idx.residency.generation(list(range(self.NUM_BLOCKS))).tolist() == self.gen
+
+
+TestIndexModel = IndexModel.TestCase
+TestIndexModel.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+def test_coverage_proof_is_a_frozen_value():
+    p = CoverageProof(torch.tensor([1]), torch.tensor([0]))
+    with pytest.raises(AttributeError):
+        p.block_ids = torch.tensor([2])
