@@ -128,6 +128,103 @@ PyObject* table_del(PyObject*, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
+PyObject* table_add(PyObject*, PyObject* args) {
+  PyObject *k, *v, *hashes;
+  long long delta;
+  if (!PyArg_ParseTuple(args, "OOOL", &k, &v, &hashes, &delta)) return nullptr;
+  const bool is_list = PyList_Check(hashes);
+  if (!is_list && !PyTuple_Check(hashes)) {
+    PyErr_SetString(PyExc_TypeError, "hashes must be a list or tuple");
+    return nullptr;
+  }
+  Table t(k, v);
+  if (!t.ok) return nullptr;
+  const Py_ssize_t n = is_list ? PyList_Size(hashes) : PyTuple_Size(hashes);
+  // Validate every hash first: a batch is applied whole or not at all.
+  uint64_t stack_keys[64];
+  uint64_t* keys = n <= 64 ? stack_keys : static_cast<uint64_t*>(PyMem_Malloc(n * sizeof(uint64_t)));
+  if (keys == nullptr) return PyErr_NoMemory();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* h = is_list ? PyList_GetItem(hashes, i) : PyTuple_GetItem(hashes, i);
+    if (!key_of(h, i, &keys[i])) {
+      if (keys != stack_keys) PyMem_Free(keys);
+      return nullptr;
+    }
+  }
+  Py_ssize_t new_slots = 0, added = 0, removed = 0;
+  for (Py_ssize_t j = 0; j < n; ++j) {
+    const uint64_t key = keys[j];
+    int64_t free_slot = -1, at = -1;
+    for (uint64_t i = Table::slot(key) & t.mask, c = 0; c <= t.mask; i = (i + 1) & t.mask, ++c) {
+      const int64_t cur = t.vals[i];
+      if (cur == kEmpty) {
+        if (free_slot < 0) free_slot = static_cast<int64_t>(i);
+        break;
+      }
+      if (cur == kDeleted) {
+        if (free_slot < 0) free_slot = static_cast<int64_t>(i);
+        continue;
+      }
+      if (t.keys[i] == key) {
+        at = static_cast<int64_t>(i);
+        break;
+      }
+    }
+    if (at >= 0) {
+      t.vals[at] += delta;
+      if (t.vals[at] <= 0) {
+        t.vals[at] = kDeleted;
+        ++removed;
+      }
+    } else if (delta > 0) {
+      if (free_slot < 0) {
+        if (keys != stack_keys) PyMem_Free(keys);
+        PyErr_SetString(PyExc_RuntimeError, "hash table is full");
+        return nullptr;
+      }
+      if (t.vals[free_slot] == kEmpty) ++new_slots;
+      t.keys[free_slot] = key;
+      t.vals[free_slot] = delta;
+      ++added;
+    }
+  }
+  if (keys != stack_keys) PyMem_Free(keys);
+  return Py_BuildValue("nnn", new_slots, added, removed);
+}
+
+PyObject* table_rehash(PyObject*, PyObject* args) {
+  PyObject *ok, *ov, *nk, *nv;
+  if (!PyArg_ParseTuple(args, "OOOO", &ok, &ov, &nk, &nv)) return nullptr;
+  Table from(ok, ov);
+  if (!from.ok) return nullptr;
+  Table to(nk, nv);
+  if (!to.ok) return nullptr;
+  Py_ssize_t live = 0;
+  for (uint64_t i = 0; i <= from.mask; ++i) {
+    const int64_t val = from.vals[i];
+    if (val < 0) continue;
+    const uint64_t key = from.keys[i];
+    uint64_t j = Table::slot(key) & to.mask;
+    while (to.vals[j] != kEmpty) j = (j + 1) & to.mask;
+    to.keys[j] = key;
+    to.vals[j] = val;
+    ++live;
+  }
+  return PyLong_FromSsize_t(live);
+}
+
+PyObject* table_get(PyObject*, PyObject* args) {
+  PyObject *k, *v, *h;
+  if (!PyArg_ParseTuple(args, "OOO", &k, &v, &h)) return nullptr;
+  Table t(k, v);
+  if (!t.ok) return nullptr;
+  uint64_t key;
+  if (!key_of(h, 0, &key)) return nullptr;
+  const int64_t i = t.find(key);
+  if (i < 0) Py_RETURN_NONE;
+  return PyLong_FromLongLong(t.vals[i]);
+}
+
 PyObject* chain_prefix(PyObject*, PyObject* args) {
   PyObject *k, *v, *hashes, *out;
   if (!PyArg_ParseTuple(args, "OOOO", &k, &v, &hashes, &out)) return nullptr;

@@ -1,4 +1,4 @@
-// BlockIndex's hash table for the lookup hot path: open addressing over two numpy arrays that
+// Hash tables of BlockIndex and RemoteKVIndex for the hot paths: open addressing over two numpy arrays that
 // Python owns (keys: uint64 event ids; vals: int64 block ids, -1 empty, -2 deleted), so that
 // walking a 2,048-hash chain costs ~15 ns a hash instead of a Python dict's ~45.
 #pragma once
@@ -11,6 +11,14 @@ namespace mmreuse {
 PyObject* table_put(PyObject* self, PyObject* args);
 // table_del(keys, vals, key) -> bool
 PyObject* table_del(PyObject* self, PyObject* args);
+// table_add(keys, vals, hashes, delta) -> (new_slots, added, removed): add delta to each hash's
+// value, inserting it (delta > 0) or deleting it when the value reaches <= 0. All hashes are
+// validated before any change. The table must have room for len(hashes) new slots.
+PyObject* table_add(PyObject* self, PyObject* args);
+// table_rehash(old_keys, old_vals, new_keys, new_vals) -> live entries copied
+PyObject* table_rehash(PyObject* self, PyObject* args);
+// table_get(keys, vals, hash) -> int | None
+PyObject* table_get(PyObject* self, PyObject* args);
 // chain_prefix(keys, vals, hashes, out) -> int: block ids of the leading hashes found, written
 // into the int64 buffer out. A hash is an int event id in [0, 2**64) or digest bytes (keyed by
 // their low 64 bits, big-endian, as vLLM's KV events publish them).

@@ -16,6 +16,11 @@ extern "C" PyObject* PyInit__C(void) {
       {"table_put", mmreuse::table_put, METH_VARARGS,
        "table_put(keys, vals, key, block_id): insert or update (see index_helpers.h)"},
       {"table_del", mmreuse::table_del, METH_VARARGS, "table_del(keys, vals, key) -> bool"},
+      {"table_add", mmreuse::table_add, METH_VARARGS,
+       "table_add(keys, vals, hashes, delta) -> (new_slots, added, removed)"},
+      {"table_rehash", mmreuse::table_rehash, METH_VARARGS,
+       "table_rehash(old_keys, old_vals, new_keys, new_vals) -> live"},
+      {"table_get", mmreuse::table_get, METH_VARARGS, "table_get(keys, vals, hash) -> int | None"},
       {"chain_prefix", mmreuse::chain_prefix, METH_VARARGS,
        "chain_prefix(keys, vals, hashes, out) -> int: block ids of the leading hashes found, "
        "written into the int64 buffer out; returns how many"},

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._C import chain_prefix, table_del, table_put
+from ._table import HashTable
 from .hashing import to_event_id
 
 BlockHashKey = int  # the 64-bit event id form; bytes are converted with to_event_id
@@ -197,31 +197,16 @@ class BlockIndex:
         self._block_of: dict[BlockHashKey, int] = {}  # hash -> the block lookups use
         self._hash_in: list[BlockHashKey | None] = [None] * num_blocks  # block -> its hash
         self._holders: dict[BlockHashKey, set[int]] = {}  # hashes held by > 1 block
-        self._buf = np.empty(0, dtype=np.int64)
-        # `_block_of` mirrored in an open-addressing table that chain_prefix walks in C.
-        self._rebuild_table(64)
-
-    def _rebuild_table(self, capacity: int) -> None:
-        cap = 64
-        while cap < capacity:
-            cap *= 2
-        self._tkeys = np.zeros(cap, dtype=np.uint64)
-        self._tvals = np.full(cap, -1, dtype=np.int64)
-        for key, block in self._block_of.items():
-            table_put(self._tkeys, self._tvals, key, block)
-        self._tused = len(self._block_of)  # live + deleted slots
+        # `_block_of` mirrored in a table that lookup_prefix walks in C.
+        self._table = HashTable()
 
     def _map_set(self, key: BlockHashKey, block_id: int) -> None:
-        if key not in self._block_of:
-            if 2 * (self._tused + 1) > self._tkeys.size:
-                self._rebuild_table(4 * (len(self._block_of) + 1))
-            self._tused += 1
         self._block_of[key] = block_id
-        table_put(self._tkeys, self._tvals, key, block_id)
+        self._table.put(key, block_id)
 
     def _map_del(self, key: BlockHashKey) -> None:
         del self._block_of[key]
-        table_del(self._tkeys, self._tvals, key)
+        self._table.delete(key)
 
     @property
     def num_blocks(self) -> int:
@@ -283,7 +268,7 @@ class BlockIndex:
         self._block_of.clear()
         self._holders.clear()
         self._hash_in = [None] * self.num_blocks
-        self._rebuild_table(64)
+        self._table.clear()
 
     def block_id(self, block_hash: bytes | int) -> int | None:
         """The block holding `block_hash`, if any."""
@@ -294,12 +279,9 @@ class BlockIndex:
         if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
             raise ValueError(f"block_hashes must be a sequence of hashes, got {block_hashes!r}")
         keys = block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
-        n = len(keys)
-        if self._buf.size < n:
-            self._buf = np.empty(max(n, 2 * self._buf.size), dtype=np.int64)
-        found = chain_prefix(self._tkeys, self._tvals, keys, self._buf)  # validates what it reads
+        found, buf = self._table.prefix(keys)  # validates each hash it reads
         res = self.residency
-        ids = torch.from_numpy(self._buf[:found].copy()).to(res.device)
+        ids = torch.from_numpy(buf[:found].copy()).to(res.device)
         hit = int(ops.residency_prefix(res.bitmap, ids, res.num_blocks))
         ids = ids[:hit]
         return hit, CoverageProof(ids, res.generations.index_select(0, ids))
