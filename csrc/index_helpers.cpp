@@ -69,9 +69,16 @@ bool key_of(PyObject* h, Py_ssize_t index, uint64_t* key) {
   if (PyLong_Check(h) && !PyBool_Check(h)) {
     // PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray (~25 ns); the mask form
     // reads the digits directly, so range-check by sign and bit length first.
-    if (_PyLong_Sign(h) < 0 || _PyLong_NumBits(h) > 64) {
+    // vLLM <= 0.10.1 published Python's signed builtin hash(): accept [-2**63, 0) as the
+    // two's complement (the mask read gives exactly that).
+    const int sign = _PyLong_Sign(h);
+    const size_t bits = _PyLong_NumBits(h);
+    if (sign >= 0 ? bits > 64 : bits > 64 || (bits == 64 && PyLong_AsLongLong(h) == -1 &&
+                                              PyErr_Occurred())) {
+      PyErr_Clear();
       PyErr_Format(PyExc_ValueError,
-                   "block_hashes[%zd] must be a 64-bit event id in [0, 2**64), got %R", index, h);
+                   "block_hashes[%zd] must be a 64-bit event id in [-2**63, 2**64), got %R", index,
+                   h);
       return false;
     }
     *key = PyLong_AsUnsignedLongLongMask(h);

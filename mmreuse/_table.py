@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch  # noqa: F401  (loads libtorch, which the _C extension links against)
 
 from ._C import chain_prefix, table_add, table_del, table_get, table_put, table_rehash
 

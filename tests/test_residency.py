@@ -120,7 +120,7 @@ def test_block_index_bad_input():
         (lambda: idx.store(2**64, 1), "block_hash"), (lambda: idx.store(b"123", 1), "block_hash"),
         (lambda: idx.evict_block(9), "block_id"),
         (lambda: idx.lookup_prefix(h(0)), "block_hashes"),
-        (lambda: idx.lookup_prefix([-1]), r"block_hashes\[0\]"),
+        (lambda: idx.lookup_prefix([-2**63 - 1]), r"block_hashes\[0\]"),
         (lambda: idx.lookup_prefix([1.5]), r"block_hashes\[0\]"),
         (lambda: idx.validate((1, 2)), "CoverageProof"),
     ]:

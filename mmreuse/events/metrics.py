@@ -1,0 +1,60 @@
+"""Prometheus metrics of the KV-event subscriber and the embedding-availability index."""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class Metrics:
+    """One set of mmreuse metrics, labelled by instance, in one registry.
+
+    `Metrics.default()` registers once in prometheus_client's default registry; tests and
+    embedders may pass their own registry.
+    """
+
+    _default: Metrics | None = None
+    _default_lock = threading.Lock()
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.batches = Counter("mmreuse_kv_event_batches_total",
+                               "KV-event batches applied", ["instance"], registry=r)
+        self.events = Counter("mmreuse_kv_events_total",
+                              "KV events applied, by type", ["instance", "type"], registry=r)
+        self.gaps = Counter("mmreuse_kv_event_gaps_total",
+                            "Sequence gaps detected", ["instance"], registry=r)
+        self.replays = Counter("mmreuse_kv_event_replays_total",
+                               "Replay requests sent to the publisher", ["instance"], registry=r)
+        self.resyncs = Counter("mmreuse_kv_event_resyncs_total",
+                               "Index resets after a loss replay could not cover", ["instance"],
+                               registry=r)
+        self.restarts = Counter("mmreuse_kv_event_publisher_restarts_total",
+                                "Publisher restarts detected (sequence going back)", ["instance"],
+                                registry=r)
+        self.malformed = Counter("mmreuse_kv_event_malformed_total",
+                                 "Malformed frames or payloads", ["instance"], registry=r)
+        self.index_size = Gauge("mmreuse_kv_index_blocks",
+                                "Distinct block hashes held, per instance and medium",
+                                ["instance", "medium"], registry=r)
+        self.availability_entries = Gauge("mmreuse_availability_entries",
+                                          "Embedding-availability entries, per location",
+                                          ["location"], registry=r)
+        self.availability_expired = Counter("mmreuse_availability_expired_total",
+                                            "Availability entries dropped for staleness (TTL)",
+                                            ["location"], registry=r)
+        self.availability_evicted = Counter("mmreuse_availability_evicted_total",
+                                            "Availability entries dropped for capacity (LRU)",
+                                            ["location"], registry=r)
+
+    @classmethod
+    def default(cls) -> Metrics:
+        """The process-wide metrics in prometheus_client's default registry."""
+        with cls._default_lock:
+            if cls._default is None:
+                from prometheus_client import REGISTRY
+
+                cls._default = cls(REGISTRY)
+            return cls._default

@@ -1,0 +1,163 @@
+"""vLLM's KV-event wire format (vllm/distributed/kv_events.py), decoded with msgspec.
+
+A batch is a msgpack array `[ts, events, data_parallel_rank]`. In vLLM 0.33.0 each event is a
+msgpack *map* tagged `"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"`, fields equal
+to their default omitted. Older vLLM (see LEGACY_LAYOUT_VERSIONS) sent each event as a tagged
+*array* `["BlockStored", block_hashes, parent_block_hash, ...]`; `decode_batch` accepts both.
+Block hashes are 64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, the default since 0.10.2:
+the low 64 bits of the digest, big-endian) or the raw digest bytes (=0); vLLM <= 0.10.1 sent
+signed ints from Python's builtin hash().
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+ExternalBlockHash = Union[bytes, int]
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
+# The vLLM releases whose events are tagged arrays (KVCacheEvent had array_like=True), read off
+# every wheel 0.9.0 - 0.33.0. Events are tagged maps from 0.24.0 on; the batch is an array in
+# all of them ([ts, events] in 0.9.0, [ts, events, data_parallel_rank] from 0.9.1).
+LEGACY_LAYOUT_VERSIONS = "0.9.0 - 0.23.0"
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class of the KV cache events (vLLM 0.33.0: tagged maps)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None  # deprecated in vLLM: lora_name keys the hash
+    medium: str | None
+    lora_name: str | None
+    # One entry per block hash: the untagged extra keys (lora name, (mm id, offset) pairs,
+    # cache salt, prompt-embeds digests); the LoRA path of the real key is not published.
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+KVCacheEventType = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEventBatch(EventBatch):
+    events: list[KVCacheEventType]
+
+
+# ---- the legacy layout: the same events as tagged arrays ------------------------------------
+
+class _LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _LegacyBlockStored(_LegacyEvent, tag="BlockStored"):
+    # Every declared field is written in the array layout; later releases appended fields:
+    # medium (0.10.2), lora_name (0.14.0), extra_keys (0.17.0), group_idx (0.20.0),
+    # kv_cache_spec_kind / _sliding_window (0.22.0).
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _LegacyBlockRemoved(_LegacyEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _LegacyAllBlocksCleared(_LegacyEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _LegacyBatch(EventBatch):
+    events: list[Union[_LegacyBlockStored, _LegacyBlockRemoved, _LegacyAllBlocksCleared]]
+
+
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_legacy_decoder = msgspec.msgpack.Decoder(_LegacyBatch)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class MalformedBatch(ValueError):
+    """A payload that is not a vLLM KV-event batch in either layout."""
+
+
+def _from_legacy(batch: _LegacyBatch) -> KVEventBatch:
+    events: list[KVCacheEventType] = []
+    for e in batch.events:
+        if isinstance(e, _LegacyBlockStored):
+            events.append(BlockStored(
+                block_hashes=e.block_hashes, parent_block_hash=e.parent_block_hash,
+                token_ids=e.token_ids, block_size=e.block_size, lora_id=e.lora_id,
+                medium=e.medium, lora_name=e.lora_name, extra_keys=e.extra_keys,
+                group_idx=e.group_idx, kv_cache_spec_kind=e.kv_cache_spec_kind,
+                kv_cache_spec_sliding_window=e.kv_cache_spec_sliding_window))
+        elif isinstance(e, _LegacyBlockRemoved):
+            events.append(BlockRemoved(block_hashes=e.block_hashes, medium=e.medium,
+                                       group_idx=e.group_idx))
+        else:
+            events.append(AllBlocksCleared())
+    return KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode one published batch (either layout); raises MalformedBatch naming the problem."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise MalformedBatch(f"payload must be bytes, got {type(payload).__name__}")
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        try:
+            return _from_legacy(_legacy_decoder.decode(payload))
+        except msgspec.DecodeError:
+            raise MalformedBatch(f"not a vLLM KV-event batch: {exc}") from None
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """vLLM's encoding of a batch (msgspec msgpack), e.g. for test publishers."""
+    return _encoder.encode(batch)
+
+
+def to_builtins(batch: KVEventBatch) -> Any:
+    """The batch as JSON builtins (tuples as lists, bytes as base64), as the fixtures hold it."""
+    return msgspec.json.decode(msgspec.json.encode(batch))

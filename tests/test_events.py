@@ -1,0 +1,330 @@
+"""KV events: vLLM 0.33.0's wire fixtures, the legacy layout, RemoteKVIndex, and a real ZMQ
+subscriber over loopback against a publisher with vLLM's frames and replay protocol."""
+
+import base64
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from mmreuse.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventSubscriber,
+    MalformedBatch,
+    Metrics,
+    RemoteKVIndex,
+    decode_batch,
+    encode_batch,
+    to_builtins,
+)
+from mmreuse.hashing import to_event_id
+
+from .kv_publisher import TestPublisher
+
+FIXTURES = json.loads((Path(__file__).parent / "data/vllm-0.33.0-kv-events.json").read_text())
+
+
+@pytest.mark.parametrize("fx", FIXTURES["fixtures"], ids=[f["id"] for f in FIXTURES["fixtures"]])
+def test_vllm_fixture_decodes_exactly(fx):
+    payload = base64.b64decode(fx["payload_b64"])
+    batch = decode_batch(payload)
+    assert to_builtins(batch) == fx["decoded"]
+    assert encode_batch(batch) == payload  # and re-encodes byte for byte
+    assert bytes.fromhex(fx["seq_frame_hex"]) == fx["seq"].to_bytes(8, "big")
+    for e in batch.events:
+        if isinstance(e, (BlockStored, BlockRemoved)):
+            kind = {bytes: "bytes32", int: "int64"}[type(e.block_hashes[0])]
+            assert kind == fx["hash_mode"]
+
+
+def stored(hashes, medium="GPU", **kw):
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+                       block_size=16, lora_id=None, medium=medium, lora_name=None, **kw)
+
+
+def batch(*events, ts=1.0):
+    return KVEventBatch(ts=ts, events=list(events), data_parallel_rank=0)
+
+
+def test_legacy_array_layout_decodes():
+    class LegacyEvent(msgspec.Struct, array_like=True, tag=True):
+        pass
+
+    class BlockStoredOld(LegacyEvent, tag="BlockStored"):
+        block_hashes: list
+        parent_block_hash: object
+        token_ids: list
+        block_size: int
+        lora_id: object
+        medium: object
+
+    class BlockRemovedOld(LegacyEvent, tag="BlockRemoved"):
+        block_hashes: list
+        medium: object
+
+    class AllClearedOld(LegacyEvent, tag="AllBlocksCleared"):
+        pass
+
+    payload = msgspec.msgpack.encode([2.0, [BlockStoredOld([7, 8], None, [1, 2], 16, None, "GPU"),
+                                            BlockRemovedOld([7], "GPU"), AllClearedOld()], 3])
+    assert msgspec.msgpack.decode(payload)[1][0][0] == "BlockStored"  # really arrays
+    b = decode_batch(payload)
+    assert b.data_parallel_rank == 3 and b.ts == 2.0
+    assert b.events[0] == stored([7, 8], token_ids=None) if False else b.events[0].block_hashes == [7, 8]
+    assert isinstance(b.events[1], BlockRemoved) and isinstance(b.events[2], AllBlocksCleared)
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x93\x01", b"not msgpack", msgspec.msgpack.encode([1.0, [{"type": "Nope"}]])])
+def test_malformed_payloads_raise(payload):
+    with pytest.raises(MalformedBatch):
+        decode_batch(payload)
+    with pytest.raises(MalformedBatch, match="bytes"):
+        decode_batch("text")
+
+
+# ---- RemoteKVIndex ------------------------------------------------------------------------
+
+def h(i):
+    return hashlib.sha256(f"blk{i}".encode()).digest()
+
+
+def test_index_prefix_media_and_clear():
+    idx = RemoteKVIndex("p0")
+    idx.apply(batch(stored([to_event_id(h(i)) for i in range(5)]), stored([h(9)], medium="CPU")))
+    assert idx.longest_prefix([h(0), h(1), h(2), h(7)]) == 3  # bytes meet ints
+    assert idx.longest_prefix([to_event_id(h(0))]) == 1
+    assert idx.contains(h(9), medium="CPU") and not idx.contains(h(9))
+    assert idx.media() == ("CPU", "GPU") and idx.size() == 5
+    idx.apply(batch(BlockRemoved(block_hashes=[to_event_id(h(1))], medium="GPU")))
+    assert idx.longest_prefix([h(0), h(1), h(2)]) == 1
+    idx.apply(batch(AllBlocksCleared()))
+    assert idx.size() == 0 and idx.size("CPU") == 0
+
+
+def test_index_duplicate_blocks_need_two_removals():
+    idx = RemoteKVIndex()
+    idx.apply(batch(stored([1]), stored([1])))
+    idx.apply(batch(BlockRemoved(block_hashes=[1], medium="GPU")))
+    assert idx.contains(1)
+    idx.apply(batch(BlockRemoved(block_hashes=[1], medium="GPU"), BlockRemoved(block_hashes=[1], medium="GPU")))
+    assert not idx.contains(1)
+
+
+def test_index_batch_is_all_or_nothing():
+    idx = RemoteKVIndex()
+    with pytest.raises(ValueError, match="8 bytes"):
+        idx.apply(batch(stored([1, 2]), BlockRemoved(block_hashes=[b"short"], medium="GPU")))
+    assert idx.size() == 0
+    for bad in ([-2**63 - 1], [2**64], [1.5]):
+        with pytest.raises(ValueError, match="block_hashes"):
+            idx.longest_prefix(bad)
+    with pytest.raises(ValueError, match="instance"):
+        RemoteKVIndex("")
+    with pytest.raises(ValueError, match="KVEventBatch"):
+        idx.apply([1])
+
+
+# ---- the subscriber over loopback ZMQ -----------------------------------------------------
+
+def wait_for(pred, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)  # closes whatever a failed test left open
+
+
+@pytest.fixture
+def metrics():
+    return Metrics(CollectorRegistry())
+
+
+def value(metric, *labels):
+    return metric.labels(*labels)._value.get()
+
+
+def run(ctx, metrics, pub, **kw):
+    idx = RemoteKVIndex("p0")
+    sub = KVEventSubscriber(pub.endpoint, kw.pop("replay", pub.replay_endpoint), index=idx,
+                            metrics=metrics, context=ctx, **kw)
+    return idx, sub.start()
+
+
+def test_late_subscriber_replays_from_zero(ctx, metrics):
+    pub = TestPublisher(ctx)
+    for i in range(20):
+        pub.publish(batch(stored([i])))
+    idx, sub = run(ctx, metrics, pub)
+    try:
+        time.sleep(0.2)  # let the SUB connect (slow joiner)
+        pub.publish(batch(stored([20])))
+        assert wait_for(lambda: sub.applied_seq == 20)
+        assert idx.longest_prefix(list(range(21))) == 21
+        assert value(metrics.replays, "p0") >= 1 and value(metrics.resyncs, "p0") == 0
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_dropped_batches_are_replayed(ctx, metrics):
+    pub = TestPublisher(ctx)
+    idx, sub = run(ctx, metrics, pub)
+    try:
+        time.sleep(0.2)
+        pub.publish(batch(stored([0])))
+        assert wait_for(lambda: sub.applied_seq == 0)
+        pub.publish(batch(stored([1])), drop=True)
+        pub.publish(batch(BlockRemoved(block_hashes=[0], medium="GPU")), drop=True)
+        pub.publish(batch(stored([3])))
+        assert wait_for(lambda: sub.applied_seq == 3)
+        assert not idx.contains(0) and idx.contains(1) and idx.contains(3)
+        assert value(metrics.gaps, "p0") == 1 and value(metrics.replays, "p0") == 1
+        assert value(metrics.resyncs, "p0") == 0
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_gap_beyond_the_replay_buffer_resets_the_view(ctx, metrics):
+    pub = TestPublisher(ctx, buffer_steps=2)
+    idx, sub = run(ctx, metrics, pub)
+    try:
+        time.sleep(0.2)
+        pub.publish(batch(stored([100])))
+        assert wait_for(lambda: sub.applied_seq == 0)
+        for i in range(1, 6):  # lost, and the buffer keeps only the last 2
+            pub.publish(batch(BlockRemoved(block_hashes=[100], medium="GPU"), stored([i])), drop=True)
+        pub.publish(batch(stored([6])))
+        assert wait_for(lambda: sub.applied_seq == 6)
+        assert value(metrics.resyncs, "p0") == 1
+        # the stale block 100 is gone (the view was reset); what the replay held is back
+        assert not idx.contains(100) and idx.contains(5) and idx.contains(6) and not idx.contains(1)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_no_replay_endpoint_resets_on_a_gap(ctx, metrics):
+    pub = TestPublisher(ctx)
+    idx, sub = run(ctx, metrics, pub, replay=None)
+    try:
+        time.sleep(0.2)
+        pub.publish(batch(stored([1])))
+        assert wait_for(lambda: sub.applied_seq == 0)
+        pub.publish(batch(stored([2])), drop=True)
+        pub.publish(batch(stored([3])))
+        assert wait_for(lambda: sub.applied_seq == 2)
+        assert value(metrics.resyncs, "p0") == 1 and not idx.contains(1) and idx.contains(3)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_publisher_restart_resets_the_view(ctx, metrics):
+    pub = TestPublisher(ctx)
+    idx, sub = run(ctx, metrics, pub)
+    try:
+        time.sleep(0.2)
+        for i in range(5):
+            pub.publish(batch(stored([i])))
+        assert wait_for(lambda: sub.applied_seq == 4)
+        endpoint, replay = pub.endpoint, pub.replay_endpoint
+        pub.close()
+        pub = TestPublisher(ctx, pub_endpoint=endpoint, replay_endpoint=replay)
+        pub.publish(batch(stored([50])))  # seq 0 of the new process; the SUB may miss it
+        for i in range(100):  # until the SUB has reconnected
+            if idx.contains(50):
+                break
+            pub.publish(batch(stored([51 + i])))
+            time.sleep(0.05)
+        assert wait_for(lambda: idx.contains(50))  # replayed from 0 if missed live
+        assert value(metrics.restarts, "p0") == 1
+        assert not idx.contains(0)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_burst_is_applied_in_order(ctx, metrics):
+    pub = TestPublisher(ctx)
+    idx, sub = run(ctx, metrics, pub)
+    try:
+        time.sleep(0.2)
+        n = 3000
+        for i in range(n):
+            pub.publish(batch(stored([i * 16 + j for j in range(16)]),
+                              BlockRemoved(block_hashes=[i * 16], medium="GPU")))
+        assert wait_for(lambda: sub.applied_seq == n - 1, timeout=30)
+        assert idx.size() == n * 15
+        assert value(metrics.batches, "p0") == n
+        assert value(metrics.events, "p0", "BlockStored") == n
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_malformed_frames_and_payloads_are_counted_and_survived(ctx, metrics):
+    pub = TestPublisher(ctx)
+    idx, sub = run(ctx, metrics, pub)
+    try:
+        time.sleep(0.2)
+        pub.publish(batch(stored([1])))
+        assert wait_for(lambda: sub.applied_seq == 0)
+        pub.send_raw([b"", b"\x00\x01"])  # wrong frame count / seq width
+        pub.publish(b"\xc1garbage")  # seq 1: undecodable, lost -> the view resets
+        pub.publish(batch(stored([2])))
+        assert wait_for(lambda: sub.applied_seq == 2)
+        assert value(metrics.malformed, "p0") == 2
+        assert value(metrics.resyncs, "p0") == 1
+        assert idx.contains(2) and not idx.contains(1)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_topic_filter_and_clean_idle(ctx, metrics):
+    pub = TestPublisher(ctx, topic="kv")
+    idx = RemoteKVIndex("p1")
+    sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint, topic="kv", index=idx,
+                            metrics=metrics, context=ctx).start()
+    try:
+        time.sleep(0.2)
+        pub.publish(batch(stored([9])))
+        assert wait_for(lambda: idx.contains(9))
+        t0 = time.process_time()
+        time.sleep(0.5)  # idle: the thread waits in poll, no busy loop
+        assert time.process_time() - t0 < 0.2
+    finally:
+        sub.stop()
+        pub.close()
+    with pytest.raises(RuntimeError, match="started"):
+        sub._thread = object()
+        sub.start()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"endpoint": "localhost:5557"}, "endpoint"),
+    ({"endpoint": "tcp://127.0.0.1:1", "replay_endpoint": "x"}, "replay_endpoint"),
+    ({"endpoint": "tcp://127.0.0.1:1", "topic": 3}, "topic"),
+    ({"endpoint": "tcp://127.0.0.1:1", "index": {}}, "index"),
+    ({"endpoint": "tcp://127.0.0.1:1", "replay_timeout_s": 0}, "replay_timeout_s"),
+])
+def test_subscriber_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KVEventSubscriber(**kwargs)
