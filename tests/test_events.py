@@ -328,3 +328,36 @@ def test_topic_filter_and_clean_idle(ctx, metrics):
 def test_subscriber_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KVEventSubscriber(**kwargs)
+
+
+# ---- against vLLM's own prefix cache ------------------------------------------------------
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_longest_prefix_equals_vllm_block_pool_hits(seed):
+    """Replay vLLM 0.33.0's real BlockPool events; at every admission, RemoteKVIndex fed by them
+    hits as many leading blocks as vLLM's prefix cache, with the query hashed by mmreuse."""
+    import subprocess
+
+    from mmreuse import BlockHasher
+
+    from .oracle_client import require_oracle
+
+    py, script = require_oracle()
+    out = subprocess.run([str(py), str(Path(__file__).parent / "vllm_blockpool_oracle.py"),
+                          str(script.parent), str(seed)], capture_output=True, text=True,
+                         check=True)
+    steps = json.loads(out.stdout.strip().splitlines()[-1])
+    hasher = BlockHasher("sha256", 16, seed="0")
+    idx = RemoteKVIndex("vllm")
+    queries = hits = 0
+    for step in steps:
+        if "batch" in step:
+            idx.apply(decode_batch(base64.b64decode(step["batch"])))
+        else:
+            hashes = hasher.hash_prompt(step["tokens"])
+            assert idx.longest_prefix([to_event_id(x) for x in hashes]) == step["expected"]
+            assert idx.longest_prefix(hashes) == step["expected"]
+            queries += 1
+            hits += step["expected"] > 0
+    assert queries > 100 and hits > 30  # the scenario exercises real reuse and eviction

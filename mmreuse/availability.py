@@ -1,0 +1,213 @@
+"""Where encoder embeddings are available: P's encoder caches, external stores, E's caches.
+
+vLLM publishes no encoder-cache events (demand-semantics.md §4.4), so this index is fed by
+explicit deltas (`added` / `removed`) from whatever observes those caches (a P-side plugin, the
+EC store, E's responses). Every entry has a staleness bound (TTL, refreshed by each delta that
+mentions it) and every location a capacity bound (LRU), both via cachetools. Entries are scoped
+by tenant (cache salt, LoRA name): an identifier one tenant made available never satisfies
+another's request. `availability_for` turns the view into `compute_demand`'s `Availability`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import cachetools
+
+from .demand import Availability
+from .events.metrics import Metrics
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """The isolation scope of an entry: vLLM's cache salt and LoRA name of the request."""
+
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cache_salt", "lora_name"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"{name} must be a str or None, got {v!r}")
+
+
+class _Entries(cachetools.TTLCache):
+    """A TTL + LRU cache that reports what it drops."""
+
+    def __init__(self, maxsize: int, ttl: float, timer: Callable[[], float],
+                 on_drop: Callable[[str, int], None]) -> None:
+        super().__init__(maxsize, ttl, timer)
+        self._on_drop = on_drop
+
+    def expire(self, time: float | None = None):  # noqa: A002  (cachetools' name)
+        expired = super().expire(time)
+        if expired:
+            self._on_drop("expired", len(expired))
+        return expired
+
+    def popitem(self):
+        item = super().popitem()
+        self._on_drop("evicted", 1)
+        return item
+
+
+def _check_name(field: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{field} must be a non-empty str, got {value!r}")
+    return value
+
+
+def _check_ids(field: str, ids: Any) -> list[str]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError(f"{field} must be an iterable of identifiers, got {ids!r}")
+    out = list(ids)
+    for i in out:
+        if not isinstance(i, str) or not i:
+            raise ValueError(f"{field} must hold non-empty str identifiers, got {i!r}")
+    return out
+
+
+class EmbeddingAvailability:
+    """Embedding availability per P instance, external store and E instance, per tenant.
+
+    Args:
+        ttl_s: seconds an entry stays without a delta mentioning it.
+        max_entries: entries per location and tenant (least recently updated dropped first).
+        timer: the clock (monotonic seconds); injectable for tests and the simulator.
+        metrics: Prometheus metrics (default: the process-wide ones).
+    """
+
+    def __init__(self, *, ttl_s: float = 60.0, max_entries: int = 100_000,
+                 timer: Callable[[], float] = time.monotonic, metrics: Metrics | None = None) -> None:
+        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries must be an int >= 1, got {max_entries!r}")
+        self.ttl_s = float(ttl_s)
+        self.max_entries = max_entries
+        self._timer = timer
+        self._metrics = metrics if metrics is not None else Metrics.default()
+        self._caches: dict[tuple[str, str, Tenant], _Entries] = {}
+        self._lock = threading.Lock()
+
+    def _cache(self, kind: str, name: str, tenant: Tenant) -> _Entries:
+        key = (kind, name, tenant)
+        cache = self._caches.get(key)
+        if cache is None:
+            location = f"{kind}:{name}"
+
+            def on_drop(reason: str, n: int, location: str = location) -> None:
+                counter = (self._metrics.availability_expired if reason == "expired"
+                           else self._metrics.availability_evicted)
+                counter.labels(location).inc(n)
+
+            cache = self._caches[key] = _Entries(self.max_entries, self.ttl_s, self._timer, on_drop)
+        return cache
+
+    def _gauge(self, kind: str, name: str) -> None:
+        total = sum(len(c) for (k, n, _), c in self._caches.items() if k == kind and n == name)
+        self._metrics.availability_entries.labels(f"{kind}:{name}").set(total)
+
+    # ---- deltas -------------------------------------------------------------------------------
+
+    def update_p(self, instance: str, *, added: Mapping[str, int] | None = None,
+                 removed: Iterable[str] = (), freeable: Iterable[str] = (),
+                 referenced: Iterable[str] = (), cache_salt: str | None = None,
+                 lora_name: str | None = None) -> None:
+        """P's encoder cache changed: `added` (identifier -> num_embeds, referenced), `freeable`
+        (no references left, still cached), `referenced` (in use again), `removed` (evicted)."""
+        _check_name("instance", instance)
+        added = {} if added is None else added
+        if not isinstance(added, Mapping):
+            raise ValueError(f"added must be a mapping identifier -> num_embeds, got {added!r}")
+        for ident, n in added.items():
+            _check_ids("added", [ident])
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"added[{ident!r}] must be a num_embeds int >= 1, got {n!r}")
+        removed_ids, freeable_ids, referenced_ids = (
+            _check_ids("removed", removed), _check_ids("freeable", freeable),
+            _check_ids("referenced", referenced))
+        tenant = Tenant(cache_salt, lora_name)
+        with self._lock:
+            cache = self._cache("p", instance, tenant)
+            for ident, n in added.items():
+                cache[ident] = (n, False)
+            for ident, flag in ((i, True) for i in freeable_ids):
+                if ident in cache:
+                    cache[ident] = (cache[ident][0], flag)
+            for ident in referenced_ids:
+                if ident in cache:
+                    cache[ident] = (cache[ident][0], False)
+            for ident in removed_ids:
+                cache.pop(ident, None)
+            self._gauge("p", instance)
+
+    def update_external(self, *, store: str = "default", added: Iterable[str] = (),
+                        removed: Iterable[str] = (), cache_salt: str | None = None,
+                        lora_name: str | None = None) -> None:
+        """An external embedding store (what P's EC connector can load) changed."""
+        self._update_set("ext", _check_name("store", store), added, removed,
+                         Tenant(cache_salt, lora_name))
+
+    def update_e(self, instance: str, *, added: Iterable[str] = (), removed: Iterable[str] = (),
+                 cache_salt: str | None = None, lora_name: str | None = None) -> None:
+        """E's cache changed (it can serve these without an encoder forward)."""
+        self._update_set("e", _check_name("instance", instance), added, removed,
+                         Tenant(cache_salt, lora_name))
+
+    def _update_set(self, kind: str, name: str, added: Iterable[str], removed: Iterable[str],
+                    tenant: Tenant) -> None:
+        added_ids, removed_ids = _check_ids("added", added), _check_ids("removed", removed)
+        with self._lock:
+            cache = self._cache(kind, name, tenant)
+            for ident in added_ids:
+                cache[ident] = True
+            for ident in removed_ids:
+                cache.pop(ident, None)
+            self._gauge(kind, name)
+
+    def forget_instance(self, kind: str, name: str) -> None:
+        """Drop everything known about a location (e.g. the instance restarted)."""
+        if kind not in ("p", "ext", "e"):
+            raise ValueError(f"kind must be 'p', 'ext' or 'e', got {kind!r}")
+        with self._lock:
+            for key in [k for k in self._caches if k[0] == kind and k[1] == name]:
+                del self._caches[key]
+            self._gauge(kind, name)
+
+    # ---- the view -----------------------------------------------------------------------------
+
+    def availability_for(self, p_instance: str, e_instance: str | None = None, *,
+                         store: str | None = "default", cache_salt: str | None = None,
+                         lora_name: str | None = None) -> Availability:
+        """compute_demand's Availability for a request of this tenant, P instance and E instance."""
+        _check_name("p_instance", p_instance)
+        if e_instance is not None:
+            _check_name("e_instance", e_instance)
+        tenant = Tenant(cache_salt, lora_name)
+        with self._lock:
+            p_local: dict[str, int] = {}
+            freeable: set[str] = set()
+            cache = self._caches.get(("p", p_instance, tenant))
+            if cache is not None:
+                cache.expire()
+                for ident, (n, is_freeable) in cache.items():
+                    p_local[ident] = n
+                    if is_freeable:
+                        freeable.add(ident)
+            external = self._ids("ext", store, tenant) if store is not None else frozenset()
+            e_cached = self._ids("e", e_instance, tenant) if e_instance is not None else frozenset()
+        return Availability(p_local=p_local, p_local_freeable=frozenset(freeable),
+                            p_external=external, e_cached=e_cached)
+
+    def _ids(self, kind: str, name: str, tenant: Tenant) -> frozenset[str]:
+        cache = self._caches.get((kind, name, tenant))
+        if cache is None:
+            return frozenset()
+        cache.expire()
+        return frozenset(cache.keys())

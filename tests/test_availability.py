@@ -1,0 +1,117 @@
+"""EmbeddingAvailability: deltas, TTL staleness, LRU capacity, tenant isolation, metrics."""
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from mmreuse import Availability, MMOccurrence, compute_demand
+from mmreuse.availability import EmbeddingAvailability, Tenant
+from mmreuse.events import Metrics
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def env():
+    clock = Clock()
+    metrics = Metrics(CollectorRegistry())
+    return EmbeddingAvailability(ttl_s=10, max_entries=3, timer=clock, metrics=metrics), clock, metrics
+
+
+def value(metric, *labels):
+    return metric.labels(*labels)._value.get()
+
+
+def test_deltas_build_the_availability(env):
+    av, _, metrics = env
+    av.update_p("p0", added={"a": 16, "b": 8})
+    av.update_p("p0", freeable=["b"])
+    av.update_external(added=["c"])
+    av.update_e("e0", added=["d"])
+    got = av.availability_for("p0", "e0")
+    assert got == Availability(p_local={"a": 16, "b": 8}, p_local_freeable=frozenset({"b"}),
+                               p_external=frozenset({"c"}), e_cached=frozenset({"d"}))
+    av.update_p("p0", referenced=["b"], removed=["a"])
+    av.update_external(removed=["c"])
+    got = av.availability_for("p0", "e0")
+    assert got.p_local == {"b": 8} and not got.p_local_freeable and not got.p_external
+    assert av.availability_for("p1", "e1") == Availability()
+    assert value(metrics.availability_entries, "p:p0") == 1
+
+
+def test_entries_go_stale_after_the_ttl(env):
+    av, clock, metrics = env
+    av.update_p("p0", added={"a": 4})
+    av.update_e("e0", added=["x"])
+    clock.t = 5
+    av.update_p("p0", added={"b": 4})  # refreshes only b
+    clock.t = 11
+    got = av.availability_for("p0", "e0")
+    assert got.p_local == {"b": 4} and got.e_cached == frozenset()
+    assert value(metrics.availability_expired, "p:p0") == 1
+    assert value(metrics.availability_expired, "e:e0") == 1
+
+
+def test_capacity_drops_the_least_recently_updated(env):
+    av, _, metrics = env
+    for ident in "abcd":
+        av.update_e("e0", added=[ident])
+    assert av.availability_for("p0", "e0").e_cached == frozenset("bcd")
+    assert value(metrics.availability_evicted, "e:e0") == 1
+
+
+def test_one_tenant_never_satisfies_another(env):
+    av, _, _ = env
+    av.update_p("p0", added={"img": 16}, cache_salt="tenant-a")
+    av.update_external(added=["img"], lora_name="lora-a")
+    av.update_e("e0", added=["img"], cache_salt="tenant-a")
+    assert av.availability_for("p0", "e0", cache_salt="tenant-b") == Availability()
+    assert av.availability_for("p0", "e0") == Availability()
+    assert av.availability_for("p0", "e0", cache_salt="tenant-a").p_local == {"img": 16}
+    assert av.availability_for("p0", "e0", lora_name="lora-a").p_external == {"img"}
+    # compute_demand sees no reuse across tenants
+    occ = [MMOccurrence("img", 0, 16)]
+    other = compute_demand(occ, 32, 0, av.availability_for("p0", "e0", cache_salt="tenant-b"))
+    assert other.e_demand == (("img", True),)
+
+
+def test_forget_instance(env):
+    av, _, _ = env
+    av.update_p("p0", added={"a": 1}, cache_salt="s")
+    av.update_p("p0", added={"b": 1})
+    av.forget_instance("p", "p0")
+    assert av.availability_for("p0").p_local == {}
+    assert av.availability_for("p0", cache_salt="s").p_local == {}
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda av: av.update_p("", added={"a": 1}), "instance"),
+    (lambda av: av.update_p("p0", added={"a": 0}), r"added\['a'\]"),
+    (lambda av: av.update_p("p0", added=["a"]), "mapping"),
+    (lambda av: av.update_p("p0", removed="abc"), "removed"),
+    (lambda av: av.update_e("e0", added=[1]), "added"),
+    (lambda av: av.update_external(store="", added=["a"]), "store"),
+    (lambda av: av.update_p("p0", added={"a": 1}, cache_salt=3), "cache_salt"),
+    (lambda av: av.availability_for(""), "p_instance"),
+    (lambda av: av.forget_instance("x", "p0"), "kind"),
+])
+def test_bad_input(env, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(env[0])
+
+
+@pytest.mark.parametrize("kwargs,match", [({"ttl_s": 0}, "ttl_s"), ({"max_entries": 0}, "max_entries")])
+def test_bad_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EmbeddingAvailability(**kwargs)
+
+
+def test_tenant_is_a_frozen_value():
+    assert Tenant("s", None) == Tenant("s")
+    with pytest.raises(ValueError, match="lora_name"):
+        Tenant(None, 5)
