@@ -58,9 +58,69 @@ def hash_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def simulate(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    from .sim import SimConfig, run, table
+    from .sim.report import plot, write_json
+
+    cfg = SimConfig.from_file(args.config) if args.config else SimConfig()
+    wl = cfg.workload
+    if args.workload:
+        wl = dataclasses.replace(wl, kind=args.workload)
+    if args.trace:
+        wl = dataclasses.replace(wl, kind="trace", trace_path=args.trace)
+    if args.requests is not None:
+        wl = dataclasses.replace(wl, requests=args.requests)
+    cfg = dataclasses.replace(cfg, workload=wl)
+    if args.seed is not None:
+        cfg = dataclasses.replace(cfg, seed=args.seed)
+    if args.policy:
+        cfg = dataclasses.replace(cfg, policies=tuple(args.policy))
+    if args.routing:
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, routing=args.routing))
+    t0 = time.perf_counter()
+    rows, results = run(cfg, progress=not args.no_progress)
+    elapsed = time.perf_counter() - t0
+    c = cfg.cluster
+    print(f"mmreuse simulate: workload {wl.kind}, {wl.requests} requests, seed {cfg.seed}, "
+          f"{c.num_encoders} E / {c.num_prefills} P, routing {c.routing}, "
+          f"E cache {c.e_cache_embeds}, external store {c.external_store_embeds or 'off'} "
+          f"({elapsed:.1f} s)")
+    print(table(rows))
+    occ = rows[0]["occurrences"]
+    eager = next((r for r in rows if r["policy"] == "eager"), None)
+    if eager and eager["encoder_forwards"]:
+        print(f"eager: {eager['redundant_forwards']} of {eager['encoder_forwards']} encoder forwards "
+              f"({100 * eager['redundant_forwards'] / eager['encoder_forwards']:.0f} %) were for items "
+              f"P did not need; {occ} multimodal occurrences in all")
+    if args.json:
+        write_json(rows, cfg.to_dict(), args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, rows, args.plot, f"{wl.kind}, {wl.requests} requests, seed {cfg.seed}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmreuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from .sim.config import POLICIES, WORKLOADS
+
+    sim = sub.add_parser("simulate", help="simulate an EPD cluster under each coordination policy")
+    sim.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
+    sim.add_argument("--trace", metavar="JSONL", help="replay a trace (schema: mmreuse/sim/workload.py)")
+    sim.add_argument("--policy", choices=POLICIES, action="append", help="repeatable; default: all")
+    sim.add_argument("--requests", type=int)
+    sim.add_argument("--seed", type=int)
+    sim.add_argument("--routing", choices=["affine", "random"])
+    sim.add_argument("--json", metavar="PATH")
+    sim.add_argument("--plot", metavar="PATH")
+    sim.add_argument("--config", metavar="FILE", help="JSON: {seed, policies, cost, cluster, workload}")
+    sim.add_argument("--no-progress", action="store_true")
+    sim.set_defaults(func=simulate)
     demo = sub.add_parser("hash-demo", help="hash an example multimodal request, print each block")
     demo.add_argument("--hash-fn", choices=HASH_FUNCTIONS, default="sha256")
     demo.add_argument("--block-size", type=int, default=16)

@@ -174,6 +174,8 @@ class CoverageProof:
 
 
 def _key(block_hash: Any) -> BlockHashKey:
+    if type(block_hash) is bytes and len(block_hash) >= 8:  # the common case, inlined
+        return int.from_bytes(block_hash[-8:], "big")
     if isinstance(block_hash, (bytes, bytearray)):
         return to_event_id(bytes(block_hash))
     if isinstance(block_hash, bool) or not isinstance(block_hash, int):
@@ -226,39 +228,56 @@ class BlockIndex:
 
     def store(self, block_hash: bytes | int, block_id: int) -> None:
         """Block `block_id` now holds the KV of `block_hash` (vLLM's BlockStored)."""
-        key = _key(block_hash)
-        block_id = self._check_block(block_id)
-        old = self._hash_in[block_id]
-        if old == key:
-            self.residency.mark_resident([block_id])
-            return
-        if old is not None:
-            self.evict_block(block_id)
-        self._hash_in[block_id] = key
-        current = self._block_of.get(key)
-        if current is None:
-            self._map_set(key, block_id)
-        else:
-            self._holders.setdefault(key, {current}).add(block_id)
-        self.residency.mark_resident([block_id])
+        self.store_many([block_hash], [block_id])
+
+    def store_many(self, block_hashes: Sequence[bytes | int], block_ids: Sequence[int]) -> None:
+        """`store` for a batch, with one residency update (blocks that held other content are
+        evicted first, so their generations change)."""
+        if len(block_hashes) != len(block_ids):
+            raise ValueError(f"{len(block_hashes)} block_hashes for {len(block_ids)} block_ids")
+        keys = [_key(h) for h in block_hashes]
+        blocks = [self._check_block(b) for b in block_ids]
+        if len(set(blocks)) != len(blocks):
+            raise ValueError("block_ids must be distinct within one store_many call")
+        stale = [b for b, k in zip(blocks, keys) if self._hash_in[b] not in (None, k)]
+        if stale:
+            self.evict_blocks(stale)
+        for key, block_id in zip(keys, blocks):
+            if self._hash_in[block_id] == key:
+                continue
+            self._hash_in[block_id] = key
+            current = self._block_of.get(key)
+            if current is None:
+                self._map_set(key, block_id)
+            else:
+                self._holders.setdefault(key, {current}).add(block_id)
+        if blocks:
+            self.residency.mark_resident(blocks)
 
     def evict_block(self, block_id: int) -> None:
         """Block `block_id` no longer holds its KV (vLLM's BlockRemoved); its generation changes."""
-        block_id = self._check_block(block_id)
-        self.residency.evict([block_id])
-        key = self._hash_in[block_id]
-        if key is None:
+        self.evict_blocks([block_id])
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        """`evict_block` for a batch, with one residency update."""
+        blocks = [self._check_block(b) for b in block_ids]
+        if not blocks:
             return
-        self._hash_in[block_id] = None
-        holders = self._holders.get(key)
-        if holders is not None:
-            holders.discard(block_id)
-            if self._block_of[key] == block_id:
-                self._map_set(key, next(iter(holders)))
-            if len(holders) == 1:
-                del self._holders[key]
-        elif self._block_of.get(key) == block_id:
-            self._map_del(key)
+        self.residency.evict(blocks)
+        for block_id in blocks:
+            key = self._hash_in[block_id]
+            if key is None:
+                continue
+            self._hash_in[block_id] = None
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.discard(block_id)
+                if self._block_of[key] == block_id:
+                    self._map_set(key, next(iter(holders)))
+                if len(holders) == 1:
+                    del self._holders[key]
+            elif self._block_of.get(key) == block_id:
+                self._map_del(key)
 
     def clear(self) -> None:
         """Forget every block (vLLM's AllBlocksCleared); every generation changes."""
