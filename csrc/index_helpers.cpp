@@ -111,7 +111,7 @@ PyObject* table_put(PyObject*, PyObject* args) {
     }
     if (t.keys[i] == key) {
       t.vals[i] = block;
-      Py_RETURN_NONE;
+      Py_RETURN_FALSE;
     }
   }
   if (free_slot < 0) {
@@ -120,7 +120,7 @@ PyObject* table_put(PyObject*, PyObject* args) {
   }
   t.keys[free_slot] = key;
   t.vals[free_slot] = block;
-  Py_RETURN_NONE;
+  Py_RETURN_TRUE;
 }
 
 PyObject* table_del(PyObject*, PyObject* args) {

@@ -7,7 +7,7 @@
 
 namespace mmreuse {
 
-// table_put(keys, vals, key, block_id) -> None   (the table must have a free slot)
+// table_put(keys, vals, key, block_id) -> bool: True if the key is new (needs a free slot)
 PyObject* table_put(PyObject* self, PyObject* args);
 // table_del(keys, vals, key) -> bool
 PyObject* table_del(PyObject* self, PyObject* args);

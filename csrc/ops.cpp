@@ -14,7 +14,7 @@
 extern "C" PyObject* PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"table_put", mmreuse::table_put, METH_VARARGS,
-       "table_put(keys, vals, key, block_id): insert or update (see index_helpers.h)"},
+       "table_put(keys, vals, key, block_id) -> bool: insert (True) or update (False)"},
       {"table_del", mmreuse::table_del, METH_VARARGS, "table_del(keys, vals, key) -> bool"},
       {"table_add", mmreuse::table_add, METH_VARARGS,
        "table_add(keys, vals, hashes, delta) -> (new_slots, added, removed)"},

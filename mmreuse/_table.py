@@ -40,11 +40,11 @@ class HashTable:
 
     def put(self, key: int, value: int) -> None:
         """Set key -> value (value >= 0)."""
-        self._reserve(1)
-        if table_get(self.keys, self.vals, key) is None:
+        if 2 * (self.used + 1) > self.keys.size:
+            self._reserve(1)
+        if table_put(self.keys, self.vals, key, value):
             self.used += 1  # may reuse a tombstone: over-counting only rehashes earlier
             self.live += 1
-        table_put(self.keys, self.vals, key, value)
 
     def delete(self, key: int) -> None:
         if table_del(self.keys, self.vals, key):

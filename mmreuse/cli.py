@@ -1,4 +1,4 @@
-"""The `mmreuse` command line."""
+"""The `mmreuse` command line: `mmreuse simulate` (the main job) and `mmreuse hash-demo`."""
 
 from __future__ import annotations
 

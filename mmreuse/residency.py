@@ -219,6 +219,8 @@ class BlockIndex:
         return len(self._block_of)
 
     def _check_block(self, block_id: Any) -> int:
+        if type(block_id) is int and 0 <= block_id < self.residency.num_blocks:
+            return block_id  # the common case, without the checks below
         if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
             raise ValueError(f"block_id must be an int, got {block_id!r}")
         block_id = int(block_id)

@@ -22,6 +22,7 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._block_of: dict[bytes, int] = {}  # what the index maps (a duplicate hash stays out)
         self._on_change = on_change  # (stored hashes, removed hashes) -> None
 
     def hit(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
@@ -43,7 +44,6 @@ class PrefixCache:
         stored, removed, evicted = [], [], []
         new_hashes, new_blocks = [], []
         blocks = list(held)
-        pending = set()
         for h in hashes[hit:]:
             if self._never_used:
                 b = self._never_used.pop()
@@ -53,8 +53,9 @@ class PrefixCache:
                 if old is not None:
                     evicted.append(b)
                     removed.append(old)
-            if h not in pending and self.index.block_id(h) is None:
-                pending.add(h)  # a duplicate hash stays with its first block
+                    del self._block_of[old]
+            if h not in self._block_of:  # a duplicate hash stays with its first block
+                self._block_of[h] = b
                 new_hashes.append(h)
                 new_blocks.append(b)
                 self._hash_of[b] = h

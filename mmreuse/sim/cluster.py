@@ -222,13 +222,16 @@ class Simulation:
         self._rr = (self._rr + 1) % self.cl.num_encoders
         return self._rr
 
-    def _p_demand(self, req: SimRequest, p: int, extra_local: dict[str, int] | None = None):
+    def _p_demand(self, req: SimRequest, p: int, extra_local: dict[str, int] | None = None,
+                  not_external: frozenset[str] = frozenset(), c: int | None = None):
         """P's true demand now (its KV, encoder cache, the external store)."""
         P = self.ps[p]
-        c = self._coverage(req, P.prefix.hit(self._hashes(req))[0])
+        if c is None:
+            c = self._coverage(req, P.prefix.hit(self._hashes(req))[0])
         local = P.enc.entries if not extra_local else {**P.enc.entries, **extra_local}
         idents = {m.identifier for m in req.mm}
-        ext = frozenset(i for i in idents if self.external.enabled and i in self.external)
+        ext = frozenset(i for i in idents if self.external.enabled and i in self.external
+                        and i not in not_external)
         avail = Availability(p_local={i: local[i] for i in idents if i in local},
                              p_external=ext)
         return compute_demand(req.mm, req.num_tokens, c, avail), c
@@ -345,10 +348,16 @@ class Simulation:
         P = self.ps[p]
         req, delivered = P.queue.popleft()
         res = self.res
-        # What P would need without this request's deliveries (for the redundancy count) ...
-        would, c = self._p_demand(req, p)
+        # What P would need without this request's deliveries (for the redundancy count; what
+        # this request's own forwards just wrote to the external store does not count) ...
+        hashes = self._hashes(req)
+        hit, held = P.prefix.hit(hashes)
+        c = self._coverage(req, hit)
+        fresh = frozenset(i for i, (how, _) in delivered.items() if how == "forward")
+        would, _ = self._p_demand(req, p, not_external=fresh, c=c)
         # ... and what it needs with them: delivered embeddings sit in its encoder cache.
-        demand, _ = self._p_demand(req, p, {i: n for i, (_, n) in delivered.items()})
+        demand = would if not delivered else self._p_demand(
+            req, p, {i: n for i, (_, n) in delivered.items()}, c=c)[0]
         delay = 0.0
         acquired: list[str] = []
         would_class = {d.identifier: d.klass for d in would.decisions if d.dedup_of is None
@@ -394,8 +403,7 @@ class Simulation:
                     acquired.append(ident)
             res.buckets[bucket] += 1
         res.occurrences += len(demand.decisions)
-        hashes = self._hashes(req)
-        blocks = P.prefix.admit(hashes, *P.prefix.hit(hashes)) or []
+        blocks = P.prefix.admit(hashes, hit, held) or []
         dur = delay + self.cost.prefill_fixed_ms + self.cost.prefill_ms_per_token * (req.num_tokens - c)
         self._at(self.now + dur, self._p_done, p, req, blocks, acquired, needs_encoding)
 

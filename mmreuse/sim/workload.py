@@ -18,6 +18,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..occurrence import MMOccurrence
 from .config import WorkloadConfig
 
@@ -66,10 +68,11 @@ class _Builder:
     def __init__(self, sid: int, rng: random.Random):
         self.session = Session(sid, [], [])
         self.rng = rng
+        self._np = np.random.default_rng(rng.getrandbits(64))
 
     def text(self, n: int) -> None:
-        r = self.rng
-        self.session.tokens.extend(r.randrange(VOCAB) for _ in range(n))
+        if n:
+            self.session.tokens.extend(self._np.integers(0, VOCAB, n).tolist())
 
     def image(self, ident: str, n: int) -> None:
         s = self.session
