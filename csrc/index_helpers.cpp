@@ -40,7 +40,26 @@ struct Table {
   }
   static uint64_t slot(uint64_t key) { return (key * 0x9E3779B97F4A7C15ull) >> 17; }
 
-  // Index of key's slot, or -1.
+  // Index of key's slot, or -1; with `free_slot`, also the first slot an insert could take
+  // (the first tombstone on the probe path, else the empty slot that ends it; -1 if full).
+  int64_t probe(uint64_t key, int64_t* free_slot) const {
+    *free_slot = -1;
+    for (uint64_t i = slot(key) & mask, n = 0; n <= mask; i = (i + 1) & mask, ++n) {
+      const int64_t v = vals[i];
+      if (v == kEmpty) {
+        if (*free_slot < 0) *free_slot = static_cast<int64_t>(i);
+        return -1;
+      }
+      if (v == kDeleted) {
+        if (*free_slot < 0) *free_slot = static_cast<int64_t>(i);
+        continue;
+      }
+      if (keys[i] == key) return static_cast<int64_t>(i);
+    }
+    return -1;
+  }
+
+  // Index of key's slot, or -1 (the lookup hot path: no insert bookkeeping).
   int64_t find(uint64_t key) const {
     for (uint64_t i = slot(key) & mask, n = 0; n <= mask; i = (i + 1) & mask, ++n) {
       const int64_t v = vals[i];
@@ -67,6 +86,17 @@ bool key_of(PyObject* h, Py_ssize_t index, uint64_t* key) {
     return true;
   }
   if (PyLong_Check(h) && !PyBool_Check(h)) {
+#if PY_VERSION_HEX < 0x030C0000
+    // CPython 3.11: read a non-negative value of <= 64 bits straight from its 30-bit digits.
+    const Py_ssize_t size = Py_SIZE(h);
+    const digit* d = reinterpret_cast<PyLongObject*>(h)->ob_digit;
+    if (size >= 0 && size <= 3 && (size < 3 || d[2] < (1u << (64 - 2 * PyLong_SHIFT)))) {
+      uint64_t v = 0;
+      for (Py_ssize_t i = size - 1; i >= 0; --i) v = (v << PyLong_SHIFT) | d[i];
+      *key = v;
+      return true;
+    }
+#endif
     // PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray (~25 ns); the mask form
     // reads the digits directly, so range-check by sign and bit length first.
     // vLLM <= 0.10.1 published Python's signed builtin hash(): accept [-2**63, 0) as the
@@ -98,21 +128,11 @@ PyObject* table_put(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OOKL", &k, &v, &key, &block)) return nullptr;
   Table t(k, v);
   if (!t.ok) return nullptr;
-  int64_t free_slot = -1;
-  for (uint64_t i = Table::slot(key) & t.mask, n = 0; n <= t.mask; i = (i + 1) & t.mask, ++n) {
-    const int64_t cur = t.vals[i];
-    if (cur == kEmpty) {
-      if (free_slot < 0) free_slot = static_cast<int64_t>(i);
-      break;
-    }
-    if (cur == kDeleted) {
-      if (free_slot < 0) free_slot = static_cast<int64_t>(i);
-      continue;
-    }
-    if (t.keys[i] == key) {
-      t.vals[i] = block;
-      Py_RETURN_FALSE;
-    }
+  int64_t free_slot;
+  const int64_t at = t.probe(key, &free_slot);
+  if (at >= 0) {
+    t.vals[at] = block;
+    Py_RETURN_FALSE;
   }
   if (free_slot < 0) {
     PyErr_SetString(PyExc_RuntimeError, "BlockIndex table is full");
@@ -161,22 +181,8 @@ PyObject* table_add(PyObject*, PyObject* args) {
   Py_ssize_t new_slots = 0, added = 0, removed = 0;
   for (Py_ssize_t j = 0; j < n; ++j) {
     const uint64_t key = keys[j];
-    int64_t free_slot = -1, at = -1;
-    for (uint64_t i = Table::slot(key) & t.mask, c = 0; c <= t.mask; i = (i + 1) & t.mask, ++c) {
-      const int64_t cur = t.vals[i];
-      if (cur == kEmpty) {
-        if (free_slot < 0) free_slot = static_cast<int64_t>(i);
-        break;
-      }
-      if (cur == kDeleted) {
-        if (free_slot < 0) free_slot = static_cast<int64_t>(i);
-        continue;
-      }
-      if (t.keys[i] == key) {
-        at = static_cast<int64_t>(i);
-        break;
-      }
-    }
+    int64_t free_slot;
+    const int64_t at = t.probe(key, &free_slot);
     if (at >= 0) {
       t.vals[at] += delta;
       if (t.vals[at] <= 0) {

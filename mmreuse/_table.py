@@ -62,12 +62,15 @@ class HashTable:
     def get(self, h: bytes | int) -> int | None:
         return table_get(self.keys, self.vals, h)
 
-    def prefix(self, hashes: Sequence[bytes | int]) -> tuple[int, np.ndarray]:
-        """How many leading hashes are present, and a buffer holding their values."""
-        n = len(hashes)
-        if self._buf.size < n:
-            self._buf = np.empty(max(n, 2 * self._buf.size), dtype=np.int64)
-        return chain_prefix(self.keys, self.vals, hashes, self._buf), self._buf
+    def prefix(self, hashes: Sequence[bytes | int], out: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """How many leading hashes are present, and a buffer holding their values (`out`, an
+        int64 array of len(hashes) or more, or an internal scratch buffer)."""
+        if out is None:
+            n = len(hashes)
+            if self._buf.size < n:
+                self._buf = np.empty(max(n, 2 * self._buf.size), dtype=np.int64)
+            out = self._buf
+        return chain_prefix(self.keys, self.vals, hashes, out), out
 
     def clear(self) -> None:
         self.keys, self.vals = self._arrays(64)

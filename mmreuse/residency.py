@@ -300,9 +300,11 @@ class BlockIndex:
         if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
             raise ValueError(f"block_hashes must be a sequence of hashes, got {block_hashes!r}")
         keys = block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
-        found, buf = self._table.prefix(keys)  # validates each hash it reads
+        # the block ids land straight in the proof's tensor (no copy); each hash is validated
+        out = torch.empty(len(keys), dtype=torch.int64)
+        found, _ = self._table.prefix(keys, out.numpy())
         res = self.residency
-        ids = torch.from_numpy(buf[:found].copy()).to(res.device)
+        ids = out[:found].to(res.device)
         hit = int(ops.residency_prefix(res.bitmap, ids, res.num_blocks))
         ids = ids[:hit]
         return hit, CoverageProof(ids, res.generations.index_select(0, ids))
