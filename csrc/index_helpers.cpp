@@ -3,6 +3,7 @@
 #include "index_helpers.h"
 
 #include <cstdint>
+#include <vector>
 
 namespace mmreuse {
 namespace {
@@ -153,6 +154,76 @@ PyObject* table_del(PyObject*, PyObject* args) {
   if (i < 0) Py_RETURN_FALSE;
   t.vals[i] = kDeleted;
   Py_RETURN_TRUE;
+}
+
+namespace {
+
+// The uint64 keys of a list of Python ints (event ids as the tables store them).
+bool int_keys(PyObject* list, std::vector<uint64_t>& out) {
+  if (!PyList_Check(list)) {
+    PyErr_SetString(PyExc_TypeError, "keys must be a list of ints");
+    return false;
+  }
+  const Py_ssize_t n = PyList_Size(list);
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const unsigned long long v = PyLong_AsUnsignedLongLong(PyList_GetItem(list, i));
+    if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return false;
+    out[i] = v;
+  }
+  return true;
+}
+
+}  // namespace
+
+PyObject* table_put_many(PyObject*, PyObject* args) {
+  PyObject *k, *v, *key_list, *val_list;
+  if (!PyArg_ParseTuple(args, "OOOO", &k, &v, &key_list, &val_list)) return nullptr;
+  Table t(k, v);
+  if (!t.ok) return nullptr;
+  std::vector<uint64_t> keys;
+  if (!int_keys(key_list, keys)) return nullptr;
+  if (!PyList_Check(val_list) || PyList_Size(val_list) != static_cast<Py_ssize_t>(keys.size())) {
+    PyErr_SetString(PyExc_ValueError, "vals must be a list as long as keys");
+    return nullptr;
+  }
+  Py_ssize_t inserted = 0;
+  for (size_t j = 0; j < keys.size(); ++j) {
+    const long long val = PyLong_AsLongLong(PyList_GetItem(val_list, static_cast<Py_ssize_t>(j)));
+    if (val == -1 && PyErr_Occurred()) return nullptr;
+    int64_t free_slot;
+    const int64_t at = t.probe(keys[j], &free_slot);
+    if (at >= 0) {
+      t.vals[at] = val;
+      continue;
+    }
+    if (free_slot < 0) {
+      PyErr_SetString(PyExc_RuntimeError, "hash table is full");
+      return nullptr;
+    }
+    t.keys[free_slot] = keys[j];
+    t.vals[free_slot] = val;
+    ++inserted;
+  }
+  return PyLong_FromSsize_t(inserted);
+}
+
+PyObject* table_del_many(PyObject*, PyObject* args) {
+  PyObject *k, *v, *key_list;
+  if (!PyArg_ParseTuple(args, "OOO", &k, &v, &key_list)) return nullptr;
+  Table t(k, v);
+  if (!t.ok) return nullptr;
+  std::vector<uint64_t> keys;
+  if (!int_keys(key_list, keys)) return nullptr;
+  Py_ssize_t deleted = 0;
+  for (const uint64_t key : keys) {
+    const int64_t i = t.find(key);
+    if (i >= 0) {
+      t.vals[i] = kDeleted;
+      ++deleted;
+    }
+  }
+  return PyLong_FromSsize_t(deleted);
 }
 
 PyObject* table_add(PyObject*, PyObject* args) {

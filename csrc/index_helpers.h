@@ -11,6 +11,11 @@ namespace mmreuse {
 PyObject* table_put(PyObject* self, PyObject* args);
 // table_del(keys, vals, key) -> bool
 PyObject* table_del(PyObject* self, PyObject* args);
+// table_put_many(keys, vals, key_list, block_id_list) -> keys inserted (the rest updated);
+// the table must have room for them all
+PyObject* table_put_many(PyObject* self, PyObject* args);
+// table_del_many(keys, vals, key_list) -> keys deleted
+PyObject* table_del_many(PyObject* self, PyObject* args);
 // table_add(keys, vals, hashes, delta) -> (new_slots, added, removed): add delta to each hash's
 // value, inserting it (delta > 0) or deleting it when the value reaches <= 0. All hashes are
 // validated before any change. The table must have room for len(hashes) new slots.

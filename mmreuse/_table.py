@@ -11,7 +11,16 @@ from collections.abc import Sequence
 import numpy as np
 import torch  # noqa: F401  (loads libtorch, which the _C extension links against)
 
-from ._C import chain_prefix, table_add, table_del, table_get, table_put, table_rehash
+from ._C import (
+    chain_prefix,
+    table_add,
+    table_del,
+    table_del_many,
+    table_get,
+    table_put,
+    table_put_many,
+    table_rehash,
+)
 
 
 class HashTable:
@@ -45,6 +54,17 @@ class HashTable:
         if table_put(self.keys, self.vals, key, value):
             self.used += 1  # may reuse a tombstone: over-counting only rehashes earlier
             self.live += 1
+
+    def put_many(self, keys: list[int], values: list[int]) -> None:
+        """`put` for a batch, in one call."""
+        if 2 * (self.used + len(keys)) > self.keys.size:
+            self._reserve(len(keys))
+        inserted = table_put_many(self.keys, self.vals, keys, values)
+        self.used += inserted
+        self.live += inserted
+
+    def delete_many(self, keys: list[int]) -> None:
+        self.live -= table_del_many(self.keys, self.vals, keys)
 
     def delete(self, key: int) -> None:
         if table_del(self.keys, self.vals, key):

@@ -202,13 +202,16 @@ class BlockIndex:
         # `_block_of` mirrored in a table that lookup_prefix walks in C.
         self._table = HashTable()
 
-    def _map_set(self, key: BlockHashKey, block_id: int) -> None:
-        self._block_of[key] = block_id
-        self._table.put(key, block_id)
-
-    def _map_del(self, key: BlockHashKey) -> None:
-        del self._block_of[key]
-        self._table.delete(key)
+    def _sync_table(self, keys: list[BlockHashKey]) -> None:
+        """Make the table agree with `_block_of` on `keys`, in two C calls."""
+        if not keys:
+            return
+        block_of = self._block_of
+        present = [k for k in keys if k in block_of]
+        if len(present) != len(keys):
+            self._table.delete_many([k for k in keys if k not in block_of])
+        if present:
+            self._table.put_many(present, [block_of[k] for k in present])
 
     @property
     def num_blocks(self) -> int:
@@ -217,6 +220,13 @@ class BlockIndex:
     def __len__(self) -> int:
         """Number of distinct hashes indexed."""
         return len(self._block_of)
+
+    def _check_blocks(self, block_ids: Sequence[int]) -> list[int]:
+        """`_check_block` for a batch: one pass when all are in-range ints."""
+        blocks = list(block_ids)
+        if blocks and all(type(b) is int for b in blocks) and 0 <= min(blocks) and max(blocks) < self.residency.num_blocks:
+            return blocks
+        return [self._check_block(b) for b in blocks]
 
     def _check_block(self, block_id: Any) -> int:
         if type(block_id) is int and 0 <= block_id < self.residency.num_blocks:
@@ -237,22 +247,26 @@ class BlockIndex:
         evicted first, so their generations change)."""
         if len(block_hashes) != len(block_ids):
             raise ValueError(f"{len(block_hashes)} block_hashes for {len(block_ids)} block_ids")
-        keys = [_key(h) for h in block_hashes]
-        blocks = [self._check_block(b) for b in block_ids]
+        keys = [int.from_bytes(h[-8:], "big") if type(h) is bytes and len(h) >= 8 else _key(h)
+                for h in block_hashes]  # _key's common case inlined: this is a hot path
+        blocks = self._check_blocks(block_ids)
         if len(set(blocks)) != len(blocks):
             raise ValueError("block_ids must be distinct within one store_many call")
         stale = [b for b, k in zip(blocks, keys) if self._hash_in[b] not in (None, k)]
         if stale:
             self.evict_blocks(stale)
+        touched = []
         for key, block_id in zip(keys, blocks):
             if self._hash_in[block_id] == key:
                 continue
             self._hash_in[block_id] = key
             current = self._block_of.get(key)
             if current is None:
-                self._map_set(key, block_id)
+                self._block_of[key] = block_id
+                touched.append(key)
             else:
                 self._holders.setdefault(key, {current}).add(block_id)
+        self._sync_table(touched)
         if blocks:
             self.residency.mark_resident(blocks)
 
@@ -262,10 +276,11 @@ class BlockIndex:
 
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """`evict_block` for a batch, with one residency update."""
-        blocks = [self._check_block(b) for b in block_ids]
+        blocks = self._check_blocks(block_ids)
         if not blocks:
             return
         self.residency.evict(blocks)
+        touched = []
         for block_id in blocks:
             key = self._hash_in[block_id]
             if key is None:
@@ -275,11 +290,14 @@ class BlockIndex:
             if holders is not None:
                 holders.discard(block_id)
                 if self._block_of[key] == block_id:
-                    self._map_set(key, next(iter(holders)))
+                    self._block_of[key] = next(iter(holders))
+                    touched.append(key)
                 if len(holders) == 1:
                     del self._holders[key]
             elif self._block_of.get(key) == block_id:
-                self._map_del(key)
+                del self._block_of[key]
+                touched.append(key)
+        self._sync_table(touched)
 
     def clear(self) -> None:
         """Forget every block (vLLM's AllBlocksCleared); every generation changes."""

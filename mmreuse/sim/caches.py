@@ -35,49 +35,50 @@ class PrefixCache:
     def admit(self, hashes: Sequence[bytes], hit: int, held: list[int]) -> list[int] | None:
         """Reference the `hit` cached blocks `held` and cache the rest; None if P has no room."""
         need = len(hashes) - hit
-        if need > len(self._never_used) + len(self._evictable) - sum(
-                1 for b in held if b in self._evictable):
+        room = len(self._never_used) + len(self._evictable)
+        if need > room - sum(1 for b in held if self._refs[b] == 0):  # held ones leave the queue
             return None
+        refs, evictable, never_used = self._refs, self._evictable, self._never_used
+        hash_of, block_of = self._hash_of, self._block_of
         for b in held:
-            self._refs[b] += 1
-            self._evictable.pop(b, None)
-        stored, removed, evicted = [], [], []
-        new_hashes, new_blocks = [], []
+            refs[b] += 1
+            evictable.pop(b, None)
+        removed, evicted, new_hashes, new_blocks = [], [], [], []
         blocks = list(held)
         for h in hashes[hit:]:
-            if self._never_used:
-                b = self._never_used.pop()
+            if never_used:
+                b = never_used.pop()
             else:
-                b, _ = self._evictable.popitem(last=False)
-                old = self._hash_of[b]
+                b, _ = evictable.popitem(last=False)
+                old = hash_of[b]
                 if old is not None:
                     evicted.append(b)
                     removed.append(old)
-                    del self._block_of[old]
-            if h not in self._block_of:  # a duplicate hash stays with its first block
-                self._block_of[h] = b
+                    del block_of[old]
+            if h not in block_of:  # a duplicate hash stays with its first block
+                block_of[h] = b
                 new_hashes.append(h)
                 new_blocks.append(b)
-                self._hash_of[b] = h
-                stored.append(h)
+                hash_of[b] = h
             else:
-                self._hash_of[b] = None
-            self._refs[b] += 1
+                hash_of[b] = None
+            refs[b] += 1
             blocks.append(b)
         if evicted:
             self.index.evict_blocks(evicted)
         # an evicted hash can be re-stored into a fresh block in the same admission
         if new_hashes:
             self.index.store_many(new_hashes, new_blocks)
-        if stored or removed:
-            self._on_change(stored, removed)
+        if new_hashes or removed:
+            self._on_change(new_hashes, removed)
         return blocks
 
     def release(self, blocks: list[int]) -> None:
+        refs, hash_of = self._refs, self._hash_of
         for b in reversed(blocks):
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                if self._hash_of[b] is None:
+            refs[b] -= 1
+            if refs[b] == 0:
+                if hash_of[b] is None:
                     self._never_used.append(b)
                 else:
                     self._evictable[b] = None

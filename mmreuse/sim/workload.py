@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import random
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,7 @@ class Session:
     """A conversation: its final history; each turn's request is a prefix of it."""
 
     sid: int
-    tokens: list[int]
+    tokens: array  # int64 token ids, compact: 100k-request streams hold ~50M of them
     mm: list[MMOccurrence]
     hashes: list[bytes] | None = None  # block hashes of the final history (filled by the cluster)
 
@@ -66,18 +67,18 @@ def _image_tokens(rng: random.Random, kind: str) -> int:
 
 class _Builder:
     def __init__(self, sid: int, rng: random.Random):
-        self.session = Session(sid, [], [])
+        self.session = Session(sid, array("q"), [])
         self.rng = rng
         self._np = np.random.default_rng(rng.getrandbits(64))
 
     def text(self, n: int) -> None:
         if n:
-            self.session.tokens.extend(self._np.integers(0, VOCAB, n).tolist())
+            self.session.tokens.frombytes(self._np.integers(0, VOCAB, n, dtype=np.int64).tobytes())
 
     def image(self, ident: str, n: int) -> None:
         s = self.session
         s.mm.append(MMOccurrence(ident, len(s.tokens), n))
-        s.tokens.extend([IMAGE_TOKEN] * n)
+        s.tokens.frombytes(np.full(n, IMAGE_TOKEN, dtype=np.int64).tobytes())
 
 
 def _poisson(rng: random.Random, lam: float) -> int:
