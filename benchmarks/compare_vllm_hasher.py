@@ -8,6 +8,7 @@ For each row (32,768 tokens, block size 16; 0 or 16 images of 576 tokens; sha256
 checks that the digests are identical, then prints the medians of --repeat runs of: vLLM's
 hasher, mmreuse's `BlockHasher.hash_prompt` (validation included), and the floor -- the digest
 calls alone over the pre-serialized block preimages. Exits non-zero on any mismatch.
+--portable times the C++ path with its scalar token writer (what CPUs without AVX-512 VBMI2 run).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, os.environ.get("MMREUSE_ORACLE_DIR", str(REPO.parent / "share
 import oracle  # noqa: E402  (shared/vllm-oracle/oracle.py: builds real vLLM requests)
 import xxhash  # noqa: E402
 
-from mmreuse import BlockHasher, MMOccurrence  # noqa: E402
+from mmreuse import BlockHasher, MMOccurrence, _hashcore  # noqa: E402
 
 IMAGE_TOKEN = 151655
 
@@ -106,9 +107,14 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--image-tokens", type=int, default=576)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--portable", action="store_true",
+                    help="use the scalar token writer even where the CPU has AVX-512 VBMI2")
     args = ap.parse_args()
+    _hashcore.set_simd(not args.portable)
+    simd = _hashcore.simd_available() and not args.portable
     print(f"vLLM {oracle._vllm().vllm.__version__}, {args.tokens} tokens, block size 16, "
-          f"median of {args.repeat}; digests checked identical")
+          f"median of {args.repeat}; digests checked identical; token writer: "
+          f"{'AVX-512 VBMI2' if simd else 'scalar'}")
     print(f"{'hash_fn':<8} {'images':>6} {'blocks':>6} {'vLLM ms':>9} {'mmreuse ms':>11} "
           f"{'floor ms':>9} {'speedup':>8} {'x floor':>8}")
     for fn in ("sha256", "xxhash"):

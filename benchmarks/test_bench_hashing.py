@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from mmreuse import BlockHasher, MMOccurrence
+from mmreuse import BlockHasher, MMOccurrence, _hashcore
 
 IMAGE_TOKEN = 151655
 
@@ -33,6 +33,20 @@ def test_hash_prompt_32k(benchmark, hash_fn, images):
     tokens, mm = make_request(num_images=images)
     hasher = BlockHasher(hash_fn, 16, seed="0")
     hashes = benchmark(hasher.hash_prompt, tokens, mm=mm)
+    assert len(hashes) == 2048
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "xxhash"])
+@pytest.mark.parametrize("images", [0, 16])
+def test_hash_prompt_32k_portable_writer(benchmark, hash_fn, images):
+    """The same with the scalar token writer (CPUs without AVX-512 VBMI2 run this one)."""
+    tokens, mm = make_request(num_images=images)
+    hasher = BlockHasher(hash_fn, 16, seed="0")
+    before = _hashcore.set_simd(False)
+    try:
+        hashes = benchmark(hasher.hash_prompt, tokens, mm=mm)
+    finally:
+        _hashcore.set_simd(before)
     assert len(hashes) == 2048
 
 

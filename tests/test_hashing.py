@@ -13,7 +13,7 @@ from mmreuse import BlockHasher, MMOccurrence, to_event_id
 from mmreuse.hashing import DEFAULT_NONE_HASH_SEED, HASH_FUNCTIONS, fast_path_available, get_hash_fn
 
 from .strategies import cases
-from .vectors import case_tokens, hash_case
+from .vectors import case_tokens, hash_case, token_writer
 
 
 def test_fast_path_is_built():
@@ -67,6 +67,47 @@ def test_to_event_id_rejects_non_hashes(bad):
 @given(case=cases(max_tokens=300))
 def test_fast_path_equals_reference(case):
     assert hash_case(case) == hash_case(case, use_fast_path=False)
+
+
+# Where the encodings of a token id change length: CBOR 24, both 2**8 and 2**16, pickle's BININT
+# limit 2**31, CBOR's 4-byte limit 2**32, and pickle LONG1 / CBOR 8-byte ids beyond.
+BOUNDARY_IDS = [0, 1, 23, 24, 25, 255, 256, 257, 65535, 65536, 65537, 151655, 2**24, 2**30 - 1,
+                2**30, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**60, 2**63 - 1]
+
+
+@st.composite
+def boundary_tokens(draw):
+    """Token ids below a drawn ceiling, half of them at encoding boundaries: the ceiling lets
+    whole 8-id groups stay within the SIMD writer's range (one larger id sends its group to
+    the scalar writer)."""
+    ceiling = draw(st.sampled_from([2**8, 2**16 + 2, 2**31, 2**31 + 1, 2**32 + 1, 2**63]))
+    ids = [t for t in BOUNDARY_IDS if t < ceiling]
+    return draw(st.lists(st.one_of(st.sampled_from(ids), st.integers(0, ceiling - 1)),
+                         min_size=8, max_size=300))
+
+
+@given(
+    tokens=boundary_tokens(),
+    hash_fn=st.sampled_from(["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]),
+    block_size=st.one_of(st.integers(1, 40), st.sampled_from([8, 16, 17, 32])),
+)
+def test_token_writers_equal_reference_at_encoding_boundaries(tokens, hash_fn, block_size):
+    """The AVX-512 token writer (where the CPU has it) and the scalar one write what pickle /
+    cbor2 write, for ids at every encoding-length boundary and any block tail."""
+    ref = BlockHasher(hash_fn, block_size, seed="0", use_fast_path=False).hash_prompt(tokens)
+    fast = BlockHasher(hash_fn, block_size, seed="0")
+    for simd in (True, False):
+        with token_writer(simd):
+            assert fast.hash_prompt(tokens) == ref
+
+
+def test_token_writer_switch_reports_the_previous_setting():
+    from mmreuse import _hashcore
+
+    available = _hashcore.simd_available()
+    with token_writer(True):
+        assert _hashcore.set_simd(False) is available
+        assert _hashcore.set_simd(True) is False
 
 
 @given(case=cases(max_tokens=300), chunks=st.lists(st.integers(1, 40), min_size=1, max_size=30))

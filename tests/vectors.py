@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -11,6 +12,18 @@ import torch
 from mmreuse import BlockHasher, MMOccurrence
 
 DATA = Path(__file__).parent / "data"
+
+
+@contextmanager
+def token_writer(simd: bool):
+    """Run the C++ fast path with its AVX-512 token writer on or off (off: the portable one)."""
+    from mmreuse import _hashcore
+
+    before = _hashcore.set_simd(simd)
+    try:
+        yield
+    finally:
+        _hashcore.set_simd(before)
 
 
 @cache

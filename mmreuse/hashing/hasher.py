@@ -96,6 +96,115 @@ def _check_token(i: int, t: Any, allow_any: bool) -> None:
         )
 
 
+def _check_mm(mm: Iterable[MMOccurrence], num_prompt: int) -> list[MMOccurrence]:
+    out = list(mm)
+    prev_end = 0
+    for i, m in enumerate(out):
+        if not isinstance(m, MMOccurrence):
+            raise ValueError(f"mm[{i}] must be an MMOccurrence, got {type(m).__name__}")
+        end = m._end  # MMOccurrence.end, read without the property call (hot: every request)
+        if end > num_prompt:
+            raise ValueError(
+                f"mm[{i}] ({m.identifier!r}) spans [{m.offset}, {m.end}) outside the "
+                f"prompt of {num_prompt} tokens"
+            )
+        if m.offset < prev_end:
+            raise ValueError(
+                f"mm[{i}] offset {m.offset} is before the end {prev_end} of mm[{i - 1}]: vLLM "
+                "requires occurrences sorted by offset and non-overlapping"
+            )
+        prev_end = end
+    return out
+
+
+def _check_lora(scheme: HashScheme, name: Any, path: Any, int_id: Any) -> None:
+    if name is None:
+        if path is not None or int_id is not None:
+            raise ValueError(f"lora_path={path!r} / lora_int_id={int_id!r} given without lora_name")
+        return
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"lora_name must be a non-empty str, got {name!r}")
+    if path is not None and not isinstance(path, str):
+        raise ValueError(f"lora_path must be a str, got {path!r}")
+    if scheme.lora_key == "tagged" and not path:
+        raise ValueError(
+            f"lora_path is required with lora_name under scheme {scheme.name!r} "
+            f"(vLLM hashes ('lora', name, path)), got {path!r}"
+        )
+    if scheme.lora_key == "int_id":
+        if isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 1:
+            raise ValueError(
+                f"lora_int_id must be an int >= 1 under scheme {scheme.name!r} "
+                f"(vLLM hashes the LoRA int id), got {int_id!r}"
+            )
+
+
+def _check_salt(cache_salt: Any) -> None:
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a str or None, got {cache_salt!r}")
+
+
+def _scheme_flags(scheme: HashScheme) -> int:
+    """The key shapes of `scheme` as _hashcore.hash_blocks reads them."""
+    return (
+        _MM_KEY_ID[scheme.mm_key]
+        | (4 if scheme.mm_bounds == "inclusive" else 0)
+        | (_LORA_KEY_ID[scheme.lora_key] << 3)
+        | (32 if scheme.salt_key == "tagged" else 0)
+        | (64 if scheme.embeds_key == "tagged" else 0)
+    )
+
+
+def _fast_keys(
+    scheme: HashScheme, mm: Sequence[MMOccurrence], lora: Any, salt: str | None
+) -> tuple | None:
+    """The (mm, lora, salt) arguments of _hashcore.hash_blocks, or None where only the
+    reference path can hash (lone surrogates, identifiers too long for one pickle frame).
+
+    `lora` is None, vLLM's LoRA int id, or (name, path); `salt` None or a non-empty str.
+    Strings carry identity keys that reproduce pickle's memo (see `_identity_key`).
+    """
+    counter = [0]
+    mm_t = []
+    total = 0
+    for m in mm:
+        ident = m.identifier
+        try:  # _utf8, inlined: this loop runs for every request
+            b = ident.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+        total += len(b)
+        mm_t.append((b, _identity_key(ident, counter), m.offset, m.length))
+    if total > 16384:
+        return None  # a block could exceed one pickle frame
+    lora_t = None
+    if lora is not None:
+        if scheme.lora_key == "int_id":
+            lora_t = (b"", 0, b"", 0, lora)
+        else:
+            name, path = lora
+            nb, pb = _utf8(name), _utf8(path)
+            if nb is None or pb is None:
+                return None
+            lora_t = (nb, _identity_key(name, counter), pb, _identity_key(path, counter), 0)
+    salt_t = None
+    if salt:
+        sb = _utf8(salt)
+        if sb is None:
+            return None
+        salt_t = (sb, _identity_key(salt, counter))
+    return tuple(mm_t), lora_t, salt_t
+
+
+def _lora_key_value(scheme: HashScheme, name: str | None, path: str | None, int_id: Any) -> Any:
+    """What vLLM hashes for the LoRA request: None, its int id, or (name, path)."""
+    if name is None:
+        return None
+    if scheme.lora_key == "int_id":
+        return int_id
+    return (_fresh(name), _fresh(path or ""))
+
+
 class BlockHasher:
     """vLLM's `request_block_hasher` for one configuration.
 
@@ -114,7 +223,7 @@ class BlockHasher:
 
     __slots__ = (
         "hash_fn", "block_size", "seed", "lookahead", "scheme", "none_hash",
-        "allow_any_token_id", "use_fast_path", "_fn",
+        "allow_any_token_id", "use_fast_path", "_fn", "_fn_id", "_flags",
     )
 
     def __init__(
@@ -153,6 +262,8 @@ class BlockHasher:
         self.allow_any_token_id = bool(allow_any_token_id)
         self.use_fast_path = bool(use_fast_path) and _hashcore is not None
         self._fn = get_hash_fn(hash_fn)
+        self._fn_id = _FN_ID[hash_fn]
+        self._flags = _scheme_flags(self.scheme)
         self.none_hash: bytes = self._none_hash(allow_random_seed)
 
     def _none_hash(self, allow_random_seed: bool) -> bytes:
@@ -211,6 +322,32 @@ class BlockHasher:
         prompt_embeds: Any = None,
     ) -> list[bytes]:
         """One hash per full block of `tokens`, as vLLM gives for that `all_token_ids`."""
+        if (
+            self.use_fast_path
+            and prompt_embeds is None
+            and type(tokens) is list
+            and self.block_size <= _FAST_MAX_BLOCK_TOKENS
+        ):
+            # The one-shot fast path without a RequestHasher (same checks, same C call); the
+            # request state below takes whatever this cannot hash.
+            occurrences = _check_mm(mm, len(tokens))
+            scheme = self.scheme
+            _check_lora(scheme, lora_name, lora_path, lora_int_id)
+            _check_salt(cache_salt)
+            keys = _fast_keys(
+                scheme, occurrences, _lora_key_value(scheme, lora_name, lora_path, lora_int_id),
+                cache_salt or None,
+            )
+            if keys is not None:
+                bs, la = self.block_size, self.lookahead
+                out = _hashcore.hash_blocks(
+                    tokens, 0, self.allow_any_token_id, 0, max(0, (len(tokens) - la) // bs), bs,
+                    la, self._fn_id, self._flags, self.none_hash, keys[0], 0, keys[1], keys[2],
+                    None,
+                )
+                if out is not None:
+                    return out
+            mm = occurrences
         return RequestHasher(
             self, tokens, mm=mm, lora_name=lora_name, lora_path=lora_path,
             lora_int_id=lora_int_id, cache_salt=cache_salt, prompt_embeds=prompt_embeds,
@@ -258,25 +395,19 @@ class RequestHasher:
         self._validated = 0
         self.block_hashes: list[bytes] = []
         self._collected_keys: list[Any] | None = [] if _collect_keys else None
-        self._mm = self._check_mm(mm, len(tokens))
+        self._mm = _check_mm(mm, len(tokens))
         self._mm_ends = [m.end for m in self._mm]
-        self._check_lora(lora_name, lora_path, lora_int_id)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        _check_lora(scheme, lora_name, lora_path, lora_int_id)
+        _check_salt(cache_salt)
         self._embeds_bytes, self._row_bytes = self._check_embeds(prompt_embeds, len(tokens))
         self._embeds_digests: dict[tuple[int, int], bytes] = {}
 
         # Objects exactly as vLLM holds them (fresh strings: see `_fresh`).
         self._mm_ids = [_fresh(m.identifier) for m in self._mm]
-        self._lora = None
-        if lora_name is not None:
-            if scheme.lora_key == "int_id":
-                self._lora = lora_int_id
-            else:
-                self._lora = (_fresh(lora_name), _fresh(lora_path or ""))
+        self._lora = _lora_key_value(scheme, lora_name, lora_path, lora_int_id)
         self._salt = _fresh(cache_salt) if cache_salt else None  # "" is falsy in vLLM: no key
         self._fast_spec = self._make_fast_spec() if hasher.use_fast_path else None
-        self._hash_new_blocks()
+        self.block_hashes = self._new_blocks()  # the first list is ours: no copy
 
     # ---- validation -------------------------------------------------------------------------
 
@@ -287,49 +418,6 @@ class RequestHasher:
         if hasattr(tokens, "tolist"):  # numpy / torch
             tokens = tokens.tolist()
         return list(tokens)
-
-    def _check_mm(self, mm: Iterable[MMOccurrence], num_prompt: int) -> list[MMOccurrence]:
-        out = list(mm)
-        prev_end = 0
-        for i, m in enumerate(out):
-            if not isinstance(m, MMOccurrence):
-                raise ValueError(f"mm[{i}] must be an MMOccurrence, got {type(m).__name__}")
-            if m.end > num_prompt:
-                raise ValueError(
-                    f"mm[{i}] ({m.identifier!r}) spans [{m.offset}, {m.end}) outside the "
-                    f"prompt of {num_prompt} tokens"
-                )
-            if m.offset < prev_end:
-                raise ValueError(
-                    f"mm[{i}] offset {m.offset} is before the end {prev_end} of mm[{i - 1}]: vLLM "
-                    "requires occurrences sorted by offset and non-overlapping"
-                )
-            prev_end = m.end
-        return out
-
-    def _check_lora(self, name: Any, path: Any, int_id: Any) -> None:
-        scheme = self._h.scheme
-        if name is None:
-            if path is not None or int_id is not None:
-                raise ValueError(
-                    f"lora_path={path!r} / lora_int_id={int_id!r} given without lora_name"
-                )
-            return
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"lora_name must be a non-empty str, got {name!r}")
-        if path is not None and not isinstance(path, str):
-            raise ValueError(f"lora_path must be a str, got {path!r}")
-        if scheme.lora_key == "tagged" and not path:
-            raise ValueError(
-                f"lora_path is required with lora_name under scheme {scheme.name!r} "
-                f"(vLLM hashes ('lora', name, path)), got {path!r}"
-            )
-        if scheme.lora_key == "int_id":
-            if isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 1:
-                raise ValueError(
-                    f"lora_int_id must be an int >= 1 under scheme {scheme.name!r} "
-                    f"(vLLM hashes the LoRA int id), got {int_id!r}"
-                )
 
     def _check_embeds(self, embeds: Any, num_prompt: int) -> tuple[memoryview | None, int]:
         if embeds is None:
@@ -371,7 +459,9 @@ class RequestHasher:
             self._tokens.append(token_ids)
         else:
             self._tokens.extend(self._as_token_list(token_ids))
-        return self._hash_new_blocks()
+        new = self._new_blocks()
+        self.block_hashes.extend(new)
+        return new
 
     # ---- hashing ----------------------------------------------------------------------------
 
@@ -384,7 +474,8 @@ class RequestHasher:
             self._embeds_digests[key] = d
         return d
 
-    def _hash_new_blocks(self) -> list[bytes]:
+    def _new_blocks(self) -> list[bytes]:
+        """Hashes of the full blocks past `block_hashes` (not appended: the caller does)."""
         h = self._h
         bs, la = h.block_size, h.lookahead
         tokens = self._tokens
@@ -399,7 +490,6 @@ class RequestHasher:
         self._validated = len(tokens)
         if new is None:
             new = self._hash_reference(start, num_tokens)
-        self.block_hashes.extend(new)
         return new
 
     def _initial_mm_idx(self, start: int) -> int:
@@ -499,44 +589,11 @@ class RequestHasher:
 
     def _make_fast_spec(self) -> tuple | None:
         h = self._h
-        scheme = h.scheme
         if h.block_size > _FAST_MAX_BLOCK_TOKENS:
             return None
-        if self._embeds_bytes is not None and scheme.embeds_key == "raw":
+        if self._embeds_bytes is not None and h.scheme.embeds_key == "raw":
             return None  # whole tensor slices in the key: the reference path pickles them
-        counter = [0]
-        mm = []
-        for m, ident in zip(self._mm, self._mm_ids):
-            b = _utf8(ident)
-            if b is None:
-                return None
-            mm.append((b, _identity_key(ident, counter), m.offset, m.length))
-        lora = None
-        if self._lora is not None:
-            if scheme.lora_key == "int_id":
-                lora = (b"", 0, b"", 0, self._lora)
-            else:
-                name, path = self._lora
-                nb, pb = _utf8(name), _utf8(path)
-                if nb is None or pb is None:
-                    return None
-                lora = (nb, _identity_key(name, counter), pb, _identity_key(path, counter), 0)
-        salt = None
-        if self._salt:
-            sb = _utf8(self._salt)
-            if sb is None:
-                return None
-            salt = (sb, _identity_key(self._salt, counter))
-        flags = (
-            _MM_KEY_ID[scheme.mm_key]
-            | (4 if scheme.mm_bounds == "inclusive" else 0)
-            | (_LORA_KEY_ID[scheme.lora_key] << 3)
-            | (32 if scheme.salt_key == "tagged" else 0)
-            | (64 if scheme.embeds_key == "tagged" else 0)
-        )
-        if sum(len(m[0]) for m in mm) > 16384:
-            return None  # a block could exceed one pickle frame
-        return (_FN_ID[h.hash_fn], flags, tuple(mm), lora, salt)
+        return _fast_keys(h.scheme, self._mm, self._lora, self._salt)
 
     def _hash_fast(self, start: int, num_tokens: int) -> list[bytes] | None:
         h = self._h
@@ -547,9 +604,9 @@ class RequestHasher:
             embeds = [
                 self._embeds_digest(s, s + bs + la) for s in range(start, start + nblocks * bs, bs)
             ]
-        fn_id, flags, mm, lora, salt = self._fast_spec
+        mm, lora, salt = self._fast_spec
         parent = self.block_hashes[-1] if self.block_hashes else h.none_hash
         return _hashcore.hash_blocks(
             self._tokens, self._validated, h.allow_any_token_id, start, nblocks, bs, la,
-            fn_id, flags, parent, mm, self._initial_mm_idx(start), lora, salt, embeds,
+            h._fn_id, h._flags, parent, mm, self._initial_mm_idx(start), lora, salt, embeds,
         )
