@@ -5,9 +5,10 @@ Run inside the oracle venv (it has vLLM 0.33.0), with mmreuse importable:
     PYTHONPATH=. ~/.cache/mmreuse/venv-oracle-0.33.0/bin/python benchmarks/compare_vllm_hasher.py
 
 For each row (32,768 tokens, block size 16; 0 or 16 images of 576 tokens; sha256 or xxhash) it
-checks that the digests are identical, then prints the medians of --repeat runs of: vLLM's
-hasher, mmreuse's `BlockHasher.hash_prompt` (validation included), and the floor -- the digest
-calls alone over the pre-serialized block preimages. Exits non-zero on any mismatch.
+checks that the digests are identical, then prints the medians of --repeat rounds (each times
+all three in turn, each after an untimed warm-up call) of: vLLM's hasher, mmreuse's
+`BlockHasher.hash_prompt` (validation included), and the floor -- the digest calls alone over
+the pre-serialized block preimages. Exits non-zero on any mismatch.
 --portable times the C++ path with its scalar token writer (what CPUs without AVX-512 VBMI2 run).
 """
 
@@ -50,13 +51,19 @@ def make_case(num_tokens: int, num_images: int, image_tokens: int, fn: str, seed
             "mm": mm}
 
 
-def median_seconds(fn, repeat: int) -> float:
-    times = []
+def interleaved_medians(fns, repeat: int) -> list[float]:
+    """Median seconds of each function, timed in turn within every round so that all of them
+    see the same machine conditions (these shared 2-core machines drift by +-10 %). Each timed
+    call follows an untimed one of the same function, so each runs with its own data in cache
+    (as a hasher does on a request just built), not with whatever the previous one left."""
+    times = [[] for _ in fns]
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def run_row(case: dict, repeat: int) -> dict:
@@ -95,9 +102,8 @@ def run_row(case: dict, repeat: int) -> dict:
             for b in preimages:
                 d(b)
 
-    t_vllm = median_seconds(lambda: vllm_hasher(request), repeat)
-    t_ours = median_seconds(lambda: ours.hash_prompt(tokens, mm=mm), repeat)
-    t_floor = median_seconds(floor, repeat)
+    t_vllm, t_ours, t_floor = interleaved_medians(
+        [lambda: vllm_hasher(request), lambda: ours.hash_prompt(tokens, mm=mm), floor], repeat)
     return {"fn": c["hash_fn"], "images": len(mm), "blocks": len(expected), "vllm": t_vllm,
             "mmreuse": t_ours, "floor": t_floor}
 

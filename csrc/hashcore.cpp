@@ -24,14 +24,15 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define MMREUSE_X86 1
 #endif
-#include <string>
-#include <utility>
-#include <vector>
 
 namespace {
 
@@ -53,6 +54,10 @@ struct MMItem {
   Str id;
   int64_t offset;
   int64_t end;
+  // Pickle only: the key's bytes before its offset (or all of them, bare keys) when it is its
+  // block's only extra key -- then no string is memoized before it (see write_extra).
+  const char* head = nullptr;
+  size_t head_n = 0;
 };
 
 enum class MMKey { kTagged = 0, kPair = 1, kBare = 2 };
@@ -288,6 +293,7 @@ class PickleWriter {
   PickleWriter(Out& b, Memo& memo) : b_(b), memo_(memo) { memo_.clear(); }
 
   void none() { b_.push_back('N'); }
+  void raw(const char* p, size_t n) { b_.append(p, n); }
 
   void integer(int64_t v) { b_.p = pickle_int(b_.p, v); }
   void integers(const int64_t* t, int64_t n) { b_.p = pickle_ints(b_.p, t, n); }
@@ -478,6 +484,23 @@ void write_extra(W& w, const Spec& s, const std::vector<Entry>& entries, const c
   if (entries.empty()) {
     w.none();
     return;
+  }
+  if constexpr (std::is_same_v<W, PickleWriter>) {
+    // The commonest key tuple -- one multimodal key, as in every block inside an image -- from
+    // its pre-written head: the same bytes write_entry gives, as no string is memoized before
+    // it in the block. Nothing after the extra keys reads the memo (ints and tuple ends only),
+    // so the strings it memoizes need no record.
+    if (entries.size() == 1 && entries[0].kind == Kind::kMM) {
+      const MMItem& m = *entries[0].mm;
+      w.raw(m.head, m.head_n);
+      if (s.mm_key == MMKey::kBare) {
+        w.raw("\x85\x94", 2);
+      } else {
+        w.integer(entries[0].rel);
+        w.raw(s.mm_key == MMKey::kTagged ? "\x87\x94\x85\x94" : "\x86\x94\x85\x94", 4);
+      }
+      return;
+    }
   }
   w.tuple_begin(entries.size());
   for (const auto& e : entries) write_entry(w, s, e, digest);
@@ -704,6 +727,19 @@ PyObject* hash_blocks(PyObject*, PyObject* args) {
                         48 * (s.mm.size() + 4) + 64);
   std::vector<Entry> entries;
   PickleWriter::Memo memo;
+  // Pre-written heads of single-key blocks (see write_extra), each as write_entry writes it.
+  std::vector<char> heads(s.mm.size() * 16 + strings + 16);
+  if (!(fn == 1 || fn == 3)) {
+    Out out{heads.data()};
+    for (auto& m : s.mm) {
+      const char* at = out.p;
+      PickleWriter w(out, memo);
+      if (s.mm_key == MMKey::kTagged) w.str(kTagMM);
+      w.str(m.id);
+      m.head = at;
+      m.head_n = static_cast<size_t>(out.p - at);
+    }
+  }
   const char* prev = parent_p;  // the parent's bytes: the caller's, then each new hash's
   size_t prev_len = static_cast<size_t>(parent_n);
   const bool cbor = fn == 1 || fn == 3;
