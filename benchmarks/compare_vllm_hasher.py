@@ -18,7 +18,6 @@ import argparse
 import hashlib
 import os
 import pickle
-import random
 import statistics
 import sys
 import time
@@ -30,25 +29,16 @@ sys.path.insert(0, os.environ.get("MMREUSE_ORACLE_DIR", str(REPO.parent / "share
 
 import oracle  # noqa: E402  (shared/vllm-oracle/oracle.py: builds real vLLM requests)
 import xxhash  # noqa: E402
+from hashing_workload import make_request  # noqa: E402  (this script's folder)
 
 from mmreuse import BlockHasher, MMOccurrence, _hashcore  # noqa: E402
 
-IMAGE_TOKEN = 151655
-
-
 def make_case(num_tokens: int, num_images: int, image_tokens: int, fn: str, seed: int) -> dict:
-    rng = random.Random(seed)
-    tokens = [rng.randrange(152000) for _ in range(num_tokens)]
-    mm = []
-    if num_images:
-        stride = num_tokens // num_images
-        for i in range(num_images):
-            off = i * stride + rng.randrange(stride - image_tokens)
-            tokens[off : off + image_tokens] = [IMAGE_TOKEN] * image_tokens
-            mm.append({"identifier": hashlib.sha256(f"image-{i}".encode()).hexdigest(),
-                       "offset": off, "length": image_tokens})
+    """The benchmarks' shared request (hashing_workload.py) as an oracle case."""
+    tokens, mm = make_request(num_tokens, num_images, image_tokens, seed)
     return {"hash_fn": fn, "seed": "0", "block_size": 16, "lookahead": 0, "tokens": tokens,
-            "mm": mm}
+            "mm": [{"identifier": m.identifier, "offset": m.offset, "length": m.length}
+                   for m in mm]}
 
 
 def interleaved_medians(fns, repeat: int) -> list[float]:

@@ -3,28 +3,11 @@
     .venv/bin/python -m pytest benchmarks/test_bench_hashing.py --benchmark-enable
 """
 
-import hashlib
-import random
-
 import pytest
 
+from hashing_workload import make_request
+
 from mmreuse import BlockHasher, MMOccurrence, _hashcore
-
-IMAGE_TOKEN = 151655
-
-
-def make_request(num_tokens=32768, num_images=0, image_tokens=576, seed=0):
-    rng = random.Random(seed)
-    tokens = [rng.randrange(152000) for _ in range(num_tokens)]
-    mm = []
-    if num_images:
-        stride = num_tokens // num_images
-        for i in range(num_images):
-            off = i * stride + rng.randrange(stride - image_tokens)
-            tokens[off : off + image_tokens] = [IMAGE_TOKEN] * image_tokens
-            mm.append(MMOccurrence(hashlib.sha256(f"image-{i}".encode()).hexdigest(), off,
-                                   image_tokens))
-    return tokens, mm
 
 
 @pytest.mark.parametrize("hash_fn", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
