@@ -20,6 +20,7 @@ import cachetools
 
 from .demand import Availability
 from .events.metrics import Metrics
+from .validate import check_callable, check_float, check_int, check_str, fail_type, fail_value
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,7 @@ class Tenant:
         for name in ("cache_salt", "lora_name"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
-                raise ValueError(f"{name} must be a str or None, got {v!r}")
+                fail_type(name, "a str or None", v)
 
 
 class _Entries(cachetools.TTLCache):
@@ -57,18 +58,15 @@ class _Entries(cachetools.TTLCache):
 
 
 def _check_name(field: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{field} must be a non-empty str, got {value!r}")
-    return value
+    return check_str(field, value, nonempty=True)
 
 
 def _check_ids(field: str, ids: Any) -> list[str]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise ValueError(f"{field} must be an iterable of identifiers, got {ids!r}")
+        fail_type(field, "an iterable of identifiers", ids)
     out = list(ids)
-    for i in out:
-        if not isinstance(i, str) or not i:
-            raise ValueError(f"{field} must hold non-empty str identifiers, got {i!r}")
+    for k, i in enumerate(out):
+        check_str(f"{field}[{k}]", i, nonempty=True)
     return out
 
 
@@ -84,13 +82,9 @@ class EmbeddingAvailability:
 
     def __init__(self, *, ttl_s: float = 60.0, max_entries: int = 100_000,
                  timer: Callable[[], float] = time.monotonic, metrics: Metrics | None = None) -> None:
-        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"max_entries must be an int >= 1, got {max_entries!r}")
-        self.ttl_s = float(ttl_s)
-        self.max_entries = max_entries
-        self._timer = timer
+        self.ttl_s = check_float("ttl_s", ttl_s, 0, lo_open=True)
+        self.max_entries = check_int("max_entries", max_entries, 1)
+        self._timer = check_callable("timer", timer)
         self._metrics = metrics if metrics is not None else Metrics.default()
         self._caches: dict[tuple[str, str, Tenant], _Entries] = {}
         self._lock = threading.Lock()
@@ -124,11 +118,10 @@ class EmbeddingAvailability:
         _check_name("instance", instance)
         added = {} if added is None else added
         if not isinstance(added, Mapping):
-            raise ValueError(f"added must be a mapping identifier -> num_embeds, got {added!r}")
+            fail_type("added", "a mapping identifier -> num_embeds", added)
         for ident, n in added.items():
             _check_ids("added", [ident])
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"added[{ident!r}] must be a num_embeds int >= 1, got {n!r}")
+            check_int(f"added[{ident!r}]", n, 1)
         removed_ids, freeable_ids, referenced_ids = (
             _check_ids("removed", removed), _check_ids("freeable", freeable),
             _check_ids("referenced", referenced))
@@ -174,7 +167,7 @@ class EmbeddingAvailability:
     def forget_instance(self, kind: str, name: str) -> None:
         """Drop everything known about a location (e.g. the instance restarted)."""
         if kind not in ("p", "ext", "e"):
-            raise ValueError(f"kind must be 'p', 'ext' or 'e', got {kind!r}")
+            fail_value("kind", "'p', 'ext' or 'e'", kind)
         with self._lock:
             for key in [k for k in self._caches if k[0] == kind and k[1] == name]:
                 del self._caches[key]

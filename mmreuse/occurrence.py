@@ -8,18 +8,13 @@ It mirrors vLLM's `MultiModalFeatureSpec` (`identifier`, `mm_position.offset`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def _check_int(field: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{field} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{field} must be >= {minimum}, got {value}")
-    return value
+from .errors import InvalidArgument, InvalidArgumentType
+from .validate import check_int, check_str, fail_type
 
 
 def _normalize_mask(mask: Any, length: int) -> tuple[bool, ...] | None:
@@ -28,14 +23,14 @@ def _normalize_mask(mask: Any, length: int) -> tuple[bool, ...] | None:
     if hasattr(mask, "tolist"):  # torch / numpy bool tensors, as vLLM stores them
         mask = mask.tolist()
     if isinstance(mask, (str, bytes)) or not isinstance(mask, Sequence):
-        raise ValueError(f"is_embed must be a sequence of bools or None, got {type(mask).__name__}")
+        fail_type("is_embed", "a sequence of bools or None", mask)
     out = []
     for i, flag in enumerate(mask):
         if not isinstance(flag, bool):
-            raise ValueError(f"is_embed[{i}] must be a bool, got {flag!r}")
+            fail_type(f"is_embed[{i}]", "a bool", flag)
         out.append(flag)
     if len(out) != length:
-        raise ValueError(f"is_embed has {len(out)} entries but length is {length}")
+        raise InvalidArgument(f"is_embed has {len(out)} entries but length is {length}")
     return tuple(out)
 
 
@@ -67,10 +62,9 @@ class MMOccurrence:
     _last_embed: int | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.identifier, str):
-            raise ValueError(f"identifier must be a str, got {self.identifier!r}")
-        _check_int("offset", self.offset, 0)
-        _check_int("length", self.length, 1)
+        check_str("identifier", self.identifier)
+        object.__setattr__(self, "offset", check_int("offset", self.offset, 0))
+        object.__setattr__(self, "length", check_int("length", self.length, 1))
         mask = _normalize_mask(self.is_embed, self.length)
         object.__setattr__(self, "is_embed", mask)
         offs = None if mask is None else tuple(j for j, e in enumerate(mask) if e)
@@ -79,8 +73,7 @@ class MMOccurrence:
         object.__setattr__(self, "_num_embeds", self.length if offs is None else len(offs))
         last = self._end - 1 if offs is None else (self.offset + offs[-1] if offs else None)
         object.__setattr__(self, "_last_embed", last)
-        if not isinstance(self.modality, str) or not self.modality:
-            raise ValueError(f"modality must be a non-empty str, got {self.modality!r}")
+        check_str("modality", self.modality, nonempty=True)
 
     @property
     def end(self) -> int:
@@ -120,7 +113,7 @@ class MMOccurrence:
                 modality=getattr(feature, "modality", None) or "image",
             )
         except AttributeError as exc:
-            raise ValueError(
+            raise InvalidArgumentType(
                 f"feature must look like vLLM's MultiModalFeatureSpec "
                 f"(identifier, mm_position.offset/length): {exc}"
             ) from exc
