@@ -9,29 +9,11 @@
 #include <Python.h>
 #include <torch/library.h>
 
-#include "index_helpers.h"
-
+// The module holds no functions: importing it registers the ops. The block-hash tables live in
+// the torch-free extension mmreuse._index (index_table.cpp).
 extern "C" PyObject* PyInit__C(void) {
-  static PyMethodDef methods[] = {
-      {"table_put", mmreuse::table_put, METH_VARARGS,
-       "table_put(keys, vals, key, block_id) -> bool: insert (True) or update (False)"},
-      {"table_del", mmreuse::table_del, METH_VARARGS, "table_del(keys, vals, key) -> bool"},
-      {"table_put_many", mmreuse::table_put_many, METH_VARARGS,
-       "table_put_many(keys, vals, key_list, val_list) -> inserted"},
-      {"table_del_many", mmreuse::table_del_many, METH_VARARGS,
-       "table_del_many(keys, vals, key_list) -> deleted"},
-      {"table_add", mmreuse::table_add, METH_VARARGS,
-       "table_add(keys, vals, hashes, delta) -> (new_slots, added, removed)"},
-      {"table_rehash", mmreuse::table_rehash, METH_VARARGS,
-       "table_rehash(old_keys, old_vals, new_keys, new_vals) -> live"},
-      {"table_get", mmreuse::table_get, METH_VARARGS, "table_get(keys, vals, hash) -> int | None"},
-      {"chain_prefix", mmreuse::chain_prefix, METH_VARARGS,
-       "chain_prefix(keys, vals, hashes, out) -> int: block ids of the leading hashes found, "
-       "written into the int64 buffer out; returns how many"},
-      {nullptr, nullptr, 0, nullptr}};
-  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C",
-                            "mmreuse's torch ops (torch.ops.mmreuse) and index helpers", -1,
-                            methods};
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "mmreuse's torch ops (torch.ops.mmreuse)",
+                            -1, nullptr};
   return PyModule_Create(&def);
 }
 

@@ -1,7 +1,9 @@
 """A uint64 -> int64 open-addressing hash table in two numpy arrays, walked by C helpers.
 
-Keys are 64-bit event ids; bytes hashes are keyed by their low 64 bits (big-endian), as vLLM's
-KV events publish them. BlockIndex stores block ids in it, RemoteKVIndex reference counts.
+Keys are 64-bit event ids, made from block hashes by `mmreuse.blockhash`'s rule (the C side,
+`mmreuse._index`, applies the same rule and raises the same `mmreuse.errors` classes).
+BlockIndex stores block ids in it, RemoteKVIndex reference counts. No torch here: the
+extension is plain CPython, so `mmreuse.events` imports without libtorch.
 """
 
 from __future__ import annotations
@@ -9,18 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch  # noqa: F401  (loads libtorch, which the _C extension links against)
 
-from ._C import (
-    chain_prefix,
-    table_add,
-    table_del,
-    table_del_many,
-    table_get,
-    table_put,
-    table_put_many,
-    table_rehash,
-)
+from ._index import chain_prefix, table_add, table_del_many, table_get, table_put_many, table_rehash
+from .blockhash import EventBlockId, ExternalBlockHash
+
+__all__ = ["HashTable"]
 
 
 class HashTable:
@@ -47,30 +42,17 @@ class HashTable:
             self.live = table_rehash(self.keys, self.vals, keys, vals)
             self.keys, self.vals, self.used = keys, vals, self.live
 
-    def put(self, key: int, value: int) -> None:
-        """Set key -> value (value >= 0)."""
-        if 2 * (self.used + 1) > self.keys.size:
-            self._reserve(1)
-        if table_put(self.keys, self.vals, key, value):
-            self.used += 1  # may reuse a tombstone: over-counting only rehashes earlier
-            self.live += 1
-
-    def put_many(self, keys: list[int], values: list[int]) -> None:
-        """`put` for a batch, in one call."""
-        if 2 * (self.used + len(keys)) > self.keys.size:
-            self._reserve(len(keys))
+    def put_many(self, keys: list[EventBlockId], values: list[int]) -> None:
+        """Set keys[i] -> values[i] (values >= 0) for a batch, in one call."""
+        self._reserve(len(keys))
         inserted = table_put_many(self.keys, self.vals, keys, values)
-        self.used += inserted
+        self.used += inserted  # may reuse a tombstone: over-counting only rehashes earlier
         self.live += inserted
 
-    def delete_many(self, keys: list[int]) -> None:
+    def delete_many(self, keys: list[EventBlockId]) -> None:
         self.live -= table_del_many(self.keys, self.vals, keys)
 
-    def delete(self, key: int) -> None:
-        if table_del(self.keys, self.vals, key):
-            self.live -= 1
-
-    def add(self, hashes: Sequence[bytes | int], delta: int) -> int:
+    def add(self, hashes: Sequence[ExternalBlockHash], delta: int) -> int:
         """Add `delta` to each hash's count (validating all first); returns entries removed."""
         if delta > 0:
             self._reserve(len(hashes))
@@ -79,12 +61,15 @@ class HashTable:
         self.live += added - removed
         return removed
 
-    def get(self, h: bytes | int) -> int | None:
+    def get(self, h: ExternalBlockHash) -> int | None:
         return table_get(self.keys, self.vals, h)
 
-    def prefix(self, hashes: Sequence[bytes | int], out: np.ndarray | None = None) -> tuple[int, np.ndarray]:
-        """How many leading hashes are present, and a buffer holding their values (`out`, an
-        int64 array of len(hashes) or more, or an internal scratch buffer)."""
+    def prefix(
+        self, hashes: Sequence[ExternalBlockHash], out: np.ndarray | None = None
+    ) -> tuple[int, np.ndarray]:
+        """How many leading hashes are present (every hash is validated), and a buffer holding
+        their values (`out`, an int64 array of len(hashes) or more, or an internal scratch
+        buffer)."""
         if out is None:
             n = len(hashes)
             if self._buf.size < n:

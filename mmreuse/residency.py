@@ -23,15 +23,15 @@ from torch import Tensor
 
 from . import ops
 from ._table import HashTable
-from .hashing import to_event_id
+from .blockhash import EventBlockId, ExternalBlockHash, to_event_id, to_event_ids
+from .kvview import PrefixMatch
+from .validate import check_int, fail_type
 
-BlockHashKey = int  # the 64-bit event id form; bytes are converted with to_event_id
+BlockHashKey = EventBlockId  # the 64-bit event id form; bytes are converted with to_event_id
 
 
 def _check_num_blocks(num_blocks: Any) -> int:
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-        raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
-    return num_blocks
+    return check_int("num_blocks", num_blocks, lo=1)
 
 
 class ResidencySnapshot:
@@ -173,25 +173,14 @@ class CoverageProof:
         return int(self.block_ids.numel())
 
 
-def _key(block_hash: Any) -> BlockHashKey:
-    if type(block_hash) is bytes and len(block_hash) >= 8:  # the common case, inlined
-        return int.from_bytes(block_hash[-8:], "big")
-    if isinstance(block_hash, (bytes, bytearray)):
-        return to_event_id(bytes(block_hash))
-    if isinstance(block_hash, bool) or not isinstance(block_hash, int):
-        raise ValueError(f"block_hash must be bytes or a 64-bit int event id, got {block_hash!r}")
-    if not 0 <= block_hash < 2**64:
-        raise ValueError(f"block_hash event id must be in [0, 2**64), got {block_hash}")
-    return block_hash
-
-
 class BlockIndex:
     """Block hash -> block id, over a ResidencyMap: a Prefill instance's prefix cache, as seen
     from its KV events.
 
-    Hashes are keyed by their 64-bit event id (`to_event_id`; what vLLM's KV events carry by
-    default), so bytes from `mmreuse.hashing` and ints from events meet. Storing a hash into a
-    block that held another evicts the old content first (its generation changes).
+    Hashes are keyed by their 64-bit event id (`mmreuse.blockhash.to_event_id`; what vLLM's KV
+    events carry by default), so bytes from `mmreuse.hashing` and ints from events meet. Storing a
+    hash into a block that held another evicts the old content first (its generation changes).
+    Implements `mmreuse.kvview.KVView` (`match_prefix`).
     """
 
     def __init__(self, num_blocks: int, device: str | torch.device = "cpu") -> None:
@@ -231,25 +220,24 @@ class BlockIndex:
     def _check_block(self, block_id: Any) -> int:
         if type(block_id) is int and 0 <= block_id < self.residency.num_blocks:
             return block_id  # the common case, without the checks below
-        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
-            raise ValueError(f"block_id must be an int, got {block_id!r}")
-        block_id = int(block_id)
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block_id {block_id} is out of range [0, {self.num_blocks})")
-        return block_id
+        return check_int("block_id", block_id, 0, self.num_blocks - 1)
 
-    def store(self, block_hash: bytes | int, block_id: int) -> None:
+    def store(self, block_hash: ExternalBlockHash, block_id: int) -> None:
         """Block `block_id` now holds the KV of `block_hash` (vLLM's BlockStored)."""
-        self.store_many([block_hash], [block_id])
+        self._store([to_event_id(block_hash)], [self._check_block(block_id)])
 
-    def store_many(self, block_hashes: Sequence[bytes | int], block_ids: Sequence[int]) -> None:
+    def store_many(
+        self, block_hashes: Sequence[ExternalBlockHash], block_ids: Sequence[int]
+    ) -> None:
         """`store` for a batch, with one residency update (blocks that held other content are
         evicted first, so their generations change)."""
-        if len(block_hashes) != len(block_ids):
-            raise ValueError(f"{len(block_hashes)} block_hashes for {len(block_ids)} block_ids")
-        keys = [int.from_bytes(h[-8:], "big") if type(h) is bytes and len(h) >= 8 else _key(h)
-                for h in block_hashes]  # _key's common case inlined: this is a hot path
+        keys = to_event_ids(block_hashes)
         blocks = self._check_blocks(block_ids)
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} block_hashes for {len(blocks)} block_ids")
+        self._store(keys, blocks)
+
+    def _store(self, keys: list[BlockHashKey], blocks: list[int]) -> None:
         if len(set(blocks)) != len(blocks):
             raise ValueError("block_ids must be distinct within one store_many call")
         stale = [b for b, k in zip(blocks, keys) if self._hash_in[b] not in (None, k)]
@@ -309,16 +297,21 @@ class BlockIndex:
         self._hash_in = [None] * self.num_blocks
         self._table.clear()
 
-    def block_id(self, block_hash: bytes | int) -> int | None:
+    def block_id(self, block_hash: ExternalBlockHash) -> int | None:
         """The block holding `block_hash`, if any."""
-        return self._block_of.get(_key(block_hash))
+        return self._block_of.get(to_event_id(block_hash))
 
-    def lookup_prefix(self, block_hashes: Sequence[bytes | int]) -> tuple[int, CoverageProof]:
-        """The leading run of `block_hashes` present and resident, with its proof."""
-        if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
-            raise ValueError(f"block_hashes must be a sequence of hashes, got {block_hashes!r}")
+    def lookup_prefix(
+        self, block_hashes: Sequence[ExternalBlockHash]
+    ) -> tuple[int, CoverageProof]:
+        """The leading run of `block_hashes` present and resident, with its proof. Every hash
+        is validated (`to_event_id`'s rule), those after the first miss too."""
+        if isinstance(block_hashes, (str, bytes, bytearray)) or not isinstance(
+            block_hashes, Sequence
+        ):
+            fail_type("block_hashes", "a sequence of block hashes", block_hashes)
         keys = block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
-        # the block ids land straight in the proof's tensor (no copy); each hash is validated
+        # the block ids land straight in the proof's tensor (no copy)
         out = torch.empty(len(keys), dtype=torch.int64)
         found, _ = self._table.prefix(keys, out.numpy())
         res = self.residency
@@ -326,6 +319,11 @@ class BlockIndex:
         hit = int(ops.residency_prefix(res.bitmap, ids, res.num_blocks))
         ids = ids[:hit]
         return hit, CoverageProof(ids, res.generations.index_select(0, ids))
+
+    def match_prefix(self, block_hashes: Sequence[ExternalBlockHash]) -> PrefixMatch:
+        """`KVView.match_prefix`: `lookup_prefix`'s hit, with its CoverageProof as the proof."""
+        hit, proof = self.lookup_prefix(block_hashes)
+        return PrefixMatch(hit, proof)
 
     def validate(self, proof: CoverageProof) -> bool:
         """Whether every block of `proof` still holds the same content (resident, same generation)."""

@@ -343,10 +343,9 @@ def test_longest_prefix_equals_vllm_block_pool_hits(seed):
 
     from .oracle_client import require_oracle
 
-    py, script = require_oracle()
+    py, _ = require_oracle()
     out = subprocess.run([str(py), str(Path(__file__).parent / "vllm_blockpool_oracle.py"),
-                          str(script.parent), str(seed)], capture_output=True, text=True,
-                         check=True)
+                          str(seed)], capture_output=True, text=True, check=True)
     steps = json.loads(out.stdout.strip().splitlines()[-1])
     hasher = BlockHasher("sha256", 16, seed="0")
     idx = RemoteKVIndex("vllm")
@@ -361,3 +360,50 @@ def test_longest_prefix_equals_vllm_block_pool_hits(seed):
             queries += 1
             hits += step["expected"] > 0
     assert queries > 100 and hits > 30  # the scenario exercises real reuse and eviction
+
+
+# ---- the KVView protocol and hash validation -------------------------------------------------
+
+def test_index_match_prefix_is_the_gpu_longest_prefix():
+    from mmreuse.kvview import KVView, PrefixMatch
+
+    idx = RemoteKVIndex()
+    idx.apply(batch(stored([1, 2, 3]), stored([1, 2, 3, 4], medium="CPU")))
+    m = idx.match_prefix([1, 2, h(0), 3])
+    assert isinstance(idx, KVView) and m == PrefixMatch(2, None)
+    assert idx.longest_prefix([1, 2, 3, 4], medium="CPU") == 4
+    assert idx.match_prefix([1, 2, 3, 4]).num_blocks == 3
+    assert RemoteKVIndex().match_prefix([1]) == PrefixMatch(0)
+
+
+def test_index_validates_every_hash():
+    from mmreuse.errors import InvalidArgument, InvalidArgumentType
+
+    idx = RemoteKVIndex()
+    idx.apply(batch(stored([1, 2])))
+    for hashes, cls, match in [
+        ([99, "x"], InvalidArgumentType, r"block_hashes\[1\]"),  # was 0: stopped at the miss
+        ([1, 2, "x"], InvalidArgumentType, r"block_hashes\[2\]"),
+        ([1, 9, -1], InvalidArgument, r"block_hashes\[2\] must be an event id in .*, got -1"),
+    ]:
+        for call in (idx.longest_prefix, idx.match_prefix, RemoteKVIndex().longest_prefix,
+                     lambda x: idx.longest_prefix(x, medium="CPU")):
+            with pytest.raises(cls, match=match):
+                call(hashes)
+    with pytest.raises(InvalidArgument, match="event id"):
+        RemoteKVIndex().contains(-1)
+    with pytest.raises(InvalidArgumentType, match="medium"):
+        idx.longest_prefix([1], medium=None)
+
+
+def test_index_apply_refuses_negative_ids_and_changes_nothing():
+    from mmreuse.errors import InvalidArgument
+
+    idx = RemoteKVIndex()
+    idx.apply(batch(stored([5])))
+    for bad in (-1, -(2**63)):
+        with pytest.raises(InvalidArgument, match=r"block_hashes\[1\] must be an event id"):
+            idx.apply(batch(stored([6]), stored([7, bad])))
+        with pytest.raises(InvalidArgument, match="event id"):
+            idx.apply(batch(BlockRemoved(block_hashes=[5, bad], medium="GPU")))
+    assert idx.size() == 1 and idx.contains(5) and not idx.contains(6)

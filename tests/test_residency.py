@@ -210,3 +210,42 @@ def test_coverage_proof_is_a_frozen_value():
     p = CoverageProof(torch.tensor([1]), torch.tensor([0]))
     with pytest.raises(AttributeError):
         p.block_ids = torch.tensor([2])
+
+
+# ---- the KVView protocol and hash validation -------------------------------------------------
+
+def test_block_index_match_prefix_is_lookup_prefix():
+    from mmreuse.kvview import KVView, PrefixMatch
+
+    idx = BlockIndex(8)
+    idx.store_many([h(0), h(1), h(3)], [5, 2, 7])
+    m = idx.match_prefix([h(0), to_event_id(h(1)), h(2), h(3)])
+    hit, proof = idx.lookup_prefix([h(0), to_event_id(h(1)), h(2), h(3)])
+    assert isinstance(idx, KVView) and isinstance(m, PrefixMatch)
+    assert m.num_blocks == hit == 2
+    assert m.proof.block_ids.tolist() == proof.block_ids.tolist() == [5, 2]
+    assert idx.validate(m.proof)
+    idx.evict_block(2)
+    assert not idx.validate(m.proof) and idx.match_prefix([h(0), h(1)]).num_blocks == 1
+    assert idx.match_prefix([]).num_blocks == 0
+
+
+def test_block_index_validates_every_hash():
+    from mmreuse.errors import InvalidArgument, InvalidArgumentType
+
+    idx = BlockIndex(8)
+    idx.store(1, 0)
+    for hashes, cls, match in [
+        ([99, "x"], InvalidArgumentType, r"block_hashes\[1\]"),  # after the first miss too
+        ([1, 2, "x"], InvalidArgumentType, r"block_hashes\[2\]"),
+        ([1, 99, 2, -1], InvalidArgument, r"block_hashes\[3\] must be an event id in .*, got -1"),
+        ([99, b"short"], InvalidArgument, r"block_hashes\[1\] must be a block hash of >= 8 bytes"),
+        ([True], InvalidArgumentType, r"block_hashes\[0\]"),
+        (bytearray(b"12345678"), InvalidArgumentType, "block_hashes must be a sequence"),
+    ]:
+        for call in (idx.lookup_prefix, idx.match_prefix):
+            with pytest.raises(cls, match=match):
+                call(hashes)
+    with pytest.raises(InvalidArgument, match=r"block_hashes\[1\]"):
+        idx.store_many([2, -3], [1, 2])
+    assert len(idx) == 1 and idx.block_id(bytearray(b"\x00" * 7 + b"\x01")) == 0

@@ -6,26 +6,30 @@ import threading
 from collections.abc import Sequence
 
 from .._table import HashTable
+from ..blockhash import ExternalBlockHash, to_event_id, to_event_ids
+from ..kvview import PrefixMatch
+from ..validate import check_str, fail_type
 from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 
 class RemoteKVIndex:
     """The block hashes an instance holds, as its KV events tell (per medium: GPU, CPU, ...).
 
-    Hashes are keyed by their 64-bit event id: ints from events as they are, digest bytes (from
-    events with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, or from `mmreuse.hashing`) by their low 64
-    bits, big-endian. A hash stored by several blocks is counted once per block, so it stays
-    until its last BlockRemoved. Thread-safe: a subscriber thread applies while others read.
+    Hashes are keyed by their 64-bit event id (`mmreuse.blockhash.to_event_id`'s rule, applied
+    in C): ints from events as they are, digest bytes (from events with
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, or from `mmreuse.hashing`) by their low 64 bits,
+    big-endian. A hash stored by several blocks is counted once per block, so it stays until its
+    last BlockRemoved. Thread-safe: a subscriber thread applies while others read.
 
     Caveat: with vLLM's per-request `kv_cache_report_mode="full"`, reused prefix blocks are
     re-announced with BlockStored but never removed twice; such counts only ever over-report,
     which P's consume-time validation catches (a late fallback, never a wrong skip).
+
+    Implements `mmreuse.kvview.KVView` (`match_prefix`, on the GPU medium).
     """
 
     def __init__(self, instance: str = "default") -> None:
-        if not isinstance(instance, str) or not instance:
-            raise ValueError(f"instance must be a non-empty str, got {instance!r}")
-        self.instance = instance
+        self.instance = check_str("instance", instance, nonempty=True)
         self._media: dict[str, HashTable] = {}
         self._lock = threading.Lock()
 
@@ -39,11 +43,11 @@ class RemoteKVIndex:
     def apply(self, batch: KVEventBatch) -> int:
         """Apply a decoded batch, whole or not at all; returns the number of events applied.
 
-        Raises ValueError (and changes nothing) if any hash is not bytes >= 8 long or an int in
-        [0, 2**64).
+        Raises InvalidArgument (a ValueError; InvalidArgumentType for a wrong type) and changes
+        nothing if any hash is not bytes >= 8 long or an int in [0, 2**64) (negative ints too).
         """
         if not isinstance(batch, KVEventBatch):
-            raise ValueError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
+            fail_type("batch", "a KVEventBatch", batch)
         events = batch.events
         with self._lock:
             probe = HashTable(1)
@@ -61,26 +65,42 @@ class RemoteKVIndex:
                     self._media.clear()
         return len(events)
 
-    def longest_prefix(self, block_hashes: Sequence[bytes | int], medium: str = MEDIUM_GPU) -> int:
-        """How many leading hashes of a request are held (what vLLM's prefix cache would hit,
-        up to the events not received yet, before its num_tokens-1 cap: see kv_coverage)."""
-        if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
-            raise ValueError(f"block_hashes must be a sequence of hashes, got {block_hashes!r}")
-        hashes = block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
-        with self._lock:
-            table = self._media.get(medium)
-            if table is None:
-                HashTable(1).prefix(hashes[:1])  # still validate
-                return 0
-            return table.prefix(hashes)[0]
+    @staticmethod
+    def _hash_list(block_hashes: Sequence[ExternalBlockHash]) -> Sequence[ExternalBlockHash]:
+        if isinstance(block_hashes, (str, bytes, bytearray)) or not isinstance(
+            block_hashes, Sequence
+        ):
+            fail_type("block_hashes", "a sequence of block hashes", block_hashes)
+        return block_hashes if isinstance(block_hashes, (list, tuple)) else list(block_hashes)
 
-    def contains(self, block_hash: bytes | int, medium: str = MEDIUM_GPU) -> bool:
+    def longest_prefix(
+        self, block_hashes: Sequence[ExternalBlockHash], medium: str = MEDIUM_GPU
+    ) -> int:
+        """How many leading hashes of a request are held (what vLLM's prefix cache would hit,
+        up to the events not received yet, before its num_tokens-1 cap: see kv_coverage).
+        Every hash is validated, those after the first miss too."""
+        hashes = self._hash_list(block_hashes)
+        check_str("medium", medium)
         with self._lock:
             table = self._media.get(medium)
-            if table is None:
-                HashTable(1).get(block_hash)  # validates
-                return False
-            return table.get(block_hash) is not None
+            if table is not None:
+                return table.prefix(hashes)[0]
+        to_event_ids(hashes)  # nothing held there: still validate
+        return 0
+
+    def match_prefix(self, block_hashes: Sequence[ExternalBlockHash]) -> PrefixMatch:
+        """`KVView.match_prefix`: `longest_prefix` on the GPU medium; no proof (events carry
+        hashes, not block generations)."""
+        return PrefixMatch(self.longest_prefix(block_hashes, MEDIUM_GPU))
+
+    def contains(self, block_hash: ExternalBlockHash, medium: str = MEDIUM_GPU) -> bool:
+        check_str("medium", medium)
+        with self._lock:
+            table = self._media.get(medium)
+            if table is not None:
+                return table.get(block_hash) is not None
+        to_event_id(block_hash)  # nothing held there: still validate
+        return False
 
     def size(self, medium: str = MEDIUM_GPU) -> int:
         """Distinct hashes held on `medium`."""
