@@ -2,14 +2,26 @@
 //
 // For each full block it writes exactly the bytes vLLM's hash function serializes
 // for (parent_hash, tuple(block_tokens), extra_keys) -- pickle protocol 5 with
-// CPython's memo (by object identity, emulated with identity keys computed in
-// Python) or canonical CBOR -- and digests them with OpenSSL SHA-256 or XXH3-128.
-// The extra keys follow vLLM's `_gen_mm_extra_hash_keys` walk literally, for the
-// scheme encoded in `flags` (see mmreuse/hashing/hasher.py::_make_fast_spec).
-// Anything it cannot write in one pickle frame makes it return None, and the
-// Python reference path takes over. Token ids are read a chunk at a time and written
-// eight at a time with AVX-512 VBMI2 where the CPU has it (checked at load; set_simd
-// switches to the scalar writer, which tests compare against the reference).
+// CPython's memo (by object identity, emulated with identity keys, see identity_key)
+// or canonical CBOR -- and digests them with OpenSSL SHA-256 or XXH3-128.
+// The extra keys follow vLLM's `_gen_mm_extra_hash_keys` walk literally.
+//
+// Python sees three things (mmreuse/hashing/hasher.py):
+// - HashSpec: one hasher's configuration (hash function, block size, lookahead, NONE_HASH, the
+//   scheme's key shapes, by name), validated once when the BlockHasher is built;
+// - HashSpec.request(mm, lora, salt) -> RequestKeys: one request's extra-key material, parsed
+//   and pre-serialized once per request (None where only the reference path can hash it);
+// - RequestKeys.hash_blocks(tokens, prior, validate_from, embeds): the hashes of the full
+//   blocks after `prior`.
+// The name tables below are the only mapping from scheme names to the ids used here; the module
+// exports them (HASH_FUNCTIONS, MM_KEYS, ...) with the size limits, so Python never restates them.
+// Anything it cannot write in one pickle frame makes hash_blocks return None, and the Python
+// reference path takes over. Token ids are read a chunk at a time and written eight at a time
+// with AVX-512 VBMI2 where the CPU has it (checked at load; set_simd switches to the scalar
+// writer, which tests compare against the reference).
+//
+// Build with MMREUSE_DEBUG=1 (setup.py) for -O0 -g and MMREUSE_DCHECK bound checks on every
+// write into the output buffers.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,8 +34,13 @@
 #define XXH_INLINE_ALL
 #include "third_party/xxhash/xxhash.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -34,15 +51,155 @@
 #define MMREUSE_X86 1
 #endif
 
+// Debug-build invariant check: aborts with the condition and its place; a no-op in release.
+#ifdef MMREUSE_DEBUG
+#define MMREUSE_DCHECK(cond) \
+  ((cond) ? static_cast<void>(0) : mmreuse_dcheck_failed(#cond, __FILE__, __LINE__))
+[[noreturn]] static void mmreuse_dcheck_failed(const char* cond, const char* file, int line) {
+  std::fprintf(stderr, "mmreuse._hashcore: MMREUSE_DCHECK(%s) failed at %s:%d\n", cond, file,
+               line);
+  std::abort();
+}
+constexpr bool kDebugBuild = true;
+#else
+#define MMREUSE_DCHECK(cond) static_cast<void>(0)
+constexpr bool kDebugBuild = false;
+#endif
+
 namespace {
 
-// Identity keys of vLLM's literal tag strings (see _identity_key for the others).
+// ---- limits and name tables (exported to Python) ----------------------------------------------
+
+// Pickle frames are split at 64 KiB; the fast path writes one frame, so larger blocks go the
+// reference way (vLLM's edge vectors include a 20,000-token block).
+constexpr int64_t kMaxBlockTokens = 4096;
+constexpr int64_t kMaxLookahead = 4096;
+// Identifier / LoRA / salt UTF-8 bytes of one request beyond which a block could exceed a frame.
+constexpr size_t kMaxKeyBytes = 16384;
+// NONE_HASH and parent hashes: digests (16 / 32 bytes) or os.urandom(32).
+constexpr Py_ssize_t kMaxParentBytes = 64;
+// The most bytes one int64 takes: pickle LONG1 (2 + 8), CBOR head (1 + 8); the writers store up
+// to that many even for shorter encodings.
+constexpr size_t kMaxIntBytes = 10;
+// The SIMD token writer stores whole 64-byte vectors.
+constexpr size_t kSimdSlack = 64;
+
+enum class Fn { kSha256 = 0, kSha256Cbor = 1, kXxhash = 2, kXxhashCbor = 3 };
+enum class MMKey { kTagged = 0, kPair = 1, kBare = 2 };
+enum class LoraKey { kTagged = 0, kName = 1, kIntId = 2 };
+enum class EmbedsKey { kTagged = 0, kBare = 1, kRaw = 2, kNone = 3 };  // kNone: Python None
+
+// Index = the enum value above (ids never leave this file; Python passes and reads names).
+constexpr const char* kHashFns[] = {"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"};
+constexpr const char* kMMKeys[] = {"tagged", "pair", "bare"};
+constexpr const char* kMMBounds[] = {"exclusive", "inclusive"};
+constexpr const char* kLoraKeys[] = {"tagged", "name", "int_id"};
+constexpr const char* kSaltKeys[] = {"tagged", "bare"};
+constexpr const char* kEmbedsKeys[] = {"tagged", "bare", "raw"};
+constexpr const char* kIncrementalMM[] = {"window", "last"};
+template <size_t N>
+constexpr int count(const char* const (&)[N]) {
+  return static_cast<int>(N);
+}
+
+inline bool is_cbor(Fn f) { return f == Fn::kSha256Cbor || f == Fn::kXxhashCbor; }
+inline bool is_sha(Fn f) { return f == Fn::kSha256 || f == Fn::kSha256Cbor; }
+
+// mmreuse.errors.InvalidArgument / InvalidArgumentType (set at import).
+PyObject* g_invalid_argument = nullptr;
+PyObject* g_invalid_argument_type = nullptr;
+
+// ---- owned references -------------------------------------------------------------------------
+
+// One owned PyObject reference, released when it goes out of scope.
+class PyRef {
+ public:
+  PyRef() = default;
+  explicit PyRef(PyObject* o) : o_(o) {}  // steals o (may be null)
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  PyRef(PyRef&& other) noexcept : o_(other.release()) {}
+  PyRef& operator=(PyRef&& other) noexcept {
+    if (this != &other) reset(other.release());
+    return *this;
+  }
+  ~PyRef() { Py_XDECREF(o_); }
+  static PyRef borrow(PyObject* o) {
+    Py_XINCREF(o);
+    return PyRef(o);
+  }
+  PyObject* get() const { return o_; }
+  explicit operator bool() const { return o_ != nullptr; }
+  PyObject* release() {
+    PyObject* o = o_;
+    o_ = nullptr;
+    return o;
+  }
+  void reset(PyObject* o = nullptr) {
+    PyObject* old = o_;
+    o_ = o;
+    Py_XDECREF(old);
+  }
+
+ private:
+  PyObject* o_ = nullptr;
+};
+
+// ---- argument checks (never trust the caller) ---------------------------------------------
+
+// An exact int (never a bool) in [lo, hi], else InvalidArgument(Type) naming `field`.
+bool get_int(const char* field, PyObject* v, int64_t lo, int64_t hi, int64_t* out) {
+  if (!PyLong_Check(v) || PyBool_Check(v)) {
+    PyErr_Format(g_invalid_argument_type, "%s must be an int, got %s %R", field,
+                 Py_TYPE(v)->tp_name, v);
+    return false;
+  }
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (x == -1 && PyErr_Occurred()) return false;
+  if (overflow != 0 || x < lo || x > hi) {
+    PyErr_Format(g_invalid_argument, "%s must be in [%lld, %lld], got %R", field,
+                 static_cast<long long>(lo), static_cast<long long>(hi), v);
+    return false;
+  }
+  *out = x;
+  return true;
+}
+
+// The index of str `v` in `names` (or `none_index` for None where that is >= 0), else -1 with
+// InvalidArgument(Type) set.
+template <size_t N>
+int get_name(const char* field, PyObject* v, const char* const (&names)[N], int none_index = -1) {
+  if (v == Py_None && none_index >= 0) return none_index;
+  if (!PyUnicode_Check(v)) {
+    PyErr_Format(g_invalid_argument_type, "%s must be a str, got %s %R", field,
+                 Py_TYPE(v)->tp_name, v);
+    return -1;
+  }
+  for (size_t i = 0; i < N; ++i) {
+    if (PyUnicode_CompareWithASCIIString(v, names[i]) == 0) return static_cast<int>(i);
+  }
+  std::string accepted = none_index >= 0 ? "None" : "";
+  for (size_t i = 0; i < N; ++i) {
+    if (!accepted.empty()) accepted += ", ";
+    accepted += '\'';
+    accepted += names[i];
+    accepted += '\'';
+  }
+  PyErr_Format(g_invalid_argument, "%s must be one of (%s), got %R", field, accepted.c_str(), v);
+  return -1;
+}
+
+// ---- serialization ------------------------------------------------------------------------
+
+// Identity keys of vLLM's literal tag strings (see identity_key for the others).
 constexpr long kKeyMM = 1, kKeyLora = 2, kKeySalt = 3, kKeyEmbeds = 4;
+constexpr long kKeyEmpty = 99, kKeyLatin1 = 100, kKeyFirstFresh = 1000;
 
 struct Str {
   const char* p = nullptr;
   Py_ssize_t n = 0;
-  long key = 0;
+  long key = 0;  // equal for two strings iff vLLM's pickler sees one object
 };
 
 const Str kTagMM{"mm", 2, kKeyMM};
@@ -50,39 +207,33 @@ const Str kTagLora{"lora", 4, kKeyLora};
 const Str kTagSalt{"cache_salt", 10, kKeySalt};
 const Str kTagEmbeds{"prompt_embeds", 13, kKeyEmbeds};
 
-struct MMItem {
-  Str id;
-  int64_t offset;
-  int64_t end;
-  // Pickle only: the key's bytes before its offset (or all of them, bare keys) when it is its
-  // block's only extra key -- then no string is memoized before it (see write_extra).
-  const char* head = nullptr;
-  size_t head_n = 0;
-};
+// Pickle memoizes by object identity. In vLLM every request string is a fresh object (msgspec
+// decodes each) except CPython's cached empty and one-Latin-1-character strings; the literal
+// tags are code constants. `fresh` counts the fresh strings of one request.
+long identity_key(PyObject* s, long& fresh) {
+  const Py_ssize_t len = PyUnicode_GET_LENGTH(s);
+  if (len == 0) return kKeyEmpty;
+  if (len == 1) {
+    const Py_UCS4 c = PyUnicode_READ_CHAR(s, 0);
+    if (c < 256) return kKeyLatin1 + static_cast<long>(c);
+  }
+  return kKeyFirstFresh + ++fresh;
+}
 
-enum class MMKey { kTagged = 0, kPair = 1, kBare = 2 };
-enum class LoraKey { kTagged = 0, kName = 1, kIntId = 2 };
-
-struct Spec {
-  int fn = 0;  // 0 sha256, 1 sha256_cbor, 2 xxhash, 3 xxhash_cbor
-  MMKey mm_key = MMKey::kTagged;
-  bool inclusive = false;
-  LoraKey lora_key = LoraKey::kTagged;
-  bool salt_tagged = true;
-  bool embeds_tagged = true;
-  std::vector<MMItem> mm;
-  bool has_lora = false;
-  Str lora_name, lora_path;
-  int64_t lora_int_id = 0;
-  bool has_salt = false;
-  Str salt;
-};
-
-// An output cursor into a buffer sized in advance (see block_bound): no checks per byte.
+// An output cursor into a buffer sized in advance (see block_bound): no checks per byte in
+// release builds; debug builds check every write against `end`.
 struct Out {
   char* p;
-  void push_back(char c) { *p++ = c; }
+  const char* end;
+  void need([[maybe_unused]] size_t n) const {
+    MMREUSE_DCHECK(p <= end && static_cast<size_t>(end - p) >= n);
+  }
+  void push_back(char c) {
+    need(1);
+    *p++ = c;
+  }
   void append(const char* src, size_t n) {
+    need(n);
     if (n == 32) {  // parent hashes and digests: a fixed-size copy, not a memmove call
       std::memcpy(p, src, 32);
     } else if (n == 16) {
@@ -98,7 +249,8 @@ inline void put_le(Out& b, uint64_t v, int n) {
   for (int i = 0; i < n; ++i) b.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 
-// One int as CPython's pickler writes it (protocol 5); returns the new end.
+// One int as CPython's pickler writes it (protocol 5); returns the new end. Stores up to
+// kMaxIntBytes bytes at p.
 inline char* pickle_int(char* p, int64_t v) {
   if (static_cast<uint64_t>(v) <= 0x7fffffff) {
     // BININT1 / BININT2 / BININT without a data-dependent branch: token ids are random
@@ -127,18 +279,24 @@ inline char* pickle_int(char* p, int64_t v) {
     tmp[i] = i < 8 ? static_cast<unsigned char>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)
                    : (v < 0 ? 0xff : 0x00);
   if (v < 0 && nbytes > 1 && tmp[nbytes - 1] == 0xff && (tmp[nbytes - 2] & 0x80)) --nbytes;
+  MMREUSE_DCHECK(nbytes <= 8);
   p[0] = '\x8a';
   p[1] = static_cast<char>(nbytes);
   std::memcpy(p + 2, tmp, nbytes);
   return p + 2 + nbytes;
 }
 
-inline char* pickle_ints_scalar(char* p, const int64_t* t, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) p = pickle_int(p, t[i]);
+inline char* pickle_ints_scalar(char* p, [[maybe_unused]] const char* end, const int64_t* t,
+                                int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    MMREUSE_DCHECK(p <= end && static_cast<size_t>(end - p) >= kMaxIntBytes);
+    p = pickle_int(p, t[i]);
+  }
   return p;
 }
 
 // A CBOR head (major type, argument) in its shortest form (canonical); returns the new end.
+// Stores up to 9 bytes at p.
 inline char* cbor_head(char* p, int major, uint64_t v) {
   const char m = static_cast<char>(major << 5);
   int n;
@@ -162,7 +320,7 @@ inline char* cbor_head(char* p, int major, uint64_t v) {
   return p + 1 + n;
 }
 
-// One int as cbor2.dumps(canonical=True) writes it; returns the new end.
+// One int as cbor2.dumps(canonical=True) writes it; returns the new end. Stores up to 9 bytes.
 inline char* cbor_int(char* p, int64_t v) {
   if (static_cast<uint64_t>(v) <= 0xffffffffULL) {
     // Unsigned head without data-dependent branches (see pickle_int).
@@ -180,8 +338,12 @@ inline char* cbor_int(char* p, int64_t v) {
   return cbor_head(p, 1, static_cast<uint64_t>(-1 - v));
 }
 
-inline char* cbor_ints_scalar(char* p, const int64_t* t, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) p = cbor_int(p, t[i]);
+inline char* cbor_ints_scalar(char* p, [[maybe_unused]] const char* end, const int64_t* t,
+                              int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    MMREUSE_DCHECK(p <= end && static_cast<size_t>(end - p) >= kMaxIntBytes);
+    p = cbor_int(p, t[i]);
+  }
   return p;
 }
 
@@ -211,7 +373,7 @@ constexpr PermuteIndex kPickleIndex{false}, kCborIndex{true};
 
 template <bool kCbor>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,bmi2,popcnt")))
-char* write_ints_vbmi2(char* p, const int64_t* t, int64_t n) {
+char* write_ints_vbmi2(char* p, const char* end, const int64_t* t, int64_t n) {
   constexpr auto scalar = kCbor ? cbor_ints_scalar : pickle_ints_scalar;
   const __m512i idx = _mm512_loadu_si512(kCbor ? kCborIndex.b : kPickleIndex.b);
   const __m512i limit = _mm512_set1_epi64(kCbor ? 0xffffffffLL : 0x7fffffffLL);
@@ -225,7 +387,7 @@ char* write_ints_vbmi2(char* p, const int64_t* t, int64_t n) {
   for (; i + 8 <= n; i += 8) {
     const __m512i v = _mm512_loadu_si512(t + i);
     if (_mm512_cmple_epu64_mask(v, limit) != 0xff) {
-      p = scalar(p, t + i, 8);
+      p = scalar(p, end, t + i, 8);
       continue;
     }
     const __m256i u = _mm512_cvtepi64_epi32(v);
@@ -249,10 +411,11 @@ char* write_ints_vbmi2(char* p, const int64_t* t, int64_t n) {
     }
     const __m512i rec = _mm512_permutex2var_epi8(_mm512_castsi256_si512(u), idx,
                                                  _mm512_castsi256_si512(head));
+    MMREUSE_DCHECK(p <= end && static_cast<size_t>(end - p) >= kSimdSlack);
     _mm512_storeu_si512(p, _mm512_maskz_compress_epi8(keep, rec));
     p += _mm_popcnt_u64(keep);
   }
-  return scalar(p, t + i, n - i);
+  return scalar(p, end, t + i, n - i);
 }
 
 bool detect_vbmi2() {
@@ -270,18 +433,18 @@ const bool kHaveVbmi2 = false;
 // Whether token ids take the SIMD writer (tests switch it off to check the scalar one).
 bool g_simd = kHaveVbmi2;
 
-inline char* pickle_ints(char* p, const int64_t* t, int64_t n) {
+inline char* pickle_ints(char* p, const char* end, const int64_t* t, int64_t n) {
 #ifdef MMREUSE_X86
-  if (g_simd) return write_ints_vbmi2<false>(p, t, n);
+  if (g_simd) return write_ints_vbmi2<false>(p, end, t, n);
 #endif
-  return pickle_ints_scalar(p, t, n);
+  return pickle_ints_scalar(p, end, t, n);
 }
 
-inline char* cbor_ints(char* p, const int64_t* t, int64_t n) {
+inline char* cbor_ints(char* p, const char* end, const int64_t* t, int64_t n) {
 #ifdef MMREUSE_X86
-  if (g_simd) return write_ints_vbmi2<true>(p, t, n);
+  if (g_simd) return write_ints_vbmi2<true>(p, end, t, n);
 #endif
-  return cbor_ints_scalar(p, t, n);
+  return cbor_ints_scalar(p, end, t, n);
 }
 
 // CPython's _pickle.Pickler, protocol 5, for the types vLLM's keys use.
@@ -295,8 +458,11 @@ class PickleWriter {
   void none() { b_.push_back('N'); }
   void raw(const char* p, size_t n) { b_.append(p, n); }
 
-  void integer(int64_t v) { b_.p = pickle_int(b_.p, v); }
-  void integers(const int64_t* t, int64_t n) { b_.p = pickle_ints(b_.p, t, n); }
+  void integer(int64_t v) {
+    b_.need(kMaxIntBytes);
+    b_.p = pickle_int(b_.p, v);
+  }
+  void integers(const int64_t* t, int64_t n) { b_.p = pickle_ints(b_.p, b_.end, t, n); }
 
   void str(const Str& s) {
     for (const auto& m : memo_) {
@@ -312,7 +478,7 @@ class PickleWriter {
       b_.push_back('X');
       put_le(b_, static_cast<uint64_t>(s.n), 4);
     }
-    b_.append(s.p, s.n);
+    b_.append(s.p, static_cast<size_t>(s.n));
     memo_.emplace_back(s.key, next_);
     memoize();
   }
@@ -365,21 +531,79 @@ class CborWriter {
  public:
   explicit CborWriter(Out& b) : b_(b) {}
   void none() { b_.push_back('\xf6'); }
-  void integer(int64_t v) { b_.p = cbor_int(b_.p, v); }
-  void integers(const int64_t* t, int64_t n) { b_.p = cbor_ints(b_.p, t, n); }
+  void integer(int64_t v) {
+    b_.need(kMaxIntBytes);
+    b_.p = cbor_int(b_.p, v);
+  }
+  void integers(const int64_t* t, int64_t n) { b_.p = cbor_ints(b_.p, b_.end, t, n); }
   void str(const Str& s) {
-    b_.p = cbor_head(b_.p, 3, static_cast<uint64_t>(s.n));
-    b_.append(s.p, s.n);
+    head(3, static_cast<uint64_t>(s.n));
+    b_.append(s.p, static_cast<size_t>(s.n));
   }
   void bytes(const char* p, size_t n) {
-    b_.p = cbor_head(b_.p, 2, n);
+    head(2, n);
     b_.append(p, n);
   }
-  void tuple_begin(size_t n) { b_.p = cbor_head(b_.p, 4, n); }
+  void tuple_begin(size_t n) { head(4, n); }
   void tuple_end(size_t) {}
 
  private:
+  void head(int major, uint64_t v) {
+    b_.need(9);
+    b_.p = cbor_head(b_.p, major, v);
+  }
   Out& b_;
+};
+
+// ---- one hasher's configuration (HashSpec) ----------------------------------------------------
+
+struct Config {
+  Fn fn = Fn::kSha256;
+  int64_t block_size = 16;
+  int64_t lookahead = 0;
+  MMKey mm_key = MMKey::kTagged;
+  bool inclusive = false;         // mm_bounds == "inclusive"
+  LoraKey lora_key = LoraKey::kTagged;
+  bool salt_tagged = true;
+  EmbedsKey embeds_key = EmbedsKey::kTagged;
+  bool incremental_last = false;  // incremental_mm == "last"
+  bool allow_any = false;         // allow_any_token_id
+};
+
+struct HashSpecObject {
+  PyObject_HEAD
+  Config cfg;
+  PyObject* none_hash;  // owned bytes
+};
+
+// ---- one request's extra keys (RequestKeys) ---------------------------------------------------
+
+struct MMItem {
+  Str id;
+  int64_t offset;
+  int64_t end;
+  // Pickle only: the key's bytes before its offset (or all of them, bare keys) when it is its
+  // block's only extra key -- then no string is memoized before it (see write_extra).
+  const char* head = nullptr;
+  size_t head_n = 0;
+};
+
+struct Keys {
+  std::vector<MMItem> mm;
+  std::vector<char> heads;  // the MMItem heads
+  std::vector<PyRef> strs;  // the str objects whose UTF-8 the Strs point into
+  bool has_lora = false;
+  Str lora_name, lora_path;
+  int64_t lora_int_id = 0;
+  bool has_salt = false;
+  Str salt;
+  size_t key_bytes = 0;  // UTF-8 bytes of every string above
+};
+
+struct RequestKeysObject {
+  PyObject_HEAD
+  PyObject* spec;  // owned HashSpecObject
+  Keys* keys;      // owned
 };
 
 enum class Kind { kLora, kMM, kSalt, kEmbeds };
@@ -390,20 +614,21 @@ struct Entry {
 };
 
 // vLLM's _gen_mm_extra_hash_keys + generate_block_hash_extra_keys ordering.
-Py_ssize_t extra_entries(const Spec& s, int64_t start, int64_t end, Py_ssize_t idx, bool has_embeds,
-                         std::vector<Entry>& out) {
+Py_ssize_t extra_entries(const Config& c, const Keys& k, int64_t start, int64_t end,
+                         Py_ssize_t idx, bool has_embeds, std::vector<Entry>& out) {
   out.clear();
-  if (s.has_lora) out.push_back({Kind::kLora, nullptr, 0});
-  const Py_ssize_t n = static_cast<Py_ssize_t>(s.mm.size());
+  if (k.has_lora) out.push_back({Kind::kLora, nullptr, 0});
+  const Py_ssize_t n = static_cast<Py_ssize_t>(k.mm.size());
   if (n > 0) {
-    const int64_t last_end = s.mm[n - 1].end;
-    const bool done = s.inclusive ? (last_end < start) : (last_end <= start);
+    const int64_t last_end = k.mm[n - 1].end;
+    const bool done = c.inclusive ? (last_end < start) : (last_end <= start);
     if (!done) {
       if (idx < 0) idx += n;
+      MMREUSE_DCHECK(idx >= 0);
       while (idx < n) {
-        const MMItem& m = s.mm[idx];
+        const MMItem& m = k.mm[idx];
         if (end > m.offset) {
-          const bool passed = s.inclusive ? (start > m.end) : (start >= m.end);
+          const bool passed = c.inclusive ? (start > m.end) : (start >= m.end);
           if (passed) {
             ++idx;
             continue;
@@ -419,35 +644,46 @@ Py_ssize_t extra_entries(const Spec& s, int64_t start, int64_t end, Py_ssize_t i
       }
     }
   }
-  if (start == 0 && s.has_salt) out.push_back({Kind::kSalt, nullptr, 0});
+  if (start == 0 && k.has_salt) out.push_back({Kind::kSalt, nullptr, 0});
   if (has_embeds) out.push_back({Kind::kEmbeds, nullptr, 0});
   return idx;
 }
 
+// Where a call starting at token `start` begins its mm scan: vLLM's get_mm_features_in_window
+// (first item ending after start) or, for the older schemes, the last item (`curr_mm_idx = -1`).
+Py_ssize_t initial_mm_idx(const Config& c, const Keys& k, int64_t start) {
+  if (start == 0 || k.mm.empty()) return 0;
+  if (c.incremental_last) return -1;
+  if (k.mm.back().end <= start) return 0;
+  const auto it = std::upper_bound(k.mm.begin(), k.mm.end(), start,
+                                   [](int64_t s, const MMItem& m) { return s < m.end; });
+  return static_cast<Py_ssize_t>(it - k.mm.begin());
+}
+
 template <class W>
-void write_entry(W& w, const Spec& s, const Entry& e, const char* embeds_digest) {
+void write_entry(W& w, const Config& c, const Keys& k, const Entry& e, const char* embeds_digest) {
   switch (e.kind) {
     case Kind::kLora:
-      if (s.lora_key == LoraKey::kTagged) {
+      if (c.lora_key == LoraKey::kTagged) {
         w.tuple_begin(3);
         w.str(kTagLora);
-        w.str(s.lora_name);
-        w.str(s.lora_path);
+        w.str(k.lora_name);
+        w.str(k.lora_path);
         w.tuple_end(3);
-      } else if (s.lora_key == LoraKey::kName) {
-        w.str(s.lora_name);
+      } else if (c.lora_key == LoraKey::kName) {
+        w.str(k.lora_name);
       } else {
-        w.integer(s.lora_int_id);
+        w.integer(k.lora_int_id);
       }
       break;
     case Kind::kMM:
-      if (s.mm_key == MMKey::kTagged) {
+      if (c.mm_key == MMKey::kTagged) {
         w.tuple_begin(3);
         w.str(kTagMM);
         w.str(e.mm->id);
         w.integer(e.rel);
         w.tuple_end(3);
-      } else if (s.mm_key == MMKey::kPair) {
+      } else if (c.mm_key == MMKey::kPair) {
         w.tuple_begin(2);
         w.str(e.mm->id);
         w.integer(e.rel);
@@ -457,17 +693,17 @@ void write_entry(W& w, const Spec& s, const Entry& e, const char* embeds_digest)
       }
       break;
     case Kind::kSalt:
-      if (s.salt_tagged) {
+      if (c.salt_tagged) {
         w.tuple_begin(2);
         w.str(kTagSalt);
-        w.str(s.salt);
+        w.str(k.salt);
         w.tuple_end(2);
       } else {
-        w.str(s.salt);
+        w.str(k.salt);
       }
       break;
     case Kind::kEmbeds:
-      if (s.embeds_tagged) {
+      if (c.embeds_key == EmbedsKey::kTagged) {
         w.tuple_begin(2);
         w.str(kTagEmbeds);
         w.bytes(embeds_digest, 32);
@@ -480,7 +716,8 @@ void write_entry(W& w, const Spec& s, const Entry& e, const char* embeds_digest)
 }
 
 template <class W>
-void write_extra(W& w, const Spec& s, const std::vector<Entry>& entries, const char* digest) {
+void write_extra(W& w, const Config& c, const Keys& k, const std::vector<Entry>& entries,
+                 const char* digest) {
   if (entries.empty()) {
     w.none();
     return;
@@ -493,113 +730,68 @@ void write_extra(W& w, const Spec& s, const std::vector<Entry>& entries, const c
     if (entries.size() == 1 && entries[0].kind == Kind::kMM) {
       const MMItem& m = *entries[0].mm;
       w.raw(m.head, m.head_n);
-      if (s.mm_key == MMKey::kBare) {
+      if (c.mm_key == MMKey::kBare) {
         w.raw("\x85\x94", 2);
       } else {
         w.integer(entries[0].rel);
-        w.raw(s.mm_key == MMKey::kTagged ? "\x87\x94\x85\x94" : "\x86\x94\x85\x94", 4);
+        w.raw(c.mm_key == MMKey::kTagged ? "\x87\x94\x85\x94" : "\x86\x94\x85\x94", 4);
       }
       return;
     }
   }
   w.tuple_begin(entries.size());
-  for (const auto& e : entries) write_entry(w, s, e, digest);
+  for (const auto& e : entries) write_entry(w, c, k, e, digest);
   w.tuple_end(entries.size());
 }
 
 // Serialize (parent, tuple(tokens[b:b+bs]), extra) -- vLLM's hash_block_tokens input.
 template <class W>
-void write_block(W& w, const char* parent, size_t parent_len, const int64_t* toks, int64_t bs,
-                 const Spec& s, const std::vector<Entry>& entries, const char* digest,
-                 const int64_t* look, int64_t la) {
+void write_block(W& w, const Config& c, const Keys& k, const char* parent, size_t parent_len,
+                 const int64_t* toks, const std::vector<Entry>& entries, const char* digest) {
+  const int64_t bs = c.block_size, la = c.lookahead;
   w.tuple_begin(3);
   w.bytes(parent, parent_len);
   w.tuple_begin(static_cast<size_t>(bs));
   w.integers(toks, bs);
   w.tuple_end(static_cast<size_t>(bs));
   if (la == 0) {
-    write_extra(w, s, entries, digest);
+    write_extra(w, c, k, entries, digest);
   } else {
     w.tuple_begin(static_cast<size_t>(1 + la));
-    write_extra(w, s, entries, digest);
-    for (int64_t i = 0; i < la; ++i) w.integer(look[i]);
+    write_extra(w, c, k, entries, digest);
+    for (int64_t i = 0; i < la; ++i) w.integer(toks[bs + i]);
     w.tuple_end(static_cast<size_t>(1 + la));
   }
   w.tuple_end(3);
 }
 
-bool parse_str(PyObject* bytes_obj, PyObject* key_obj, Str& out) {
-  char* p;
-  Py_ssize_t n;
-  if (PyBytes_AsStringAndSize(bytes_obj, &p, &n) < 0) return false;
-  out.p = p;
-  out.n = n;
-  out.key = PyLong_AsLong(key_obj);
-  return !(out.key == -1 && PyErr_Occurred());
-}
-
-bool parse_spec(PyObject* mm, PyObject* lora, PyObject* salt, Spec& s) {
-  if (!PyTuple_Check(mm)) {
-    PyErr_SetString(PyExc_TypeError, "mm must be a tuple");
-    return false;
-  }
-  const Py_ssize_t n = PyTuple_GET_SIZE(mm);
-  s.mm.resize(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* t = PyTuple_GET_ITEM(mm, i);
-    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) {
-      PyErr_SetString(PyExc_TypeError, "mm items must be (bytes, key, offset, length)");
-      return false;
-    }
-    if (!parse_str(PyTuple_GET_ITEM(t, 0), PyTuple_GET_ITEM(t, 1), s.mm[i].id)) return false;
-    s.mm[i].offset = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 2));
-    s.mm[i].end = s.mm[i].offset + PyLong_AsLongLong(PyTuple_GET_ITEM(t, 3));
-    if (PyErr_Occurred()) return false;
-  }
-  if (lora != Py_None) {
-    if (!PyTuple_Check(lora) || PyTuple_GET_SIZE(lora) != 5) {
-      PyErr_SetString(PyExc_TypeError, "lora must be (name, key, path, key, int_id)");
-      return false;
-    }
-    s.has_lora = true;
-    if (!parse_str(PyTuple_GET_ITEM(lora, 0), PyTuple_GET_ITEM(lora, 1), s.lora_name)) return false;
-    if (!parse_str(PyTuple_GET_ITEM(lora, 2), PyTuple_GET_ITEM(lora, 3), s.lora_path)) return false;
-    s.lora_int_id = PyLong_AsLongLong(PyTuple_GET_ITEM(lora, 4));
-    if (PyErr_Occurred()) return false;
-  }
-  if (salt != Py_None) {
-    if (!PyTuple_Check(salt) || PyTuple_GET_SIZE(salt) != 2) {
-      PyErr_SetString(PyExc_TypeError, "salt must be (bytes, key)");
-      return false;
-    }
-    s.has_salt = true;
-    if (!parse_str(PyTuple_GET_ITEM(salt, 0), PyTuple_GET_ITEM(salt, 1), s.salt)) return false;
-  }
-  return true;
-}
-
-// The value of an exact int that fits in 60 bits, read without a call (the common token id).
-inline bool small_int(PyObject* o, int64_t* v) {
-#if PY_VERSION_HEX >= 0x030C0000
-  if (!PyUnstable_Long_IsCompact(reinterpret_cast<PyLongObject*>(o))) return false;
-  *v = PyUnstable_Long_CompactValue(reinterpret_cast<PyLongObject*>(o));
-  return true;
-#else
-  const Py_ssize_t size = Py_SIZE(o);
-  const digit* d = reinterpret_cast<PyLongObject*>(o)->ob_digit;
-  if (size == 0) *v = 0;
-  else if (size == 1) *v = d[0];
-  else if (size == 2) *v = static_cast<int64_t>(d[0]) | (static_cast<int64_t>(d[1]) << PyLong_SHIFT);
-  else if (size == -1) *v = -static_cast<int64_t>(d[0]);
-  else return false;
-  return true;
-#endif
+// Upper bound of one block's serialization (pickle or CBOR), with every size already bounded
+// by HashSpec / request(): block_size, lookahead <= 4096, key bytes <= kMaxKeyBytes, parent
+// <= kMaxParentBytes, so the sum cannot overflow.
+size_t block_bound(const Config& c, const Keys& k) {
+  constexpr size_t kContainer = 16;  // a tuple's opening and closing opcodes / a CBOR head
+  constexpr size_t kStrHead = 16;    // a str or bytes header, its memo put or get
+  const size_t ints = static_cast<size_t>(c.block_size + c.lookahead);
+  // Items overlapping one block (lookahead included): each has length >= 1 and none overlap,
+  // so at most ints of them, plus one ending at the block start (inclusive bounds).
+  const size_t items = std::min(k.mm.size(), ints + 2);
+  const size_t entry = kContainer + 2 * kStrHead + 2 + kMaxIntBytes;  // ("mm", id, off), no id
+  return 12                                            // frame header, STOP
+         + 3 * kContainer                              // the outer, token and lookahead tuples
+         + kStrHead + kMaxParentBytes                  // parent
+         + kMaxIntBytes * ints                         // tokens and lookahead tokens
+         + kContainer                                  // the extra-keys tuple
+         + items * entry + k.key_bytes                 // mm keys, each string at most once
+         + (kContainer + 3 * kStrHead + 4 + kMaxIntBytes)  // LoRA key, tag
+         + (kContainer + 2 * kStrHead + 10)            // salt key, tag
+         + (kContainer + 2 * kStrHead + 13 + 32)       // embeds key, tag
+         + kSimdSlack;
 }
 
 // The common token id -- an exact int in [0, 2**30) -- read in a tight loop without a call or
 // an error path. Writes items[from:to] to out until the first other item; returns its index
 // (`to` when there is none). Everything else goes through read_tokens.
-inline Py_ssize_t read_small_tokens(PyObject** items, Py_ssize_t from, Py_ssize_t to,
+inline Py_ssize_t read_small_tokens(PyObject* const* items, Py_ssize_t from, Py_ssize_t to,
                                     int64_t* out) {
   Py_ssize_t i = from;
   for (; i < to; ++i) {
@@ -619,14 +811,35 @@ inline Py_ssize_t read_small_tokens(PyObject** items, Py_ssize_t from, Py_ssize_
   return i;
 }
 
+// The value of an exact int that fits in 60 bits, read without a call.
+inline bool small_int(PyObject* o, int64_t* v) {
+#if PY_VERSION_HEX >= 0x030C0000
+  if (!PyUnstable_Long_IsCompact(reinterpret_cast<PyLongObject*>(o))) return false;
+  *v = PyUnstable_Long_CompactValue(reinterpret_cast<PyLongObject*>(o));
+  return true;
+#else
+  const Py_ssize_t size = Py_SIZE(o);
+  const digit* d = reinterpret_cast<PyLongObject*>(o)->ob_digit;
+  if (size == 0) *v = 0;
+  else if (size == 1) *v = d[0];
+  else if (size == 2)
+    *v = static_cast<int64_t>(d[0]) | (static_cast<int64_t>(d[1]) << PyLong_SHIFT);
+  else if (size == -1) *v = -static_cast<int64_t>(d[0]);
+  else return false;
+  return true;
+#endif
+}
+
 // Read tokens items[from:to] (exact ints; [0, 2**63-1] unless allow_any) into out (may be null:
 // validate only). Returns 1 ok, 0 when a valid token does not fit int64, -1 with an exception set.
-int read_tokens(PyObject** items, Py_ssize_t from, Py_ssize_t to, bool allow_any, int64_t* out) {
+int read_tokens(PyObject* const* items, Py_ssize_t from, Py_ssize_t to, bool allow_any,
+                int64_t* out) {
   int ok = 1;
   for (Py_ssize_t i = from; i < to; ++i) {
     PyObject* item = items[i];
     if (!PyLong_CheckExact(item)) {
-      PyErr_Format(PyExc_ValueError, "tokens[%zd] must be an int token id, got %R", i, item);
+      PyErr_Format(g_invalid_argument_type, "tokens[%zd] must be an int token id, got %s %R", i,
+                   Py_TYPE(item)->tp_name, item);
       return -1;
     }
     int64_t v;
@@ -636,7 +849,7 @@ int read_tokens(PyObject** items, Py_ssize_t from, Py_ssize_t to, bool allow_any
       if (v == -1 && PyErr_Occurred()) return -1;
     }
     if (!allow_any && (overflow != 0 || v < 0)) {
-      PyErr_Format(PyExc_ValueError,
+      PyErr_Format(g_invalid_argument,
                    "tokens[%zd] must be a token id in [0, 2**63-1], got %R (pass "
                    "allow_any_token_id=True to hash what vLLM's hasher would)",
                    i, item);
@@ -649,11 +862,11 @@ int read_tokens(PyObject** items, Py_ssize_t from, Py_ssize_t to, bool allow_any
 }
 
 // The digest of data as a new bytes object (written in place: no copy through a buffer).
-PyObject* digest(int fn, const char* data, size_t size) {
-  PyObject* h = PyBytes_FromStringAndSize(nullptr, fn <= 1 ? 32 : 16);
+PyObject* digest(Fn fn, const char* data, size_t size) {
+  PyObject* h = PyBytes_FromStringAndSize(nullptr, is_sha(fn) ? 32 : 16);
   if (h == nullptr) return nullptr;
   unsigned char* out = reinterpret_cast<unsigned char*>(PyBytes_AS_STRING(h));
-  if (fn <= 1) {
+  if (is_sha(fn)) {
     SHA256_CTX ctx;
     SHA256_Init(&ctx);
     SHA256_Update(&ctx, data, size);
@@ -664,49 +877,107 @@ PyObject* digest(int fn, const char* data, size_t size) {
   return h;
 }
 
-PyObject* hash_blocks(PyObject*, PyObject* args) {
-  PyObject *tokens_obj, *parent_obj, *mm, *lora, *salt, *embeds;
-  Py_ssize_t validate_from, start, nblocks, bs, la, mm_idx;
-  int allow_any, fn, flags;
-  if (!PyArg_ParseTuple(args, "OnpnnnniiOOnOOO", &tokens_obj, &validate_from, &allow_any, &start,
-                        &nblocks, &bs, &la, &fn, &flags, &parent_obj, &mm, &mm_idx, &lora, &salt,
-                        &embeds))
-    return nullptr;
-  Spec s;
-  s.fn = fn;
-  s.mm_key = static_cast<MMKey>(flags & 3);
-  s.inclusive = (flags & 4) != 0;
-  s.lora_key = static_cast<LoraKey>((flags >> 3) & 3);
-  s.salt_tagged = (flags & 32) != 0;
-  s.embeds_tagged = (flags & 64) != 0;
-  if (!parse_spec(mm, lora, salt, s)) return nullptr;
-  const bool has_embeds = embeds != Py_None;
-  if (has_embeds && (!PyList_Check(embeds) || PyList_GET_SIZE(embeds) != nblocks)) {
-    PyErr_SetString(PyExc_TypeError, "embeds must be a list with one digest per block");
-    return nullptr;
+// A parent hash: bytes of 1..kMaxParentBytes bytes.
+bool check_parent(const char* field, PyObject* v) {
+  if (!PyBytes_Check(v)) {
+    PyErr_Format(g_invalid_argument_type, "%s must be bytes, got %s %R", field,
+                 Py_TYPE(v)->tp_name, v);
+    return false;
   }
-  char* parent_p;
-  Py_ssize_t parent_n;
-  if (PyBytes_AsStringAndSize(parent_obj, &parent_p, &parent_n) < 0) return nullptr;
+  const Py_ssize_t n = PyBytes_GET_SIZE(v);
+  if (n < 1 || n > kMaxParentBytes) {
+    PyErr_Format(g_invalid_argument, "%s must be 1 to %zd bytes, got %zd bytes", field,
+                 kMaxParentBytes, n);
+    return false;
+  }
+  return true;
+}
+
+// The hashes of the full blocks of `tokens` after `prior` (see kHashBlocksDoc). Errors raise;
+// None means "the reference path must hash this".
+PyObject* hash_blocks_impl(RequestKeysObject* self, PyObject* tokens_obj, PyObject* prior,
+                           PyObject* validate_obj, PyObject* embeds) {
+  const HashSpecObject* spec = reinterpret_cast<const HashSpecObject*>(self->spec);
+  const Config& c = spec->cfg;
+  const Keys& k = *self->keys;
+  const int64_t bs = c.block_size, la = c.lookahead;
+  MMREUSE_DCHECK(bs >= 1 && bs <= kMaxBlockTokens && la >= 0 && la <= kMaxLookahead);
 
   if (!PyList_Check(tokens_obj)) {
-    PyErr_SetString(PyExc_TypeError, "tokens must be a list");
+    PyErr_Format(g_invalid_argument_type, "tokens must be a list, got %s",
+                 Py_TYPE(tokens_obj)->tp_name);
     return nullptr;
   }
-  // The list is only read, and nothing here runs Python code, so its items stay put.
-  PyObject** items = PySequence_Fast_ITEMS(tokens_obj);
+  // The list is only read, and nothing below runs Python code before it is done with the
+  // items (errors format them, then return), so they stay put.
+  PyObject* const* items = PySequence_Fast_ITEMS(tokens_obj);
   const Py_ssize_t ntok = PyList_GET_SIZE(tokens_obj);
-  const Py_ssize_t lo = start, hi = start + nblocks * bs + (nblocks ? la : 0);
-  if (hi > ntok || lo < 0) {
-    PyErr_SetString(PyExc_ValueError, "block range outside tokens");
+
+  // The chain so far: start after prior's blocks, from its last hash (or NONE_HASH).
+  Py_ssize_t nprior = 0;
+  PyObject* parent_obj = spec->none_hash;
+  if (prior != Py_None) {
+    if (!PyList_Check(prior)) {
+      PyErr_Format(g_invalid_argument_type, "prior must be a list of block hashes or None, got %s",
+                   Py_TYPE(prior)->tp_name);
+      return nullptr;
+    }
+    nprior = PyList_GET_SIZE(prior);
+    if (nprior > 0) {
+      parent_obj = PyList_GET_ITEM(prior, nprior - 1);
+      if (!check_parent("prior[-1]", parent_obj)) return nullptr;
+    }
+  }
+  if (nprior > ntok / bs) {  // also keeps nprior * bs from overflowing
+    PyErr_Format(g_invalid_argument,
+                 "prior has %zd block hashes but tokens has only %zd tokens (block_size %lld)",
+                 nprior, ntok, static_cast<long long>(bs));
     return nullptr;
   }
+  const Py_ssize_t start = nprior * bs;
+  const Py_ssize_t nblocks = ntok - la > start ? (ntok - la - start) / bs : 0;
+  const Py_ssize_t hi = start + nblocks * bs + (nblocks ? la : 0);
+  MMREUSE_DCHECK(hi <= ntok);
+
+  int64_t validate_from = 0;
+  if (validate_obj != nullptr && !get_int("validate_from", validate_obj, 0, ntok, &validate_from))
+    return nullptr;
+
+  const bool has_embeds = embeds != nullptr && embeds != Py_None;
+  if (has_embeds) {
+    if (c.embeds_key != EmbedsKey::kTagged && c.embeds_key != EmbedsKey::kBare) {
+      PyErr_Format(g_invalid_argument,
+                   "embeds given but this HashSpec's embeds_key (%s) has no per-block digest",
+                   c.embeds_key == EmbedsKey::kRaw ? "'raw'" : "None");
+      return nullptr;
+    }
+    if (!PyList_Check(embeds) || PyList_GET_SIZE(embeds) != nblocks) {
+      PyErr_Format(g_invalid_argument_type,
+                   "embeds must be a list with one digest per block (%zd), got %R", nblocks,
+                   embeds);
+      return nullptr;
+    }
+    for (Py_ssize_t b = 0; b < nblocks; ++b) {
+      PyObject* d = PyList_GET_ITEM(embeds, b);
+      if (!PyBytes_Check(d) || PyBytes_GET_SIZE(d) != 32) {
+        PyErr_Format(g_invalid_argument_type, "embeds[%zd] must be a 32-byte digest, got %R", b,
+                     d);
+        return nullptr;
+      }
+    }
+  }
+
   // Tokens outside the hashed range are validated here; those inside, as each block reads them.
-  int conv = read_tokens(items, validate_from < lo ? validate_from : lo, lo, allow_any != 0, nullptr);
-  if (conv == 1) conv = read_tokens(items, hi > validate_from ? hi : validate_from, ntok,
-                                    allow_any != 0, nullptr);
+  const bool allow_any = c.allow_any;
+  int conv = read_tokens(items, std::min<Py_ssize_t>(validate_from, start), start, allow_any,
+                         nullptr);
+  if (conv == 1)
+    conv = read_tokens(items, std::max<Py_ssize_t>(hi, validate_from), ntok, allow_any, nullptr);
   if (conv < 0) return nullptr;
   if (conv == 0) Py_RETURN_NONE;  // a huge int: the reference path writes LONG1 / bignums
+
+  PyRef result(PyList_New(nblocks));
+  if (!result) return nullptr;
   // Tokens are read a chunk of whole blocks at a time (about kChunkTokens, in L1), by the
   // tight loop when they are all small ids, else block by block by read_tokens.
   constexpr Py_ssize_t kChunkTokens = 2048;
@@ -716,100 +987,430 @@ PyObject* hash_blocks(PyObject*, PyObject* args) {
   bool chunk_small = false;
   int64_t chunk_start = 0;   // token index of toks[0]
 
-  PyObject* result = PyList_New(nblocks);
-  if (result == nullptr) return nullptr;
-  // Upper bound of one block's serialization: 10 bytes per int, every string once, 48 per key.
-  size_t strings = s.has_lora ? s.lora_name.n + s.lora_path.n : 0;
-  strings += s.has_salt ? s.salt.n : 0;
-  for (const auto& m : s.mm) strings += m.id.n;
-  // + 64: the SIMD int writer stores whole 64-byte vectors.
-  std::vector<char> buf(256 + 10 * static_cast<size_t>(bs + la) + strings +
-                        48 * (s.mm.size() + 4) + 64);
+  std::vector<char> buf(block_bound(c, k));
+  const char* const buf_end = buf.data() + buf.size();
   std::vector<Entry> entries;
   PickleWriter::Memo memo;
-  // Pre-written heads of single-key blocks (see write_extra), each as write_entry writes it.
-  std::vector<char> heads(s.mm.size() * 16 + strings + 16);
-  if (!(fn == 1 || fn == 3)) {
-    Out out{heads.data()};
-    for (auto& m : s.mm) {
-      const char* at = out.p;
-      PickleWriter w(out, memo);
-      if (s.mm_key == MMKey::kTagged) w.str(kTagMM);
-      w.str(m.id);
-      m.head = at;
-      m.head_n = static_cast<size_t>(out.p - at);
-    }
-  }
-  const char* prev = parent_p;  // the parent's bytes: the caller's, then each new hash's
-  size_t prev_len = static_cast<size_t>(parent_n);
-  const bool cbor = fn == 1 || fn == 3;
+  const char* prev = PyBytes_AS_STRING(parent_obj);  // the caller's, then each new hash's
+  size_t prev_len = static_cast<size_t>(PyBytes_GET_SIZE(parent_obj));
+  const bool cbor = is_cbor(c.fn);
+  Py_ssize_t mm_idx = initial_mm_idx(c, k, start);
 
   for (Py_ssize_t b = 0; b < nblocks; ++b) {
     const int64_t bstart = start + b * bs;
     const int64_t bend = bstart + bs;
-    const char* dig = nullptr;
-    if (has_embeds) {
-      PyObject* d = PyList_GET_ITEM(embeds, b);
-      if (!PyBytes_Check(d) || PyBytes_GET_SIZE(d) != 32) {
-        Py_DECREF(result);
-        PyErr_SetString(PyExc_TypeError, "embeds digests must be 32-byte bytes");
-        return nullptr;
-      }
-      dig = PyBytes_AS_STRING(d);
-    }
+    const char* dig = has_embeds ? PyBytes_AS_STRING(PyList_GET_ITEM(embeds, b)) : nullptr;
     if (la == 0) {
-      mm_idx = extra_entries(s, bstart, bend, mm_idx, has_embeds, entries);
+      mm_idx = extra_entries(c, k, bstart, bend, mm_idx, has_embeds, entries);
     } else {
-      mm_idx = extra_entries(s, bstart, bend + la, mm_idx, has_embeds, entries);
-      while (mm_idx > 0 && s.mm[mm_idx - 1].end > bend) --mm_idx;
+      mm_idx = extra_entries(c, k, bstart, bend + la, mm_idx, has_embeds, entries);
+      while (mm_idx > 0 && k.mm[mm_idx - 1].end > bend) --mm_idx;
     }
     if (b >= chunk_end) {
       chunk_end = b + chunk_blocks < nblocks ? b + chunk_blocks : nblocks;
       chunk_start = bstart;
       const Py_ssize_t stop = start + chunk_end * bs + la;
+      MMREUSE_DCHECK(stop <= ntok && static_cast<size_t>(stop - bstart) <= toks.size());
       chunk_small = read_small_tokens(items, bstart, stop, toks.data()) == stop;
     }
     const int64_t* bt;
     if (chunk_small) {
       bt = toks.data() + (bstart - chunk_start);
     } else {
-      conv = read_tokens(items, bstart, bend + la, allow_any != 0, toks.data());
-      if (conv <= 0) {
-        Py_DECREF(result);
-        if (conv < 0) return nullptr;
-        Py_RETURN_NONE;
-      }
+      conv = read_tokens(items, bstart, bend + la, allow_any, toks.data());
+      if (conv < 0) return nullptr;
+      if (conv == 0) Py_RETURN_NONE;
       bt = toks.data();
     }
-    Out out{buf.data()};
+    Out out{buf.data(), buf_end};
     if (cbor) {
       CborWriter w(out);
-      write_block(w, prev, prev_len, bt, bs, s, entries, dig,
-                  bt + bs, la);
+      write_block(w, c, k, prev, prev_len, bt, entries, dig);
     } else {
       out.append("\x80\x05\x95\0\0\0\0\0\0\0\0", 11);
       PickleWriter w(out, memo);
-      write_block(w, prev, prev_len, bt, bs, s, entries, dig,
-                  bt + bs, la);
+      write_block(w, c, k, prev, prev_len, bt, entries, dig);
       out.push_back('.');
       const uint64_t frame = static_cast<uint64_t>(out.p - buf.data()) - 11;
-      if (frame >= 65536) {  // CPython would split frames here
-        Py_DECREF(result);
-        Py_RETURN_NONE;
-      }
+      if (frame >= 65536) Py_RETURN_NONE;  // CPython would split frames here
       for (int i = 0; i < 8; ++i) buf[3 + i] = static_cast<char>((frame >> (8 * i)) & 0xff);
     }
-    PyObject* h = digest(fn, buf.data(), static_cast<size_t>(out.p - buf.data()));
-    if (h == nullptr) {
-      Py_DECREF(result);
-      return nullptr;
-    }
-    PyList_SET_ITEM(result, b, h);
+    MMREUSE_DCHECK(out.p <= buf_end);
+    PyObject* h = digest(c.fn, buf.data(), static_cast<size_t>(out.p - buf.data()));
+    if (h == nullptr) return nullptr;
+    PyList_SET_ITEM(result.get(), b, h);
     prev = PyBytes_AS_STRING(h);
     prev_len = static_cast<size_t>(PyBytes_GET_SIZE(h));
   }
-  return result;
+  return result.release();
 }
+
+// C++ exceptions (std::bad_alloc, std::length_error) never cross into Python.
+template <class F>
+PyObject* guarded(F&& f) {
+  try {
+    return f();
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_Format(PyExc_RuntimeError, "mmreuse._hashcore: %s", e.what());
+    return nullptr;
+  }
+}
+
+PyObject* keys_hash_blocks(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1 || nargs > 4) {
+    PyErr_Format(PyExc_TypeError,
+                 "hash_blocks(tokens, prior=None, validate_from=0, embeds=None) takes 1 to 4 "
+                 "positional arguments, got %zd",
+                 nargs);
+    return nullptr;
+  }
+  return guarded([&] {
+    return hash_blocks_impl(reinterpret_cast<RequestKeysObject*>(self), args[0],
+                            nargs > 1 ? args[1] : Py_None, nargs > 2 ? args[2] : nullptr,
+                            nargs > 3 ? args[3] : nullptr);
+  });
+}
+
+void keys_dealloc(PyObject* o) {
+  RequestKeysObject* self = reinterpret_cast<RequestKeysObject*>(o);
+  PyTypeObject* tp = Py_TYPE(o);
+  delete self->keys;
+  Py_XDECREF(self->spec);
+  tp->tp_free(o);
+  Py_DECREF(tp);
+}
+
+PyObject* keys_num_mm(PyObject* o, void*) {
+  return PyLong_FromSsize_t(
+      static_cast<Py_ssize_t>(reinterpret_cast<RequestKeysObject*>(o)->keys->mm.size()));
+}
+PyObject* keys_spec(PyObject* o, void*) {
+  return Py_NewRef(reinterpret_cast<RequestKeysObject*>(o)->spec);
+}
+
+constexpr const char kHashBlocksDoc[] =
+    "hash_blocks(tokens, prior=None, validate_from=0, embeds=None, /) -> list[bytes] | None\n\n"
+    "The hashes of the full blocks of `tokens` (a list of ints) after the block hashes `prior`\n"
+    "(None or a list: the chain continues from its last hash, else from NONE_HASH). Tokens\n"
+    "from `validate_from` on are checked; `embeds` is one 32-byte prompt-embeds digest per new\n"
+    "block. None: only the reference path can hash this (an id beyond int64, a pickle frame\n"
+    "over 64 KiB).";
+
+PyMethodDef kKeysMethods[] = {
+    {"hash_blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(keys_hash_blocks)),
+     METH_FASTCALL, kHashBlocksDoc},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef kKeysGetSet[] = {
+    {"num_mm", keys_num_mm, nullptr, "number of multimodal occurrences", nullptr},
+    {"spec", keys_spec, nullptr, "the HashSpec these keys were built for", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyType_Slot kKeysSlots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(keys_dealloc)},
+    {Py_tp_methods, kKeysMethods},
+    {Py_tp_getset, kKeysGetSet},
+    {Py_tp_doc, const_cast<char*>(
+                    "One request's extra-key material for one HashSpec (HashSpec.request).")},
+    {0, nullptr}};
+
+PyType_Spec kKeysSpec = {"mmreuse._hashcore.RequestKeys", sizeof(RequestKeysObject), 0,
+                         Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, kKeysSlots};
+
+PyTypeObject* g_keys_type = nullptr;
+
+// A str's UTF-8 as a Str with its identity key; false (no exception) for lone surrogates.
+bool take_str(Keys& k, PyObject* s, long& fresh, Str& out) {
+  Py_ssize_t n;
+  const char* p = PyUnicode_AsUTF8AndSize(s, &n);  // cached in s, which k.strs keeps alive
+  if (p == nullptr) {
+    PyErr_Clear();  // UnicodeEncodeError: pickle uses surrogatepass, leave it to the reference
+    return false;
+  }
+  k.strs.push_back(PyRef::borrow(s));
+  out.p = p;
+  out.n = n;
+  out.key = identity_key(s, fresh);
+  k.key_bytes += static_cast<size_t>(n);
+  return true;
+}
+
+bool check_str(const char* field, PyObject* v) {
+  if (PyUnicode_Check(v)) return true;
+  PyErr_Format(g_invalid_argument_type, "%s must be a str, got %s %R", field, Py_TYPE(v)->tp_name,
+               v);
+  return false;
+}
+
+PyObject* interned_identifier = nullptr;
+PyObject* interned_offset = nullptr;
+PyObject* interned_length = nullptr;
+
+// Parse mm / lora / salt into k. Returns 1 ok, 0 for "reference path only", -1 with an error.
+int parse_keys(const Config& c, PyObject* mm_obj, PyObject* lora, PyObject* salt, Keys& k) {
+  long fresh = 0;
+  // A tuple copy: attribute lookups below may run Python code, which must not resize it.
+  PyRef mm(PySequence_Tuple(mm_obj));
+  if (!mm) {
+    PyErr_Clear();
+    PyErr_Format(g_invalid_argument_type, "mm must be a sequence of MMOccurrence, got %s",
+                 Py_TYPE(mm_obj)->tp_name);
+    return -1;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(mm.get());
+  k.mm.reserve(static_cast<size_t>(n));
+  int64_t prev_end = 0;
+  char field[48];
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(mm.get(), i);
+    PyRef ident(PyObject_GetAttr(item, interned_identifier));
+    PyRef offset(ident ? PyObject_GetAttr(item, interned_offset) : nullptr);
+    PyRef length(offset ? PyObject_GetAttr(item, interned_length) : nullptr);
+    if (!length) {
+      PyErr_Clear();
+      PyErr_Format(g_invalid_argument_type,
+                   "mm[%zd] must be an MMOccurrence (identifier, offset, length), got %s", i,
+                   Py_TYPE(item)->tp_name);
+      return -1;
+    }
+    MMItem m;
+    std::snprintf(field, sizeof field, "mm[%zd].identifier", i);
+    if (!check_str(field, ident.get())) return -1;
+    int64_t off, len;
+    std::snprintf(field, sizeof field, "mm[%zd].offset", i);
+    if (!get_int(field, offset.get(), 0, INT64_MAX / 2, &off)) return -1;
+    std::snprintf(field, sizeof field, "mm[%zd].length", i);
+    if (!get_int(field, length.get(), 1, INT64_MAX / 2, &len)) return -1;
+    if (off < prev_end) {
+      PyErr_Format(g_invalid_argument,
+                   "mm[%zd] offset %lld is before the end %lld of mm[%zd]: occurrences must be "
+                   "sorted by offset and non-overlapping",
+                   i, static_cast<long long>(off), static_cast<long long>(prev_end), i - 1);
+      return -1;
+    }
+    m.offset = off;
+    m.end = off + len;  // both <= INT64_MAX / 2: no overflow
+    prev_end = m.end;
+    if (!take_str(k, ident.get(), fresh, m.id)) return 0;
+    k.mm.push_back(m);
+  }
+  if (lora != Py_None) {
+    k.has_lora = true;
+    if (c.lora_key == LoraKey::kIntId) {
+      if (!get_int("lora", lora, 1, INT64_MAX, &k.lora_int_id)) return -1;
+    } else {
+      if (!PyTuple_Check(lora) || PyTuple_GET_SIZE(lora) != 2) {
+        PyErr_Format(g_invalid_argument_type, "lora must be a (name, path) tuple, got %R", lora);
+        return -1;
+      }
+      PyObject* name = PyTuple_GET_ITEM(lora, 0);
+      PyObject* path = PyTuple_GET_ITEM(lora, 1);
+      if (!check_str("lora[0] (name)", name) || !check_str("lora[1] (path)", path)) return -1;
+      if (!take_str(k, name, fresh, k.lora_name)) return 0;
+      if (!take_str(k, path, fresh, k.lora_path)) return 0;
+    }
+  }
+  if (salt != Py_None) {
+    if (!check_str("salt", salt)) return -1;
+    if (PyUnicode_GET_LENGTH(salt) > 0) {  // "" is falsy in vLLM: no key
+      k.has_salt = true;
+      if (!take_str(k, salt, fresh, k.salt)) return 0;
+    }
+  }
+  if (k.key_bytes > kMaxKeyBytes) return 0;  // a block could exceed one pickle frame
+
+  if (!is_cbor(c.fn)) {
+    // Pre-written pickle heads of single-key blocks (see write_extra), as write_entry writes
+    // them: the "mm" tag (5 bytes), the identifier's header and memo put (6) and its bytes.
+    k.heads.resize(k.mm.size() * 16 + k.key_bytes);
+    Out out{k.heads.data(), k.heads.data() + k.heads.size()};
+    PickleWriter::Memo memo;
+    std::vector<size_t> at(k.mm.size());
+    for (size_t i = 0; i < k.mm.size(); ++i) {
+      at[i] = static_cast<size_t>(out.p - k.heads.data());
+      PickleWriter w(out, memo);
+      if (c.mm_key == MMKey::kTagged) w.str(kTagMM);
+      w.str(k.mm[i].id);
+      k.mm[i].head_n = static_cast<size_t>(out.p - k.heads.data()) - at[i];
+    }
+    for (size_t i = 0; i < k.mm.size(); ++i) k.mm[i].head = k.heads.data() + at[i];
+  }
+  return 1;
+}
+
+// ---- HashSpec ---------------------------------------------------------------------------------
+
+void spec_dealloc(PyObject* o) {
+  HashSpecObject* self = reinterpret_cast<HashSpecObject*>(o);
+  PyTypeObject* tp = Py_TYPE(o);
+  Py_XDECREF(self->none_hash);
+  tp->tp_free(o);
+  Py_DECREF(tp);
+}
+
+PyObject* spec_new_impl(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"hash_fn", "block_size", "lookahead", "none_hash", "mm_key",
+                                 "mm_bounds", "lora_key", "salt_key", "embeds_key",
+                                 "incremental_mm", "allow_any_token_id", nullptr};
+  PyObject *fn = nullptr, *bs = nullptr, *la = nullptr, *none_hash = nullptr;
+  PyObject* named[7] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|$OOOOOOO:HashSpec",
+                                   const_cast<char**>(kwlist), &fn, &bs, &la, &none_hash,
+                                   &named[0], &named[1], &named[2], &named[3], &named[4],
+                                   &named[5], &named[6]))
+    return nullptr;
+  for (int i = 0; i < 7; ++i) {
+    if (named[i] == nullptr) {
+      PyErr_Format(PyExc_TypeError, "HashSpec() missing required keyword argument '%s'",
+                   kwlist[4 + i]);
+      return nullptr;
+    }
+  }
+  Config cfg;
+  const int fn_id = get_name("hash_fn", fn, kHashFns);
+  if (fn_id < 0) return nullptr;
+  cfg.fn = static_cast<Fn>(fn_id);
+  if (!get_int("block_size", bs, 1, kMaxBlockTokens, &cfg.block_size)) return nullptr;
+  if (!get_int("lookahead", la, 0, kMaxLookahead, &cfg.lookahead)) return nullptr;
+  if (!check_parent("none_hash", none_hash)) return nullptr;
+  const int mm_key = get_name("mm_key", named[0], kMMKeys);
+  const int bounds = mm_key < 0 ? -1 : get_name("mm_bounds", named[1], kMMBounds);
+  const int lora_key = bounds < 0 ? -1 : get_name("lora_key", named[2], kLoraKeys);
+  const int salt_key = lora_key < 0 ? -1 : get_name("salt_key", named[3], kSaltKeys);
+  const int embeds_key =
+      salt_key < 0 ? -1
+                   : get_name("embeds_key", named[4], kEmbedsKeys,
+                              static_cast<int>(EmbedsKey::kNone));
+  const int incremental = embeds_key < 0 ? -1 : get_name("incremental_mm", named[5],
+                                                         kIncrementalMM);
+  if (incremental < 0) return nullptr;
+  if (!PyBool_Check(named[6])) {
+    PyErr_Format(g_invalid_argument_type, "allow_any_token_id must be a bool, got %s %R",
+                 Py_TYPE(named[6])->tp_name, named[6]);
+    return nullptr;
+  }
+  cfg.mm_key = static_cast<MMKey>(mm_key);
+  cfg.inclusive = bounds == 1;
+  cfg.lora_key = static_cast<LoraKey>(lora_key);
+  cfg.salt_tagged = salt_key == 0;
+  cfg.embeds_key = static_cast<EmbedsKey>(embeds_key);
+  cfg.incremental_last = incremental == 1;
+  cfg.allow_any = named[6] == Py_True;
+
+  PyRef self(type->tp_alloc(type, 0));
+  if (!self) return nullptr;
+  HashSpecObject* s = reinterpret_cast<HashSpecObject*>(self.get());
+  s->cfg = cfg;
+  s->none_hash = Py_NewRef(none_hash);
+  return self.release();
+}
+
+PyObject* spec_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  return guarded([&] { return spec_new_impl(type, args, kwargs); });
+}
+
+PyObject* spec_request(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "request(mm, lora, salt) takes 3 positional arguments, got %zd",
+                 nargs);
+    return nullptr;
+  }
+  return guarded([&]() -> PyObject* {
+    const Config& c = reinterpret_cast<HashSpecObject*>(self)->cfg;
+    std::unique_ptr<Keys> keys(new Keys);
+    const int ok = parse_keys(c, args[0], args[1], args[2], *keys);
+    if (ok < 0) return nullptr;
+    if (ok == 0) Py_RETURN_NONE;
+    PyRef obj(g_keys_type->tp_alloc(g_keys_type, 0));
+    if (!obj) return nullptr;
+    RequestKeysObject* r = reinterpret_cast<RequestKeysObject*>(obj.get());
+    r->spec = Py_NewRef(self);
+    r->keys = keys.release();
+    return obj.release();
+  });
+}
+
+template <size_t N>
+PyObject* name_of(const char* const (&names)[N], int i) {
+  return PyUnicode_FromString(names[i]);
+}
+HashSpecObject* as_spec(PyObject* o) { return reinterpret_cast<HashSpecObject*>(o); }
+PyObject* spec_hash_fn(PyObject* o, void*) {
+  return name_of(kHashFns, static_cast<int>(as_spec(o)->cfg.fn));
+}
+PyObject* spec_block_size(PyObject* o, void*) {
+  return PyLong_FromLongLong(as_spec(o)->cfg.block_size);
+}
+PyObject* spec_lookahead(PyObject* o, void*) {
+  return PyLong_FromLongLong(as_spec(o)->cfg.lookahead);
+}
+PyObject* spec_none_hash(PyObject* o, void*) { return Py_NewRef(as_spec(o)->none_hash); }
+PyObject* spec_mm_key(PyObject* o, void*) {
+  return name_of(kMMKeys, static_cast<int>(as_spec(o)->cfg.mm_key));
+}
+PyObject* spec_mm_bounds(PyObject* o, void*) {
+  return name_of(kMMBounds, as_spec(o)->cfg.inclusive ? 1 : 0);
+}
+PyObject* spec_lora_key(PyObject* o, void*) {
+  return name_of(kLoraKeys, static_cast<int>(as_spec(o)->cfg.lora_key));
+}
+PyObject* spec_salt_key(PyObject* o, void*) {
+  return name_of(kSaltKeys, as_spec(o)->cfg.salt_tagged ? 0 : 1);
+}
+PyObject* spec_embeds_key(PyObject* o, void*) {
+  const EmbedsKey e = as_spec(o)->cfg.embeds_key;
+  if (e == EmbedsKey::kNone) Py_RETURN_NONE;
+  return name_of(kEmbedsKeys, static_cast<int>(e));
+}
+PyObject* spec_incremental_mm(PyObject* o, void*) {
+  return name_of(kIncrementalMM, as_spec(o)->cfg.incremental_last ? 1 : 0);
+}
+PyObject* spec_allow_any(PyObject* o, void*) {
+  return PyBool_FromLong(as_spec(o)->cfg.allow_any);
+}
+
+PyGetSetDef kSpecGetSet[] = {
+    {"hash_fn", spec_hash_fn, nullptr, nullptr, nullptr},
+    {"block_size", spec_block_size, nullptr, nullptr, nullptr},
+    {"lookahead", spec_lookahead, nullptr, nullptr, nullptr},
+    {"none_hash", spec_none_hash, nullptr, nullptr, nullptr},
+    {"mm_key", spec_mm_key, nullptr, nullptr, nullptr},
+    {"mm_bounds", spec_mm_bounds, nullptr, nullptr, nullptr},
+    {"lora_key", spec_lora_key, nullptr, nullptr, nullptr},
+    {"salt_key", spec_salt_key, nullptr, nullptr, nullptr},
+    {"embeds_key", spec_embeds_key, nullptr, nullptr, nullptr},
+    {"incremental_mm", spec_incremental_mm, nullptr, nullptr, nullptr},
+    {"allow_any_token_id", spec_allow_any, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyMethodDef kSpecMethods[] = {
+    {"request", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(spec_request)),
+     METH_FASTCALL,
+     "request(mm, lora, salt, /) -> RequestKeys | None\n\n"
+     "One request's keys: `mm` a sequence of MMOccurrence-like objects (identifier, offset,\n"
+     "length; sorted, non-overlapping), `lora` None, the int id (lora_key 'int_id') or a\n"
+     "(name, path) tuple of str, `salt` None or a str ('' is no key). None: only the reference\n"
+     "path can hash them (lone surrogates, more than MAX_KEY_BYTES of strings)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyType_Slot kSpecSlots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(spec_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(spec_dealloc)},
+    {Py_tp_methods, kSpecMethods},
+    {Py_tp_getset, kSpecGetSet},
+    {Py_tp_doc, const_cast<char*>(
+                    "HashSpec(hash_fn, block_size, lookahead, none_hash, *, mm_key, mm_bounds, "
+                    "lora_key, salt_key, embeds_key, incremental_mm, allow_any_token_id)\n\n"
+                    "One BlockHasher's configuration, validated once; the key shapes by the "
+                    "names of HashScheme's fields (tables: HASH_FUNCTIONS, MM_KEYS, ...).")},
+    {0, nullptr}};
+
+PyType_Spec kSpecSpec = {"mmreuse._hashcore.HashSpec", sizeof(HashSpecObject), 0,
+                         Py_TPFLAGS_DEFAULT, kSpecSlots};
+
+// ---- module -------------------------------------------------------------------------------
 
 PyObject* set_simd(PyObject*, PyObject* arg) {
   const int on = PyObject_IsTrue(arg);
@@ -822,9 +1423,6 @@ PyObject* set_simd(PyObject*, PyObject* arg) {
 PyObject* simd_available(PyObject*, PyObject*) { return PyBool_FromLong(kHaveVbmi2); }
 
 PyMethodDef kMethods[] = {
-    {"hash_blocks", hash_blocks, METH_VARARGS,
-     "hash_blocks(tokens, validate_from, allow_any, start, nblocks, block_size, lookahead, fn, "
-     "flags, parent, mm, mm_idx, lora, salt, embeds) -> list[bytes] | None"},
     {"set_simd", set_simd, METH_O,
      "set_simd(on) -> bool: use the AVX-512 VBMI2 token writer where the CPU has it (default); "
      "returns the previous setting"},
@@ -833,8 +1431,71 @@ PyMethodDef kMethods[] = {
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_hashcore",
-                       "C++ fast path of mmreuse.hashing (see hasher.py).", -1, kMethods};
+                       "C++ fast path of mmreuse.hashing (see hasher.py).", -1, kMethods,
+                       nullptr, nullptr, nullptr, nullptr};
+
+template <size_t N>
+PyObject* names_tuple(const char* const (&names)[N]) {
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(N));
+  if (t == nullptr) return nullptr;
+  for (size_t i = 0; i < N; ++i) {
+    PyObject* s = PyUnicode_FromString(names[i]);
+    if (s == nullptr) {
+      Py_DECREF(t);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), s);
+  }
+  return t;
+}
+
+// PyModule_AddObject that always consumes `value` (it may be null: then it fails).
+bool add(PyObject* m, const char* name, PyObject* value) {
+  PyRef v(value);
+  if (!v) return false;
+  if (PyModule_AddObject(m, name, v.get()) < 0) return false;
+  v.release();
+  return true;
+}
+
+PyObject* init_module() {
+  PyRef errors(PyImport_ImportModule("mmreuse.errors"));
+  if (!errors) return nullptr;
+  PyRef invalid(PyObject_GetAttrString(errors.get(), "InvalidArgument"));
+  PyRef invalid_type(PyObject_GetAttrString(errors.get(), "InvalidArgumentType"));
+  if (!invalid || !invalid_type) return nullptr;
+  interned_identifier = PyUnicode_InternFromString("identifier");
+  interned_offset = PyUnicode_InternFromString("offset");
+  interned_length = PyUnicode_InternFromString("length");
+  if (!interned_identifier || !interned_offset || !interned_length) return nullptr;
+
+  PyRef m(PyModule_Create(&kModule));
+  if (!m) return nullptr;
+  PyRef spec_type(PyType_FromSpec(&kSpecSpec));
+  PyRef keys_type(PyType_FromSpec(&kKeysSpec));
+  if (!spec_type || !keys_type) return nullptr;
+  if (!add(m.get(), "HashSpec", Py_NewRef(spec_type.get())) ||
+      !add(m.get(), "RequestKeys", Py_NewRef(keys_type.get())) ||
+      !add(m.get(), "HASH_FUNCTIONS", names_tuple(kHashFns)) ||
+      !add(m.get(), "MM_KEYS", names_tuple(kMMKeys)) ||
+      !add(m.get(), "MM_BOUNDS", names_tuple(kMMBounds)) ||
+      !add(m.get(), "LORA_KEYS", names_tuple(kLoraKeys)) ||
+      !add(m.get(), "SALT_KEYS", names_tuple(kSaltKeys)) ||
+      !add(m.get(), "EMBEDS_KEYS", names_tuple(kEmbedsKeys)) ||
+      !add(m.get(), "INCREMENTAL_MM", names_tuple(kIncrementalMM)) ||
+      !add(m.get(), "MAX_BLOCK_TOKENS", PyLong_FromLongLong(kMaxBlockTokens)) ||
+      !add(m.get(), "MAX_LOOKAHEAD", PyLong_FromLongLong(kMaxLookahead)) ||
+      !add(m.get(), "MAX_KEY_BYTES", PyLong_FromSize_t(kMaxKeyBytes)) ||
+      !add(m.get(), "DEBUG_BUILD", PyBool_FromLong(kDebugBuild)))
+    return nullptr;
+  static_assert(count(kHashFns) == 4 && count(kEmbedsKeys) == 3, "tables match the enums");
+  // The module keeps the types alive; these globals borrow them.
+  g_keys_type = reinterpret_cast<PyTypeObject*>(keys_type.get());
+  g_invalid_argument = invalid.release();
+  g_invalid_argument_type = invalid_type.release();
+  return m.release();
+}
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__hashcore(void) { return PyModule_Create(&kModule); }
+PyMODINIT_FUNC PyInit__hashcore(void) { return init_module(); }

@@ -56,7 +56,7 @@ def test_to_event_id_is_low_64_bits_big_endian():
     assert to_event_id(bytes(range(16))) == int.from_bytes(bytes(range(8, 16)), "big")
 
 
-@pytest.mark.parametrize("bad", [b"1234567", "x" * 32, None, 7])
+@pytest.mark.parametrize("bad", [b"1234567", "x" * 32, None, -7])
 def test_to_event_id_rejects_non_hashes(bad):
     with pytest.raises(ValueError, match="block_hash"):
         to_event_id(bad)
@@ -272,3 +272,26 @@ def test_occurrence_from_vllm_feature():
     assert occ.num_embeds == 1 and occ.end == 5
     with pytest.raises(ValueError, match="MultiModalFeatureSpec"):
         MMOccurrence.from_vllm(object())
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_allow_any_token_id_still_refuses_non_ints_past_a_huge_id(fast):
+    # A token >= 2**63 sends the fast path to the reference path; the tokens after it must
+    # still be checked there (a float was once hashed).
+    h = BlockHasher("sha256", 4, allow_any_token_id=True, use_fast_path=fast)
+    for tokens, where in (([2**64, 1, 2, 3, 4.5, 6, 7, 8], 4), ([2**64, 1, 2, 3, 4, 6, 7, 8.5], 7)):
+        with pytest.raises(TypeError, match=rf"tokens\[{where}\]"):
+            h.hash_prompt(tokens)
+    assert len(h.hash_prompt([2**64, -1, 2, 3])) == 1
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_rejected_append_leaves_the_request_unchanged(fast):
+    h = BlockHasher("sha256", 4, use_fast_path=fast)
+    req = h.request([1, 2, 3])
+    for bad in (-1, [5, "x"], [6, 7, 2**63], 2.0):
+        with pytest.raises(ValueError, match="tokens"):
+            req.append_output_token_ids(bad)
+        assert req.num_tokens == 3 and req.block_hashes == []
+    assert req.append_output_token_ids([4, 5]) == h.hash_prompt([1, 2, 3, 4, 5])
+    assert req.num_tokens == 5

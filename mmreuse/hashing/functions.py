@@ -15,6 +15,10 @@ from typing import Any
 import cbor2
 import xxhash as _xxhash
 
+from ..validate import fail_value
+
+# The names are the API (the reference path dispatches on them); the C fast path maps the same
+# names to its own ids (mmreuse._hashcore.HASH_FUNCTIONS, checked equal by tests/test_hashcore.py).
 HASH_FUNCTIONS: tuple[str, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 # Algorithms that are not collision resistant: vLLM never gives them a public default seed.
@@ -24,9 +28,9 @@ DIGEST_SIZE: dict[str, int] = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "x
 
 
 def check_hash_fn(name: Any) -> str:
-    """Return `name` if it is one of vLLM's hash function names, else raise ValueError."""
-    if name not in HASH_FUNCTIONS:
-        raise ValueError(f"hash_fn must be one of {HASH_FUNCTIONS}, got {name!r}")
+    """Return `name` if it is one of vLLM's hash function names, else raise InvalidArgument."""
+    if not isinstance(name, str) or name not in HASH_FUNCTIONS:
+        fail_value("hash_fn", f"one of {HASH_FUNCTIONS}", name)
     return name
 
 

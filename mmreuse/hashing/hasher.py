@@ -6,6 +6,12 @@ num_hash_lookahead_tokens)` of a vLLM generation (`HashScheme`) for a request wh
 Python reference that builds vLLM's exact objects and pickles / CBOR-encodes them,
 and a C++ fast path (`mmreuse._hashcore`) that writes the same serialization
 directly and digests it with OpenSSL's SHA-256 or XXH3-128.
+
+The fast path is configured by names, never by ids: each BlockHasher builds one
+`_hashcore.HashSpec` from its hash function, sizes, NONE_HASH and its scheme's key-shape
+names (validated in C), each request one `RequestKeys` from its occurrences, LoRA and salt,
+and `RequestKeys.hash_blocks` hashes the blocks after those already hashed. Limits such as
+`MAX_BLOCK_TOKENS` are read from `_hashcore`, not restated here.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..blockhash import BlockHash, to_event_id  # noqa: F401  (re-exported by mmreuse.hashing)
+from ..errors import InvalidArgument
 from ..occurrence import MMOccurrence
+from ..validate import check_bool, check_int, check_str, fail_type, fail_value, show
 from .functions import DIGEST_SIZE, NON_CRYPTO_HASH_FUNCTIONS, check_hash_fn, get_hash_fn
 from .schemes import DEFAULT_SCHEME, HashScheme, get_scheme
 
@@ -29,35 +38,15 @@ except ImportError:  # pragma: no cover - exercised only on such builds
 
 logger = logging.getLogger(__name__)
 
-BlockHash = bytes
-
 # vLLM's fixed NONE_HASH seed for cryptographic hash functions when PYTHONHASHSEED is unset.
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 MAX_TOKEN_ID = 2**63 - 1
 
-# Pickle frames are split at 64 KiB; the fast path writes one frame, so larger blocks go the
-# reference way (vLLM's edge vectors include a 20,000-token block).
-_FAST_MAX_BLOCK_TOKENS = 4096
-
-_FN_ID = {"sha256": 0, "sha256_cbor": 1, "xxhash": 2, "xxhash_cbor": 3}
-_MM_KEY_ID = {"tagged": 0, "pair": 1, "bare": 2}
-_LORA_KEY_ID = {"tagged": 0, "name": 1, "int_id": 2}
-
 
 def fast_path_available() -> bool:
     """Whether the C++ hashing fast path was built into this installation."""
     return _hashcore is not None
-
-
-def to_event_id(block_hash: bytes) -> int:
-    """The 64-bit block hash vLLM's KV events publish by default: the low 64 bits, big-endian.
-
-    Same as vLLM's `maybe_convert_block_hash` with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1.
-    """
-    if not isinstance(block_hash, (bytes, bytearray)) or len(block_hash) < 8:
-        raise ValueError(f"block_hash must be bytes of length >= 8, got {block_hash!r}")
-    return int.from_bytes(block_hash[-8:], "big")
 
 
 def _fresh(s: str) -> str:
@@ -69,28 +58,11 @@ def _fresh(s: str) -> str:
     return s.encode("utf-8", "surrogatepass").decode("utf-8", "surrogatepass")
 
 
-def _identity_key(s: str, counter: list[int]) -> int:
-    """An int that is equal for two strings iff vLLM's pickler sees the same object."""
-    if len(s) == 0:
-        return 99
-    if len(s) == 1 and ord(s) < 256:
-        return 100 + ord(s)
-    counter[0] += 1
-    return 1000 + counter[0]
-
-
-def _utf8(s: str) -> bytes | None:
-    try:
-        return s.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates: pickle uses surrogatepass, leave it to pickle
-        return None
-
-
 def _check_token(i: int, t: Any, allow_any: bool) -> None:
-    if isinstance(t, bool) or not isinstance(t, int):
-        raise ValueError(f"tokens[{i}] must be an int token id, got {t!r}")
+    if type(t) is not int:  # exact ints only, as the fast path reads them (no bool, no numpy)
+        fail_type(f"tokens[{i}]", "an int token id", t)
     if not allow_any and not 0 <= t <= MAX_TOKEN_ID:
-        raise ValueError(
+        raise InvalidArgument(
             f"tokens[{i}] must be a token id in [0, 2**63-1], got {t} "
             "(pass allow_any_token_id=True to hash what vLLM's hasher would)"
         )
@@ -101,15 +73,15 @@ def _check_mm(mm: Iterable[MMOccurrence], num_prompt: int) -> list[MMOccurrence]
     prev_end = 0
     for i, m in enumerate(out):
         if not isinstance(m, MMOccurrence):
-            raise ValueError(f"mm[{i}] must be an MMOccurrence, got {type(m).__name__}")
+            fail_type(f"mm[{i}]", "an MMOccurrence", m)
         end = m._end  # MMOccurrence.end, read without the property call (hot: every request)
         if end > num_prompt:
-            raise ValueError(
+            raise InvalidArgument(
                 f"mm[{i}] ({m.identifier!r}) spans [{m.offset}, {m.end}) outside the "
                 f"prompt of {num_prompt} tokens"
             )
         if m.offset < prev_end:
-            raise ValueError(
+            raise InvalidArgument(
                 f"mm[{i}] offset {m.offset} is before the end {prev_end} of mm[{i - 1}]: vLLM "
                 "requires occurrences sorted by offset and non-overlapping"
             )
@@ -120,80 +92,46 @@ def _check_mm(mm: Iterable[MMOccurrence], num_prompt: int) -> list[MMOccurrence]
 def _check_lora(scheme: HashScheme, name: Any, path: Any, int_id: Any) -> None:
     if name is None:
         if path is not None or int_id is not None:
-            raise ValueError(f"lora_path={path!r} / lora_int_id={int_id!r} given without lora_name")
-        return
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"lora_name must be a non-empty str, got {name!r}")
-    if path is not None and not isinstance(path, str):
-        raise ValueError(f"lora_path must be a str, got {path!r}")
-    if scheme.lora_key == "tagged" and not path:
-        raise ValueError(
-            f"lora_path is required with lora_name under scheme {scheme.name!r} "
-            f"(vLLM hashes ('lora', name, path)), got {path!r}"
-        )
-    if scheme.lora_key == "int_id":
-        if isinstance(int_id, bool) or not isinstance(int_id, int) or int_id < 1:
-            raise ValueError(
-                f"lora_int_id must be an int >= 1 under scheme {scheme.name!r} "
-                f"(vLLM hashes the LoRA int id), got {int_id!r}"
+            raise InvalidArgument(
+                f"lora_path={show(path)} / lora_int_id={show(int_id)} given without lora_name"
             )
+        return
+    check_str("lora_name", name, nonempty=True)
+    if path is not None:
+        check_str("lora_path", path)
+    if scheme.lora_key == "tagged" and not path:
+        fail_value(
+            "lora_path", f"given with lora_name under scheme {scheme.name!r} "
+            "(vLLM hashes ('lora', name, path))", path,
+        )
+    if scheme.lora_key == "int_id" and (type(int_id) is not int or int_id < 1):
+        fail_value(
+            "lora_int_id",
+            f"an int >= 1 under scheme {scheme.name!r} (vLLM hashes the LoRA int id)", int_id,
+        )
 
 
 def _check_salt(cache_salt: Any) -> None:
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt must be a str or None, got {cache_salt!r}")
+    if cache_salt is not None:
+        check_str("cache_salt", cache_salt)
 
 
-def _scheme_flags(scheme: HashScheme) -> int:
-    """The key shapes of `scheme` as _hashcore.hash_blocks reads them."""
-    return (
-        _MM_KEY_ID[scheme.mm_key]
-        | (4 if scheme.mm_bounds == "inclusive" else 0)
-        | (_LORA_KEY_ID[scheme.lora_key] << 3)
-        | (32 if scheme.salt_key == "tagged" else 0)
-        | (64 if scheme.embeds_key == "tagged" else 0)
+def _make_spec(
+    hash_fn: str, block_size: int, lookahead: int, none_hash: bytes, scheme: HashScheme,
+    allow_any_token_id: bool,
+) -> Any:
+    """The `_hashcore.HashSpec` of one hasher, or None where only the reference path can hash
+    (no fast path built, blocks or lookahead beyond what one pickle frame holds)."""
+    if _hashcore is None:
+        return None
+    if block_size > _hashcore.MAX_BLOCK_TOKENS or lookahead > _hashcore.MAX_LOOKAHEAD:
+        return None
+    return _hashcore.HashSpec(
+        hash_fn, block_size, lookahead, none_hash,
+        mm_key=scheme.mm_key, mm_bounds=scheme.mm_bounds, lora_key=scheme.lora_key,
+        salt_key=scheme.salt_key, embeds_key=scheme.embeds_key,
+        incremental_mm=scheme.incremental_mm, allow_any_token_id=allow_any_token_id,
     )
-
-
-def _fast_keys(
-    scheme: HashScheme, mm: Sequence[MMOccurrence], lora: Any, salt: str | None
-) -> tuple | None:
-    """The (mm, lora, salt) arguments of _hashcore.hash_blocks, or None where only the
-    reference path can hash (lone surrogates, identifiers too long for one pickle frame).
-
-    `lora` is None, vLLM's LoRA int id, or (name, path); `salt` None or a non-empty str.
-    Strings carry identity keys that reproduce pickle's memo (see `_identity_key`).
-    """
-    counter = [0]
-    mm_t = []
-    total = 0
-    for m in mm:
-        ident = m.identifier
-        try:  # _utf8, inlined: this loop runs for every request
-            b = ident.encode("utf-8")
-        except UnicodeEncodeError:
-            return None
-        total += len(b)
-        mm_t.append((b, _identity_key(ident, counter), m.offset, m.length))
-    if total > 16384:
-        return None  # a block could exceed one pickle frame
-    lora_t = None
-    if lora is not None:
-        if scheme.lora_key == "int_id":
-            lora_t = (b"", 0, b"", 0, lora)
-        else:
-            name, path = lora
-            nb, pb = _utf8(name), _utf8(path)
-            if nb is None or pb is None:
-                return None
-            lora_t = (nb, _identity_key(name, counter), pb, _identity_key(path, counter), 0)
-    salt_t = None
-    if salt:
-        sb = _utf8(salt)
-        if sb is None:
-            return None
-        salt_t = (sb, _identity_key(salt, counter))
-    return tuple(mm_t), lora_t, salt_t
 
 
 def _lora_key_value(scheme: HashScheme, name: str | None, path: str | None, int_id: Any) -> Any:
@@ -223,7 +161,7 @@ class BlockHasher:
 
     __slots__ = (
         "hash_fn", "block_size", "seed", "lookahead", "scheme", "none_hash",
-        "allow_any_token_id", "use_fast_path", "_fn", "_fn_id", "_flags",
+        "allow_any_token_id", "use_fast_path", "_fn", "_spec",
     )
 
     def __init__(
@@ -241,30 +179,33 @@ class BlockHasher:
         self.scheme = get_scheme(scheme)
         check_hash_fn(hash_fn)
         if hash_fn not in self.scheme.hash_fns:
-            raise ValueError(
+            raise InvalidArgument(
                 f"hash_fn {hash_fn!r} does not exist in scheme {self.scheme.name!r} "
                 f"(vLLM {self.scheme.vllm_versions}); it offers {self.scheme.hash_fns}"
             )
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-            raise ValueError(f"lookahead must be an int >= 0, got {lookahead!r}")
+        block_size = check_int("block_size", block_size, 1)
+        lookahead = check_int("lookahead", lookahead, 0)
         if lookahead and not self.scheme.supports_lookahead:
-            raise ValueError(
-                f"lookahead={lookahead} but scheme {self.scheme.name!r} has no lookahead hashing"
+            fail_value(
+                "lookahead", f"0: scheme {self.scheme.name!r} has no lookahead hashing", lookahead
             )
         if seed is not None and not isinstance(seed, str):
-            raise ValueError(f"seed must be the PYTHONHASHSEED string or None, got {seed!r}")
+            fail_type("seed", "the PYTHONHASHSEED string or None", seed)
+        check_bool("allow_random_seed", allow_random_seed)
         self.hash_fn = hash_fn
         self.block_size = block_size
         self.seed = seed
         self.lookahead = lookahead
-        self.allow_any_token_id = bool(allow_any_token_id)
-        self.use_fast_path = bool(use_fast_path) and _hashcore is not None
+        self.allow_any_token_id = check_bool("allow_any_token_id", allow_any_token_id)
+        self.use_fast_path = check_bool("use_fast_path", use_fast_path) and _hashcore is not None
         self._fn = get_hash_fn(hash_fn)
-        self._fn_id = _FN_ID[hash_fn]
-        self._flags = _scheme_flags(self.scheme)
         self.none_hash: bytes = self._none_hash(allow_random_seed)
+        # One validated C spec per hasher (None: the reference path hashes everything).
+        self._spec = (
+            _make_spec(hash_fn, block_size, lookahead, self.none_hash, self.scheme,
+                       self.allow_any_token_id)
+            if self.use_fast_path else None
+        )
 
     def _none_hash(self, allow_random_seed: bool) -> bytes:
         if self.seed is not None:
@@ -273,7 +214,7 @@ class BlockHasher:
         if self.scheme.unset_seed == "default-seed" and crypto:
             return self._fn(DEFAULT_NONE_HASH_SEED)
         if not allow_random_seed:
-            raise ValueError(
+            raise InvalidArgument(
                 f"seed=None with hash_fn={self.hash_fn!r} under scheme {self.scheme.name!r}: vLLM "
                 "then seeds NONE_HASH randomly per process, so its hashes cannot be reproduced "
                 "(and a public seed would let an attacker precompute collisions for xxhash). "
@@ -322,29 +263,20 @@ class BlockHasher:
         prompt_embeds: Any = None,
     ) -> list[bytes]:
         """One hash per full block of `tokens`, as vLLM gives for that `all_token_ids`."""
-        if (
-            self.use_fast_path
-            and prompt_embeds is None
-            and type(tokens) is list
-            and self.block_size <= _FAST_MAX_BLOCK_TOKENS
-        ):
+        spec = self._spec
+        if spec is not None and prompt_embeds is None and type(tokens) is list:
             # The one-shot fast path without a RequestHasher (same checks, same C call); the
             # request state below takes whatever this cannot hash.
             occurrences = _check_mm(mm, len(tokens))
             scheme = self.scheme
             _check_lora(scheme, lora_name, lora_path, lora_int_id)
             _check_salt(cache_salt)
-            keys = _fast_keys(
-                scheme, occurrences, _lora_key_value(scheme, lora_name, lora_path, lora_int_id),
-                cache_salt or None,
+            keys = spec.request(
+                occurrences, _lora_key_value(scheme, lora_name, lora_path, lora_int_id),
+                cache_salt,
             )
             if keys is not None:
-                bs, la = self.block_size, self.lookahead
-                out = _hashcore.hash_blocks(
-                    tokens, 0, self.allow_any_token_id, 0, max(0, (len(tokens) - la) // bs), bs,
-                    la, self._fn_id, self._flags, self.none_hash, keys[0], 0, keys[1], keys[2],
-                    None,
-                )
+                out = keys.hash_blocks(tokens)
                 if out is not None:
                     return out
             mm = occurrences
@@ -406,7 +338,7 @@ class RequestHasher:
         self._mm_ids = [_fresh(m.identifier) for m in self._mm]
         self._lora = _lora_key_value(scheme, lora_name, lora_path, lora_int_id)
         self._salt = _fresh(cache_salt) if cache_salt else None  # "" is falsy in vLLM: no key
-        self._fast_spec = self._make_fast_spec() if hasher.use_fast_path else None
+        self._fast_keys = self._make_fast_keys()
         self.block_hashes = self._new_blocks()  # the first list is ours: no copy
 
     # ---- validation -------------------------------------------------------------------------
@@ -414,7 +346,7 @@ class RequestHasher:
     @staticmethod
     def _as_token_list(tokens: Any) -> list[int]:
         if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-            raise ValueError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+            fail_type("tokens", "a sequence of ints", tokens)
         if hasattr(tokens, "tolist"):  # numpy / torch
             tokens = tokens.tolist()
         return list(tokens)
@@ -424,20 +356,22 @@ class RequestHasher:
             return None, 0
         scheme = self._h.scheme
         if scheme.embeds_key is None:
-            raise ValueError(
+            raise InvalidArgument(
                 f"prompt_embeds given but scheme {scheme.name!r} (vLLM {scheme.vllm_versions}) "
                 "does not hash prompt embeddings"
             )
         import torch
 
         if not isinstance(embeds, torch.Tensor):
-            raise ValueError(f"prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}")
+            fail_type("prompt_embeds", "a torch.Tensor", embeds)
         if not embeds.is_floating_point():
-            raise ValueError(f"prompt_embeds must have a floating dtype, got {embeds.dtype}")
+            raise InvalidArgument(f"prompt_embeds must have a floating dtype, got {embeds.dtype}")
         if embeds.dim() != 2:
-            raise ValueError(f"prompt_embeds must be 2-D (rows, hidden), got shape {tuple(embeds.shape)}")
+            raise InvalidArgument(
+                f"prompt_embeds must be 2-D (rows, hidden), got shape {tuple(embeds.shape)}"
+            )
         if embeds.shape[0] > num_prompt:
-            raise ValueError(
+            raise InvalidArgument(
                 f"prompt_embeds has {embeds.shape[0]} rows but the prompt has {num_prompt} tokens"
             )
         # vLLM's tensor_data(): flatten().cpu().contiguous().view(uint8); a row slice of a
@@ -454,12 +388,20 @@ class RequestHasher:
         return len(self._tokens)
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> list[bytes]:
-        """Append tokens; return the hashes of the blocks they complete (possibly none)."""
-        if isinstance(token_ids, int) and not isinstance(token_ids, bool):
-            self._tokens.append(token_ids)
-        else:
-            self._tokens.extend(self._as_token_list(token_ids))
-        new = self._new_blocks()
+        """Append tokens; return the hashes of the blocks they complete (possibly none).
+
+        A rejected call (a bad token anywhere in it) leaves the request as it was."""
+        tokens = self._tokens
+        before = len(tokens)
+        try:
+            if isinstance(token_ids, int) and not isinstance(token_ids, bool):
+                tokens.append(token_ids)
+            else:
+                tokens.extend(self._as_token_list(token_ids))
+            new = self._new_blocks()
+        except BaseException:
+            del tokens[before:]
+            raise
         self.block_hashes.extend(new)
         return new
 
@@ -481,15 +423,14 @@ class RequestHasher:
         tokens = self._tokens
         start = len(self.block_hashes) * bs
         num_tokens = len(tokens) - la
-        if self._fast_spec is not None and self._collected_keys is None:
+        new = None
+        if self._fast_keys is not None and self._collected_keys is None:
             new = self._hash_fast(start, num_tokens)
-        else:
+        if new is None:  # the reference path; C may have stopped validating part-way
             for i in range(self._validated, len(tokens)):
                 _check_token(i, tokens[i], h.allow_any_token_id)
-            new = None
-        self._validated = len(tokens)
-        if new is None:
             new = self._hash_reference(start, num_tokens)
+        self._validated = len(tokens)
         return new
 
     def _initial_mm_idx(self, start: int) -> int:
@@ -587,26 +528,22 @@ class RequestHasher:
 
     # ---- fast path --------------------------------------------------------------------------
 
-    def _make_fast_spec(self) -> tuple | None:
+    def _make_fast_keys(self) -> Any:
+        """This request's `_hashcore.RequestKeys`, or None where only the reference path hashes."""
         h = self._h
-        if h.block_size > _FAST_MAX_BLOCK_TOKENS:
+        if h._spec is None:
             return None
         if self._embeds_bytes is not None and h.scheme.embeds_key == "raw":
             return None  # whole tensor slices in the key: the reference path pickles them
-        return _fast_keys(h.scheme, self._mm, self._lora, self._salt)
+        return h._spec.request(self._mm, self._lora, self._salt)
 
     def _hash_fast(self, start: int, num_tokens: int) -> list[bytes] | None:
         h = self._h
         bs, la = h.block_size, h.lookahead
-        nblocks = max(0, (num_tokens - start) // bs)
         embeds = None
-        if self._embeds_bytes is not None and nblocks:
+        if self._embeds_bytes is not None:
+            nblocks = max(0, (num_tokens - start) // bs)
             embeds = [
                 self._embeds_digest(s, s + bs + la) for s in range(start, start + nblocks * bs, bs)
             ]
-        mm, lora, salt = self._fast_spec
-        parent = self.block_hashes[-1] if self.block_hashes else h.none_hash
-        return _hashcore.hash_blocks(
-            self._tokens, self._validated, h.allow_any_token_id, start, nblocks, bs, la,
-            h._fn_id, h._flags, parent, mm, self._initial_mm_idx(start), lora, salt, embeds,
-        )
+        return self._fast_keys.hash_blocks(self._tokens, self.block_hashes, self._validated, embeds)

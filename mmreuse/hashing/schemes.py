@@ -1,5 +1,8 @@
 """Generations of vLLM's block-hash scheme, as named, frozen descriptions.
 
+Every key-shape field holds a name; the C fast path reads those names (_hashcore.HashSpec) and
+maps them to ids of its own, so no id is defined here.
+
 vLLM changed how it keys a block several times (multimodal key shape and its
 boundary tests, LoRA key, tags, prompt embeds, lookahead, NONE_HASH seeding). A
 `HashScheme` records one generation; `BlockHasher(scheme=...)` reproduces it. The
@@ -13,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..errors import InvalidArgument
+from ..validate import show
 from .functions import HASH_FUNCTIONS
 
 
@@ -105,10 +110,12 @@ DEFAULT_SCHEME = "vllm-0.33"
 
 
 def get_scheme(name: object) -> HashScheme:
-    """Look up a scheme by name, or raise ValueError listing the known ones."""
+    """Look up a scheme by name, or raise InvalidArgument listing the known ones."""
     if isinstance(name, HashScheme):
         return name
     try:
         return SCHEMES[name]  # type: ignore[index]
     except (KeyError, TypeError):
-        raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {name!r}") from None
+        raise InvalidArgument(
+            f"scheme must be one of {sorted(SCHEMES)}, got {show(name)}"
+        ) from None
