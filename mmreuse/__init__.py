@@ -13,10 +13,12 @@ from .demand import (
 )
 from .hashing import BlockHasher, to_event_id
 from .occurrence import MMOccurrence
+from .plan import AdmissionPlan, plan_admission
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdmissionPlan",
     "Availability",
     "BlockHasher",
     "DemandResult",
@@ -26,5 +28,6 @@ __all__ = [
     "__version__",
     "compute_demand",
     "kv_coverage",
+    "plan_admission",
     "to_event_id",
 ]

@@ -3,7 +3,7 @@
 `compute_demand` is the RFC's needs_embedding_from_E(m) = !KV_covered_P(m) &&
 !reusable_embedding_available_P(m), made exact to vLLM 0.33.0's scheduler
 (`Scheduler._try_schedule_encoder_inputs`) for partial coverage, `is_embed` masks,
-duplicates and several occurrences. Normative spec: shared/docs/demand-semantics.md §6.
+duplicates and several occurrences. Normative spec: docs/demand-semantics.md §6.
 
 `kv_coverage` turns a prefix-cache hit into the effective `num_computed_tokens` (C) that
 vLLM admits a waiting request with (the num_tokens-1 cap, block alignment, EAGLE drop,
@@ -22,27 +22,21 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, NamedTuple
 
+from .errors import InvalidArgument
 from .occurrence import MMOccurrence
+from .validate import check_bool, check_int, fail_type, fail_value
 
 CoverageRule = Literal["embed", "placeholder"]
 
 
-def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be in {bound}, got {value}")
-    return value
-
-
 def _check_id_set(name: str, value: object) -> frozenset[str]:
+    """A set (any iterable but a str/bytes) of str identifiers, as a frozenset."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise ValueError(f"{name} must be a set of identifiers, got {value!r}")
-    out = frozenset(value)  # type: ignore[arg-type]
+        fail_type(name, "a set of identifiers", value)
+    out = frozenset(value)
     for ident in out:
         if not isinstance(ident, str):
-            raise ValueError(f"{name} must hold str identifiers, got {ident!r}")
+            fail_type(f"{name} identifiers", "str", ident)
     return out
 
 
@@ -67,18 +61,19 @@ class Availability:
 
     def __post_init__(self) -> None:
         if not isinstance(self.p_local, Mapping):
-            raise ValueError(f"p_local must be a mapping identifier -> num_embeds, got {self.p_local!r}")
+            fail_type("p_local", "a mapping identifier -> num_embeds", self.p_local)
         local = {}
         for ident, n in self.p_local.items():
             if not isinstance(ident, str):
-                raise ValueError(f"p_local keys must be str identifiers, got {ident!r}")
-            local[ident] = _check_int(f"p_local[{ident!r}]", n, 1)
+                fail_type("p_local keys", "str identifiers", ident)
+            local[ident] = check_int(f"p_local[{ident!r}]", n, 1)
         object.__setattr__(self, "p_local", local)
         for name in ("p_local_freeable", "p_external", "e_cached"):
             object.__setattr__(self, name, _check_id_set(name, getattr(self, name)))
         stray = self.p_local_freeable - local.keys()
         if stray:
-            raise ValueError(f"p_local_freeable holds identifiers not in p_local: {sorted(stray)}")
+            raise InvalidArgument(
+                f"p_local_freeable holds identifiers not in p_local: {sorted(stray)}")
 
 
 class Klass(Enum):
@@ -104,7 +99,7 @@ class OccurrenceDecision(NamedTuple):
     the admission path, and a frozen dataclass costs 4x as much to build (1.2 vs 0.26 us).
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, as the field name it is
     identifier: str
     klass: Klass
     # Rows that must exist (the whole item) if the class needs an embedding.
@@ -142,7 +137,8 @@ class DemandResult:
     conflicts: tuple[str, ...]
 
     def needs_media_at_p(self, *, external_store_can_evict: bool = True) -> tuple[int, ...]:
-        """Indices whose skip of E races with state P may lose; send P real media for them (§6.3.9)."""
+        """Indices whose skip of E races with state P may lose; send P real media for them
+        (§6.3.9)."""
         out = []
         for d in self.decisions:
             if (
@@ -190,48 +186,83 @@ def compute_demand(
     Returns:
         A `DemandResult`; pure and deterministic.
     """
-    n = _check_int("num_prompt_tokens", num_prompt_tokens, 1)
-    c = _check_int("num_computed_tokens", num_computed_tokens, 0, n - 1)
-    ext = _check_int("external_kv_tokens", external_kv_tokens, 0, c)
-    if coverage_rule not in ("embed", "placeholder"):
-        raise ValueError(f"coverage_rule must be 'embed' or 'placeholder', got {coverage_rule!r}")
-    if not isinstance(availability, Availability):
-        raise ValueError(f"availability must be an Availability, got {type(availability).__name__}")
-    if not isinstance(is_encoder_decoder, bool):
-        raise ValueError(f"is_encoder_decoder must be a bool, got {is_encoder_decoder!r}")
-    if is_encoder_decoder and ext:
-        raise ValueError(
-            f"external_kv_tokens={ext} with is_encoder_decoder=True: vLLM's KV connectors "
-            "do not support encoder-decoder models"
-        )
+    n, c, ext = _validate(occurrences, num_prompt_tokens, num_computed_tokens, availability,
+                          external_kv_tokens, is_encoder_decoder, coverage_rule)
+    decisions, conflicts, first_of, need_at = _classify(
+        occurrences, n, c, ext, availability, is_encoder_decoder, coverage_rule == "placeholder")
+    return _collect(decisions, conflicts, first_of, need_at)
+
+
+def _validate(
+    occurrences: object,
+    num_prompt_tokens: object,
+    num_computed_tokens: object,
+    availability: object,
+    external_kv_tokens: object,
+    is_encoder_decoder: object,
+    coverage_rule: object,
+) -> tuple[int, int, int]:
+    """compute_demand's request-level checks; returns (N, C, external part of C)."""
+    n = check_int("num_prompt_tokens", num_prompt_tokens, 1)
+    c = check_int("num_computed_tokens", num_computed_tokens, 0, n - 1)
+    ext = check_int("external_kv_tokens", external_kv_tokens, 0, c)
+    if coverage_rule != "embed" and coverage_rule != "placeholder":
+        fail_value("coverage_rule", "'embed' or 'placeholder'", coverage_rule)
+    if type(availability) is not Availability and not isinstance(availability, Availability):
+        fail_type("availability", "an Availability", availability)
+    if is_encoder_decoder is not False:
+        check_bool("is_encoder_decoder", is_encoder_decoder)
+        if ext:
+            raise InvalidArgument(
+                f"external_kv_tokens={ext} with is_encoder_decoder=True: vLLM's KV connectors "
+                "do not support encoder-decoder models"
+            )
     if isinstance(occurrences, (str, bytes)) or not isinstance(occurrences, Sequence):
-        raise ValueError(f"occurrences must be a sequence of MMOccurrence, got {occurrences!r}")
+        fail_type("occurrences", "a sequence of MMOccurrence", occurrences)
+    return n, c, ext
+
+
+# `OccurrenceDecision(**kw)` goes through type.__call__, which builds a kwargs dict (2x the
+# positional cost); the tuple's __new__ called directly takes keywords without one.
+_decision = OccurrenceDecision.__new__
+
+
+def _classify(
+    occurrences: Sequence[MMOccurrence],
+    n: int,
+    c: int,
+    ext: int,
+    availability: Availability,
+    is_encoder_decoder: bool,
+    placeholder: bool,
+) -> tuple[list[OccurrenceDecision], dict[str, None], dict[str, tuple[int, Klass, int]],
+           dict[str, int]]:
+    """Decide each occurrence (checking it); also returns, for `_collect`, the conflicting
+    identifiers, ident -> (first uncovered index, class, num_embeds), ident -> where P needs it."""
     p_local = _EMPTY_MAP if is_encoder_decoder else availability.p_local
     p_external = _EMPTY_SET if is_encoder_decoder else availability.p_external
     e_cached = availability.e_cached
     freeable = availability.p_local_freeable
-    placeholder = coverage_rule == "placeholder"
     check_counts = not is_encoder_decoder  # the encoder-decoder manager keeps no cache
+    new, D = _decision, OccurrenceDecision
 
     decisions: list[OccurrenceDecision] = []
     conflicts: dict[str, None] = {}
-    # identifier -> (first uncovered index, its class, its num_embeds)
     first_of: dict[str, tuple[int, Klass, int]] = {}
-    # identifier -> earliest position P needs it (orders e_demand, p_loads, p_local_reuse)
     need_at: dict[str, int] = {}
     prev_offset = 0
 
     for i, m in enumerate(occurrences):
         if type(m) is not MMOccurrence and not isinstance(m, MMOccurrence):
-            raise ValueError(f"occurrences[{i}] must be an MMOccurrence, got {type(m).__name__}")
+            fail_type(f"occurrences[{i}]", "an MMOccurrence", m)
         offset, end, num_embeds, ident = m.offset, m._end, m._num_embeds, m.identifier
         if end > n:
-            raise ValueError(
+            raise InvalidArgument(
                 f"occurrences[{i}] ({ident!r}) spans [{offset}, {end}) outside the prompt of "
                 f"num_prompt_tokens={n}"
             )
         if offset < prev_offset:
-            raise ValueError(
+            raise InvalidArgument(
                 f"occurrences[{i}] offset {offset} < occurrences[{i - 1}] offset {prev_offset}: "
                 "occurrences must be sorted by offset, as request.mm_features is"
             )
@@ -248,15 +279,22 @@ def compute_demand(
             elif ident in p_local and p_local[ident] != num_embeds:
                 conflicts[ident] = None
         if num_embeds == 0:
-            decisions.append(OccurrenceDecision(i, ident, _NO_EMBEDS, 0, 0, None, False, None,
-                                                False, gate, False))
+            decisions.append(new(
+                D, index=i, identifier=ident, klass=_NO_EMBEDS, num_embeds=0,
+                uncovered_embeds=0, first_uncovered_pos=None, partial=False, dedup_of=None,
+                coverage_conditional=False, connector_gate_expects=gate, evictable=False))
             continue
-        last = end - 1 if placeholder else m._last_embed
+        # num_embeds > 0 here, so the item has a last embed position
+        last: int = end - 1 if placeholder else m._last_embed  # type: ignore[assignment]
         if (c > 0) if is_encoder_decoder else last < c:
-            decisions.append(OccurrenceDecision(i, ident, _KV_COVERED, num_embeds, 0, None, False,
-                                                None, ext > 0 and last >= c - ext, gate, False))
+            decisions.append(new(
+                D, index=i, identifier=ident, klass=_KV_COVERED, num_embeds=num_embeds,
+                uncovered_embeds=0, first_uncovered_pos=None, partial=False, dedup_of=None,
+                coverage_conditional=ext > 0 and last >= c - ext, connector_gate_expects=gate,
+                evictable=False))
             continue
 
+        first_pos: int | None
         if m._embed_offsets is None:
             k = c - offset if c > offset else 0
             uncovered, first_pos = num_embeds - k, offset + k
@@ -282,10 +320,21 @@ def compute_demand(
         at = first_pos if first_pos is not None else (offset if offset > c else c)
         if at < need_at.get(ident, at + 1):
             need_at[ident] = at
-        decisions.append(OccurrenceDecision(
-            i, ident, klass, num_embeds, uncovered, first_pos, 0 < uncovered < num_embeds,
-            dedup_of, False, gate, klass is _P_LOCAL and ident in freeable))
+        decisions.append(new(
+            D, index=i, identifier=ident, klass=klass, num_embeds=num_embeds,
+            uncovered_embeds=uncovered, first_uncovered_pos=first_pos,
+            partial=0 < uncovered < num_embeds, dedup_of=dedup_of, coverage_conditional=False,
+            connector_gate_expects=gate, evictable=klass is _P_LOCAL and ident in freeable))
+    return decisions, conflicts, first_of, need_at
 
+
+def _collect(
+    decisions: list[OccurrenceDecision],
+    conflicts: dict[str, None],
+    first_of: dict[str, tuple[int, Klass, int]],
+    need_at: dict[str, int],
+) -> DemandResult:
+    """Split the uncovered identifiers by where they come from, in the order P first needs them."""
     e_demand, p_loads, p_local_reuse = [], [], []
     for ident in sorted(first_of, key=lambda x: (need_at[x], first_of[x][0])):
         klass = first_of[ident][1]
@@ -319,7 +368,8 @@ def kv_coverage(
     prefix_replay_tokens: int = 0,
     replay_window_loaded: bool = False,
 ) -> tuple[int, int]:
-    """The effective num_computed_tokens C vLLM admits a waiting request with, and its external part.
+    """The effective num_computed_tokens C vLLM admits a waiting request with, and its external
+    part.
 
     Mirrors Scheduler.schedule's waiting path and KVCacheManager.get_computed_blocks (§1.1-1.2):
 
@@ -342,19 +392,22 @@ def kv_coverage(
     Returns:
         (C, external_part) with 0 <= external_part <= C <= N-1.
     """
-    n = _check_int("num_prompt_tokens", num_prompt_tokens, 1)
-    cached = _check_int("cached_prefix_tokens", cached_prefix_tokens, 0, n)
-    b = _check_int("block_size", block_size, 1)
-    a = b if alignment_tokens is None else _check_int("alignment_tokens", alignment_tokens, 1, b)
+    n = check_int("num_prompt_tokens", num_prompt_tokens, 1)
+    cached = check_int("cached_prefix_tokens", cached_prefix_tokens, 0, n)
+    b = check_int("block_size", block_size, 1)
+    a = b if alignment_tokens is None else check_int("alignment_tokens", alignment_tokens, 1, b)
     if b % a:
-        raise ValueError(f"alignment_tokens={a} must divide block_size={b}")
-    la = _check_int("hash_lookahead", hash_lookahead, 0, n)
+        raise InvalidArgument(f"alignment_tokens={a} must divide block_size={b}")
+    la = check_int("hash_lookahead", hash_lookahead, 0, n)
+    check_bool("eagle_drop", eagle_drop)
+    check_bool("skip_reading_prefix_cache", skip_reading_prefix_cache)
+    check_bool("replay_window_loaded", replay_window_loaded)
     if eagle_drop and la:
-        raise ValueError("eagle_drop=True with hash_lookahead > 0: vLLM turns the EAGLE block "
+        raise InvalidArgument("eagle_drop=True with hash_lookahead > 0: vLLM turns the EAGLE block "
                          "drop off when lookahead hashing is on")
-    ext = _check_int("external_tokens", external_tokens, 0, n)
-    replay = _check_int("prefix_replay_tokens", prefix_replay_tokens, 0)
-    cap = n - 1 if max_cache_hit_length is None else _check_int(
+    ext = check_int("external_tokens", external_tokens, 0, n)
+    replay = check_int("prefix_replay_tokens", prefix_replay_tokens, 0)
+    cap = n - 1 if max_cache_hit_length is None else check_int(
         "max_cache_hit_length", max_cache_hit_length, 0, n - 1)
     if skip_reading_prefix_cache:
         return 0, 0
@@ -375,7 +428,7 @@ def kv_coverage(
     elif tail:
         ext = 0
     if local + ext > n:
-        raise ValueError(
+        raise InvalidArgument(
             f"external_tokens={external_tokens} on top of a local hit of {local} exceeds "
             f"num_prompt_tokens={n} (vLLM asserts num_computed_tokens <= num_tokens)"
         )

@@ -53,10 +53,10 @@ def test_demand_for_request_stand_ins():
 
 @pytest.mark.oracle
 def test_adapter_on_real_vllm_objects():
-    py, script = require_oracle()
+    py, _ = require_oracle()
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run([str(py), str(Path(__file__).parent / "vllm_adapter_check.py"),
-                          str(script.parent)], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([str(py), str(Path(__file__).parent / "vllm_adapter_check.py")],
+                         capture_output=True, text=True, env=env, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["classes"] == ["KV_COVERED", "P_LOCAL", "P_EXTERNAL", "P_LOCAL", "E_COMPUTE"]
     assert got["num_embeds"] == [16, 10, 10, 6, 5]
