@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+from typing import TYPE_CHECKING
 
 from .hashing import HASH_FUNCTIONS, SCHEMES, BlockHasher, MMOccurrence, to_event_id
 from .hashing.schemes import DEFAULT_SCHEME
+
+if TYPE_CHECKING:
+    from .sim import SimConfig
 
 IMAGE_TOKEN = 151655  # Qwen2-VL's <|image_pad|>
 
@@ -58,48 +62,61 @@ def hash_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def simulate(args: argparse.Namespace) -> int:
+def _sim_config(args: argparse.Namespace) -> SimConfig:
+    """The `--config` file (or the defaults), with the command line's overrides applied."""
     import dataclasses
-    import time
 
-    from .sim import SimConfig, run, table
-    from .sim.report import plot, write_json
+    from .sim import SimConfig
 
     cfg = SimConfig.from_file(args.config) if args.config else SimConfig()
-    wl = cfg.workload
+    workload = cfg.workload
     if args.workload:
-        wl = dataclasses.replace(wl, kind=args.workload)
+        workload = dataclasses.replace(workload, kind=args.workload)
     if args.trace:
-        wl = dataclasses.replace(wl, kind="trace", trace_path=args.trace)
+        workload = dataclasses.replace(workload, kind="trace", trace_path=args.trace)
     if args.requests is not None:
-        wl = dataclasses.replace(wl, requests=args.requests)
-    cfg = dataclasses.replace(cfg, workload=wl)
+        workload = dataclasses.replace(workload, requests=args.requests)
+    cfg = dataclasses.replace(cfg, workload=workload)
     if args.seed is not None:
         cfg = dataclasses.replace(cfg, seed=args.seed)
     if args.policy:
         cfg = dataclasses.replace(cfg, policies=tuple(args.policy))
     if args.routing:
-        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, routing=args.routing))
+        cluster = dataclasses.replace(cfg.cluster, routing=args.routing)
+        cfg = dataclasses.replace(cfg, cluster=cluster)
+    return cfg
+
+
+def simulate(args: argparse.Namespace) -> int:
+    """Run every policy on one request stream; print the table, write JSON / a plot if asked."""
+    import time
+
+    from .sim import run, table
+    from .sim.report import plot, write_json
+
+    cfg = _sim_config(args)
+    workload, cluster = cfg.workload, cfg.cluster
     t0 = time.perf_counter()
     rows, results = run(cfg, progress=not args.no_progress)
     elapsed = time.perf_counter() - t0
-    c = cfg.cluster
-    print(f"mmreuse simulate: workload {wl.kind}, {wl.requests} requests, seed {cfg.seed}, "
-          f"{c.num_encoders} E / {c.num_prefills} P, routing {c.routing}, "
-          f"E cache {c.e_cache_embeds}, external store {c.external_store_embeds or 'off'} "
-          f"({elapsed:.1f} s)")
+    print(f"mmreuse simulate: workload {workload.kind}, {workload.requests} requests, "
+          f"seed {cfg.seed}, {cluster.num_encoders} E / {cluster.num_prefills} P, "
+          f"routing {cluster.routing}, E cache {cluster.e_cache_embeds}, "
+          f"external store {cluster.external_store_embeds or 'off'} ({elapsed:.1f} s)")
     print(table(rows))
-    occ = rows[0]["occurrences"]
+    occurrences = rows[0]["occurrences"]
     eager = next((r for r in rows if r["policy"] == "eager"), None)
     if eager and eager["encoder_forwards"]:
-        print(f"eager: {eager['redundant_forwards']} of {eager['encoder_forwards']} encoder forwards "
-              f"({100 * eager['redundant_forwards'] / eager['encoder_forwards']:.0f} %) were for items "
-              f"P did not need; {occ} multimodal occurrences in all")
+        redundant, forwards = eager["redundant_forwards"], eager["encoder_forwards"]
+        print(f"eager: {redundant} of {forwards} encoder forwards "
+              f"({100 * redundant / forwards:.0f} %) were for items "
+              f"P did not need; {occurrences} multimodal occurrences in all")
     if args.json:
         write_json(rows, cfg.to_dict(), args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        plot(results, rows, args.plot, f"{wl.kind}, {wl.requests} requests, seed {cfg.seed}")
+        plot(results, rows, args.plot,
+             f"{workload.kind}, {workload.requests} requests, seed {cfg.seed}")
         print(f"wrote {args.plot}")
     return 0
 
@@ -107,18 +124,20 @@ def simulate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmreuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from .sim.config import POLICIES, WORKLOADS
+    from .sim.config import POLICIES, ROUTINGS, WORKLOADS
 
     sim = sub.add_parser("simulate", help="simulate an EPD cluster under each coordination policy")
     sim.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
-    sim.add_argument("--trace", metavar="JSONL", help="replay a trace (schema: mmreuse/sim/workload.py)")
+    sim.add_argument("--trace", metavar="JSONL",
+                     help="replay a trace (schema: mmreuse/sim/workload.py)")
     sim.add_argument("--policy", choices=POLICIES, action="append", help="repeatable; default: all")
     sim.add_argument("--requests", type=int)
     sim.add_argument("--seed", type=int)
-    sim.add_argument("--routing", choices=["affine", "random"])
+    sim.add_argument("--routing", choices=ROUTINGS)
     sim.add_argument("--json", metavar="PATH")
     sim.add_argument("--plot", metavar="PATH")
-    sim.add_argument("--config", metavar="FILE", help="JSON: {seed, policies, cost, cluster, workload}")
+    sim.add_argument("--config", metavar="FILE",
+                     help="JSON: {seed, policies, cost, cluster, workload}")
     sim.add_argument("--no-progress", action="store_true")
     sim.set_defaults(func=simulate)
     demo = sub.add_parser("hash-demo", help="hash an example multimodal request, print each block")

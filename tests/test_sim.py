@@ -1,13 +1,33 @@
 """The EPD simulator: closed forms, conservation, safety under adversarial eviction, determinism."""
 
 import dataclasses
+import hashlib
 import json
+import random
 
+import numpy as np
 import pytest
 
+from mmreuse.blockhash import to_event_ids
 from mmreuse.cli import main
-from mmreuse.sim import ClusterConfig, SimConfig, WorkloadConfig, generate, run
+from mmreuse.errors import InvalidArgument, InvalidArgumentType
+from mmreuse.kvview import PrefixMatch
+from mmreuse.sim import (
+    BUCKETS,
+    POLICIES,
+    Bucket,
+    ClusterConfig,
+    Delivery,
+    SimConfig,
+    Simulation,
+    WorkloadConfig,
+    generate,
+    run,
+)
+from mmreuse.sim.caches import PrefixCache
+from mmreuse.sim.policies import POLICY_CLASSES, Index
 from mmreuse.sim.report import write_json
+from mmreuse.sim.view import NO_VIEW
 
 
 def one_image_trace(tmp_path, turns):
@@ -137,7 +157,7 @@ def test_cli_trace_and_config(tmp_path, capsys):
     (["simulate", "--config", "/nonexistent.json"], "config file"),
 ])
 def test_cli_bad_input(args, match, capsys):
-    assert main(args + ["--no-progress"]) == 2
+    assert main([*args, "--no-progress"]) == 2
     assert match in capsys.readouterr().err
 
 
@@ -148,14 +168,159 @@ def test_cli_bad_input(args, match, capsys):
     ("workload", {"text_tokens": [5, 1]}, "text_tokens"),
     ("cost", {"e_to_p_gb_per_s": 0}, "e_to_p_gb_per_s"),
     ("cost", {"nonsense": 1}, "nonsense"),
+    ("cost", {"demand_rtt_ms": float("nan")}, "demand_rtt_ms"),
+    ("cost", {"embedding_bytes_per_token": 7168.5}, "embedding_bytes_per_token"),
+    ("cluster", {"prefix_caching": "no"}, "prefix_caching"),
+    ("cluster", {"e_cache_embeds": 1.5}, "e_cache_embeds"),
+    ("workload", {"fanout_pool": 0}, "fanout_pool"),
+    ("workload", {"mean_turns": 0.5}, "mean_turns"),
+    ("policies", "eager", "policies"),
+    ("policies", ["eager", "sticky"], "policy"),
 ])
 def test_bad_config(section, values, match):
     with pytest.raises(ValueError, match=match):
         SimConfig.from_dict({section: values})
 
 
+def test_config_errors_name_the_field_and_value():
+    with pytest.raises(InvalidArgument, match=r"^ClusterConfig\.num_prefills must be >= 1, got 0$"):
+        ClusterConfig(num_prefills=0)
+    with pytest.raises(InvalidArgumentType, match=r"ClusterConfig\.prefix_caching must be a bool"):
+        ClusterConfig(prefix_caching=1)
+    with pytest.raises(InvalidArgument, match=r"WorkloadConfig\.text_tokens .* got \(5, 1\)"):
+        WorkloadConfig(text_tokens=(5, 1))
+    assert type(ClusterConfig(num_prefills=np.int64(3)).num_prefills) is int
+
+
 def test_bad_trace(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"session": "a", "arrival_s": "x"}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
         generate(WorkloadConfig(kind="trace", trace_path=str(bad)), 0)
+
+
+@pytest.mark.parametrize("record,match", [
+    ({"session": "a", "arrival_s": 0, "text_tokens": 12.5}, "text_tokens"),
+    ({"session": "a", "arrival_s": 0, "text_tokens": True}, "text_tokens"),
+    ({"session": "a", "arrival_s": 0, "output_tokens": -1}, "output_tokens"),
+    ({"session": "a", "arrival_s": 0, "images": "img"}, "images"),
+    ({"session": "a", "arrival_s": 0, "images": [{"id": "x", "tokens": 57.6}]}, "tokens"),
+    ([1, 2], "record"),
+])
+def test_trace_values_are_not_coerced(tmp_path, record, match):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"session": "a", "arrival_s": 0, "text_tokens": 5}\n' + json.dumps(record))
+    with pytest.raises(InvalidArgument, match=rf"t\.jsonl:2: .*{match}"):
+        generate(WorkloadConfig(kind="trace", trace_path=str(path)), 0)
+
+
+def test_trace_turns_number_per_session(tmp_path):
+    path = tmp_path / "t.jsonl"
+    recs = [("a", 0.0), ("b", 0.5), ("a", 1.0), ("a", 2.0), ("b", 3.0)]
+    path.write_text("\n".join(json.dumps({"session": s, "arrival_s": t, "text_tokens": 20})
+                              for s, t in recs))
+    requests = generate(WorkloadConfig(kind="trace", trace_path=str(path), requests=5), 0)
+    assert [(r.session.sid, r.turn) for r in requests] == [(0, 0), (1, 0), (0, 1), (0, 2), (1, 1)]
+    assert [r.num_tokens for r in requests] == [20, 20, 40, 60, 40]
+
+
+# ---- parts -------------------------------------------------------------------------------------
+
+def test_buckets_and_deliveries_keep_their_report_names():
+    assert BUCKETS == ("forward", "kv", "p_embedding", "external", "e_cache", "dedup")
+    assert [str(b) for b in Bucket] == list(BUCKETS)
+    assert Delivery.FORWARD.bucket is Bucket.FORWARD and Delivery.E_CACHE.bucket is Bucket.E_CACHE
+    assert json.dumps({Bucket.KV: Delivery.E_CACHE}) == '{"kv": "e_cache"}'
+
+
+def test_one_policy_class_per_name():
+    assert tuple(POLICY_CLASSES) == POLICIES
+    sim = Simulation(SimConfig(), [], "index")
+    assert isinstance(sim.policy, Index) and sim.view is not NO_VIEW
+    assert Simulation(SimConfig(), [], "demand").view is NO_VIEW
+    with pytest.raises(ValueError, match=r"policy must be one of .* got 'sticky'"):
+        Simulation(SimConfig(), [], "sticky")
+
+
+def digests(*names):
+    return [hashlib.sha256(n.encode()).digest() for n in names]
+
+
+def test_prefix_cache_keeps_one_map_in_its_block_index():
+    changes = []
+    cache = PrefixCache(4, lambda stored, removed: changes.append((stored, removed)))
+    a, b, c, d, e = digests("a", "b", "c", "d", "e")
+    assert cache.match_prefix([]) == PrefixMatch(0, None)
+    blocks = cache.admit([a, b, a], 0, [])  # the duplicate `a` gets a block without content
+    assert len(set(blocks)) == 3
+    assert changes.pop() == (to_event_ids([a, b]), [])
+    assert cache.index.block_id(a) == blocks[0] and len(cache.index) == 2
+    cache.release(blocks)
+    match = cache.match_prefix([a, b, c])
+    assert match.num_blocks == 2 and match.proof.block_ids.tolist() == blocks[:2]
+    # 4 blocks: the never-used one and the empty duplicate first, then the LRU leaf (b)
+    assert cache.admit([c, d, e], 0, []) is not None
+    assert changes.pop() == (to_event_ids([c, d, e]), to_event_ids([b]))
+    assert cache.index.block_id(b) is None and cache.match_prefix([a, b]).num_blocks == 1
+    assert cache.admit([a, b], 1, [blocks[0]]) is None  # all 4 blocks are held: no room
+
+
+# ---- output pinned byte for byte ----------------------------------------------------------------
+# sha256 of `write_json` output, computed from the simulator before its refactor into policy
+# classes (commit 2ddde9e): a refactor that changes any count, latency or key order fails here.
+
+def dup_trace(path):
+    """40 sessions repeating images within a request, shared across sessions and across turns."""
+    rng = random.Random(11)
+    lines = []
+    for s in range(40):
+        own, shared = f"own-{s}", f"shared-{rng.randrange(4)}"
+        t0 = rng.uniform(0, 20)
+        for t, imgs in enumerate([[shared, own, shared], [], [own, f"late-{s}", own]]):
+            lines.append(json.dumps({
+                "session": f"s{s}", "arrival_s": t0 + 3.0 * t, "text_tokens": 20 + 7 * t,
+                "images": [{"id": i, "tokens": 64 + 16 * (len(i) % 3)} for i in imgs],
+                "output_tokens": 30}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def pinned_chat(_):
+    return SimConfig(seed=5, cluster=ClusterConfig(p_kv_blocks=600, p_encoder_cache_embeds=2000,
+                                                   e_cache_embeds=1500, external_store_embeds=3000,
+                                                   view_lag_ms=500.0),
+                     workload=WorkloadConfig(kind="chat", requests=150, sessions_per_s=10.0))
+
+
+def pinned_fanout(_):
+    return SimConfig(seed=7, cluster=ClusterConfig(p_kv_blocks=400, p_encoder_cache_embeds=1200,
+                                                   e_cache_embeds=1200, external_store_embeds=1500,
+                                                   view_lag_ms=2000.0, routing="random"),
+                     workload=WorkloadConfig(kind="fanout", requests=150, sessions_per_s=40.0))
+
+
+def pinned_trace(tmp):
+    return SimConfig(cluster=ClusterConfig(p_kv_blocks=300, p_encoder_cache_embeds=600,
+                                           e_cache_embeds=500, external_store_embeds=800,
+                                           view_lag_ms=1000.0),
+                     workload=WorkloadConfig(kind="trace", requests=120,
+                                             trace_path=str(dup_trace(tmp / "dup.jsonl"))))
+
+
+PINNED = {
+    "chat": ("b1ed84866454b3622040f86f8df81dde690c764998e76b4bf033773626b3d4b3", pinned_chat),
+    "fanout": ("8c2882e2f618e24926da6383eb96c7adf8284ac480c639163197a7c866e26587", pinned_fanout),
+    "trace-dup": ("3fb485411e578b149caf73fc6760b45f2ca4d3ca769d53ab792ea540cdde938e", pinned_trace),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_json_output_is_pinned(tmp_path, name):
+    expected, make = PINNED[name]
+    cfg = make(tmp_path)
+    rows, _ = run(cfg)
+    assert [r["policy"] for r in rows] == ["eager", "demand", "opportunistic", "index"]
+    meta = {"trace": "dup"} if cfg.workload.kind == "trace" else cfg.to_dict()  # no tmp path
+    path = tmp_path / "out.json"
+    write_json(rows, meta, path)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == expected

@@ -1,13 +1,14 @@
 """mmreuse simulate: an EPD cluster simulator answering RFC #55639's questions."""
 
-from .cluster import BUCKETS, PolicyResult, Simulation
+from .accounting import BUCKETS, Bucket, Delivery, PolicyResult
+from .cluster import Simulation
 from .config import POLICIES, WORKLOADS, ClusterConfig, CostModel, SimConfig, WorkloadConfig
 from .report import summarize, table
 from .workload import SimRequest, generate
 
-__all__ = ["BUCKETS", "POLICIES", "WORKLOADS", "ClusterConfig", "CostModel", "PolicyResult",
-           "SimConfig", "SimRequest", "Simulation", "WorkloadConfig", "generate", "run",
-           "summarize", "table"]
+__all__ = ["BUCKETS", "POLICIES", "WORKLOADS", "Bucket", "ClusterConfig", "CostModel", "Delivery",
+           "PolicyResult", "SimConfig", "SimRequest", "Simulation", "WorkloadConfig", "generate",
+           "run", "summarize", "table"]
 
 
 def run(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], list[PolicyResult]]:

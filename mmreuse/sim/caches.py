@@ -1,4 +1,8 @@
-"""The simulator's caches: P's KV prefix cache, P's encoder cache, E's and the external store."""
+"""The simulator's caches: P's KV prefix cache, P's encoder cache, E's cache and the external store.
+
+Each reports its changes through an `on_change` callback (what P's KV events, P's encoder-cache
+deltas and the stores' deltas would publish), which the `index` policy's lagging view follows.
+"""
 
 from __future__ import annotations
 
@@ -7,78 +11,100 @@ from collections.abc import Callable, Sequence
 
 import cachetools
 
+from ..blockhash import EventBlockId, ExternalBlockHash
+from ..kvview import PrefixMatch
 from ..residency import BlockIndex
+
+KVChange = Callable[[list[EventBlockId], list[EventBlockId]], None]  # (stored, removed)
+
+
+def _index_maps(index: BlockIndex) -> tuple[dict[EventBlockId, int], list[EventBlockId | None]]:
+    """The index's event id -> block and block -> event id maps, read-only, in this one place.
+
+    The BlockIndex is the one copy of the hash <-> block map; PrefixCache reads it per block on
+    its hot path, where `block_id()` (which re-validates each hash) adds ~10 % to a run.
+    A stand-in for a public read-only accessor (proposed: `BlockIndex.hash_of(block_id)`).
+    """
+    return index._block_of, index._hash_in
 
 
 class PrefixCache:
-    """P's KV blocks, vLLM-like: hash -> block through a BlockIndex; blocks a running request
-    holds are referenced; freed blocks join an LRU queue (a request's blocks in reverse order, so
-    leaves go before their parents) and are evicted from its head when a new block is needed."""
+    """P's KV blocks, vLLM-like, over one `BlockIndex` (the only hash <-> block map): blocks a
+    running request holds are referenced; freed blocks join an LRU queue (a request's blocks in
+    reverse order, so leaves go before their parents) and are evicted from its head when a new
+    block is needed. A hash already indexed stays with its first block; the duplicate block
+    holds no content."""
 
-    def __init__(self, num_blocks: int, on_change: Callable[[list[bytes], list[bytes]], None]):
+    def __init__(self, num_blocks: int, on_change: KVChange):
         self.index = BlockIndex(num_blocks)
-        self.num_blocks = num_blocks
         self._never_used = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_blocks
-        self._hash_of: list[bytes | None] = [None] * num_blocks
-        self._block_of: dict[bytes, int] = {}  # what the index maps (a duplicate hash stays out)
-        self._on_change = on_change  # (stored hashes, removed hashes) -> None
+        self._on_change = on_change
 
-    def hit(self, hashes: Sequence[bytes]) -> tuple[int, list[int]]:
-        """Leading blocks held (vLLM's find_longest_cache_hit, before the N-1 cap), and their ids."""
-        if not hashes:
-            return 0, []
-        k, proof = self.index.lookup_prefix(hashes)
-        return k, proof.block_ids.tolist()
+    def match_prefix(self, block_hashes: Sequence[ExternalBlockHash]) -> PrefixMatch:
+        """Leading blocks held (vLLM's find_longest_cache_hit, before the N-1 cap), with the
+        `CoverageProof` naming them (None for an empty request): a `mmreuse.kvview.KVView`."""
+        if not block_hashes:
+            return PrefixMatch(0, None)
+        num_blocks, proof = self.index.lookup_prefix(block_hashes)
+        return PrefixMatch(num_blocks, proof)
 
-    def admit(self, hashes: Sequence[bytes], hit: int, held: list[int]) -> list[int] | None:
-        """Reference the `hit` cached blocks `held` and cache the rest; None if P has no room."""
-        need = len(hashes) - hit
+    def admit(self, block_hashes: Sequence[bytes], num_hit: int,
+              hit_blocks: list[int]) -> list[int] | None:
+        """Reference the `num_hit` cached blocks `hit_blocks` and cache the rest of
+        `block_hashes`; returns every block the request holds, or None if P has no room."""
+        num_new = len(block_hashes) - num_hit
         room = len(self._never_used) + len(self._evictable)
-        if need > room - sum(1 for b in held if self._refs[b] == 0):  # held ones leave the queue
-            return None
         refs, evictable, never_used = self._refs, self._evictable, self._never_used
-        hash_of, block_of = self._hash_of, self._block_of
-        for b in held:
+        if num_new > room - sum(1 for b in hit_blocks if refs[b] == 0):  # those leave the queue
+            return None
+        for b in hit_blocks:
             refs[b] += 1
             evictable.pop(b, None)
-        removed, evicted, new_hashes, new_blocks = [], [], [], []
-        blocks = list(held)
-        for h in hashes[hit:]:
+        block_of, hash_in = _index_maps(self.index)
+        # this admission's changes, applied to the index at the end in two batched calls
+        removed: list[EventBlockId] = []
+        removed_set: set[EventBlockId] = set()
+        evicted: list[int] = []
+        stored: dict[EventBlockId, None] = {}
+        stored_hashes: list[bytes] = []
+        stored_blocks: list[int] = []
+        blocks = list(hit_blocks)
+        for block_hash in block_hashes[num_hit:]:
             if never_used:
                 b = never_used.pop()
             else:
                 b, _ = evictable.popitem(last=False)
-                old = hash_of[b]
-                if old is not None:
-                    evicted.append(b)
-                    removed.append(old)
-                    del block_of[old]
-            if h not in block_of:  # a duplicate hash stays with its first block
-                block_of[h] = b
-                new_hashes.append(h)
-                new_blocks.append(b)
-                hash_of[b] = h
-            else:
-                hash_of[b] = None
+                old = hash_in[b]
+                assert old is not None  # an evictable block always holds content
+                evicted.append(b)
+                removed.append(old)
+                removed_set.add(old)
+            key = int.from_bytes(block_hash[-8:], "big")  # to_event_id's rule, inlined
+            indexed = key in stored or (key in block_of and key not in removed_set)
+            if not indexed:  # an evicted hash can be re-stored into a fresh block here
+                stored[key] = None
+                stored_hashes.append(block_hash)
+                stored_blocks.append(b)
             refs[b] += 1
             blocks.append(b)
         if evicted:
             self.index.evict_blocks(evicted)
-        # an evicted hash can be re-stored into a fresh block in the same admission
-        if new_hashes:
-            self.index.store_many(new_hashes, new_blocks)
-        if new_hashes or removed:
-            self._on_change(new_hashes, removed)
+        if stored_hashes:
+            self.index.store_many(stored_hashes, stored_blocks)
+        if stored or removed:
+            self._on_change(list(stored), removed)
         return blocks
 
     def release(self, blocks: list[int]) -> None:
-        refs, hash_of = self._refs, self._hash_of
+        """Drop a finished request's references; unreferenced blocks with content become
+        evictable (leaves first), empty ones go back to the never-used pool."""
+        refs, hash_in = self._refs, _index_maps(self.index)[1]
         for b in reversed(blocks):
             refs[b] -= 1
             if refs[b] == 0:
-                if hash_of[b] is None:
+                if hash_in[b] is None:
                     self._never_used.append(b)
                 else:
                     self._evictable[b] = None
@@ -90,37 +116,38 @@ class EncoderCache:
 
     def __init__(self, capacity: int, on_change: Callable[[dict[str, int], list[str]], None]):
         self.capacity = capacity
-        self.entries: dict[str, int] = {}
+        self.entries: dict[str, int] = {}  # identifier -> num_embeds
         self.refs: dict[str, int] = {}
         self.freeable: OrderedDict[str, None] = OrderedDict()
         self.used = 0
         self._on_change = on_change  # (added, removed) -> None
 
-    def acquire(self, ident: str, n: int) -> bool:
-        """Reference `ident` (allocating n slots if absent); False if it cannot fit."""
+    def acquire(self, ident: str, num_embeds: int) -> bool:
+        """Reference `ident` (allocating `num_embeds` slots if absent); False if it cannot fit."""
         if ident in self.entries:
             self.refs[ident] = self.refs.get(ident, 0) + 1
             self.freeable.pop(ident, None)
             return True
-        if n > self.capacity:
+        if num_embeds > self.capacity:
             return False
         removed = []
-        while self.used + n > self.capacity and self.freeable:
+        while self.used + num_embeds > self.capacity and self.freeable:
             old, _ = self.freeable.popitem(last=False)
             self.used -= self.entries.pop(old)
             self.refs.pop(old, None)
             removed.append(old)
-        if self.used + n > self.capacity:
+        if self.used + num_embeds > self.capacity:
             if removed:
                 self._on_change({}, removed)
             return False
-        self.entries[ident] = n
+        self.entries[ident] = num_embeds
         self.refs[ident] = 1
-        self.used += n
-        self._on_change({ident: n}, removed)
+        self.used += num_embeds
+        self._on_change({ident: num_embeds}, removed)
         return True
 
     def release(self, ident: str) -> None:
+        """Drop one reference; the last one leaves the entry freeable (still reusable)."""
         if ident in self.refs:
             self.refs[ident] -= 1
             if self.refs[ident] == 0:
@@ -128,21 +155,30 @@ class EncoderCache:
                 self.freeable[ident] = None
 
 
-class EmbeddingStore:
-    """E's encoder cache or an external embedding store: LRU, capacity in embeddings."""
+class EmbeddingLRU(cachetools.LRUCache):
+    """E's cache or the external store: LRU, capacity in embeddings (0 disables it), reporting
+    additions and evictions."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, on_change: Callable[[list[str], list[str]], None]):
+        super().__init__(maxsize=max(capacity, 1), getsizeof=lambda n: n)
         self.enabled = capacity > 0
-        self.cache: cachetools.LRUCache = cachetools.LRUCache(
-            maxsize=max(capacity, 1), getsizeof=lambda n: n)
+        self._on_change = on_change  # (added, removed) -> None
 
-    def has(self, ident: str) -> bool:
-        return self.enabled and ident in self.cache
+    def popitem(self):
+        key, value = super().popitem()
+        self._on_change([], [key])
+        return key, value
 
-    def get(self, ident: str) -> bool:
-        """A read that refreshes recency."""
-        return self.enabled and self.cache.get(ident) is not None
+    def put(self, ident: str, num_embeds: int) -> None:
+        """Store an embedding just computed (a no-op if present, disabled or too big)."""
+        if self.enabled and num_embeds <= self.maxsize and ident not in self:
+            self[ident] = num_embeds
+            self._on_change([ident], [])
 
-    def put(self, ident: str, n: int) -> None:
-        if self.enabled and n <= self.cache.maxsize:
-            self.cache[ident] = n
+    def holds(self, ident: str) -> bool:
+        """Presence, without touching recency (what a has_cache_item probe sees)."""
+        return self.enabled and ident in self
+
+    def hit(self, ident: str) -> bool:
+        """A read: True if held, and it becomes the most recently used."""
+        return self.enabled and self.get(ident) is not None

@@ -3,7 +3,7 @@
 Cost-model defaults are order-of-magnitude figures for a Qwen2-VL-7B-class model on H100/H200
 class GPUs; they are assumptions to vary, not measurements:
 - encoder: ~23 ms for a 576-token image (0.04 ms per embedding token), in line with the
-  20-50 ms per image ViT forwards reported for EPD setups (shared/docs/anchors.md §6-7);
+  20-50 ms per image ViT forwards reported for EPD setups (an assumption: docs/findings.md);
 - prefill: ~20k tokens/s (0.05 ms per token) plus 5 ms per scheduling step;
 - embedding rows: hidden 3584 x bf16 = 7,168 bytes per embedding token;
 - E->P transfer: 25 GB/s (200 Gb/s RDMA) plus 0.05 ms; external store loads 10 GB/s + 0.2 ms;
@@ -17,19 +17,49 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidArgument, InvalidArgumentType
+from ..validate import check_bool, check_float, check_int, check_str, fail_type, fail_value
+
 POLICIES = ("eager", "demand", "opportunistic", "index")
 WORKLOADS = ("chat", "fanout", "agentic", "trace")
+ROUTINGS = ("affine", "random")
+IMAGE_TOKENS = ("fixed576", "qwen2vl")
 
 
-def _check_positive(obj: Any, *names: str, allow_zero: bool = True) -> None:
+def _field(obj: Any, name: str) -> str:
+    return f"{type(obj).__name__}.{name}"
+
+
+def _check_numbers(obj: Any, *names: str, positive: bool = False) -> None:
+    """Each field a real number (not NaN) >= 0, or > 0 with `positive`; ints stay ints."""
     for name in names:
-        v = getattr(obj, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (not allow_zero and v == 0):
-            raise ValueError(f"{type(obj).__name__}.{name} must be a number {'>=' if allow_zero else '>'} 0, got {v!r}")
+        check_float(_field(obj, name), getattr(obj, name), 0, finite=False, lo_open=positive)
+
+
+def _check_ints(obj: Any, *names: str, lo: int) -> None:
+    """Each field an int >= lo (numpy integers become plain ints)."""
+    for name in names:
+        object.__setattr__(obj, name, check_int(_field(obj, name), getattr(obj, name), lo))
+
+
+def _check_choice(obj: Any, name: str, choices: tuple[str, ...], what: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, str) or value not in choices:
+        fail_value(_field(obj, name), what, value)
+
+
+def _check_span(obj: Any, name: str) -> None:
+    """A (lo, hi) pair of ints with 0 <= lo <= hi."""
+    value = getattr(obj, name)
+    if not (isinstance(value, tuple) and len(value) == 2
+            and all(type(v) is int for v in value) and 0 <= value[0] <= value[1]):
+        fail_value(_field(obj, name), "(lo, hi) ints with 0 <= lo <= hi", value)
 
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
+    """What each step costs (ms, bytes, GB/s); defaults in the module docstring."""
+
     encoder_ms_per_token: float = 0.04
     prefill_ms_per_token: float = 0.05
     prefill_fixed_ms: float = 5.0
@@ -42,18 +72,27 @@ class CostModel:
     e_cache_hit_ms: float = 0.5
 
     def __post_init__(self) -> None:
-        _check_positive(self, *(f.name for f in fields(self)))
-        _check_positive(self, "e_to_p_gb_per_s", "external_gb_per_s", allow_zero=False)
+        rates = ("e_to_p_gb_per_s", "external_gb_per_s")
+        _check_ints(self, "embedding_bytes_per_token", lo=0)
+        _check_numbers(self, *(f.name for f in fields(self)
+                               if f.name not in rates and f.name != "embedding_bytes_per_token"))
+        _check_numbers(self, *rates, positive=True)
 
     def transfer_ms(self, tokens: int) -> float:
-        return self.e_to_p_latency_ms + tokens * self.embedding_bytes_per_token / (self.e_to_p_gb_per_s * 1e6)
+        """E -> P transfer time of `tokens` embedding rows."""
+        return (self.e_to_p_latency_ms
+                + tokens * self.embedding_bytes_per_token / (self.e_to_p_gb_per_s * 1e6))
 
     def external_ms(self, tokens: int) -> float:
-        return self.external_latency_ms + tokens * self.embedding_bytes_per_token / (self.external_gb_per_s * 1e6)
+        """P's load time of `tokens` embedding rows from the external store."""
+        return (self.external_latency_ms
+                + tokens * self.embedding_bytes_per_token / (self.external_gb_per_s * 1e6))
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
+    """The instances, their cache sizes, routing and the `index` policy's view lag."""
+
     num_encoders: int = 2
     num_prefills: int = 2
     block_size: int = 16
@@ -66,18 +105,18 @@ class ClusterConfig:
     view_lag_ms: float = 50.0  # how far behind the index policy's view runs
 
     def __post_init__(self) -> None:
-        _check_positive(self, "p_encoder_cache_embeds", "e_cache_embeds", "external_store_embeds",
-                        "view_lag_ms")
-        for name in ("num_encoders", "num_prefills", "block_size", "p_kv_blocks"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ClusterConfig.{name} must be an int >= 1, got {v!r}")
-        if self.routing not in ("affine", "random"):
-            raise ValueError(f"ClusterConfig.routing must be 'affine' or 'random', got {self.routing!r}")
+        _check_ints(self, "num_encoders", "num_prefills", "block_size", "p_kv_blocks", lo=1)
+        _check_ints(self, "p_encoder_cache_embeds", "e_cache_embeds", "external_store_embeds",
+                    lo=0)
+        check_bool(_field(self, "prefix_caching"), self.prefix_caching)
+        _check_choice(self, "routing", ROUTINGS, "'affine' or 'random'")
+        _check_numbers(self, "view_lag_ms")
 
 
 @dataclass(frozen=True, slots=True)
 class WorkloadConfig:
+    """The request stream (`mmreuse.sim.workload.generate`)."""
+
     kind: str = "chat"
     requests: int = 2000  # turns in total
     sessions_per_s: float = 2.0  # Poisson session arrivals
@@ -91,25 +130,23 @@ class WorkloadConfig:
     trace_path: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in WORKLOADS:
-            raise ValueError(f"WorkloadConfig.kind must be one of {WORKLOADS}, got {self.kind!r}")
-        if isinstance(self.requests, bool) or not isinstance(self.requests, int) or self.requests < 1:
-            raise ValueError(f"WorkloadConfig.requests must be an int >= 1, got {self.requests!r}")
-        _check_positive(self, "sessions_per_s", "think_time_s", allow_zero=False)
-        if self.mean_turns < 1:
-            raise ValueError(f"WorkloadConfig.mean_turns must be >= 1, got {self.mean_turns!r}")
-        if self.image_tokens not in ("fixed576", "qwen2vl"):
-            raise ValueError(f"WorkloadConfig.image_tokens must be 'fixed576' or 'qwen2vl', got {self.image_tokens!r}")
+        _check_choice(self, "kind", WORKLOADS, f"one of {WORKLOADS}")
+        _check_ints(self, "requests", "fanout_pool", lo=1)
+        _check_numbers(self, "sessions_per_s", "think_time_s", positive=True)
+        check_float(_field(self, "mean_turns"), self.mean_turns, 1)
+        _check_choice(self, "image_tokens", IMAGE_TOKENS, "'fixed576' or 'qwen2vl'")
         for name in ("images_per_session", "text_tokens", "output_tokens"):
-            lo, hi = getattr(self, name)
-            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi):
-                raise ValueError(f"WorkloadConfig.{name} must be (lo, hi) ints with 0 <= lo <= hi, got {(lo, hi)!r}")
+            _check_span(self, name)
+        if self.trace_path is not None:
+            check_str(_field(self, "trace_path"), self.trace_path)
         if self.kind == "trace" and not self.trace_path:
-            raise ValueError("WorkloadConfig.trace_path is required with kind='trace'")
+            raise InvalidArgument("WorkloadConfig.trace_path is required with kind='trace'")
 
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
+    """One simulation: a seed, the policies to compare, and the three sections above."""
+
     seed: int = 0
     policies: tuple[str, ...] = POLICIES
     cost: CostModel = field(default_factory=CostModel)
@@ -117,36 +154,49 @@ class SimConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "seed", check_int("SimConfig.seed", self.seed))
+        if not isinstance(self.policies, tuple):
+            fail_type("SimConfig.policies", "a tuple of policy names", self.policies)
         for p in self.policies:
-            if p not in POLICIES:
-                raise ValueError(f"policy must be one of {POLICIES}, got {p!r}")
+            if not isinstance(p, str) or p not in POLICIES:
+                fail_value("policy", f"one of {POLICIES}", p)
         if not self.policies:
-            raise ValueError("policies must not be empty")
+            raise InvalidArgument("policies must not be empty")
+        for name, kind in (("cost", CostModel), ("cluster", ClusterConfig),
+                           ("workload", WorkloadConfig)):
+            if not isinstance(getattr(self, name), kind):
+                fail_type(f"SimConfig.{name}", f"a {kind.__name__}", getattr(self, name))
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> SimConfig:
+        """A config from JSON-like values: every key optional, unknown keys refused."""
+        if not isinstance(d, dict):
+            fail_type("config", "an object", d)
         unknown = set(d) - {"seed", "policies", "cost", "cluster", "workload"}
         if unknown:
-            raise ValueError(f"unknown config keys: {sorted(unknown)}")
+            raise InvalidArgument(f"unknown config keys: {sorted(unknown)}")
 
         def build(kind, values):
             if not isinstance(values, dict):
-                raise ValueError(f"config section for {kind.__name__} must be an object")
+                raise InvalidArgumentType(f"config section for {kind.__name__} must be an object")
             names = {f.name for f in fields(kind)}
             bad = set(values) - names
             if bad:
-                raise ValueError(f"unknown {kind.__name__} keys: {sorted(bad)}")
+                raise InvalidArgument(f"unknown {kind.__name__} keys: {sorted(bad)}")
             values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
             return kind(**values)
 
+        policies = d.get("policies", POLICIES)
+        if isinstance(policies, str) or not isinstance(policies, (list, tuple)):
+            fail_type("policies", "a list of policy names", policies)
         base = cls()
         return replace(
             base,
             seed=d.get("seed", base.seed),
-            policies=tuple(d.get("policies", base.policies)),
+            policies=tuple(policies),
             cost=build(CostModel, d.get("cost", {})),
             cluster=build(ClusterConfig, d.get("cluster", {})),
             workload=build(WorkloadConfig, d.get("workload", {})),
@@ -157,4 +207,4 @@ class SimConfig:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"config file {str(path)!r}: {exc}") from None
+            raise InvalidArgument(f"config file {str(path)!r}: {exc}") from None

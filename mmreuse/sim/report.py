@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cluster import BUCKETS, PolicyResult
+from .accounting import Bucket, PolicyResult
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -17,18 +17,18 @@ def _pct(values: list[float], q: float) -> float | None:
 def summarize(r: PolicyResult) -> dict:
     """One JSON object per policy (stable key order, rounded floats: byte-identical per seed)."""
     b = r.buckets
-    avoided = sum(b[k] for k in BUCKETS if k != "forward")
+    avoided = sum(b[k] for k in Bucket if k is not Bucket.FORWARD)
     return {
         "policy": r.policy,
         "requests": r.requests,
         "occurrences": r.occurrences,
-        "encoder_forwards": b["forward"],
+        "encoder_forwards": b[Bucket.FORWARD],
         "redundant_forwards": r.redundant_forwards,
-        "avoided_by_kv": b["kv"],
-        "avoided_by_p_embedding": b["p_embedding"],
-        "avoided_by_external": b["external"],
-        "avoided_by_e_cache": b["e_cache"],
-        "avoided_by_dedup": b["dedup"],
+        "avoided_by_kv": b[Bucket.KV],
+        "avoided_by_p_embedding": b[Bucket.P_EMBEDDING],
+        "avoided_by_external": b[Bucket.EXTERNAL],
+        "avoided_by_e_cache": b[Bucket.E_CACHE],
+        "avoided_by_dedup": b[Bucket.DEDUP],
         "avoided_total": avoided,
         "e_requests": r.e_requests,
         "transfers": r.transfers,
@@ -47,6 +47,7 @@ def summarize(r: PolicyResult) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    """The summaries as an aligned text table, one row per policy."""
     cols = [("policy", "policy"), ("encoder_forwards", "fwd"), ("redundant_forwards", "redund"),
             ("avoided_by_kv", "av.kv"), ("avoided_by_p_embedding", "av.P-emb"),
             ("avoided_by_external", "av.ext"), ("avoided_by_e_cache", "av.E$"),
@@ -54,20 +55,29 @@ def table(rows: list[dict]) -> str:
             ("late_fallbacks", "late fb"), ("wrong_skips", "wrong"),
             ("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "p99"),
             ("ttft_encode_p50_ms", "enc p50"), ("ttft_reuse_p50_ms", "reuse p50")]
-    fmt = lambda v: "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
-    cells = [[h for _, h in cols]] + [[fmt(r[k]) for k, _ in cols] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    def fmt(value: object) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+    cells = [[header for _, header in cols]] + [[fmt(r[key]) for key, _ in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
              for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def write_json(rows: list[dict], meta: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps({"config": meta, "policies": rows}, indent=1, sort_keys=False) + "\n")
+    """`{"config": meta, "policies": rows}`, indented, keys in order (byte-stable per seed)."""
+    doc = {"config": meta, "policies": rows}
+    Path(path).write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
 
 
 def plot(results: list[PolicyResult], rows: list[dict], path: str | Path, title: str) -> None:
+    """A PNG: the TTFT CDF per policy, and how each occurrence was served."""
     import matplotlib
 
     matplotlib.use("Agg")

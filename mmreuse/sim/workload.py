@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InvalidArgument
 from ..occurrence import MMOccurrence
+from ..validate import check_float, check_int, fail_type
 from .config import WorkloadConfig
 
 IMAGE_TOKEN = 151655
@@ -65,29 +67,32 @@ def _image_tokens(rng: random.Random, kind: str) -> int:
     return (w // 28) * (h // 28)
 
 
-class _Builder:
+class _SessionBuilder:
+    """Appends a session's turns: random text tokens, and image placeholders."""
+
     def __init__(self, sid: int, rng: random.Random):
         self.session = Session(sid, array("q"), [])
-        self.rng = rng
-        self._np = np.random.default_rng(rng.getrandbits(64))
+        self._token_rng = np.random.default_rng(rng.getrandbits(64))
 
     def text(self, n: int) -> None:
         if n:
-            self.session.tokens.frombytes(self._np.integers(0, VOCAB, n, dtype=np.int64).tobytes())
+            tokens = self._token_rng.integers(0, VOCAB, n, dtype=np.int64)
+            self.session.tokens.frombytes(tokens.tobytes())
 
     def image(self, ident: str, n: int) -> None:
-        s = self.session
-        s.mm.append(MMOccurrence(ident, len(s.tokens), n))
-        s.tokens.frombytes(np.full(n, IMAGE_TOKEN, dtype=np.int64).tobytes())
+        session = self.session
+        session.mm.append(MMOccurrence(ident, len(session.tokens), n))
+        session.tokens.frombytes(np.full(n, IMAGE_TOKEN, dtype=np.int64).tobytes())
 
 
 def _poisson(rng: random.Random, lam: float) -> int:
+    """A Poisson(lam) draw (Knuth's method: multiply uniforms until below e^-lam)."""
     if lam <= 0:
         return 0
-    l, k, p = math.exp(-lam), 0, 1.0
+    threshold, k, product = math.exp(-lam), 0, 1.0
     while True:
-        p *= rng.random()
-        if p <= l:
+        product *= rng.random()
+        if product <= threshold:
             return k
         k += 1
 
@@ -103,11 +108,12 @@ def generate(cfg: WorkloadConfig, seed: int) -> list[SimRequest]:
     total = 0
     while total < cfg.requests:
         t_session += rng.expovariate(cfg.sessions_per_s) * 1000.0
-        b = _Builder(sid, rng)
+        builder = _SessionBuilder(sid, rng)
         if cfg.kind == "chat":
             turns = 1 + _poisson(rng, cfg.mean_turns - 1)
-            k = rng.randint(*cfg.images_per_session)
-            image_turns = sorted([0] + [rng.randrange(turns) for _ in range(max(0, k - 1))]) if k else []
+            num_images = rng.randint(*cfg.images_per_session)
+            image_turns = (sorted([0] + [rng.randrange(turns) for _ in range(num_images - 1)])
+                           if num_images else [])
         elif cfg.kind == "agentic":
             turns = 1 + _poisson(rng, cfg.mean_turns - 1)
             image_turns = list(range(turns))
@@ -115,19 +121,20 @@ def generate(cfg: WorkloadConfig, seed: int) -> list[SimRequest]:
             turns = rng.randint(1, 3)
             image_turns = [0]
         t = t_session
+        session = builder.session
         for turn in range(turns):
-            b.text(rng.randint(*cfg.text_tokens))
+            builder.text(rng.randint(*cfg.text_tokens))
             for _ in range(image_turns.count(turn)):
                 if cfg.kind == "fanout":
                     rank = min(int(rng.paretovariate(1.1)), cfg.fanout_pool) - 1
                     ident = _image_id("fanout", seed, rank)
                     rng_img = random.Random(ident)
-                    b.image(ident, _image_tokens(rng_img, cfg.image_tokens))
+                    builder.image(ident, _image_tokens(rng_img, cfg.image_tokens))
                 else:
-                    b.image(_image_id(cfg.kind, seed, sid, len(b.session.mm)),
-                            _image_tokens(rng, cfg.image_tokens))
-            out.append((t, sid, b.session, turn, len(b.session.tokens), len(b.session.mm)))
-            b.text(rng.randint(*cfg.output_tokens))  # the answer, resent next turn
+                    builder.image(_image_id(cfg.kind, seed, sid, len(session.mm)),
+                                  _image_tokens(rng, cfg.image_tokens))
+            out.append((t, sid, session, turn, len(session.tokens), len(session.mm)))
+            builder.text(rng.randint(*cfg.output_tokens))  # the answer, resent next turn
             t += rng.expovariate(1.0 / cfg.think_time_s) * 1000.0
         total += turns
         sid += 1
@@ -137,48 +144,59 @@ def generate(cfg: WorkloadConfig, seed: int) -> list[SimRequest]:
 
 
 def _from_trace(cfg: WorkloadConfig) -> list[SimRequest]:
+    """The trace's turns (schema above), sorted by arrival; the first cfg.requests of them."""
     path = Path(cfg.trace_path or "")
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
-        raise ValueError(f"trace_path {str(path)!r}: {exc}") from None
-    sessions: dict[str, _Builder] = {}
+        raise InvalidArgument(f"trace_path {str(path)!r}: {exc}") from None
+    sessions: dict[str, _SessionBuilder] = {}
     pending_output: dict[str, int] = {}
+    turns_so_far: dict[str, int] = {}
     out = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
+            if not isinstance(rec, dict):
+                fail_type("record", "an object", rec)
             name = str(rec["session"])
-            arrival = float(rec["arrival_s"]) * 1000.0
-            text = int(rec.get("text_tokens", 0))
+            arrival = check_float("arrival_s", rec["arrival_s"]) * 1000.0
+            text = check_int("text_tokens", rec.get("text_tokens", 0), 0)
             images = rec.get("images", [])
-            output = int(rec.get("output_tokens", 0))
-            if text < 0 or output < 0 or not isinstance(images, list):
-                raise ValueError("negative token count or images not a list")
-        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}:{lineno}: bad trace record ({exc}): {line[:120]}") from None
-        b = sessions.get(name)
-        if b is None:
-            b = sessions[name] = _Builder(len(sessions), random.Random(f"trace-{name}"))
-        b.text(pending_output.pop(name, 0))
-        b.text(text)
+            output = check_int("output_tokens", rec.get("output_tokens", 0), 0)
+            if not isinstance(images, list):
+                fail_type("images", "a list", images)
+        except (KeyError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            raise InvalidArgument(
+                f"{path}:{lineno}: bad trace record ({exc}): {line[:120]}") from None
+        builder = sessions.get(name)
+        if builder is None:
+            builder = sessions[name] = _SessionBuilder(len(sessions),
+                                                       random.Random(f"trace-{name}"))
+        builder.text(pending_output.pop(name, 0))
+        builder.text(text)
         for img in images:
             try:
-                ident, n = str(img["id"]), int(img["tokens"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{lineno}: bad image ({exc}): {img!r}") from None
+                if not isinstance(img, dict):
+                    fail_type("image", "an object", img)
+                ident, n = str(img["id"]), check_int("tokens", img["tokens"])
+            except (KeyError, ValueError) as exc:
+                raise InvalidArgument(f"{path}:{lineno}: bad image ({exc}): {img!r}") from None
             if not ident or n < 1:
-                raise ValueError(f"{path}:{lineno}: image needs an id and tokens >= 1: {img!r}")
-            b.image(ident, n)
-        if not b.session.tokens:
-            raise ValueError(f"{path}:{lineno}: a turn with no tokens")
+                raise InvalidArgument(
+                    f"{path}:{lineno}: image needs an id and tokens >= 1: {img!r}")
+            builder.image(ident, n)
+        session = builder.session
+        if not session.tokens:
+            raise InvalidArgument(f"{path}:{lineno}: a turn with no tokens")
         pending_output[name] = output
-        turn = sum(1 for r in out if r[2] is b.session)
-        out.append((arrival, b.session.sid, b.session, turn, len(b.session.tokens), len(b.session.mm)))
+        turn = turns_so_far.get(name, 0)
+        turns_so_far[name] = turn + 1
+        out.append((arrival, session.sid, session, turn, len(session.tokens), len(session.mm)))
     out.sort(key=lambda x: (x[0], x[1], x[3]))
     if not out:
-        raise ValueError(f"{path}: empty trace")
+        raise InvalidArgument(f"{path}: empty trace")
     out = out[: cfg.requests]
     return [SimRequest(i, s, turn, t, n, k) for i, (t, _, s, turn, n, k) in enumerate(out)]
