@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
-import pickle
 import statistics
 import sys
 import time
@@ -25,20 +23,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, os.environ.get("MMREUSE_ORACLE_DIR", str(REPO.parent / "shared/vllm-oracle")))
+sys.path.insert(0, str(REPO / "tools" / "oracle"))
 
-import oracle  # noqa: E402  (shared/vllm-oracle/oracle.py: builds real vLLM requests)
+import hash_oracle  # noqa: E402  (tools/oracle/hash_oracle.py: builds real vLLM requests)
 import xxhash  # noqa: E402
 from hashing_workload import make_request  # noqa: E402  (this script's folder)
 
 from mmreuse import BlockHasher, MMOccurrence, _hashcore  # noqa: E402
 
+
 def make_case(num_tokens: int, num_images: int, image_tokens: int, fn: str, seed: int) -> dict:
     """The benchmarks' shared request (hashing_workload.py) as an oracle case."""
     tokens, mm = make_request(num_tokens, num_images, image_tokens, seed)
-    return {"hash_fn": fn, "seed": "0", "block_size": 16, "lookahead": 0, "tokens": tokens,
-            "mm": [{"identifier": m.identifier, "offset": m.offset, "length": m.length}
-                   for m in mm]}
+    return {
+        "hash_fn": fn,
+        "seed": "0",
+        "block_size": 16,
+        "lookahead": 0,
+        "tokens": tokens,
+        "mm": [{"identifier": m.identifier, "offset": m.offset, "length": m.length} for m in mm],
+    }
 
 
 def interleaved_medians(fns, repeat: int) -> list[float]:
@@ -48,7 +52,7 @@ def interleaved_medians(fns, repeat: int) -> list[float]:
     (as a hasher does on a request just built), not with whatever the previous one left."""
     times = [[] for _ in fns]
     for _ in range(repeat):
-        for fn, ts in zip(fns, times):
+        for fn, ts in zip(fns, times, strict=True):
             fn()
             t0 = time.perf_counter()
             fn()
@@ -57,45 +61,52 @@ def interleaved_medians(fns, repeat: int) -> list[float]:
 
 
 def run_row(case: dict, repeat: int) -> dict:
-    V = oracle._vllm()
-    c = oracle.normalize_case(case)
-    os.environ["PYTHONHASHSEED"] = c["seed"]
-    vfn = V.hashing.get_hash_fn_by_name(c["hash_fn"])
-    V.kcu.init_none_hash(vfn)
-    ecr, _ = oracle._build_engine_core_request(c, len(c["tokens"]))
-    ecr = V.decoder.decode(V.encoder.encode(ecr))  # production object identity
-    request = V.Request.from_engine_core_request(ecr, block_hasher=None)
-    vllm_hasher = V.kcu.get_request_block_hasher(c["block_size"], vfn, 0)
+    V = hash_oracle.vllm_api()
+    c = hash_oracle.parse_case(case)
+    vfn = V.hashing.get_hash_fn_by_name(c.hash_fn)
+    hash_oracle.init_none_hash(c.hash_fn, c.seed)
+    ecr, _ = hash_oracle.engine_core_request(c, c.num_tokens)
+    request = V.Request.from_engine_core_request(V.wire(ecr), block_hasher=None)
+    vllm_hasher = V.kcu.get_request_block_hasher(c.block_size, vfn, 0)
 
     preimages = []
     recorder = V.kcu.get_request_block_hasher(
-        c["block_size"],
-        lambda obj: preimages.append(oracle._preimage(c["hash_fn"], obj)) or vfn(obj),
+        c.block_size,
+        lambda obj: preimages.append(hash_oracle.preimage(c.hash_fn, obj)) or vfn(obj),
         0,
     )
     expected = [bytes(h) for h in recorder(request)]
 
-    ours = BlockHasher(c["hash_fn"], c["block_size"], seed=c["seed"])
-    mm = [MMOccurrence(f["identifier"], f["offset"], f["length"]) for f in c["mm"]]
-    tokens = c["tokens"]
+    ours = BlockHasher(c.hash_fn, c.block_size, seed=c.seed)
+    mm = [MMOccurrence(p.identifier, p.offset, p.length) for p in c.mm]
+    tokens = list(c.tokens or ())
     got = ours.hash_prompt(tokens, mm=mm)
     if got != expected:
-        raise SystemExit(f"MISMATCH for {c['hash_fn']} with {len(mm)} images")
+        raise SystemExit(f"MISMATCH for {c.hash_fn} with {len(mm)} images")
 
-    if c["hash_fn"].startswith("sha256"):
+    if c.hash_fn.startswith("sha256"):
+
         def floor():
             for b in preimages:
                 hashlib.sha256(b).digest()
     else:
+
         def floor():
             d = xxhash.xxh3_128_digest
             for b in preimages:
                 d(b)
 
     t_vllm, t_ours, t_floor = interleaved_medians(
-        [lambda: vllm_hasher(request), lambda: ours.hash_prompt(tokens, mm=mm), floor], repeat)
-    return {"fn": c["hash_fn"], "images": len(mm), "blocks": len(expected), "vllm": t_vllm,
-            "mmreuse": t_ours, "floor": t_floor}
+        [lambda: vllm_hasher(request), lambda: ours.hash_prompt(tokens, mm=mm), floor], repeat
+    )
+    return {
+        "fn": c.hash_fn,
+        "images": len(mm),
+        "blocks": len(expected),
+        "vllm": t_vllm,
+        "mmreuse": t_ours,
+        "floor": t_floor,
+    }
 
 
 def main() -> int:
@@ -103,22 +114,33 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--image-tokens", type=int, default=576)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--portable", action="store_true",
-                    help="use the scalar token writer even where the CPU has AVX-512 VBMI2")
+    ap.add_argument(
+        "--portable",
+        action="store_true",
+        help="use the scalar token writer even where the CPU has AVX-512 VBMI2",
+    )
     args = ap.parse_args()
     _hashcore.set_simd(not args.portable)
     simd = _hashcore.simd_available() and not args.portable
-    print(f"vLLM {oracle._vllm().vllm.__version__}, {args.tokens} tokens, block size 16, "
-          f"median of {args.repeat}; digests checked identical; token writer: "
-          f"{'AVX-512 VBMI2' if simd else 'scalar'}")
-    print(f"{'hash_fn':<8} {'images':>6} {'blocks':>6} {'vLLM ms':>9} {'mmreuse ms':>11} "
-          f"{'floor ms':>9} {'speedup':>8} {'x floor':>8}")
+    print(
+        f"vLLM {hash_oracle.vllm_api().vllm.__version__}, {args.tokens} tokens, block size 16, "
+        f"median of {args.repeat}; digests checked identical; token writer: "
+        f"{'AVX-512 VBMI2' if simd else 'scalar'}"
+    )
+    print(
+        f"{'hash_fn':<8} {'images':>6} {'blocks':>6} {'vLLM ms':>9} {'mmreuse ms':>11} "
+        f"{'floor ms':>9} {'speedup':>8} {'x floor':>8}"
+    )
     for fn in ("sha256", "xxhash"):
         for images in (0, 16):
-            r = run_row(make_case(args.tokens, images, args.image_tokens, fn, seed=images), args.repeat)
-            print(f"{r['fn']:<8} {r['images']:>6} {r['blocks']:>6} {r['vllm'] * 1e3:>9.2f} "
-                  f"{r['mmreuse'] * 1e3:>11.3f} {r['floor'] * 1e3:>9.3f} "
-                  f"{r['vllm'] / r['mmreuse']:>7.1f}x {r['mmreuse'] / r['floor']:>7.2f}x")
+            r = run_row(
+                make_case(args.tokens, images, args.image_tokens, fn, seed=images), args.repeat
+            )
+            print(
+                f"{r['fn']:<8} {r['images']:>6} {r['blocks']:>6} {r['vllm'] * 1e3:>9.2f} "
+                f"{r['mmreuse'] * 1e3:>11.3f} {r['floor'] * 1e3:>9.3f} "
+                f"{r['vllm'] / r['mmreuse']:>7.1f}x {r['mmreuse'] / r['floor']:>7.2f}x"
+            )
     return 0
 
 

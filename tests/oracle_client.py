@@ -1,7 +1,8 @@
-"""Talk to the real vLLM through shared/vllm-oracle (a side venv with vLLM 0.33.0 installed).
+"""Talk to the real vLLM 0.33.0 through the oracle venv that tools/oracle/setup.sh builds.
 
-Where it lives: MMREUSE_ORACLE_PYTHON (the venv's python) and MMREUSE_ORACLE_SCRIPT
-(oracle.py); by default ~/.cache/mmreuse/venv-oracle-0.33.0 and <repo>/../shared/vllm-oracle.
+Where it lives: MMREUSE_ORACLE_PYTHON (the venv's python, default
+~/.cache/mmreuse/venv-oracle-0.33.0/bin/python) and MMREUSE_ORACLE_SCRIPT (the block-hash
+oracle, default tools/oracle/hash_oracle.py in this repository).
 Under CI (CI=true) or MMREUSE_REQUIRE_ORACLE=1 a missing oracle fails the run instead of skipping.
 """
 
@@ -16,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PYTHON = Path.home() / ".cache/mmreuse/venv-oracle-0.33.0/bin/python"
-DEFAULT_SCRIPT = REPO.parent / "shared/vllm-oracle/oracle.py"
+DEFAULT_SCRIPT = REPO / "tools/oracle/hash_oracle.py"
 
 
 def oracle_paths() -> tuple[Path, Path]:
@@ -31,7 +32,7 @@ def require_oracle() -> tuple[Path, Path]:
         return py, script
     msg = (
         f"vLLM oracle not found (python {py}, script {script}); build it with "
-        "`bash ../shared/vllm-oracle/setup.sh ~/.cache/mmreuse/venv-oracle-0.33.0`"
+        "`bash tools/oracle/setup.sh` (or set MMREUSE_ORACLE_PYTHON / MMREUSE_ORACLE_SCRIPT)"
     )
     if os.environ.get("CI") or os.environ.get("MMREUSE_REQUIRE_ORACLE"):
         pytest.fail(msg)
@@ -44,7 +45,10 @@ class Oracle:
     def __init__(self, python: Path, script: Path, args: tuple[str, ...] = ("--jsonl",)):
         self.proc = subprocess.Popen(
             [str(python), str(script), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
 
     def compute(self, case: dict) -> dict:

@@ -1,4 +1,4 @@
-"""All golden vectors made by the real vLLM 0.33.0 (shared/conformance) must hash identically."""
+"""All golden vectors made by the real vLLM 0.33.0 (tests/data) must hash identically."""
 
 import pytest
 

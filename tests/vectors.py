@@ -1,4 +1,4 @@
-"""Turn an oracle case (shared/vllm-oracle/README.md schema) into BlockHasher arguments."""
+"""Turn an oracle case (the schema of tools/oracle/hash_oracle.py) into BlockHasher arguments."""
 
 from __future__ import annotations
 
@@ -59,21 +59,31 @@ def case_tokens(case: dict) -> list[int]:
     mask = case.get("prompt_is_token_ids")
     if mask is not None:
         n = len(mask)
-        return [t if ok else 0 for t, ok in zip(tokens[:n], mask)] + list(tokens[n:])
+        return [t if ok else 0 for t, ok in zip(tokens[:n], mask, strict=False)] + list(tokens[n:])
     return list(tokens)
 
 
 def case_hasher(case: dict, scheme: str = "vllm-0.33", **kw) -> BlockHasher:
     return BlockHasher(
-        case.get("hash_fn", "sha256"), case.get("block_size", 16), seed=case.get("seed"),
-        lookahead=case.get("lookahead", 0), scheme=scheme, allow_any_token_id=True, **kw,
+        case.get("hash_fn", "sha256"),
+        case.get("block_size", 16),
+        seed=case.get("seed"),
+        lookahead=case.get("lookahead", 0),
+        scheme=scheme,
+        allow_any_token_id=True,
+        **kw,
     )
 
 
 def case_request(case: dict) -> dict:
     mm = [
-        MMOccurrence(m["identifier"], m["offset"], m["length"], is_embed=m.get("is_embed"),
-                     modality=m.get("modality") or "image")
+        MMOccurrence(
+            m["identifier"],
+            m["offset"],
+            m["length"],
+            is_embed=m.get("is_embed"),
+            modality=m.get("modality") or "image",
+        )
         for m in case.get("mm") or []
     ]
     lora = case.get("lora")

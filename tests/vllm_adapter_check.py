@@ -1,20 +1,22 @@
 """Run mmreuse.integrations.vllm on real vLLM 0.33.0 objects (inside the oracle venv).
 
-    PYTHONPATH=<repo> $ORACLE_PYTHON tests/vllm_adapter_check.py ORACLE_DIR   -> one JSON object
+    PYTHONPATH=<repo> $ORACLE_PYTHON tests/vllm_adapter_check.py   -> one JSON object
 """
 
 import json
 import sys
 import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "oracle"))
 
 
 def main() -> int:
-    sys.path.insert(0, sys.argv[1])
-    import oracle
+    import hash_oracle
 
     from mmreuse.integrations.vllm import availability_from_engine, demand_for_request
 
-    V = oracle._vllm()
+    V = hash_oracle.vllm_api()
     torch = V.torch
     from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 

@@ -1,6 +1,6 @@
 """Drive vLLM 0.33.0's real BlockPool (prefix cache with KV events on) and record what it says.
 
-Runs inside the oracle venv:  $ORACLE_PYTHON tests/vllm_blockpool_oracle.py ORACLE_DIR SEED
+Runs inside the oracle venv:  $ORACLE_PYTHON tests/vllm_blockpool_oracle.py SEED
 Prints JSON steps, in order: {"batch": base64 msgpack KVEventBatch} for the events the pool
 emitted, and {"tokens": [...], "expected": k} where k is how many leading blocks of that
 prompt vLLM's own prefix cache (BlockPool.get_cached_block) hits at that moment.
@@ -13,15 +13,17 @@ import json
 import os
 import random
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "oracle"))
 
 
 def main() -> int:
-    sys.path.insert(0, sys.argv[1])
-    seed = int(sys.argv[2])
+    seed = int(sys.argv[1])
+    import hash_oracle  # the project's vLLM oracle: imports vLLM
     import msgspec
-    import oracle
 
-    V = oracle._vllm()
+    V = hash_oracle.vllm_api()
     from vllm.distributed.kv_events import KVEventBatch
     from vllm.v1.core.block_pool import BlockPool
 
@@ -29,8 +31,9 @@ def main() -> int:
     fn = V.hashing.get_hash_fn_by_name("sha256")
     V.kcu.init_none_hash(fn)
     hasher = V.kcu.get_request_block_hasher(16, fn)
-    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=16,
-                     enable_kv_cache_events=True)
+    pool = BlockPool(
+        num_gpu_blocks=64, enable_caching=True, hash_block_size=16, enable_kv_cache_events=True
+    )
     enc = msgspec.msgpack.Encoder()
     rng = random.Random(seed)
     prefixes = [[rng.randrange(5000) for _ in range(rng.randrange(16, 300))] for _ in range(6)]
@@ -52,15 +55,25 @@ def main() -> int:
 
     for i in range(150):
         tokens = rng.choice(prefixes)[: rng.randrange(16, 400)] + [
-            rng.randrange(5000) for _ in range(rng.randrange(0, 60))]
+            rng.randrange(5000) for _ in range(rng.randrange(0, 60))
+        ]
         ecr = V.EngineCoreRequest(
-            request_id=f"r{i}", prompt_token_ids=tokens, mm_features=None,
-            sampling_params=V.SamplingParams(max_tokens=1), pooling_params=None, arrival_time=0.0,
-            lora_request=None, cache_salt=None, data_parallel_rank=None)
+            request_id=f"r{i}",
+            prompt_token_ids=tokens,
+            mm_features=None,
+            sampling_params=V.SamplingParams(max_tokens=1),
+            pooling_params=None,
+            arrival_time=0.0,
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
         req = V.Request.from_engine_core_request(ecr, block_hasher=hasher)
         k = hit(req)
         steps.append({"tokens": tokens, "expected": k})
-        while live and (rng.random() < 0.5 or pool.get_num_free_blocks() < len(req.block_hashes) + 1):
+        while live and (
+            rng.random() < 0.5 or pool.get_num_free_blocks() < len(req.block_hashes) + 1
+        ):
             blocks = live.pop(rng.randrange(len(live)))
             pool.free_blocks(reversed(blocks))
         cached = [pool.get_cached_block(h, [0])[0] for h in req.block_hashes[:k]]

@@ -51,14 +51,25 @@ NO_EMBEDS = {"vllm-0.10"}
 LORA_BY_INT_ID = {"vllm-0.10"}
 
 KV_NAMES = {
-    "DEFAULT_NONE_HASH_SEED", "_NON_CRYPTO_HASH_FUNCTIONS", "_CBOR_HASH_FUNCTIONS",
-    "_NONE_HASH_SEED", "resolve_none_hash_seed", "init_none_hash", "_gen_mm_extra_hash_keys",
-    "_gen_lora_extra_hash_keys", "_gen_prompt_embeds_extra_hash_keys",
-    "generate_block_hash_extra_keys", "hash_block_tokens", "get_request_block_hasher",
+    "DEFAULT_NONE_HASH_SEED",
+    "_NON_CRYPTO_HASH_FUNCTIONS",
+    "_CBOR_HASH_FUNCTIONS",
+    "_NONE_HASH_SEED",
+    "resolve_none_hash_seed",
+    "init_none_hash",
+    "_gen_mm_extra_hash_keys",
+    "_gen_lora_extra_hash_keys",
+    "_gen_prompt_embeds_extra_hash_keys",
+    "generate_block_hash_extra_keys",
+    "hash_block_tokens",
+    "get_request_block_hasher",
 }
 WANTED_FILES = [
-    "vllm/v1/core/kv_cache_utils.py", "vllm/utils/hashing.py", "vllm/utils/__init__.py",
-    "vllm/multimodal/utils.py", "vllm/v1/utils.py",
+    "vllm/v1/core/kv_cache_utils.py",
+    "vllm/utils/hashing.py",
+    "vllm/utils/__init__.py",
+    "vllm/multimodal/utils.py",
+    "vllm/v1/utils.py",
 ]
 
 
@@ -66,8 +77,20 @@ def wheel_for(version: str) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     found = sorted(CACHE.glob(f"vllm-{version}-*.whl"))
     if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                        f"vllm=={version}", "-d", str(CACHE)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                f"vllm=={version}",
+                "-d",
+                str(CACHE),
+            ],
+            check=True,
+        )
         found = sorted(CACHE.glob(f"vllm-{version}-*.whl"))
     return found[0]
 
@@ -119,18 +142,36 @@ def load_vllm_hashing(version: str) -> tuple[dict[str, Any], str]:
     import cbor2
 
     ns: dict[str, Any] = dict(
-        Any=Any, Callable=Callable, Optional=Optional, Union=Union, Sequence=Sequence,
-        Iterable=Iterable, Iterator=Iterator, overload=overload, NewType=NewType,
-        BlockHash=lambda x: x, os=os, hashlib=hashlib, pickle=pickle, bisect=bisect,
-        logger=_Logger(), Request=object, cbor2=cbor2, torch=torch,
+        Any=Any,
+        Callable=Callable,
+        Optional=Optional,
+        Union=Union,
+        Sequence=Sequence,
+        Iterable=Iterable,
+        Iterator=Iterator,
+        overload=overload,
+        NewType=NewType,
+        BlockHash=lambda x: x,
+        os=os,
+        hashlib=hashlib,
+        pickle=pickle,
+        bisect=bisect,
+        logger=_Logger(),
+        Request=object,
+        cbor2=cbor2,
+        torch=torch,
     )
     if "vllm/utils/hashing.py" in src:
         hns: dict[str, Any] = {"__name__": "vllm_hashing"}
         exec(compile(src["vllm/utils/hashing.py"], "hashing.py", "exec"), hns)
     else:
         hns = dict(ns)
-        exec(top_level(src["vllm/utils/__init__.py"], {"sha256", "sha256_cbor",
-                                                       "get_hash_fn_by_name"}), hns)
+        exec(
+            top_level(
+                src["vllm/utils/__init__.py"], {"sha256", "sha256_cbor", "get_hash_fn_by_name"}
+            ),
+            hns,
+        )
     for k in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "get_hash_fn_by_name"):
         if k in hns:
             ns[k] = hns[k]
@@ -228,7 +269,12 @@ def vllm_hashes(ns: dict, case: dict) -> tuple[list[str], str]:
 IDENTIFIERS = [
     "0cf457e24a479f02fd4d34540389f720f0807dcff92a7562108165b2637ea82f",
     "5a0717cb6596468ea1dffa86011f9b0f497348d80421835b51799f9aeb455642",
-    "a", "b", "é", "ā", "img", "x" * 300,
+    "a",
+    "b",
+    "é",
+    "ā",
+    "img",
+    "x" * 300,
 ]
 
 
@@ -239,8 +285,12 @@ def random_case(rng: random.Random, scheme: str, fns: Sequence[str]) -> dict:
         seeds.append(None)
     bs = rng.choice([1, 2, 3, 4, 7, 16, 16, 16, 32, 64])
     n = rng.randrange(0, 400)
-    tokens = [rng.randrange(2**63) if rng.random() < 0.03 else rng.choice(
-        [rng.randrange(256), rng.randrange(65536), rng.randrange(152000)]) for _ in range(n)]
+    tokens = [
+        rng.randrange(2**63)
+        if rng.random() < 0.03
+        else rng.choice([rng.randrange(256), rng.randrange(65536), rng.randrange(152000)])
+        for _ in range(n)
+    ]
     steps = None
     prompt_len = n
     if n and rng.random() < 0.4:
@@ -259,21 +309,32 @@ def random_case(rng: random.Random, scheme: str, fns: Sequence[str]) -> dict:
         mm.append({"identifier": rng.choice(IDENTIFIERS), "offset": pos, "length": length})
         tokens[pos : pos + length] = [151655] * length
         pos += length
-    case: dict[str, Any] = {"hash_fn": fn, "seed": rng.choice(seeds), "block_size": bs,
-                            "lookahead": 0, "tokens": tokens}
+    case: dict[str, Any] = {
+        "hash_fn": fn,
+        "seed": rng.choice(seeds),
+        "block_size": bs,
+        "lookahead": 0,
+        "tokens": tokens,
+    }
     if mm:
         case["mm"] = mm
     if steps:
         case["steps"] = steps
     if rng.random() < 0.3:
-        case["lora"] = {"name": rng.choice(["L1", "a", "adapter-ü", "img"]),
-                        "path": rng.choice(["/p", "/loras/a"]), "int_id": rng.randrange(1, 99)}
+        case["lora"] = {
+            "name": rng.choice(["L1", "a", "adapter-ü", "img"]),
+            "path": rng.choice(["/p", "/loras/a"]),
+            "int_id": rng.randrange(1, 99),
+        }
     if rng.random() < 0.3:
         case["cache_salt"] = rng.choice(["", "s", "a", "salt", "tenant-ü"])
     if scheme not in NO_EMBEDS and prompt_len and rng.random() < 0.15:
-        case["prompt_embeds"] = {"rows": prompt_len, "dim": rng.randrange(1, 9),
-                                 "seed": rng.randrange(100),
-                                 "dtype": rng.choice(["float32", "bfloat16", "float16"])}
+        case["prompt_embeds"] = {
+            "rows": prompt_len,
+            "dim": rng.randrange(1, 9),
+            "seed": rng.randrange(100),
+            "dtype": rng.choice(["float32", "bfloat16", "float16"]),
+        }
     return case
 
 
@@ -290,11 +351,22 @@ def main() -> int:
         for i in range(args.count):
             case = random_case(rng, scheme, fns)
             hashes, none_hash = vllm_hashes(ns, case)
-            vectors.append({"id": f"random/{i}", "case": case,
-                            "expected": {"hashes": hashes, "none_hash": none_hash}})
-        doc = {"format": "mmreuse-scheme-vectors/1", "scheme": scheme, "vllm_version": version,
-               "wheel_sha256": wheel_sha, "random_seed": args.seed,
-               "made_by": "tools/make_scheme_vectors.py", "vectors": vectors}
+            vectors.append(
+                {
+                    "id": f"random/{i}",
+                    "case": case,
+                    "expected": {"hashes": hashes, "none_hash": none_hash},
+                }
+            )
+        doc = {
+            "format": "mmreuse-scheme-vectors/1",
+            "scheme": scheme,
+            "vllm_version": version,
+            "wheel_sha256": wheel_sha,
+            "random_seed": args.seed,
+            "made_by": "tools/make_scheme_vectors.py",
+            "vectors": vectors,
+        }
         path = args.out / f"vllm-{version}-scheme-vectors.json"
         path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
         print(f"{path.relative_to(REPO)}: {len(vectors)} vectors ({scheme}, vLLM {version})")

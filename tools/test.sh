@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Set everything up and run the whole test suite, the differential tests against the real vLLM
-# included: they need the vLLM 0.33.0 oracle venv, built (or re-checked) here from
-# ../shared/vllm-oracle into ~/.cache/mmreuse (outside the clone, re-used between runs).
+# included. Those need the vLLM 0.33.0 oracle venv, which tools/oracle/setup.sh builds (or, when
+# it is already there, re-checks) outside the clone, in ~/.cache/mmreuse, to reuse between runs.
+#   bash tools/test.sh [PYTEST ARGS]      env: MMREUSE_ORACLE_VENV (another venv directory)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 
-SHARED=${MMREUSE_SHARED:-$(cd .. && pwd)/shared}
 ORACLE_VENV=${MMREUSE_ORACLE_VENV:-$HOME/.cache/mmreuse/venv-oracle-0.33.0}
-bash "$SHARED/vllm-oracle/setup.sh" "$ORACLE_VENV"
+bash tools/oracle/setup.sh "$ORACLE_VENV"
 export MMREUSE_ORACLE_PYTHON="$ORACLE_VENV/bin/python"
-export MMREUSE_ORACLE_SCRIPT="$SHARED/vllm-oracle/oracle.py"
+export MMREUSE_ORACLE_SCRIPT="$PWD/tools/oracle/hash_oracle.py"
 export MMREUSE_REQUIRE_ORACLE=1                 # a missing oracle fails, never skips
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}   # thousands of examples per property
 
