@@ -3,7 +3,9 @@
 PUB: (topic, seq 8-byte big-endian, msgpack payload); ROUTER replay: a request
 (identity, b"", start_seq) gets (identity, b"", topic, seq, payload) per buffered batch with
 seq >= start_seq, then (identity, b"", b"", END_SEQ, b""). Extra knobs for tests: drop a batch
-from the PUB stream while keeping it in the replay buffer, send raw payloads, restart.
+from the PUB stream while keeping it in the replay buffer, send raw payloads, restart, and a
+`replay_script` that answers a replay request with any frames (a hostile replay server), sent
+until the script ends, the publisher closes, or MAX_SCRIPTED_FRAMES / MAX_SCRIPTED_S.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from itertools import count
 
 import zmq
@@ -31,6 +34,13 @@ def _bind(sock: zmq.Socket, endpoint: str, timeout_s: float = 5.0) -> None:
             time.sleep(0.05)
 
 
+# A scripted (hostile) replay: the frames after (identity, b"") for a request of `start`, given
+# the buffered (seq, payload) pairs >= start.
+ReplayScript = Callable[[int, list[tuple[int, bytes]]], Iterable[list[bytes]]]
+MAX_SCRIPTED_FRAMES = 200_000
+MAX_SCRIPTED_S = 10.0
+
+
 class TestPublisher:
     __test__ = False  # not a pytest class
 
@@ -45,6 +55,7 @@ class TestPublisher:
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay = ctx.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.LINGER, 0)
+        self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone client raises, not blocks
         _bind(self.replay, replay_endpoint)
         self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -52,6 +63,7 @@ class TestPublisher:
         self.lock = threading.Lock()
         self.running = True
         self.replays_served = 0
+        self.replay_script: ReplayScript | None = None
         self.thread = threading.Thread(target=self._serve_replay, daemon=True)
         self.thread.start()
 
@@ -82,10 +94,30 @@ class TestPublisher:
             start = int.from_bytes(start_bytes, "big")
             with self.lock:
                 items = [(s, p) for s, p in self.buffer if s >= start]
-            for s, p in items:
-                self.replay.send_multipart((client_id, b"", self.topic, s.to_bytes(8, "big"), p))
-            self.replay.send_multipart((client_id, b"", b"", END_SEQ, b""))
+            if self.replay_script is not None:
+                self._serve_script(client_id, self.replay_script(start, items))
+                self.replays_served += 1
+                continue
+            try:
+                for s, p in items:
+                    self.replay.send_multipart((client_id, b"", self.topic, s.to_bytes(8, "big"),
+                                                p))
+                self.replay.send_multipart((client_id, b"", b"", END_SEQ, b""))
+            except zmq.ZMQError:  # the client went away
+                continue
             self.replays_served += 1
+
+    def _serve_script(self, client_id: bytes, frames: Iterable[list[bytes]]) -> None:
+        end = time.monotonic() + MAX_SCRIPTED_S
+        for i, f in enumerate(frames):
+            if not self.running or i >= MAX_SCRIPTED_FRAMES or time.monotonic() > end:
+                return
+            try:
+                self.replay.send_multipart([client_id, b"", *f], zmq.NOBLOCK)
+            except zmq.Again:  # the client is not reading: wait a little
+                time.sleep(0.001)
+            except zmq.ZMQError:  # the client went away
+                return
 
     def close(self) -> None:
         self.running = False

@@ -32,10 +32,24 @@ class Metrics:
                                "Index resets after a loss replay could not cover", ["instance"],
                                registry=r)
         self.restarts = Counter("mmreuse_kv_event_publisher_restarts_total",
-                                "Publisher restarts detected (sequence going back)", ["instance"],
+                                "Publisher restarts detected (sequence going back, or not "
+                                "continuing after a reconnect)", ["instance"],
                                 registry=r)
         self.malformed = Counter("mmreuse_kv_event_malformed_total",
                                  "Malformed frames or payloads", ["instance"], registry=r)
+        self.errors = Counter("mmreuse_kv_event_errors_total",
+                              "Unexpected errors handling a batch (survived by a resync)",
+                              ["instance"], registry=r)
+        self.replay_aborts = Counter("mmreuse_kv_event_replay_aborts_total",
+                                     "Replays cut short or refused (timeout, deadline, bound, "
+                                     "hole, a seq out of range, stop)", ["instance", "reason"],
+                                     registry=r)
+        self.subscriber_up = Gauge("mmreuse_kv_event_subscriber_up",
+                                   "1 while the subscriber loop runs, 0 once it has stopped or "
+                                   "died", ["instance"], registry=r)
+        self.subscriber_failures = Counter("mmreuse_kv_event_subscriber_failures_total",
+                                           "Subscriber loops that died on an error",
+                                           ["instance"], registry=r)
         self.index_size = Gauge("mmreuse_kv_index_blocks",
                                 "Distinct block hashes held, per instance and medium",
                                 ["instance", "medium"], registry=r)

@@ -8,32 +8,89 @@ marker `(b"", b"", (-1 as 8 signed bytes), b"")` (vLLM < 0.26 sends no topic fra
 both are accepted). The buffer holds the last `buffer_steps`. Frames and request never changed
 from 0.9.0 to 0.33.0.
 
-The subscriber applies batches in order. On a gap it asks for a replay; if the replay cannot
-cover the gap (the buffer moved on, no replay endpoint, a timeout) or a batch is lost to a
-malformed payload, the instance's view is reset (a resync): missing a BlockRemoved would make
-the index claim blocks P no longer holds. A publisher restart (seq going back) also resets
-the view: the new process starts with an empty prefix cache.
+The view is what a proxy trusts to skip encoder work, so the one rule is: the index may miss
+blocks P holds (a late fallback), never hold a block P removed (a wrong skip). Hence a *resync*
+(the instance's view reset, `mmreuse_kv_event_resyncs_total`) whenever a batch may be lost:
+
+- a gap in seq that the replay does not fill completely and in order: no replay endpoint, a
+  gap longer than `max_replay_batches`, a replay that stalls (`replay_timeout_s` of silence),
+  runs past `replay_deadline_s`, exceeds `max_replay_bytes`, ends early, skips or repeats a seq,
+  or names a seq outside [requested start, live seq], or `stop()` during it;
+- a malformed frame set or payload (`MalformedBatch`, nesting bound included), a batch that
+  names more than `max_media` media (or a medium name over MAX_MEDIUM_CHARS), or any
+  unexpected error handling a batch (`mmreuse_kv_event_errors_total`): the loop survives;
+- a dropped connection to the publisher: the view resets and is replayed from seq 0 (a
+  restart whose new seqs overtook the old ones shows only as that); a publisher restart (seq
+  going back, or not continuing after a reconnect) is counted: a new process starts empty.
+
+Should the loop itself die (its socket failing), the view is reset too, `error` holds the cause,
+`is_alive` is False, `mmreuse_kv_event_subscriber_up` drops to 0, and `check()`,
+`longest_prefix()` and `match_prefix()` on the subscriber raise `SubscriberDied`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Sequence
 
 import zmq
 
+from ..errors import InvalidArgument
+from ..kvview import PrefixMatch
+from ..validate import check_float, check_int, check_str, fail_type, fail_value, show
 from .index import RemoteKVIndex
 from .metrics import Metrics
-from .wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, MalformedBatch, decode_batch
+from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, MalformedBatch, decode_batch
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
+# Longest medium name accepted: vLLM's are "GPU", "CPU", connector names; each one becomes a
+# table in the index and a Prometheus label value.
+MAX_MEDIUM_CHARS = 64
+
+
+class SubscriberDied(RuntimeError):
+    """The subscriber loop is not running (stopped, or died on the error in `__cause__`): its
+    view is no longer followed, so it must not be trusted."""
+
+
+def _ms(seconds: float) -> int:
+    """A poll timeout in ZMQ's milliseconds, never 0 (0 would turn a wait into a busy loop)."""
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _check_endpoint(field: str, value: object) -> str:
+    endpoint = check_str(field, value)
+    if "://" not in endpoint:
+        fail_value(field, "a ZMQ endpoint like tcp://host:5557", endpoint)
+    return endpoint
+
+
+class _ReplayAborted(Exception):
+    """A replay that cannot fill the gap; `reason` is a fixed metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
 
 class KVEventSubscriber:
-    """A background thread: SUB on `endpoint`, DEALER to `replay_endpoint`, into `index`."""
+    """A background thread: SUB on `endpoint`, DEALER to `replay_endpoint`, into `index`.
+
+    Bounds (each a constructor argument): `replay_timeout_s` is the longest silence within a
+    replay, `replay_deadline_s` the longest a whole replay may take, `max_replay_batches` the
+    longest gap asked of the replay (vLLM buffers 10,000 steps by default), `max_replay_bytes`
+    the payload a replay may deliver, `max_message_bytes` the largest frame either socket takes
+    (ZMQ drops a peer that sends more: a gap, then a resync), `max_media` the distinct media an
+    instance's view holds between resets (a batch that would exceed it is refused as malformed,
+    with a resync: it keeps batches all-or-nothing, and no real vLLM names more than a few).
+    `poll_interval_s` is how often the thread looks at `stop()`, rounded up to whole ms.
+    """
 
     def __init__(
         self,
@@ -45,49 +102,75 @@ class KVEventSubscriber:
         metrics: Metrics | None = None,
         poll_interval_s: float = 0.05,
         replay_timeout_s: float = 2.0,
+        replay_deadline_s: float = 30.0,
+        max_replay_batches: int = 10_000,
+        max_replay_bytes: int = 512 << 20,
+        max_message_bytes: int = 64 << 20,
+        max_media: int = 8,
         context: zmq.Context | None = None,
     ) -> None:
-        if not isinstance(endpoint, str) or "://" not in endpoint:
-            raise ValueError(f"endpoint must be a ZMQ endpoint like tcp://host:5557, got {endpoint!r}")
-        if replay_endpoint is not None and (not isinstance(replay_endpoint, str)
-                                            or "://" not in replay_endpoint):
-            raise ValueError(f"replay_endpoint must be a ZMQ endpoint or None, got {replay_endpoint!r}")
-        if not isinstance(topic, str):
-            raise ValueError(f"topic must be a str, got {topic!r}")
-        for name, value in (("poll_interval_s", poll_interval_s), ("replay_timeout_s", replay_timeout_s)):
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
-        self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
-        self.topic = topic.encode("utf-8")
+        self.endpoint = _check_endpoint("endpoint", endpoint)
+        self.replay_endpoint = (None if replay_endpoint is None
+                                else _check_endpoint("replay_endpoint", replay_endpoint))
+        self.topic = check_str("topic", topic).encode("utf-8")
+        if index is not None and not isinstance(index, RemoteKVIndex):
+            fail_type("index", "a RemoteKVIndex", index)
+        if metrics is not None and not isinstance(metrics, Metrics):
+            fail_type("metrics", "a Metrics", metrics)
+        if context is not None and not isinstance(context, zmq.Context):
+            fail_type("context", "a zmq.Context", context)
         self.index = index if index is not None else RemoteKVIndex()
-        if not isinstance(self.index, RemoteKVIndex):
-            raise ValueError(f"index must be a RemoteKVIndex, got {type(index).__name__}")
         self.metrics = metrics if metrics is not None else Metrics.default()
-        self.poll_interval_s = float(poll_interval_s)
-        self.replay_timeout_s = float(replay_timeout_s)
+        self.poll_interval_s = check_float("poll_interval_s", poll_interval_s, 0, lo_open=True)
+        self.replay_timeout_s = check_float("replay_timeout_s", replay_timeout_s, 0,
+                                            lo_open=True)
+        self.replay_deadline_s = check_float("replay_deadline_s", replay_deadline_s, 0,
+                                             lo_open=True)
+        self.max_replay_batches = check_int("max_replay_batches", max_replay_batches, 1)
+        self.max_replay_bytes = check_int("max_replay_bytes", max_replay_bytes, 1)
+        self.max_message_bytes = check_int("max_message_bytes", max_message_bytes, 1, 2**62)
+        self.max_media = check_int("max_media", max_media, 1)
         self._ctx = context or zmq.Context.instance()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self.error: BaseException | None = None  # what killed the loop, if it died
         self.applied_seq: int | None = None  # last seq applied (or skipped as lost)
         self.live_seq: int | None = None  # last seq received on the SUB socket
         self._label = self.index.instance
+        self._media: frozenset[str] = frozenset()  # media with a table since the last reset
+        self._gauge_media: set[str] = set()  # media with an index_size label
+        self._reconnected = False  # a disconnect since the last frame
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> KVEventSubscriber:
-        """Connect and start the thread; returns once the sockets are connected."""
+        """Connect and start the thread; returns once the sockets are connected.
+
+        Raises InvalidArgument naming the endpoint if ZMQ refuses `endpoint` or
+        `replay_endpoint` (`tcp://host:notaport`, an unknown transport).
+        """
         if self._thread is not None:
             raise RuntimeError("KVEventSubscriber already started")
-        self._thread = threading.Thread(target=self._run, name=f"kv-events-{self._label}",
-                                        daemon=True)
-        self._thread.start()
-        self._started.wait()
+        self._stop.clear()
+        self._started.clear()
+        self._start_error = self.error = None
+        self._reconnected = False
+        thread = threading.Thread(target=self._run, name=f"kv-events-{self._label}", daemon=True)
+        self._thread = thread
+        thread.start()
+        self._started.wait()  # _run always sets it, on failure too
+        if self._start_error is not None:
+            thread.join()
+            self._thread = None
+            raise self._start_error
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread and close its sockets."""
+        """Stop the thread and close its sockets (within about `poll_interval_s`, a replay in
+        progress included); the index keeps its last state."""
+        timeout_s = check_float("timeout_s", timeout_s, 0)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -98,35 +181,137 @@ class KVEventSubscriber:
     def __enter__(self) -> KVEventSubscriber:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the loop is running (False before start, after stop, and once it died)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Raise SubscriberDied unless the loop is running (its error as the cause)."""
+        if self.error is not None:
+            raise SubscriberDied(f"KV-event subscriber for {self._label} died: "
+                                 f"{type(self.error).__name__}: {self.error}") from self.error
+        if not self.is_alive:
+            raise SubscriberDied(f"KV-event subscriber for {self._label} is not running")
+
+    def longest_prefix(self, block_hashes: Sequence[bytes | int], medium: str = MEDIUM_GPU) -> int:
+        """`index.longest_prefix`, after `check()`: a dead subscriber's view raises."""
+        self.check()
+        return self.index.longest_prefix(block_hashes, medium)
+
+    def match_prefix(self, block_hashes: Sequence[bytes | int]) -> PrefixMatch:
+        """The KVView protocol over the GPU view, after `check()`."""
+        return PrefixMatch(self.longest_prefix(block_hashes))
 
     # ---- the loop -----------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _connect(self) -> zmq.Socket:
+        """The SUB socket, connected; the replay endpoint tried once. InvalidArgument if ZMQ
+        refuses either endpoint."""
         sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's publisher hwm; bursts beyond are replayed
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.connect(self.endpoint)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's publisher hwm; bursts beyond replay
+            sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            # reconnect fast (backing off to 1 s): a restarted publisher is seen while its seq
+            # is still below the old one, and fewer live batches are lost to a blip
+            sub.setsockopt(zmq.RECONNECT_IVL, 10)
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            self._connect_to(sub, "endpoint", self.endpoint)
+            if self.replay_endpoint is not None:
+                probe = self._ctx.socket(zmq.DEALER)
+                try:
+                    probe.setsockopt(zmq.LINGER, 0)
+                    self._connect_to(probe, "replay_endpoint", self.replay_endpoint)
+                finally:
+                    probe.close(0)
+        except BaseException:
+            sub.close(0)
+            raise
+        return sub
+
+    @staticmethod
+    def _connect_to(sock: zmq.Socket, field: str, endpoint: str) -> None:
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise InvalidArgument(f"{field} must be a ZMQ endpoint ZMQ can connect to, got "
+                                  f"{show(endpoint)}: {exc}") from None
+
+    def _run(self) -> None:
+        m = self.metrics
+        try:
+            sub = self._connect()
+        except BaseException as exc:
+            self._start_error = exc
+            self._started.set()
+            return
+        # A dropped connection may be a publisher restart whose new seqs already overtook the
+        # old ones (no seq going back to see): reset on every disconnect, replay from 0.
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        m.subscriber_up.labels(self._label).set(1)
         self._started.set()
+        timeout_ms = _ms(self.poll_interval_s)
+        stop = self._stop
         try:
-            while not self._stop.is_set():
-                if not dict(poller.poll(int(self.poll_interval_s * 1000))):
+            while not stop.is_set():
+                ready = dict(poller.poll(timeout_ms))
+                if not ready:
                     continue
-                while True:  # drain what is queued
+                if monitor in ready:
+                    self._on_monitor(monitor)
+                while not stop.is_set():  # drain what is queued; a flood still sees stop()
                     try:
                         frames = sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._on_frames(frames)
-        except Exception:  # never die silently
-            logger.exception("KV-event subscriber for %s stopped on an error", self._label)
-            raise
+                    self._handle(frames)
+        except BaseException as exc:  # the socket failed: never die silently, never stale
+            self.error = exc
+            m.subscriber_failures.labels(self._label).inc()
+            logger.exception("KV-event subscriber for %s died; its view is reset", self._label)
+            try:
+                self._resync()
+            except BaseException:
+                logger.exception("KV events %s: reset after the loop died failed", self._label)
         finally:
-            sub.close(0)
+            m.subscriber_up.labels(self._label).set(0)
+            try:
+                sub.disable_monitor()
+            finally:
+                monitor.close(0)
+                sub.close(0)
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                monitor.recv_multipart(zmq.NOBLOCK)  # only EVENT_DISCONNECTED is subscribed
+            except zmq.Again:
+                return
+            logger.warning("KV events %s: publisher disconnected; resetting the view",
+                           self._label)
+            self._resync(count=self.applied_seq is not None)
+            self.applied_seq = None  # replay from 0; live_seq kept to tell a restart
+            self._reconnected = True
+
+    def _handle(self, frames: list[bytes]) -> None:
+        """One message; whatever goes wrong in it costs a resync, never the loop."""
+        try:
+            self._on_frames(frames)
+        except Exception:
+            self.metrics.errors.labels(self._label).inc()
+            logger.exception("KV events %s: error handling a batch; resetting the view",
+                             self._label)
+            self._resync()
+            if self.live_seq is not None:
+                self.applied_seq = self.live_seq  # the batch in hand is lost with the rest
 
     def _on_frames(self, frames: list[bytes]) -> None:
         m = self.metrics
@@ -134,13 +319,15 @@ class KVEventSubscriber:
             m.malformed.labels(self._label).inc()
             logger.warning("KV events %s: malformed frames (%d parts)", self._label, len(frames))
             return
-        topic, seq_bytes, payload = frames
+        _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
-        if self.live_seq is not None and seq <= self.live_seq:
+        reconnected, self._reconnected = self._reconnected, False
+        if self.live_seq is not None and (seq <= self.live_seq
+                                          or (reconnected and seq != self.live_seq + 1)):
             m.restarts.labels(self._label).inc()
-            logger.warning("KV events %s: seq went back %d -> %d: publisher restart", self._label,
-                           self.live_seq, seq)
-            self._resync()
+            logger.warning("KV events %s: seq %d after %d%s: publisher restart", self._label, seq,
+                           self.live_seq, " and a reconnect" if reconnected else "")
+            self._resync(count=self.applied_seq is not None)  # not twice after a disconnect
             self.applied_seq = None
         self.live_seq = seq
         if self.applied_seq is not None and seq <= self.applied_seq:
@@ -149,16 +336,31 @@ class KVEventSubscriber:
         if seq > expected:
             m.gaps.labels(self._label).inc()
             self._recover(expected, seq)
-            if self.applied_seq is not None and seq <= self.applied_seq:
-                return
         self._apply(seq, payload)
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        """Decode and apply one batch, all or nothing; a bad one is lost, so the view resets."""
         m = self.metrics
         try:
             batch = decode_batch(payload)
+            stored = removed = cleared = 0
+            media, added = self._media, set()
+            for e in batch.events:  # count, and bound the media the batch would create
+                kind = type(e)
+                if kind is BlockStored:
+                    stored += 1
+                    medium = MEDIUM_GPU if e.medium is None else e.medium
+                    if medium not in media:
+                        added.add(medium)
+                elif kind is BlockRemoved:
+                    removed += 1
+                elif kind is AllBlocksCleared:
+                    cleared += 1
+                    media, added = frozenset(), set()
+            if added or cleared:
+                media = self._admit_media(media, added)
             self.index.apply(batch)
-        except (MalformedBatch, ValueError) as exc:
+        except ValueError as exc:  # MalformedBatch, or a hash the index refuses
             m.malformed.labels(self._label).inc()
             logger.warning("KV events %s: batch %d dropped (%s); resetting the view", self._label,
                            seq, exc)
@@ -166,70 +368,132 @@ class KVEventSubscriber:
             self.applied_seq = seq
             return
         self.applied_seq = seq
-        self._count(batch)
-
-    def _count(self, batch: KVEventBatch) -> None:
-        m = self.metrics
+        self._media = media
         m.batches.labels(self._label).inc()
-        stored = removed = cleared = 0
-        for e in batch.events:
-            if isinstance(e, BlockStored):
-                stored += 1
-            elif isinstance(e, BlockRemoved):
-                removed += 1
-            elif isinstance(e, AllBlocksCleared):
-                cleared += 1
-        for kind, n in (("BlockStored", stored), ("BlockRemoved", removed),
-                        ("AllBlocksCleared", cleared)):
+        for kind_name, n in (("BlockStored", stored), ("BlockRemoved", removed),
+                             ("AllBlocksCleared", cleared)):
             if n:
-                m.events.labels(self._label, kind).inc(n)
-        for medium in self.index.media() or ("GPU",):
-            m.index_size.labels(self._label, medium).set(self.index.size(medium))
+                m.events.labels(self._label, kind_name).inc(n)
+        self._update_gauges()
 
-    def _resync(self) -> None:
-        self.metrics.resyncs.labels(self._label).inc()
+    def _admit_media(self, media: frozenset[str], added: set[str]) -> frozenset[str]:
+        for medium in added:
+            if len(medium) > MAX_MEDIUM_CHARS:
+                raise MalformedBatch(f"medium must be at most {MAX_MEDIUM_CHARS} characters, "
+                                     f"got {show(medium)}")
+        after = media | added
+        if len(after) > self.max_media:
+            raise MalformedBatch(f"batch names {len(after)} media, more than max_media="
+                                 f"{self.max_media}: {show(sorted(after))}")
+        return after
+
+    def _update_gauges(self) -> None:
+        """index_size per medium held (GPU always); labels of media gone are removed, so the
+        label set stays within max_media + 1."""
+        gauge = self.metrics.index_size
+        present = set(self.index.media()) | {MEDIUM_GPU}
+        for medium in self._gauge_media - present:
+            try:
+                gauge.remove(self._label, medium)
+            except KeyError:
+                pass
+        for medium in present:
+            gauge.labels(self._label, medium).set(self.index.size(medium))
+        self._gauge_media = present
+
+    def _resync(self, count: bool = True) -> None:
+        if count:
+            self.metrics.resyncs.labels(self._label).inc()
         self.index.clear()
+        self._media = frozenset()
+        self._update_gauges()
+
+    # ---- gaps ---------------------------------------------------------------------------------
 
     def _recover(self, start: int, upto: int) -> None:
-        """Fill [start, upto) from the replay socket, or reset the view."""
-        replayed = list(self._replay(start)) if self.replay_endpoint else []
-        batches = [(s, p) for s, p in replayed if s >= start]
-        if not batches or batches[0][0] != start:
-            logger.warning("KV events %s: batches %d..%d lost (replay %s); resetting the view",
-                           self._label, start, upto - 1,
-                           "unavailable" if not self.replay_endpoint else
-                           f"starts at {batches[0][0] if batches else 'nothing'}")
-            self._resync()
-            self.applied_seq = (batches[0][0] - 1) if batches else upto - 1
-        for s, p in batches:
-            if self.applied_seq is None or s == self.applied_seq + 1:
-                self._apply(s, p)
+        """Fill [start, upto) from the replay socket, completely and in order, or reset the view;
+        either way `applied_seq` ends at `upto - 1`, so the live batch `upto` applies next."""
+        resynced = [False]
+        try:
+            if self.replay_endpoint is None:
+                raise _ReplayAborted("unavailable", "no replay endpoint")
+            if upto - start > self.max_replay_batches:
+                raise _ReplayAborted("bound", f"gap of {upto - start} batches > "
+                                              f"max_replay_batches={self.max_replay_batches}")
+            self._replay(start, upto, resynced)
+        except _ReplayAborted as exc:
+            if exc.reason != "unavailable":
+                self.metrics.replay_aborts.labels(self._label, exc.reason).inc()
+            logger.warning("KV events %s: batches %d..%d lost (%s); resetting the view",
+                           self._label, start, upto - 1, exc)
+            self._resync(count=not resynced[0])
+            self.applied_seq = upto - 1
 
-    def _replay(self, start: int) -> Iterator[tuple[int, bytes]]:
+    def _replay(self, start: int, upto: int, resynced: list[bool]) -> None:
+        """Ask for seq >= start and apply the replies as they come, until `upto - 1` is applied.
+
+        A first reply after `start` is vLLM's buffer having moved on: the view resets, then the
+        rest applies (`resynced[0]` set). Raises _ReplayAborted on anything else short of the
+        whole gap; the caller resets the view.
+        """
         m = self.metrics
         m.replays.labels(self._label).inc()
         dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.replay_endpoint)
         try:
-            dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while True:
-                if not dealer.poll(int(self.replay_timeout_s * 1000)):
-                    logger.warning("KV events %s: replay timed out", self._label)
-                    return
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            assert self.replay_endpoint is not None
+            try:
+                dealer.connect(self.replay_endpoint)
+                dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            except zmq.ZMQError as exc:
+                raise _ReplayAborted("error", f"replay request failed: {exc}") from None
+            now = time.monotonic()
+            deadline = now + self.replay_deadline_s
+            quiet_until = now + self.replay_timeout_s
+            expected, nbytes = start, 0
+            while expected < upto:
+                if self._stop.is_set():
+                    raise _ReplayAborted("stop", "stopped during the replay")
+                now = time.monotonic()
+                if now >= deadline:
+                    raise _ReplayAborted("deadline", f"replay ran past {self.replay_deadline_s}s")
+                if now >= quiet_until:
+                    raise _ReplayAborted("timeout", f"replay silent for {self.replay_timeout_s}s")
+                wait = min(deadline, quiet_until, now + self.poll_interval_s) - now
+                if not dealer.poll(_ms(wait)):
+                    continue
                 frames = dealer.recv_multipart()
+                quiet_until = time.monotonic() + self.replay_timeout_s
                 # vLLM >= 0.26: (b"", topic, seq, payload); before: (b"", seq, payload)
                 if len(frames) == 4:
-                    _, _topic, seq_bytes, payload = frames
+                    seq_bytes, payload = frames[2], frames[3]
                 elif len(frames) == 3:
-                    _, seq_bytes, payload = frames
+                    seq_bytes, payload = frames[1], frames[2]
                 else:
-                    seq_bytes = b""
+                    seq_bytes, payload = b"", b""
                 if len(seq_bytes) != 8:
                     m.malformed.labels(self._label).inc()
-                    return
+                    raise _ReplayAborted("malformed", f"malformed reply ({len(frames)} parts)")
                 if seq_bytes == END_SEQ:
-                    return
-                yield int.from_bytes(seq_bytes, "big"), payload
+                    raise _ReplayAborted("short", f"replay ended at {expected}, short of {upto}")
+                seq = int.from_bytes(seq_bytes, "big")
+                if not start <= seq <= upto:
+                    raise _ReplayAborted("out_of_range",
+                                         f"replayed seq {seq} outside [{start}, {upto}]")
+                if seq != expected:
+                    if expected != start or seq < start:
+                        raise _ReplayAborted("order", f"replayed seq {seq}, expected {expected}")
+                    self._resync()  # the buffer starts after `start`: what came before is lost
+                    resynced[0] = True
+                    self.applied_seq = seq - 1
+                    if seq == upto:
+                        return
+                nbytes += len(payload)
+                if nbytes > self.max_replay_bytes:
+                    raise _ReplayAborted("bytes", f"replay past max_replay_bytes="
+                                                  f"{self.max_replay_bytes}")
+                self._apply(seq, payload)
+                expected = seq + 1
         finally:
             dealer.close(0)

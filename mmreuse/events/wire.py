@@ -15,7 +15,7 @@ from typing import Any, Union
 
 import msgspec
 
-ExternalBlockHash = Union[bytes, int]
+from ..blockhash import ExternalBlockHash  # re-exported: what an event's block hash is
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -118,6 +118,11 @@ _legacy_decoder = msgspec.msgpack.Decoder(_LegacyBatch)
 _encoder = msgspec.msgpack.Encoder()
 
 
+# vLLM's extra keys nest two deep inside an entry (("mm", identifier, offset), ("lora", name,
+# path)); deeper is refused, which also bounds what a hostile peer can make a batch hold.
+MAX_EXTRA_KEY_DEPTH = 8
+
+
 class MalformedBatch(ValueError):
     """A payload that is not a vLLM KV-event batch in either layout."""
 
@@ -141,16 +146,78 @@ def _from_legacy(batch: _LegacyBatch) -> KVEventBatch:
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode one published batch (either layout); raises MalformedBatch naming the problem."""
+    """Decode one published batch (either layout); raises MalformedBatch naming the problem.
+
+    Any bad payload raises MalformedBatch and nothing else: a wrong schema, truncated bytes,
+    nesting deeper than msgspec's recursion guard (RecursionError, even in fields skipped as
+    unknown), or `extra_keys` nested deeper than MAX_EXTRA_KEY_DEPTH (what is kept of a batch
+    has a bounded depth, so nothing downstream recurses without end on a peer's data).
+    """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise MalformedBatch(f"payload must be bytes, got {type(payload).__name__}")
     try:
-        return _decoder.decode(payload)
+        batch = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
-        try:
-            return _from_legacy(_legacy_decoder.decode(payload))
-        except msgspec.DecodeError:
-            raise MalformedBatch(f"not a vLLM KV-event batch: {exc}") from None
+        batch = _decode_legacy(payload, exc)
+    except Exception as exc:  # RecursionError and the like: a peer's bytes never escape as such
+        raise MalformedBatch(f"not a vLLM KV-event batch: {type(exc).__name__}: {exc}") from None
+    _check_extra_keys(batch)
+    return batch
+
+
+def _decode_legacy(payload: bytes | bytearray | memoryview, first: Exception) -> KVEventBatch:
+    try:
+        return _from_legacy(_legacy_decoder.decode(payload))
+    except msgspec.DecodeError:
+        raise MalformedBatch(f"not a vLLM KV-event batch: {first}") from None
+    except Exception as exc:
+        raise MalformedBatch(f"not a vLLM KV-event batch: {type(exc).__name__}: {exc}") from None
+
+
+_CONTAINERS = frozenset((list, tuple, dict))
+
+
+def _check_extra_keys(batch: KVEventBatch) -> None:
+    """Refuse `extra_keys` entries nested deeper than MAX_EXTRA_KEY_DEPTH (the one field of
+    free shape, `Any`, a batch keeps). vLLM's items are scalars or flat tuples: one type test
+    per element, the full walk only where a container holds a container (or is a map)."""
+    for i, e in enumerate(batch.events):
+        keys = getattr(e, "extra_keys", None)
+        if not keys:
+            continue
+        for entry in keys:
+            if not entry:
+                continue
+            for item in entry:  # the entry is level 1, a container item level 2
+                kind = type(item)
+                if kind not in _CONTAINERS:
+                    continue
+                if kind is not dict:
+                    for x in item:
+                        if type(x) in _CONTAINERS:
+                            break
+                    else:
+                        continue  # flat: depth 2
+                if _depth(item) > MAX_EXTRA_KEY_DEPTH - 1:
+                    raise MalformedBatch(f"events[{i}].extra_keys nested deeper than "
+                                         f"{MAX_EXTRA_KEY_DEPTH} levels")
+
+
+def _depth(value: Any) -> int:
+    """Container depth of `value` (a list is 1), iteratively: no recursion on peer data; stops
+    counting past MAX_EXTRA_KEY_DEPTH."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > deepest:
+            deepest = d
+            if d > MAX_EXTRA_KEY_DEPTH:
+                return d
+        for x in (*v.keys(), *v.values()) if isinstance(v, dict) else v:
+            if type(x) in _CONTAINERS:
+                stack.append((x, d + 1))
+    return deepest
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
