@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "residency_checks.h"
+
 namespace mmreuse {
 namespace {
 
@@ -16,10 +18,17 @@ void check_inputs(const char* op, const at::Tensor& bitmap, const at::Tensor& id
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, op,
               ": block_ids must be a 1-D int64 tensor, got ", ids.scalar_type(), " of shape ",
               ids.sizes());
-  TORCH_CHECK(num_blocks >= 0 && (num_blocks + 31) / 32 <= bitmap.numel(), op, ": num_blocks=",
-              num_blocks, " does not fit a bitmap of ", bitmap.numel(), " words");
+  TORCH_CHECK(fits_bitmap(num_blocks, bitmap.numel()), op, ": num_blocks=", num_blocks,
+              " does not fit a bitmap of ", bitmap.numel(), " words");
   TORCH_CHECK(bitmap.device() == ids.device(), op, ": bitmap on ", bitmap.device(),
               " but block_ids on ", ids.device());
+}
+
+// Every tensor of an op on the bitmap's device (a CPU kernel never reads another device's).
+void check_device(const char* op, const at::Tensor& bitmap, const at::Tensor& t,
+                  const char* name) {
+  TORCH_CHECK(t.device() == bitmap.device(), op, ": bitmap on ", bitmap.device(), " but ", name,
+              " on ", t.device());
 }
 
 // Raise (before any write) if an id is outside [0, num_blocks).
@@ -48,6 +57,7 @@ void residency_mark_cpu(at::Tensor& bitmap, const at::Tensor& block_ids, int64_t
 void residency_evict_cpu(at::Tensor& bitmap, at::Tensor& generations, const at::Tensor& block_ids) {
   const int64_t num_blocks = generations.numel();
   check_inputs("residency_evict", bitmap, block_ids, num_blocks);
+  check_device("residency_evict", bitmap, generations, "generations");
   TORCH_CHECK(generations.scalar_type() == at::kLong && generations.dim() == 1 &&
                   generations.is_contiguous(),
               "residency_evict: generations must be a contiguous 1-D int64 tensor");
@@ -103,6 +113,8 @@ at::Tensor residency_validate_cpu(const at::Tensor& bitmap, const at::Tensor& ge
                                   const at::Tensor& block_ids, const at::Tensor& expected) {
   const int64_t num_blocks = generations.numel();
   check_inputs("residency_validate", bitmap, block_ids, num_blocks);
+  check_device("residency_validate", bitmap, generations, "generations");
+  check_device("residency_validate", bitmap, expected, "expected");
   TORCH_CHECK(generations.scalar_type() == at::kLong && generations.dim() == 1,
               "residency_validate: generations must be a 1-D int64 tensor");
   TORCH_CHECK(expected.scalar_type() == at::kLong && expected.sizes() == block_ids.sizes(),

@@ -46,20 +46,33 @@ def residency_validate(bitmap: Tensor, generations: Tensor, block_ids: Tensor,
     return _ops.residency_validate.default(bitmap, generations, block_ids, expected)
 
 
+def _same_device(op: str, bitmap: Tensor, **others: Tensor) -> None:
+    """Mixed devices must raise: dispatch would otherwise pick one device's kernel (a `meta`
+    tensor picks these fakes) and silently skip the real work, bounds checks included."""
+    for name, t in others.items():
+        torch._check(
+            t.device == bitmap.device,
+            lambda name=name, t=t: f"{op}: bitmap on {bitmap.device} but {name} on {t.device}",
+        )
+
+
 @torch.library.register_fake("mmreuse::residency_mark")
 def _(bitmap, block_ids, num_blocks):
+    _same_device("residency_mark", bitmap, block_ids=block_ids)
     torch._check(bitmap.dtype == torch.int32 and block_ids.dtype == torch.int64)
     return None
 
 
 @torch.library.register_fake("mmreuse::residency_evict")
 def _(bitmap, generations, block_ids):
+    _same_device("residency_evict", bitmap, generations=generations, block_ids=block_ids)
     torch._check(generations.dtype == torch.int64 and block_ids.dtype == torch.int64)
     return None
 
 
 @torch.library.register_fake("mmreuse::residency_test")
 def _(bitmap, block_ids, num_blocks):
+    _same_device("residency_test", bitmap, block_ids=block_ids)
     torch._check(block_ids.dim() == 1)
     return block_ids.new_empty(block_ids.shape, dtype=torch.bool)
 
@@ -71,10 +84,13 @@ def _(bitmap):
 
 @torch.library.register_fake("mmreuse::residency_prefix")
 def _(bitmap, block_ids, num_blocks):
+    _same_device("residency_prefix", bitmap, block_ids=block_ids)
     return block_ids.new_empty((), dtype=torch.int64)
 
 
 @torch.library.register_fake("mmreuse::residency_validate")
 def _(bitmap, generations, block_ids, expected):
+    _same_device("residency_validate", bitmap, generations=generations, block_ids=block_ids,
+                 expected=expected)
     torch._check(expected.shape == block_ids.shape)
     return block_ids.new_empty(block_ids.shape, dtype=torch.bool)

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "residency_checks.h"
+
 namespace mmreuse {
 namespace {
 
@@ -113,8 +115,8 @@ void check_inputs(const char* op, const at::Tensor& bitmap, const at::Tensor& id
               op, ": bitmap must be a contiguous 1-D int32 tensor");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, op,
               ": block_ids must be a 1-D int64 tensor, got ", ids.scalar_type());
-  TORCH_CHECK(num_blocks >= 0 && (num_blocks + 31) / 32 <= bitmap.numel(), op, ": num_blocks=",
-              num_blocks, " does not fit a bitmap of ", bitmap.numel(), " words");
+  TORCH_CHECK(fits_bitmap(num_blocks, bitmap.numel()), op, ": num_blocks=", num_blocks,
+              " does not fit a bitmap of ", bitmap.numel(), " words");
 }
 
 // Launch the bounds check; returns the device flag the writing kernel must read.
