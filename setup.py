@@ -54,8 +54,11 @@ def _want_cuda() -> bool:
 
 def _torch_extension():
     use_cuda = _want_cuda()
-    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp")
-                     if p.name not in _PLAIN_SOURCES)
+    sources = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "csrc").glob("*.cpp")
+        if p.name not in _PLAIN_SOURCES
+    )
     # No -std flags: BuildExtension picks the one the installed torch needs (C++17 / C++20).
     extra = {"cxx": _opt_flags()}
     if use_cuda:
@@ -80,17 +83,21 @@ def _hashcore_extension():
         return []
     inc = os.environ.get("OPENSSL_INCLUDE_DIR", "/usr/include")
     if not (Path(inc) / "openssl" / "sha.h").exists():
-        print("mmreuse: OpenSSL headers not found (apt-get install libssl-dev); "
-              "building without the hashing fast path")
+        print(
+            "mmreuse: OpenSSL headers not found (apt-get install libssl-dev); "
+            "building without the hashing fast path"
+        )
         return []
-    return [Extension(
-        "mmreuse._hashcore",
-        ["csrc/hashcore.cpp"],
-        include_dirs=[str(ROOT / "csrc")],
-        libraries=["crypto"],
-        extra_compile_args=[*_opt_flags(), "-std=c++17"],
-        language="c++",
-    )]
+    return [
+        Extension(
+            "mmreuse._hashcore",
+            ["csrc/hashcore.cpp"],
+            include_dirs=[str(ROOT / "csrc")],
+            libraries=["crypto"],
+            extra_compile_args=[*_opt_flags(), "-std=c++17"],
+            language="c++",
+        )
+    ]
 
 
 if torch is None:

@@ -20,6 +20,7 @@ def make_request(num_tokens=32768, num_images=0, image_tokens=576, seed=0):
         for i in range(num_images):
             off = i * stride + rng.randrange(stride - image_tokens)
             tokens[off : off + image_tokens] = [IMAGE_TOKEN] * image_tokens
-            mm.append(MMOccurrence(hashlib.sha256(f"image-{i}".encode()).hexdigest(), off,
-                                   image_tokens))
+            mm.append(
+                MMOccurrence(hashlib.sha256(f"image-{i}".encode()).hexdigest(), off, image_tokens)
+            )
     return tokens, mm

@@ -1,6 +1,6 @@
 """pytest-benchmark: compute_demand with 1, 8 and 64 occurrences (mixed classes, masks, duplicates).
 
-    .venv/bin/python -m pytest benchmarks/test_bench_demand.py --benchmark-enable
+.venv/bin/python -m pytest benchmarks/test_bench_demand.py --benchmark-enable
 """
 
 import random

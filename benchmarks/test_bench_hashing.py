@@ -1,10 +1,9 @@
 """pytest-benchmark microbenchmarks of mmreuse.hashing (figures in BENCHMARKS.md).
 
-    .venv/bin/python -m pytest benchmarks/test_bench_hashing.py --benchmark-enable
+.venv/bin/python -m pytest benchmarks/test_bench_hashing.py --benchmark-enable
 """
 
 import pytest
-
 from hashing_workload import make_request
 
 from mmreuse import BlockHasher, MMOccurrence, _hashcore

@@ -13,8 +13,12 @@ from mmreuse import ops
 from mmreuse.hashing import to_event_id
 from mmreuse.residency import BlockIndex, ResidencyMap
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    ),
+]
 
 
 def _sync(device):

@@ -32,8 +32,6 @@
 #include <openssl/sha.h>
 
 #define XXH_INLINE_ALL
-#include "third_party/xxhash/xxhash.h"
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -46,6 +44,8 @@
 #include <utility>
 #include <vector>
 
+#include "third_party/xxhash/xxhash.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define MMREUSE_X86 1
@@ -56,8 +56,7 @@
 #define MMREUSE_DCHECK(cond) \
   ((cond) ? static_cast<void>(0) : mmreuse_dcheck_failed(#cond, __FILE__, __LINE__))
 [[noreturn]] static void mmreuse_dcheck_failed(const char* cond, const char* file, int line) {
-  std::fprintf(stderr, "mmreuse._hashcore: MMREUSE_DCHECK(%s) failed at %s:%d\n", cond, file,
-               line);
+  std::fprintf(stderr, "mmreuse._hashcore: MMREUSE_DCHECK(%s) failed at %s:%d\n", cond, file, line);
   std::abort();
 }
 constexpr bool kDebugBuild = true;
@@ -172,8 +171,8 @@ template <size_t N>
 int get_name(const char* field, PyObject* v, const char* const (&names)[N], int none_index = -1) {
   if (v == Py_None && none_index >= 0) return none_index;
   if (!PyUnicode_Check(v)) {
-    PyErr_Format(g_invalid_argument_type, "%s must be a str, got %s %R", field,
-                 Py_TYPE(v)->tp_name, v);
+    PyErr_Format(g_invalid_argument_type, "%s must be a str, got %s %R", field, Py_TYPE(v)->tp_name,
+                 v);
     return -1;
   }
   for (size_t i = 0; i < N; ++i) {
@@ -372,8 +371,8 @@ struct PermuteIndex {
 constexpr PermuteIndex kPickleIndex{false}, kCborIndex{true};
 
 template <bool kCbor>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,bmi2,popcnt")))
-char* write_ints_vbmi2(char* p, const char* end, const int64_t* t, int64_t n) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vbmi2,bmi2,popcnt"))) char*
+write_ints_vbmi2(char* p, const char* end, const int64_t* t, int64_t n) {
   constexpr auto scalar = kCbor ? cbor_ints_scalar : pickle_ints_scalar;
   const __m512i idx = _mm512_loadu_si512(kCbor ? kCborIndex.b : kPickleIndex.b);
   const __m512i limit = _mm512_set1_epi64(kCbor ? 0xffffffffLL : 0x7fffffffLL);
@@ -401,16 +400,16 @@ char* write_ints_vbmi2(char* p, const char* end, const int64_t* t, int64_t n) {
       head = _mm256_mask_mov_epi32(head, k1, h2);
       head = _mm256_mask_mov_epi32(head, k2, h3);
       const uint64_t b12 = _pdep_u64(k2, repeat5(0b00010));
-      keep = repeat5(0b00001) | _pdep_u64(k0, repeat5(0b10000)) |
-             _pdep_u64(k1, repeat5(0b01000)) | b12 | (b12 << 1);
+      keep = repeat5(0b00001) | _pdep_u64(k0, repeat5(0b10000)) | _pdep_u64(k1, repeat5(0b01000)) |
+             b12 | (b12 << 1);
     } else {
       head = _mm256_mask_mov_epi32(h1, k1, h2);
       head = _mm256_mask_mov_epi32(head, k2, h3);
       const uint64_t b34 = _pdep_u64(k2, repeat5(0b01000));
       keep = repeat5(0b00011) | _pdep_u64(k1, repeat5(0b00100)) | b34 | (b34 << 1);
     }
-    const __m512i rec = _mm512_permutex2var_epi8(_mm512_castsi256_si512(u), idx,
-                                                 _mm512_castsi256_si512(head));
+    const __m512i rec =
+        _mm512_permutex2var_epi8(_mm512_castsi256_si512(u), idx, _mm512_castsi256_si512(head));
     MMREUSE_DCHECK(p <= end && static_cast<size_t>(end - p) >= kSimdSlack);
     _mm512_storeu_si512(p, _mm512_maskz_compress_epi8(keep, rec));
     p += _mm_popcnt_u64(keep);
@@ -562,7 +561,7 @@ struct Config {
   int64_t block_size = 16;
   int64_t lookahead = 0;
   MMKey mm_key = MMKey::kTagged;
-  bool inclusive = false;         // mm_bounds == "inclusive"
+  bool inclusive = false;  // mm_bounds == "inclusive"
   LoraKey lora_key = LoraKey::kTagged;
   bool salt_tagged = true;
   EmbedsKey embeds_key = EmbedsKey::kTagged;
@@ -571,8 +570,7 @@ struct Config {
 };
 
 struct HashSpecObject {
-  PyObject_HEAD
-  Config cfg;
+  PyObject_HEAD Config cfg;
   PyObject* none_hash;  // owned bytes
 };
 
@@ -601,9 +599,8 @@ struct Keys {
 };
 
 struct RequestKeysObject {
-  PyObject_HEAD
-  PyObject* spec;  // owned HashSpecObject
-  Keys* keys;      // owned
+  PyObject_HEAD PyObject* spec;  // owned HashSpecObject
+  Keys* keys;                    // owned
 };
 
 enum class Kind { kLora, kMM, kSalt, kEmbeds };
@@ -614,8 +611,8 @@ struct Entry {
 };
 
 // vLLM's _gen_mm_extra_hash_keys + generate_block_hash_extra_keys ordering.
-Py_ssize_t extra_entries(const Config& c, const Keys& k, int64_t start, int64_t end,
-                         Py_ssize_t idx, bool has_embeds, std::vector<Entry>& out) {
+Py_ssize_t extra_entries(const Config& c, const Keys& k, int64_t start, int64_t end, Py_ssize_t idx,
+                         bool has_embeds, std::vector<Entry>& out) {
   out.clear();
   if (k.has_lora) out.push_back({Kind::kLora, nullptr, 0});
   const Py_ssize_t n = static_cast<Py_ssize_t>(k.mm.size());
@@ -776,15 +773,15 @@ size_t block_bound(const Config& c, const Keys& k) {
   // so at most ints of them, plus one ending at the block start (inclusive bounds).
   const size_t items = std::min(k.mm.size(), ints + 2);
   const size_t entry = kContainer + 2 * kStrHead + 2 + kMaxIntBytes;  // ("mm", id, off), no id
-  return 12                                            // frame header, STOP
-         + 3 * kContainer                              // the outer, token and lookahead tuples
-         + kStrHead + kMaxParentBytes                  // parent
-         + kMaxIntBytes * ints                         // tokens and lookahead tokens
-         + kContainer                                  // the extra-keys tuple
-         + items * entry + k.key_bytes                 // mm keys, each string at most once
+  return 12                                                           // frame header, STOP
+         + 3 * kContainer                                  // the outer, token and lookahead tuples
+         + kStrHead + kMaxParentBytes                      // parent
+         + kMaxIntBytes * ints                             // tokens and lookahead tokens
+         + kContainer                                      // the extra-keys tuple
+         + items * entry + k.key_bytes                     // mm keys, each string at most once
          + (kContainer + 3 * kStrHead + 4 + kMaxIntBytes)  // LoRA key, tag
-         + (kContainer + 2 * kStrHead + 10)            // salt key, tag
-         + (kContainer + 2 * kStrHead + 13 + 32)       // embeds key, tag
+         + (kContainer + 2 * kStrHead + 10)                // salt key, tag
+         + (kContainer + 2 * kStrHead + 13 + 32)           // embeds key, tag
          + kSimdSlack;
 }
 
@@ -820,12 +817,16 @@ inline bool small_int(PyObject* o, int64_t* v) {
 #else
   const Py_ssize_t size = Py_SIZE(o);
   const digit* d = reinterpret_cast<PyLongObject*>(o)->ob_digit;
-  if (size == 0) *v = 0;
-  else if (size == 1) *v = d[0];
+  if (size == 0)
+    *v = 0;
+  else if (size == 1)
+    *v = d[0];
   else if (size == 2)
     *v = static_cast<int64_t>(d[0]) | (static_cast<int64_t>(d[1]) << PyLong_SHIFT);
-  else if (size == -1) *v = -static_cast<int64_t>(d[0]);
-  else return false;
+  else if (size == -1)
+    *v = -static_cast<int64_t>(d[0]);
+  else
+    return false;
   return true;
 #endif
 }
@@ -880,8 +881,8 @@ PyObject* digest(Fn fn, const char* data, size_t size) {
 // A parent hash: bytes of 1..kMaxParentBytes bytes.
 bool check_parent(const char* field, PyObject* v) {
   if (!PyBytes_Check(v)) {
-    PyErr_Format(g_invalid_argument_type, "%s must be bytes, got %s %R", field,
-                 Py_TYPE(v)->tp_name, v);
+    PyErr_Format(g_invalid_argument_type, "%s must be bytes, got %s %R", field, Py_TYPE(v)->tp_name,
+                 v);
     return false;
   }
   const Py_ssize_t n = PyBytes_GET_SIZE(v);
@@ -960,8 +961,7 @@ PyObject* hash_blocks_impl(RequestKeysObject* self, PyObject* tokens_obj, PyObje
     for (Py_ssize_t b = 0; b < nblocks; ++b) {
       PyObject* d = PyList_GET_ITEM(embeds, b);
       if (!PyBytes_Check(d) || PyBytes_GET_SIZE(d) != 32) {
-        PyErr_Format(g_invalid_argument_type, "embeds[%zd] must be a 32-byte digest, got %R", b,
-                     d);
+        PyErr_Format(g_invalid_argument_type, "embeds[%zd] must be a 32-byte digest, got %R", b, d);
         return nullptr;
       }
     }
@@ -969,8 +969,8 @@ PyObject* hash_blocks_impl(RequestKeysObject* self, PyObject* tokens_obj, PyObje
 
   // Tokens outside the hashed range are validated here; those inside, as each block reads them.
   const bool allow_any = c.allow_any;
-  int conv = read_tokens(items, std::min<Py_ssize_t>(validate_from, start), start, allow_any,
-                         nullptr);
+  int conv =
+      read_tokens(items, std::min<Py_ssize_t>(validate_from, start), start, allow_any, nullptr);
   if (conv == 1)
     conv = read_tokens(items, std::max<Py_ssize_t>(hi, validate_from), ntok, allow_any, nullptr);
   if (conv < 0) return nullptr;
@@ -985,7 +985,7 @@ PyObject* hash_blocks_impl(RequestKeysObject* self, PyObject* tokens_obj, PyObje
   std::vector<int64_t> toks(static_cast<size_t>(chunk_blocks * bs + la));
   Py_ssize_t chunk_end = 0;  // first block past the current chunk
   bool chunk_small = false;
-  int64_t chunk_start = 0;   // token index of toks[0]
+  int64_t chunk_start = 0;  // token index of toks[0]
 
   std::vector<char> buf(block_bound(c, k));
   const char* const buf_end = buf.data() + buf.size();
@@ -1112,8 +1112,8 @@ PyType_Slot kKeysSlots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(keys_dealloc)},
     {Py_tp_methods, kKeysMethods},
     {Py_tp_getset, kKeysGetSet},
-    {Py_tp_doc, const_cast<char*>(
-                    "One request's extra-key material for one HashSpec (HashSpec.request).")},
+    {Py_tp_doc,
+     const_cast<char*>("One request's extra-key material for one HashSpec (HashSpec.request).")},
     {0, nullptr}};
 
 PyType_Spec kKeysSpec = {"mmreuse._hashcore.RequestKeys", sizeof(RequestKeysObject), 0,
@@ -1251,15 +1251,14 @@ void spec_dealloc(PyObject* o) {
 }
 
 PyObject* spec_new_impl(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* kwlist[] = {"hash_fn", "block_size", "lookahead", "none_hash", "mm_key",
-                                 "mm_bounds", "lora_key", "salt_key", "embeds_key",
-                                 "incremental_mm", "allow_any_token_id", nullptr};
+  static const char* kwlist[] = {"hash_fn",    "block_size",     "lookahead",          "none_hash",
+                                 "mm_key",     "mm_bounds",      "lora_key",           "salt_key",
+                                 "embeds_key", "incremental_mm", "allow_any_token_id", nullptr};
   PyObject *fn = nullptr, *bs = nullptr, *la = nullptr, *none_hash = nullptr;
   PyObject* named[7] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|$OOOOOOO:HashSpec",
-                                   const_cast<char**>(kwlist), &fn, &bs, &la, &none_hash,
-                                   &named[0], &named[1], &named[2], &named[3], &named[4],
-                                   &named[5], &named[6]))
+  if (!PyArg_ParseTupleAndKeywords(
+          args, kwargs, "OOOO|$OOOOOOO:HashSpec", const_cast<char**>(kwlist), &fn, &bs, &la,
+          &none_hash, &named[0], &named[1], &named[2], &named[3], &named[4], &named[5], &named[6]))
     return nullptr;
   for (int i = 0; i < 7; ++i) {
     if (named[i] == nullptr) {
@@ -1279,12 +1278,11 @@ PyObject* spec_new_impl(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   const int bounds = mm_key < 0 ? -1 : get_name("mm_bounds", named[1], kMMBounds);
   const int lora_key = bounds < 0 ? -1 : get_name("lora_key", named[2], kLoraKeys);
   const int salt_key = lora_key < 0 ? -1 : get_name("salt_key", named[3], kSaltKeys);
-  const int embeds_key =
-      salt_key < 0 ? -1
-                   : get_name("embeds_key", named[4], kEmbedsKeys,
-                              static_cast<int>(EmbedsKey::kNone));
-  const int incremental = embeds_key < 0 ? -1 : get_name("incremental_mm", named[5],
-                                                         kIncrementalMM);
+  const int embeds_key = salt_key < 0 ? -1
+                                      : get_name("embeds_key", named[4], kEmbedsKeys,
+                                                 static_cast<int>(EmbedsKey::kNone));
+  const int incremental =
+      embeds_key < 0 ? -1 : get_name("incremental_mm", named[5], kIncrementalMM);
   if (incremental < 0) return nullptr;
   if (!PyBool_Check(named[6])) {
     PyErr_Format(g_invalid_argument_type, "allow_any_token_id must be a bool, got %s %R",
@@ -1367,23 +1365,20 @@ PyObject* spec_embeds_key(PyObject* o, void*) {
 PyObject* spec_incremental_mm(PyObject* o, void*) {
   return name_of(kIncrementalMM, as_spec(o)->cfg.incremental_last ? 1 : 0);
 }
-PyObject* spec_allow_any(PyObject* o, void*) {
-  return PyBool_FromLong(as_spec(o)->cfg.allow_any);
-}
+PyObject* spec_allow_any(PyObject* o, void*) { return PyBool_FromLong(as_spec(o)->cfg.allow_any); }
 
-PyGetSetDef kSpecGetSet[] = {
-    {"hash_fn", spec_hash_fn, nullptr, nullptr, nullptr},
-    {"block_size", spec_block_size, nullptr, nullptr, nullptr},
-    {"lookahead", spec_lookahead, nullptr, nullptr, nullptr},
-    {"none_hash", spec_none_hash, nullptr, nullptr, nullptr},
-    {"mm_key", spec_mm_key, nullptr, nullptr, nullptr},
-    {"mm_bounds", spec_mm_bounds, nullptr, nullptr, nullptr},
-    {"lora_key", spec_lora_key, nullptr, nullptr, nullptr},
-    {"salt_key", spec_salt_key, nullptr, nullptr, nullptr},
-    {"embeds_key", spec_embeds_key, nullptr, nullptr, nullptr},
-    {"incremental_mm", spec_incremental_mm, nullptr, nullptr, nullptr},
-    {"allow_any_token_id", spec_allow_any, nullptr, nullptr, nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+PyGetSetDef kSpecGetSet[] = {{"hash_fn", spec_hash_fn, nullptr, nullptr, nullptr},
+                             {"block_size", spec_block_size, nullptr, nullptr, nullptr},
+                             {"lookahead", spec_lookahead, nullptr, nullptr, nullptr},
+                             {"none_hash", spec_none_hash, nullptr, nullptr, nullptr},
+                             {"mm_key", spec_mm_key, nullptr, nullptr, nullptr},
+                             {"mm_bounds", spec_mm_bounds, nullptr, nullptr, nullptr},
+                             {"lora_key", spec_lora_key, nullptr, nullptr, nullptr},
+                             {"salt_key", spec_salt_key, nullptr, nullptr, nullptr},
+                             {"embeds_key", spec_embeds_key, nullptr, nullptr, nullptr},
+                             {"incremental_mm", spec_incremental_mm, nullptr, nullptr, nullptr},
+                             {"allow_any_token_id", spec_allow_any, nullptr, nullptr, nullptr},
+                             {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyMethodDef kSpecMethods[] = {
     {"request", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(spec_request)),
@@ -1400,11 +1395,11 @@ PyType_Slot kSpecSlots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(spec_dealloc)},
     {Py_tp_methods, kSpecMethods},
     {Py_tp_getset, kSpecGetSet},
-    {Py_tp_doc, const_cast<char*>(
-                    "HashSpec(hash_fn, block_size, lookahead, none_hash, *, mm_key, mm_bounds, "
-                    "lora_key, salt_key, embeds_key, incremental_mm, allow_any_token_id)\n\n"
-                    "One BlockHasher's configuration, validated once; the key shapes by the "
-                    "names of HashScheme's fields (tables: HASH_FUNCTIONS, MM_KEYS, ...).")},
+    {Py_tp_doc,
+     const_cast<char*>("HashSpec(hash_fn, block_size, lookahead, none_hash, *, mm_key, mm_bounds, "
+                       "lora_key, salt_key, embeds_key, incremental_mm, allow_any_token_id)\n\n"
+                       "One BlockHasher's configuration, validated once; the key shapes by the "
+                       "names of HashScheme's fields (tables: HASH_FUNCTIONS, MM_KEYS, ...).")},
     {0, nullptr}};
 
 PyType_Spec kSpecSpec = {"mmreuse._hashcore.HashSpec", sizeof(HashSpecObject), 0,
@@ -1430,9 +1425,15 @@ PyMethodDef kMethods[] = {
      "simd_available() -> bool: whether this CPU runs the AVX-512 VBMI2 token writer"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_hashcore",
-                       "C++ fast path of mmreuse.hashing (see hasher.py).", -1, kMethods,
-                       nullptr, nullptr, nullptr, nullptr};
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT,
+                       "_hashcore",
+                       "C++ fast path of mmreuse.hashing (see hasher.py).",
+                       -1,
+                       kMethods,
+                       nullptr,
+                       nullptr,
+                       nullptr,
+                       nullptr};
 
 template <size_t N>
 PyObject* names_tuple(const char* const (&names)[N]) {

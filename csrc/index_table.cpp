@@ -180,8 +180,8 @@ class Buffer {
 
   // A writable C-contiguous array of int64 (is_signed) or uint64; raises naming `field`.
   bool Get(PyObject* obj, const char* field, bool is_signed) {
-    const char* what = is_signed ? "a writable contiguous int64 array"
-                                 : "a writable contiguous uint64 array";
+    const char* what =
+        is_signed ? "a writable contiguous int64 array" : "a writable contiguous uint64 array";
     if (PyObject_GetBuffer(obj, &view_, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
       view_.obj = nullptr;
       PyErr_Clear();

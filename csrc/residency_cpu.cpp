@@ -12,8 +12,8 @@ namespace {
 
 void check_inputs(const char* op, const at::Tensor& bitmap, const at::Tensor& ids,
                   int64_t num_blocks) {
-  TORCH_CHECK(bitmap.scalar_type() == at::kInt && bitmap.dim() == 1 && bitmap.is_contiguous(),
-              op, ": bitmap must be a contiguous 1-D int32 tensor, got ", bitmap.scalar_type(),
+  TORCH_CHECK(bitmap.scalar_type() == at::kInt && bitmap.dim() == 1 && bitmap.is_contiguous(), op,
+              ": bitmap must be a contiguous 1-D int32 tensor, got ", bitmap.scalar_type(),
               " of shape ", bitmap.sizes());
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, op,
               ": block_ids must be a 1-D int64 tensor, got ", ids.scalar_type(), " of shape ",
@@ -25,8 +25,7 @@ void check_inputs(const char* op, const at::Tensor& bitmap, const at::Tensor& id
 }
 
 // Every tensor of an op on the bitmap's device (a CPU kernel never reads another device's).
-void check_device(const char* op, const at::Tensor& bitmap, const at::Tensor& t,
-                  const char* name) {
+void check_device(const char* op, const at::Tensor& bitmap, const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device() == bitmap.device(), op, ": bitmap on ", bitmap.device(), " but ", name,
               " on ", t.device());
 }
@@ -35,8 +34,7 @@ void check_device(const char* op, const at::Tensor& bitmap, const at::Tensor& t,
 void check_bounds(const char* op, const int64_t* ids, int64_t n, int64_t num_blocks) {
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK_INDEX(static_cast<uint64_t>(ids[i]) < static_cast<uint64_t>(num_blocks), op,
-                      ": block_ids[", i, "] = ", ids[i], " is out of range [0, ", num_blocks,
-                      ")");
+                      ": block_ids[", i, "] = ", ids[i], " is out of range [0, ", num_blocks, ")");
   }
 }
 

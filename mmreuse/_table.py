@@ -21,7 +21,7 @@ __all__ = ["HashTable"]
 class HashTable:
     """Grows at half load; deletions leave tombstones, cleared by the next rehash."""
 
-    __slots__ = ("keys", "vals", "used", "live", "_buf")
+    __slots__ = ("_buf", "keys", "live", "used", "vals")
 
     def __init__(self, capacity: int = 64) -> None:
         self.keys, self.vals = self._arrays(capacity)

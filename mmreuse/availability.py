@@ -40,12 +40,17 @@ class Tenant:
 class _Entries(cachetools.TTLCache):
     """A TTL + LRU cache that reports what it drops."""
 
-    def __init__(self, maxsize: int, ttl: float, timer: Callable[[], float],
-                 on_drop: Callable[[str, int], None]) -> None:
+    def __init__(
+        self,
+        maxsize: int,
+        ttl: float,
+        timer: Callable[[], float],
+        on_drop: Callable[[str, int], None],
+    ) -> None:
         super().__init__(maxsize, ttl, timer)
         self._on_drop = on_drop
 
-    def expire(self, time: float | None = None):  # noqa: A002  (cachetools' name)
+    def expire(self, time: float | None = None):
         expired = super().expire(time)
         if expired:
             self._on_drop("expired", len(expired))
@@ -80,8 +85,14 @@ class EmbeddingAvailability:
         metrics: Prometheus metrics (default: the process-wide ones).
     """
 
-    def __init__(self, *, ttl_s: float = 60.0, max_entries: int = 100_000,
-                 timer: Callable[[], float] = time.monotonic, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 60.0,
+        max_entries: int = 100_000,
+        timer: Callable[[], float] = time.monotonic,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.ttl_s = check_float("ttl_s", ttl_s, 0, lo_open=True)
         self.max_entries = check_int("max_entries", max_entries, 1)
         self._timer = check_callable("timer", timer)
@@ -96,8 +107,11 @@ class EmbeddingAvailability:
             location = f"{kind}:{name}"
 
             def on_drop(reason: str, n: int, location: str = location) -> None:
-                counter = (self._metrics.availability_expired if reason == "expired"
-                           else self._metrics.availability_evicted)
+                counter = (
+                    self._metrics.availability_expired
+                    if reason == "expired"
+                    else self._metrics.availability_evicted
+                )
                 counter.labels(location).inc(n)
 
             cache = self._caches[key] = _Entries(self.max_entries, self.ttl_s, self._timer, on_drop)
@@ -109,10 +123,17 @@ class EmbeddingAvailability:
 
     # ---- deltas -------------------------------------------------------------------------------
 
-    def update_p(self, instance: str, *, added: Mapping[str, int] | None = None,
-                 removed: Iterable[str] = (), freeable: Iterable[str] = (),
-                 referenced: Iterable[str] = (), cache_salt: str | None = None,
-                 lora_name: str | None = None) -> None:
+    def update_p(
+        self,
+        instance: str,
+        *,
+        added: Mapping[str, int] | None = None,
+        removed: Iterable[str] = (),
+        freeable: Iterable[str] = (),
+        referenced: Iterable[str] = (),
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
         """P's encoder cache changed: `added` (identifier -> num_embeds, referenced), `freeable`
         (no references left, still cached), `referenced` (in use again), `removed` (evicted)."""
         _check_name("instance", instance)
@@ -123,8 +144,10 @@ class EmbeddingAvailability:
             _check_ids("added", [ident])
             check_int(f"added[{ident!r}]", n, 1)
         removed_ids, freeable_ids, referenced_ids = (
-            _check_ids("removed", removed), _check_ids("freeable", freeable),
-            _check_ids("referenced", referenced))
+            _check_ids("removed", removed),
+            _check_ids("freeable", freeable),
+            _check_ids("referenced", referenced),
+        )
         tenant = Tenant(cache_salt, lora_name)
         with self._lock:
             cache = self._cache("p", instance, tenant)
@@ -140,21 +163,37 @@ class EmbeddingAvailability:
                 cache.pop(ident, None)
             self._gauge("p", instance)
 
-    def update_external(self, *, store: str = "default", added: Iterable[str] = (),
-                        removed: Iterable[str] = (), cache_salt: str | None = None,
-                        lora_name: str | None = None) -> None:
+    def update_external(
+        self,
+        *,
+        store: str = "default",
+        added: Iterable[str] = (),
+        removed: Iterable[str] = (),
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
         """An external embedding store (what P's EC connector can load) changed."""
-        self._update_set("ext", _check_name("store", store), added, removed,
-                         Tenant(cache_salt, lora_name))
+        self._update_set(
+            "ext", _check_name("store", store), added, removed, Tenant(cache_salt, lora_name)
+        )
 
-    def update_e(self, instance: str, *, added: Iterable[str] = (), removed: Iterable[str] = (),
-                 cache_salt: str | None = None, lora_name: str | None = None) -> None:
+    def update_e(
+        self,
+        instance: str,
+        *,
+        added: Iterable[str] = (),
+        removed: Iterable[str] = (),
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
         """E's cache changed (it can serve these without an encoder forward)."""
-        self._update_set("e", _check_name("instance", instance), added, removed,
-                         Tenant(cache_salt, lora_name))
+        self._update_set(
+            "e", _check_name("instance", instance), added, removed, Tenant(cache_salt, lora_name)
+        )
 
-    def _update_set(self, kind: str, name: str, added: Iterable[str], removed: Iterable[str],
-                    tenant: Tenant) -> None:
+    def _update_set(
+        self, kind: str, name: str, added: Iterable[str], removed: Iterable[str], tenant: Tenant
+    ) -> None:
         added_ids, removed_ids = _check_ids("added", added), _check_ids("removed", removed)
         with self._lock:
             cache = self._cache(kind, name, tenant)
@@ -175,9 +214,15 @@ class EmbeddingAvailability:
 
     # ---- the view -----------------------------------------------------------------------------
 
-    def availability_for(self, p_instance: str, e_instance: str | None = None, *,
-                         store: str | None = "default", cache_salt: str | None = None,
-                         lora_name: str | None = None) -> Availability:
+    def availability_for(
+        self,
+        p_instance: str,
+        e_instance: str | None = None,
+        *,
+        store: str | None = "default",
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> Availability:
         """compute_demand's Availability for a request of this tenant, P instance and E instance."""
         _check_name("p_instance", p_instance)
         if e_instance is not None:
@@ -195,8 +240,12 @@ class EmbeddingAvailability:
                         freeable.add(ident)
             external = self._ids("ext", store, tenant) if store is not None else frozenset()
             e_cached = self._ids("e", e_instance, tenant) if e_instance is not None else frozenset()
-        return Availability(p_local=p_local, p_local_freeable=frozenset(freeable),
-                            p_external=external, e_cached=e_cached)
+        return Availability(
+            p_local=p_local,
+            p_local_freeable=frozenset(freeable),
+            p_external=external,
+            e_cached=e_cached,
+        )
 
     def _ids(self, kind: str, name: str, tenant: Tenant) -> frozenset[str]:
         cache = self._caches.get((kind, name, tenant))

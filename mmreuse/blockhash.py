@@ -14,15 +14,22 @@ same rule in C, and a property test holds the two equal: same key, or both refus
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Union
+from typing import Any
 
 from .validate import fail_type, fail_value
 
-__all__ = ["BlockHash", "EventBlockId", "ExternalBlockHash", "MIN_DIGEST_BYTES", "to_event_id", "to_event_ids"]
+__all__ = [
+    "MIN_DIGEST_BYTES",
+    "BlockHash",
+    "EventBlockId",
+    "ExternalBlockHash",
+    "to_event_id",
+    "to_event_ids",
+]
 
 BlockHash = bytes
 EventBlockId = int
-ExternalBlockHash = Union[bytes, int]
+ExternalBlockHash = bytes | int
 
 MIN_DIGEST_BYTES = 8  # an event id needs 64 bits of digest
 _EVENT_ID_END = 1 << 64

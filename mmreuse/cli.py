@@ -52,11 +52,15 @@ def hash_demo(args: argparse.Namespace) -> int:
     for m in mm:
         print(f"  image {m.identifier[:12]}… at [{m.offset}, {m.end})")
     print(f"  NONE_HASH {hasher.none_hash.hex()}")
-    print(f"{'block':>5}  {'tokens':>11}  {'event id (64-bit)':>20}  {'block hash':<{2 * hasher.digest_size}}  extra keys")
+    print(
+        f"{'block':>5}  {'tokens':>11}  {'event id (64-bit)':>20}  {'block hash':<{2 * hasher.digest_size}}  extra keys"
+    )
     bs = args.block_size
-    for i, (h, keys) in enumerate(zip(hashes, extra)):
+    for i, (h, keys) in enumerate(zip(hashes, extra, strict=True)):
         span = f"[{i * bs}, {(i + 1) * bs})"
-        print(f"{i:>5}  {span:>11}  {to_event_id(h):>20}  {h.hex()}  {_fmt_key(keys) if keys else '-'}")
+        print(
+            f"{i:>5}  {span:>11}  {to_event_id(h):>20}  {h.hex()}  {_fmt_key(keys) if keys else '-'}"
+        )
     tail = len(tokens) - len(hashes) * bs
     print(f"({tail} trailing tokens form no full block and get no hash)")
     return 0
@@ -99,24 +103,32 @@ def simulate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rows, results = run(cfg, progress=not args.no_progress)
     elapsed = time.perf_counter() - t0
-    print(f"mmreuse simulate: workload {workload.kind}, {workload.requests} requests, "
-          f"seed {cfg.seed}, {cluster.num_encoders} E / {cluster.num_prefills} P, "
-          f"routing {cluster.routing}, E cache {cluster.e_cache_embeds}, "
-          f"external store {cluster.external_store_embeds or 'off'} ({elapsed:.1f} s)")
+    print(
+        f"mmreuse simulate: workload {workload.kind}, {workload.requests} requests, "
+        f"seed {cfg.seed}, {cluster.num_encoders} E / {cluster.num_prefills} P, "
+        f"routing {cluster.routing}, E cache {cluster.e_cache_embeds}, "
+        f"external store {cluster.external_store_embeds or 'off'} ({elapsed:.1f} s)"
+    )
     print(table(rows))
     occurrences = rows[0]["occurrences"]
     eager = next((r for r in rows if r["policy"] == "eager"), None)
     if eager and eager["encoder_forwards"]:
         redundant, forwards = eager["redundant_forwards"], eager["encoder_forwards"]
-        print(f"eager: {redundant} of {forwards} encoder forwards "
-              f"({100 * redundant / forwards:.0f} %) were for items "
-              f"P did not need; {occurrences} multimodal occurrences in all")
+        print(
+            f"eager: {redundant} of {forwards} encoder forwards "
+            f"({100 * redundant / forwards:.0f} %) were for items "
+            f"P did not need; {occurrences} multimodal occurrences in all"
+        )
     if args.json:
         write_json(rows, cfg.to_dict(), args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        plot(results, rows, args.plot,
-             f"{workload.kind}, {workload.requests} requests, seed {cfg.seed}")
+        plot(
+            results,
+            rows,
+            args.plot,
+            f"{workload.kind}, {workload.requests} requests, seed {cfg.seed}",
+        )
         print(f"wrote {args.plot}")
     return 0
 
@@ -128,16 +140,18 @@ def main(argv: list[str] | None = None) -> int:
 
     sim = sub.add_parser("simulate", help="simulate an EPD cluster under each coordination policy")
     sim.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
-    sim.add_argument("--trace", metavar="JSONL",
-                     help="replay a trace (schema: mmreuse/sim/workload.py)")
+    sim.add_argument(
+        "--trace", metavar="JSONL", help="replay a trace (schema: mmreuse/sim/workload.py)"
+    )
     sim.add_argument("--policy", choices=POLICIES, action="append", help="repeatable; default: all")
     sim.add_argument("--requests", type=int)
     sim.add_argument("--seed", type=int)
     sim.add_argument("--routing", choices=ROUTINGS)
     sim.add_argument("--json", metavar="PATH")
     sim.add_argument("--plot", metavar="PATH")
-    sim.add_argument("--config", metavar="FILE",
-                     help="JSON: {seed, policies, cost, cluster, workload}")
+    sim.add_argument(
+        "--config", metavar="FILE", help="JSON: {seed, policies, cost, cluster, workload}"
+    )
     sim.add_argument("--no-progress", action="store_true")
     sim.set_defaults(func=simulate)
     demo = sub.add_parser("hash-demo", help="hash an example multimodal request, print each block")

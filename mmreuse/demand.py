@@ -73,7 +73,8 @@ class Availability:
         stray = self.p_local_freeable - local.keys()
         if stray:
             raise InvalidArgument(
-                f"p_local_freeable holds identifiers not in p_local: {sorted(stray)}")
+                f"p_local_freeable holds identifiers not in p_local: {sorted(stray)}"
+            )
 
 
 class Klass(Enum):
@@ -186,10 +187,18 @@ def compute_demand(
     Returns:
         A `DemandResult`; pure and deterministic.
     """
-    n, c, ext = _validate(occurrences, num_prompt_tokens, num_computed_tokens, availability,
-                          external_kv_tokens, is_encoder_decoder, coverage_rule)
+    n, c, ext = _validate(
+        occurrences,
+        num_prompt_tokens,
+        num_computed_tokens,
+        availability,
+        external_kv_tokens,
+        is_encoder_decoder,
+        coverage_rule,
+    )
     decisions, conflicts, first_of, need_at = _classify(
-        occurrences, n, c, ext, availability, is_encoder_decoder, coverage_rule == "placeholder")
+        occurrences, n, c, ext, availability, is_encoder_decoder, coverage_rule == "placeholder"
+    )
     return _collect(decisions, conflicts, first_of, need_at)
 
 
@@ -235,8 +244,9 @@ def _classify(
     availability: Availability,
     is_encoder_decoder: bool,
     placeholder: bool,
-) -> tuple[list[OccurrenceDecision], dict[str, None], dict[str, tuple[int, Klass, int]],
-           dict[str, int]]:
+) -> tuple[
+    list[OccurrenceDecision], dict[str, None], dict[str, tuple[int, Klass, int]], dict[str, int]
+]:
     """Decide each occurrence (checking it); also returns, for `_collect`, the conflicting
     identifiers, ident -> (first uncovered index, class, num_embeds), ident -> where P needs it."""
     p_local = _EMPTY_MAP if is_encoder_decoder else availability.p_local
@@ -279,19 +289,42 @@ def _classify(
             elif ident in p_local and p_local[ident] != num_embeds:
                 conflicts[ident] = None
         if num_embeds == 0:
-            decisions.append(new(
-                D, index=i, identifier=ident, klass=_NO_EMBEDS, num_embeds=0,
-                uncovered_embeds=0, first_uncovered_pos=None, partial=False, dedup_of=None,
-                coverage_conditional=False, connector_gate_expects=gate, evictable=False))
+            decisions.append(
+                new(
+                    D,
+                    index=i,
+                    identifier=ident,
+                    klass=_NO_EMBEDS,
+                    num_embeds=0,
+                    uncovered_embeds=0,
+                    first_uncovered_pos=None,
+                    partial=False,
+                    dedup_of=None,
+                    coverage_conditional=False,
+                    connector_gate_expects=gate,
+                    evictable=False,
+                )
+            )
             continue
         # num_embeds > 0 here, so the item has a last embed position
         last: int = end - 1 if placeholder else m._last_embed  # type: ignore[assignment]
         if (c > 0) if is_encoder_decoder else last < c:
-            decisions.append(new(
-                D, index=i, identifier=ident, klass=_KV_COVERED, num_embeds=num_embeds,
-                uncovered_embeds=0, first_uncovered_pos=None, partial=False, dedup_of=None,
-                coverage_conditional=ext > 0 and last >= c - ext, connector_gate_expects=gate,
-                evictable=False))
+            decisions.append(
+                new(
+                    D,
+                    index=i,
+                    identifier=ident,
+                    klass=_KV_COVERED,
+                    num_embeds=num_embeds,
+                    uncovered_embeds=0,
+                    first_uncovered_pos=None,
+                    partial=False,
+                    dedup_of=None,
+                    coverage_conditional=ext > 0 and last >= c - ext,
+                    connector_gate_expects=gate,
+                    evictable=False,
+                )
+            )
             continue
 
         first_pos: int | None
@@ -320,11 +353,22 @@ def _classify(
         at = first_pos if first_pos is not None else (offset if offset > c else c)
         if at < need_at.get(ident, at + 1):
             need_at[ident] = at
-        decisions.append(new(
-            D, index=i, identifier=ident, klass=klass, num_embeds=num_embeds,
-            uncovered_embeds=uncovered, first_uncovered_pos=first_pos,
-            partial=0 < uncovered < num_embeds, dedup_of=dedup_of, coverage_conditional=False,
-            connector_gate_expects=gate, evictable=klass is _P_LOCAL and ident in freeable))
+        decisions.append(
+            new(
+                D,
+                index=i,
+                identifier=ident,
+                klass=klass,
+                num_embeds=num_embeds,
+                uncovered_embeds=uncovered,
+                first_uncovered_pos=first_pos,
+                partial=0 < uncovered < num_embeds,
+                dedup_of=dedup_of,
+                coverage_conditional=False,
+                connector_gate_expects=gate,
+                evictable=klass is _P_LOCAL and ident in freeable,
+            )
+        )
     return decisions, conflicts, first_of, need_at
 
 
@@ -403,12 +447,17 @@ def kv_coverage(
     check_bool("skip_reading_prefix_cache", skip_reading_prefix_cache)
     check_bool("replay_window_loaded", replay_window_loaded)
     if eagle_drop and la:
-        raise InvalidArgument("eagle_drop=True with hash_lookahead > 0: vLLM turns the EAGLE block "
-                         "drop off when lookahead hashing is on")
+        raise InvalidArgument(
+            "eagle_drop=True with hash_lookahead > 0: vLLM turns the EAGLE block "
+            "drop off when lookahead hashing is on"
+        )
     ext = check_int("external_tokens", external_tokens, 0, n)
     replay = check_int("prefix_replay_tokens", prefix_replay_tokens, 0)
-    cap = n - 1 if max_cache_hit_length is None else check_int(
-        "max_cache_hit_length", max_cache_hit_length, 0, n - 1)
+    cap = (
+        n - 1
+        if max_cache_hit_length is None
+        else check_int("max_cache_hit_length", max_cache_hit_length, 0, n - 1)
+    )
     if skip_reading_prefix_cache:
         return 0, 0
     cap = min(cap, n - la)

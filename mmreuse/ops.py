@@ -40,8 +40,9 @@ def residency_prefix(bitmap: Tensor, block_ids: Tensor, num_blocks: int) -> Tens
     return _ops.residency_prefix.default(bitmap, block_ids, num_blocks)
 
 
-def residency_validate(bitmap: Tensor, generations: Tensor, block_ids: Tensor,
-                       expected: Tensor) -> Tensor:
+def residency_validate(
+    bitmap: Tensor, generations: Tensor, block_ids: Tensor, expected: Tensor
+) -> Tensor:
     """Bool tensor: is each of `block_ids` resident with its generation equal to `expected`?"""
     return _ops.residency_validate.default(bitmap, generations, block_ids, expected)
 
@@ -90,7 +91,12 @@ def _(bitmap, block_ids, num_blocks):
 
 @torch.library.register_fake("mmreuse::residency_validate")
 def _(bitmap, generations, block_ids, expected):
-    _same_device("residency_validate", bitmap, generations=generations, block_ids=block_ids,
-                 expected=expected)
+    _same_device(
+        "residency_validate",
+        bitmap,
+        generations=generations,
+        block_ids=block_ids,
+        expected=expected,
+    )
     torch._check(expected.shape == block_ids.shape)
     return block_ids.new_empty(block_ids.shape, dtype=torch.bool)

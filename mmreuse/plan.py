@@ -52,7 +52,8 @@ class AdmissionPlan:
 # kv_coverage's keywords a caller may set through `coverage` (plan_admission supplies
 # cached_prefix_tokens; block_size there is the KV block size, when finer hash blocks differ).
 _COVERAGE_KEYS = frozenset(
-    p.name for p in inspect.signature(kv_coverage).parameters.values()
+    p.name
+    for p in inspect.signature(kv_coverage).parameters.values()
     if p.kind is inspect.Parameter.KEYWORD_ONLY
 ) - {"cached_prefix_tokens"}
 
@@ -91,27 +92,48 @@ def plan_admission(
     n = check_int("num_prompt_tokens", num_prompt_tokens, 1)
     _check_demand_inputs(occurrences, availability, coverage_rule, is_encoder_decoder)
     if num_computed_tokens is not None:  # C given: record it, look nothing up
-        _refuse_with_given_c(view=view, hasher=hasher, token_ids=token_ids,
-                             cache_salt=cache_salt, block_size=block_size, coverage=coverage)
+        _refuse_with_given_c(
+            view=view,
+            hasher=hasher,
+            token_ids=token_ids,
+            cache_salt=cache_salt,
+            block_size=block_size,
+            coverage=coverage,
+        )
         c = check_int("num_computed_tokens", num_computed_tokens, 0, n - 1)
         ext = check_int("external_kv_tokens", external_kv_tokens, 0, c)
         hashes = () if block_hashes is None else _check_hashes(block_hashes)
         hit, proof = 0, None
     else:  # C looked up: hashes -> the view's hit -> kv_coverage
         view = _check_view(view, external_kv_tokens)
-        hashes, bs = _request_hashes(n, occurrences, block_hashes, hasher, token_ids,
-                                     cache_salt, block_size)
+        hashes, bs = _request_hashes(
+            n, occurrences, block_hashes, hasher, token_ids, cache_salt, block_size
+        )
         args = _coverage_args(coverage, bs, hasher)
         hit, proof = _match(view, hashes)
         c, ext = kv_coverage(n, cached_prefix_tokens=hit * bs, **args)
-    demand = compute_demand(occurrences, n, c, availability, external_kv_tokens=ext,
-                            is_encoder_decoder=is_encoder_decoder, coverage_rule=coverage_rule)
-    return AdmissionPlan(block_hashes=hashes, hit_blocks=hit, proof=proof,
-                         num_computed_tokens=c, external_kv_tokens=ext, demand=demand)
+    demand = compute_demand(
+        occurrences,
+        n,
+        c,
+        availability,
+        external_kv_tokens=ext,
+        is_encoder_decoder=is_encoder_decoder,
+        coverage_rule=coverage_rule,
+    )
+    return AdmissionPlan(
+        block_hashes=hashes,
+        hit_blocks=hit,
+        proof=proof,
+        num_computed_tokens=c,
+        external_kv_tokens=ext,
+        demand=demand,
+    )
 
 
-def _check_demand_inputs(occurrences: Any, availability: Any, coverage_rule: Any,
-                         is_encoder_decoder: Any) -> None:
+def _check_demand_inputs(
+    occurrences: Any, availability: Any, coverage_rule: Any, is_encoder_decoder: Any
+) -> None:
     """compute_demand's argument types, checked before any hashing or lookup."""
     if isinstance(occurrences, (str, bytes)) or not isinstance(occurrences, Sequence):
         fail_type("occurrences", "a sequence of MMOccurrence", occurrences)
@@ -169,16 +191,20 @@ def _request_hashes(
 ) -> tuple[tuple[ExternalBlockHash, ...], int]:
     """The request's full-block hashes, given or computed here, and the block size they use."""
     if block_hashes is not None:
-        both = [k for k, v in (("hasher", hasher), ("token_ids", token_ids),
-                               ("cache_salt", cache_salt)) if v is not None]
+        both = [
+            k
+            for k, v in (("hasher", hasher), ("token_ids", token_ids), ("cache_salt", cache_salt))
+            if v is not None
+        ]
         if both:
             raise InvalidArgument(
                 f"block_hashes with {', '.join(both)}: give the hashes, or hasher + token_ids "
                 "(+ cache_salt) to compute them, not both"
             )
         if block_size is None:
-            raise InvalidArgument("block_hashes without block_size: the hit is counted in "
-                                  "blocks, and C in tokens")
+            raise InvalidArgument(
+                "block_hashes without block_size: the hit is counted in blocks, and C in tokens"
+            )
         bs = check_int("block_size", block_size, 1)
         hashes = _check_hashes(block_hashes)
         if len(hashes) > n // bs:
@@ -188,8 +214,11 @@ def _request_hashes(
             )
         return hashes, bs
     if hasher is None or token_ids is None:
-        have = [k for k, v in (("hasher", hasher), ("token_ids", token_ids),
-                               ("cache_salt", cache_salt)) if v is not None]
+        have = [
+            k
+            for k, v in (("hasher", hasher), ("token_ids", token_ids), ("cache_salt", cache_salt))
+            if v is not None
+        ]
         got = f" (got only {', '.join(have)})" if have else ""
         raise InvalidArgument(
             f"view without the request's hashes{got}: pass block_hashes (+ block_size), or "
@@ -217,8 +246,7 @@ def _match(view: KVView, hashes: tuple[ExternalBlockHash, ...]) -> tuple[int, An
     match = view.match_prefix(hashes)
     if not isinstance(match, PrefixMatch):
         fail_type("view.match_prefix(block_hashes)", "a PrefixMatch", match)
-    hit = check_int("view.match_prefix(block_hashes).num_blocks", match.num_blocks, 0,
-                    len(hashes))
+    hit = check_int("view.match_prefix(block_hashes).num_blocks", match.num_blocks, 0, len(hashes))
     return hit, match.proof
 
 

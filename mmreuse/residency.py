@@ -41,7 +41,7 @@ class ResidencySnapshot:
     `bitmap` / `generations` waits on that event (only then). On CPU it is a plain copy.
     """
 
-    __slots__ = ("num_blocks", "_bitmap", "_generations", "_event")
+    __slots__ = ("_bitmap", "_event", "_generations", "num_blocks")
 
     def __init__(self, num_blocks: int, bitmap: Tensor, generations: Tensor, event: Any) -> None:
         self.num_blocks = num_blocks
@@ -136,22 +136,29 @@ class ResidencyMap:
 
     def longest_prefix(self, block_ids: Sequence[int] | Tensor) -> int:
         """Length of the leading resident run of an ordered chain of block ids."""
-        return int(self._call(ops.residency_prefix, self.bitmap, self._ids(block_ids),
-                              self.num_blocks))
+        return int(
+            self._call(ops.residency_prefix, self.bitmap, self._ids(block_ids), self.num_blocks)
+        )
 
-    def validate(self, block_ids: Sequence[int] | Tensor, generations: Sequence[int] | Tensor) -> bool:
+    def validate(
+        self, block_ids: Sequence[int] | Tensor, generations: Sequence[int] | Tensor
+    ) -> bool:
         """Whether every block is still resident with the given generation."""
         ids = self._ids(block_ids)
         expected = self._ids(generations)
         if expected.shape != ids.shape:
-            raise ValueError(f"generations has {expected.numel()} entries for {ids.numel()} block ids")
+            raise ValueError(
+                f"generations has {expected.numel()} entries for {ids.numel()} block ids"
+            )
         ok = self._call(ops.residency_validate, self.bitmap, self.generations, ids, expected)
         return bool(ok.all())
 
     def snapshot(self) -> ResidencySnapshot:
         """A host view of the current state (asynchronous on CUDA: see ResidencySnapshot)."""
         if self.device.type == "cpu":
-            return ResidencySnapshot(self.num_blocks, self.bitmap.clone(), self.generations.clone(), None)
+            return ResidencySnapshot(
+                self.num_blocks, self.bitmap.clone(), self.generations.clone(), None
+            )
         bitmap = torch.empty(self.bitmap.shape, dtype=torch.int32, pin_memory=True)
         gens = torch.empty(self.generations.shape, dtype=torch.int64, pin_memory=True)
         bitmap.copy_(self.bitmap, non_blocking=True)
@@ -213,7 +220,12 @@ class BlockIndex:
     def _check_blocks(self, block_ids: Sequence[int]) -> list[int]:
         """`_check_block` for a batch: one pass when all are in-range ints."""
         blocks = list(block_ids)
-        if blocks and all(type(b) is int for b in blocks) and 0 <= min(blocks) and max(blocks) < self.residency.num_blocks:
+        if (
+            blocks
+            and all(type(b) is int for b in blocks)
+            and min(blocks) >= 0
+            and max(blocks) < self.residency.num_blocks
+        ):
             return blocks
         return [self._check_block(b) for b in blocks]
 
@@ -240,11 +252,11 @@ class BlockIndex:
     def _store(self, keys: list[BlockHashKey], blocks: list[int]) -> None:
         if len(set(blocks)) != len(blocks):
             raise ValueError("block_ids must be distinct within one store_many call")
-        stale = [b for b, k in zip(blocks, keys) if self._hash_in[b] not in (None, k)]
+        stale = [b for b, k in zip(blocks, keys, strict=True) if self._hash_in[b] not in (None, k)]
         if stale:
             self.evict_blocks(stale)
         touched = []
-        for key, block_id in zip(keys, blocks):
+        for key, block_id in zip(keys, blocks, strict=True):
             if self._hash_in[block_id] == key:
                 continue
             self._hash_in[block_id] = key
@@ -301,9 +313,7 @@ class BlockIndex:
         """The block holding `block_hash`, if any."""
         return self._block_of.get(to_event_id(block_hash))
 
-    def lookup_prefix(
-        self, block_hashes: Sequence[ExternalBlockHash]
-    ) -> tuple[int, CoverageProof]:
+    def lookup_prefix(self, block_hashes: Sequence[ExternalBlockHash]) -> tuple[int, CoverageProof]:
         """The leading run of `block_hashes` present and resident, with its proof. Every hash
         is validated (`to_event_id`'s rule), those after the first miss too."""
         if isinstance(block_hashes, (str, bytes, bytearray)) or not isinstance(

@@ -38,7 +38,9 @@ def show(value: Any) -> str:
 
 
 def fail_type(field: str, expected: str, value: Any) -> NoReturn:
-    raise InvalidArgumentType(f"{field} must be {expected}, got {type(value).__name__} {show(value)}")
+    raise InvalidArgumentType(
+        f"{field} must be {expected}, got {type(value).__name__} {show(value)}"
+    )
 
 
 def fail_value(field: str, what: str, value: Any) -> NoReturn:

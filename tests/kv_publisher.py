@@ -44,8 +44,14 @@ MAX_SCRIPTED_S = 10.0
 class TestPublisher:
     __test__ = False  # not a pytest class
 
-    def __init__(self, ctx: zmq.Context, topic: str = "", buffer_steps: int = 10_000,
-                 pub_endpoint: str = "tcp://127.0.0.1:*", replay_endpoint: str = "tcp://127.0.0.1:*"):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        pub_endpoint: str = "tcp://127.0.0.1:*",
+        replay_endpoint: str = "tcp://127.0.0.1:*",
+    ):
         self.ctx = ctx
         self.topic = topic.encode()
         self.pub = ctx.socket(zmq.PUB)
@@ -100,8 +106,9 @@ class TestPublisher:
                 continue
             try:
                 for s, p in items:
-                    self.replay.send_multipart((client_id, b"", self.topic, s.to_bytes(8, "big"),
-                                                p))
+                    self.replay.send_multipart(
+                        (client_id, b"", self.topic, s.to_bytes(8, "big"), p)
+                    )
                 self.replay.send_multipart((client_id, b"", b"", END_SEQ, b""))
             except zmq.ZMQError:  # the client went away
                 continue

@@ -11,14 +11,23 @@ from mmreuse.hashing import HASH_FUNCTIONS
 IDENTIFIERS = [
     "0cf457e24a479f02fd4d34540389f720f0807dcff92a7562108165b2637ea82f",
     "5a0717cb6596468ea1dffa86011f9b0f497348d80421835b51799f9aeb455642",
-    "a", "b", "é", "ā", "L1:0cf457e24a479f02", "img", "mm", "s", "x" * 300,
+    "a",
+    "b",
+    "é",
+    "ā",
+    "L1:0cf457e24a479f02",
+    "img",
+    "mm",
+    "s",
+    "x" * 300,
 ]
 SEEDS = ["0", "42", "12345", "4294967295", "random", "", "seed-ü"]
 
 
 @st.composite
-def cases(draw, hash_fns=HASH_FUNCTIONS, max_lookahead=3, embeds=True, lora_int_id=False,
-          max_tokens=700):
+def cases(
+    draw, hash_fns=HASH_FUNCTIONS, max_lookahead=3, embeds=True, lora_int_id=False, max_tokens=700
+):
     fn = draw(st.sampled_from(hash_fns))
     seed = draw(st.sampled_from(SEEDS + ([None] if fn.startswith("sha256") else [])))
     bs = draw(st.one_of(st.integers(1, 64), st.sampled_from([1, 2, 16, 32, 64])))
@@ -27,8 +36,9 @@ def cases(draw, hash_fns=HASH_FUNCTIONS, max_lookahead=3, embeds=True, lora_int_
     rng = random.Random(draw(st.integers(0, 2**32)))
     big = draw(st.booleans())
     tokens = [
-        rng.randrange(2**63) if big and rng.random() < 0.2 else rng.choice(
-            [rng.randrange(256), rng.randrange(65536), rng.randrange(152000), 151655])
+        rng.randrange(2**63)
+        if big and rng.random() < 0.2
+        else rng.choice([rng.randrange(256), rng.randrange(65536), rng.randrange(152000), 151655])
         for _ in range(n)
     ]
     steps = None
@@ -61,8 +71,10 @@ def cases(draw, hash_fns=HASH_FUNCTIONS, max_lookahead=3, embeds=True, lora_int_
     if steps:
         case["steps"] = steps
     if draw(st.integers(0, 3)) == 0:
-        lora = {"name": draw(st.sampled_from(["L1", "a", "s", "adapter-ü", "img"])),
-                "path": draw(st.sampled_from(["/p", "/a/b", "a"]))}
+        lora = {
+            "name": draw(st.sampled_from(["L1", "a", "s", "adapter-ü", "img"])),
+            "path": draw(st.sampled_from(["/p", "/a/b", "a"])),
+        }
         if lora_int_id:
             lora["int_id"] = draw(st.integers(1, 1000))
         case["lora"] = lora
@@ -70,7 +82,9 @@ def cases(draw, hash_fns=HASH_FUNCTIONS, max_lookahead=3, embeds=True, lora_int_
         case["cache_salt"] = draw(st.sampled_from(["", "s", "a", "salt", "tenant-ü", "x" * 40]))
     if embeds and prompt_len and draw(st.integers(0, 6)) == 0:
         case["prompt_embeds"] = {
-            "rows": prompt_len, "dim": draw(st.integers(1, 8)), "seed": draw(st.integers(0, 99)),
+            "rows": prompt_len,
+            "dim": draw(st.integers(1, 8)),
+            "seed": draw(st.integers(0, 99)),
             "dtype": draw(st.sampled_from(["float32", "bfloat16", "float16"])),
         }
     return case
@@ -119,6 +133,7 @@ def demand_requests(draw, max_tokens=300, max_items=8, overlap=True):
     freeable = frozenset(i for i in p_local if rng.random() < 0.4)
     p_external = frozenset(i for i in idents if rng.random() < 0.3)
     e_cached = frozenset(i for i in idents if rng.random() < 0.3)
-    avail = dict(p_local=p_local, p_local_freeable=freeable, p_external=p_external,
-                 e_cached=e_cached)
+    avail = dict(
+        p_local=p_local, p_local_freeable=freeable, p_external=p_external, e_cached=e_cached
+    )
     return occs, n, c, avail

@@ -20,7 +20,11 @@ class Clock:
 def env():
     clock = Clock()
     metrics = Metrics(CollectorRegistry())
-    return EmbeddingAvailability(ttl_s=10, max_entries=3, timer=clock, metrics=metrics), clock, metrics
+    return (
+        EmbeddingAvailability(ttl_s=10, max_entries=3, timer=clock, metrics=metrics),
+        clock,
+        metrics,
+    )
 
 
 def value(metric, *labels):
@@ -34,8 +38,12 @@ def test_deltas_build_the_availability(env):
     av.update_external(added=["c"])
     av.update_e("e0", added=["d"])
     got = av.availability_for("p0", "e0")
-    assert got == Availability(p_local={"a": 16, "b": 8}, p_local_freeable=frozenset({"b"}),
-                               p_external=frozenset({"c"}), e_cached=frozenset({"d"}))
+    assert got == Availability(
+        p_local={"a": 16, "b": 8},
+        p_local_freeable=frozenset({"b"}),
+        p_external=frozenset({"c"}),
+        e_cached=frozenset({"d"}),
+    )
     av.update_p("p0", referenced=["b"], removed=["a"])
     av.update_external(removed=["c"])
     got = av.availability_for("p0", "e0")
@@ -89,23 +97,28 @@ def test_forget_instance(env):
     assert av.availability_for("p0", cache_salt="s").p_local == {}
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda av: av.update_p("", added={"a": 1}), "instance"),
-    (lambda av: av.update_p("p0", added={"a": 0}), r"added\['a'\]"),
-    (lambda av: av.update_p("p0", added=["a"]), "mapping"),
-    (lambda av: av.update_p("p0", removed="abc"), "removed"),
-    (lambda av: av.update_e("e0", added=[1]), "added"),
-    (lambda av: av.update_external(store="", added=["a"]), "store"),
-    (lambda av: av.update_p("p0", added={"a": 1}, cache_salt=3), "cache_salt"),
-    (lambda av: av.availability_for(""), "p_instance"),
-    (lambda av: av.forget_instance("x", "p0"), "kind"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda av: av.update_p("", added={"a": 1}), "instance"),
+        (lambda av: av.update_p("p0", added={"a": 0}), r"added\['a'\]"),
+        (lambda av: av.update_p("p0", added=["a"]), "mapping"),
+        (lambda av: av.update_p("p0", removed="abc"), "removed"),
+        (lambda av: av.update_e("e0", added=[1]), "added"),
+        (lambda av: av.update_external(store="", added=["a"]), "store"),
+        (lambda av: av.update_p("p0", added={"a": 1}, cache_salt=3), "cache_salt"),
+        (lambda av: av.availability_for(""), "p_instance"),
+        (lambda av: av.forget_instance("x", "p0"), "kind"),
+    ],
+)
 def test_bad_input(env, call, match):
     with pytest.raises(ValueError, match=match):
         call(env[0])
 
 
-@pytest.mark.parametrize("kwargs,match", [({"ttl_s": 0}, "ttl_s"), ({"max_entries": 0}, "max_entries")])
+@pytest.mark.parametrize(
+    "kwargs,match", [({"ttl_s": 0}, "ttl_s"), ({"max_entries": 0}, "max_entries")]
+)
 def test_bad_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EmbeddingAvailability(**kwargs)

@@ -21,6 +21,7 @@ IN_RANGE = r"an event id in \[0, 2\*\*64\)"
 
 # ---- to_event_id / to_event_ids ------------------------------------------------------------
 
+
 def test_bytes_give_their_low_64_bits_big_endian():
     d = hashlib.sha256(b"x").digest()
     assert to_event_id(d) == int.from_bytes(d[-8:], "big")
@@ -34,17 +35,28 @@ def test_ints_in_range_are_event_ids_as_they_are(value):
     assert to_event_id(value) == value and type(to_event_id(value)) is int
 
 
-@pytest.mark.parametrize("bad,cls,msg", [
-    (-1, InvalidArgument, r"block_hash must be an event id in \[0, 2\*\*64\), got -1"),
-    (2**64, InvalidArgument, r"block_hash must be an event id in .*, got 18446744073709551616$"),
-    (b"1234567", InvalidArgument, r"block_hash must be a block hash of >= 8 bytes, got b'1234567'"),
-    (bytearray(), InvalidArgument, r">= 8 bytes, got bytearray\(b''\)"),
-    (True, InvalidArgumentType, r"block_hash must be a block hash \(bytes\) .*, got bool True"),
-    ("ab" * 8, InvalidArgumentType, r"got str 'abab"),
-    (1.0, InvalidArgumentType, r"got float 1.0"),
-    (None, InvalidArgumentType, r"got NoneType None"),
-    (np.uint64(3), InvalidArgumentType, r"got uint64"),
-])
+@pytest.mark.parametrize(
+    "bad,cls,msg",
+    [
+        (-1, InvalidArgument, r"block_hash must be an event id in \[0, 2\*\*64\), got -1"),
+        (
+            2**64,
+            InvalidArgument,
+            r"block_hash must be an event id in .*, got 18446744073709551616$",
+        ),
+        (
+            b"1234567",
+            InvalidArgument,
+            r"block_hash must be a block hash of >= 8 bytes, got b'1234567'",
+        ),
+        (bytearray(), InvalidArgument, r">= 8 bytes, got bytearray\(b''\)"),
+        (True, InvalidArgumentType, r"block_hash must be a block hash \(bytes\) .*, got bool True"),
+        ("ab" * 8, InvalidArgumentType, r"got str 'abab"),
+        (1.0, InvalidArgumentType, r"got float 1.0"),
+        (None, InvalidArgumentType, r"got NoneType None"),
+        (np.uint64(3), InvalidArgumentType, r"got uint64"),
+    ],
+)
 def test_to_event_id_refuses(bad, cls, msg):
     with pytest.raises(cls, match=msg) as info:
         to_event_id(bad)
@@ -53,7 +65,7 @@ def test_to_event_id_refuses(bad, cls, msg):
 
 def test_to_event_ids_names_the_refused_index():
     assert to_event_ids([b"\x00" * 7 + b"\x05", 7]) == [5, 7]
-    assert to_event_ids((x for x in [1, 2])) == [1, 2]
+    assert to_event_ids(x for x in [1, 2]) == [1, 2]
     with pytest.raises(InvalidArgument, match=rf"^block_hashes\[3\] must be {IN_RANGE}, got -5$"):
         to_event_ids([1, 2, 3, -5])
     with pytest.raises(InvalidArgumentType, match=r"hs\[1\]"):
@@ -65,17 +77,18 @@ def test_to_event_ids_names_the_refused_index():
 
 # ---- Python and C agree: same key, or the same refusal -------------------------------------
 
+
 def _python(h):
     try:
         return ("ok", to_event_id(h))
-    except Exception as exc:  # noqa: BLE001 - the class is what is compared
+    except Exception as exc:
         return (type(exc), str(exc))
 
 
 def _c(fn, h):
     try:
         return ("ok", fn(h))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return (type(exc), str(exc))
 
 
@@ -91,7 +104,9 @@ HASHES = st.one_of(
     st.sampled_from([0, 2**64 - 1, 2**64, -1, -(2**63), 2**63, True, False]),
     st.binary(min_size=0, max_size=40),
     st.binary(min_size=0, max_size=40).map(bytearray),
-    st.none(), st.floats(allow_nan=False), st.text(max_size=10),
+    st.none(),
+    st.floats(allow_nan=False),
+    st.text(max_size=10),
 )
 
 
@@ -117,8 +132,11 @@ def test_c_tables_key_like_python(h):
 def test_c_messages_read_like_python():
     with pytest.raises(InvalidArgument, match=rf"^block_hashes\[3\] must be {IN_RANGE}, got -5$"):
         HashTable().prefix([1, 2, 3, -5])
-    with pytest.raises(InvalidArgumentType, match=r"^block_hashes\[1\] must be a block hash "
-                       r"\(bytes\) or a 64-bit int event id, got str 'x'$"):
+    with pytest.raises(
+        InvalidArgumentType,
+        match=r"^block_hashes\[1\] must be a block hash "
+        r"\(bytes\) or a 64-bit int event id, got str 'x'$",
+    ):
         HashTable().add([1, "x"], 1)
     long_repr = b"\x00" * 3 + b"y" * 100
     with pytest.raises(InvalidArgumentType) as c_err:
@@ -129,6 +147,7 @@ def test_c_messages_read_like_python():
 
 
 # ---- the negative-int disagreement, fixed --------------------------------------------------
+
 
 def test_negative_ids_are_refused_by_block_index_everywhere():
     idx = BlockIndex(8)

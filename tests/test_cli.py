@@ -23,6 +23,10 @@ def test_hash_demo_bad_argument_is_a_clear_error(capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "mmreuse.cli", "hash-demo", "--hash-fn", "xxhash",
-                          "--seed", "0"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "mmreuse.cli", "hash-demo", "--hash-fn", "xxhash", "--seed", "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "hash_fn xxhash" in out

@@ -17,6 +17,7 @@ def classes(res):
 
 # ---- §6.4 numbered cases ------------------------------------------------------------------------
 
+
 def test_case_01_full_kv_coverage():
     c, ext = kv_coverage(64, cached_prefix_tokens=64, block_size=16)
     assert (c, ext) == (48, 0)
@@ -29,7 +30,12 @@ def test_case_02_coverage_ends_mid_occurrence():
     d = compute_demand([occ("X", 10, 42)], 64, 32)
     m0 = d.decisions[0]
     assert (m0.klass, m0.num_embeds, m0.uncovered_embeds, m0.first_uncovered_pos, m0.partial) == (
-        K.E_COMPUTE, 32, 10, 32, True)
+        K.E_COMPUTE,
+        32,
+        10,
+        32,
+        True,
+    )
     assert d.e_demand == (("X", True),)
 
 
@@ -81,8 +87,12 @@ def test_case_06_p_local_hit():
 
 
 def test_case_06b_p_local_freeable_is_evictable():
-    d = compute_demand([occ("Y", 10, 30)], 64, 0,
-                       Availability(p_local={"Y": 20}, p_local_freeable=frozenset({"Y"})))
+    d = compute_demand(
+        [occ("Y", 10, 30)],
+        64,
+        0,
+        Availability(p_local={"Y": 20}, p_local_freeable=frozenset({"Y"})),
+    )
     assert classes(d) == [K.P_LOCAL] and d.decisions[0].evictable
 
 
@@ -98,8 +108,9 @@ def test_case_07_external_ec_hit():
 
 
 def test_case_07b_local_is_checked_before_external():
-    d = compute_demand([occ("Y", 10, 30)], 64, 0,
-                       Availability(p_local={"Y": 20}, p_external=frozenset({"Y"})))
+    d = compute_demand(
+        [occ("Y", 10, 30)], 64, 0, Availability(p_local={"Y": 20}, p_external=frozenset({"Y"}))
+    )
     assert classes(d) == [K.P_LOCAL] and d.p_loads == ()
 
 
@@ -144,20 +155,31 @@ def test_case_10_invariant_c_equal_n_raises():
 def test_case_11_block_aligned_coverage_stops_mid_image():
     c, _ = kv_coverage(100, cached_prefix_tokens=48, block_size=16)
     m0 = compute_demand([occ("W", 20, 60)], 100, c).decisions[0]
-    assert (c, m0.klass, m0.num_embeds, m0.uncovered_embeds, m0.first_uncovered_pos, m0.partial) == (
-        48, K.E_COMPUTE, 40, 12, 48, True)
+    assert (
+        c,
+        m0.klass,
+        m0.num_embeds,
+        m0.uncovered_embeds,
+        m0.first_uncovered_pos,
+        m0.partial,
+    ) == (48, K.E_COMPUTE, 40, 12, 48, True)
 
 
 def test_case_11b_connector_part_makes_coverage_conditional():
     c, ext = kv_coverage(100, cached_prefix_tokens=32, block_size=16, external_tokens=16)
     assert (c, ext) == (48, 16)
-    assert compute_demand([occ("W", 20, 60)], 100, c, external_kv_tokens=ext).decisions[0].klass \
+    assert (
+        compute_demand([occ("W", 20, 60)], 100, c, external_kv_tokens=ext).decisions[0].klass
         is K.E_COMPUTE
+    )
     m0 = compute_demand([occ("W", 20, 40)], 100, c, external_kv_tokens=ext).decisions[0]
     assert m0.klass is K.KV_COVERED and m0.coverage_conditional
     # covered by local KV alone: not conditional
-    assert not compute_demand([occ("W", 0, 20)], 100, c, external_kv_tokens=ext) \
-        .decisions[0].coverage_conditional
+    assert (
+        not compute_demand([occ("W", 0, 20)], 100, c, external_kv_tokens=ext)
+        .decisions[0]
+        .coverage_conditional
+    )
 
 
 def test_case_12_eagle_drop():
@@ -169,11 +191,18 @@ def test_case_12_eagle_drop():
 
 
 def test_case_13_skip_reading_prefix_cache():
-    c, ext = kv_coverage(100, cached_prefix_tokens=96, block_size=16, external_tokens=16,
-                         skip_reading_prefix_cache=True)
+    c, ext = kv_coverage(
+        100,
+        cached_prefix_tokens=96,
+        block_size=16,
+        external_tokens=16,
+        skip_reading_prefix_cache=True,
+    )
     assert (c, ext) == (0, 0)
     assert classes(compute_demand([occ("A", 0, 10), occ("B", 50, 60)], 100, c)) == [
-        K.E_COMPUTE, K.E_COMPUTE]
+        K.E_COMPUTE,
+        K.E_COMPUTE,
+    ]
 
 
 @pytest.mark.parametrize("c", [0, 8, 15, 16, 40, 63])
@@ -183,8 +212,9 @@ def test_case_14_zero_embed_occurrence(c):
 
 
 def test_case_15_encoder_decoder():
-    avail = Availability(p_local={"A": 10}, p_external=frozenset({"A", "B"}),
-                         e_cached=frozenset({"B"}))
+    avail = Availability(
+        p_local={"A": 10}, p_external=frozenset({"A", "B"}), e_cached=frozenset({"B"})
+    )
     d = compute_demand([occ("A", 0, 10), occ("B", 0, 20)], 64, 0, avail, is_encoder_decoder=True)
     assert classes(d) == [K.E_COMPUTE, K.E_CACHED]
     d = compute_demand([occ("A", 0, 10), occ("B", 0, 20)], 64, 5, avail, is_encoder_decoder=True)
@@ -198,13 +228,19 @@ def test_case_16_swa_bounded_replay():
     assert (m0.klass, m0.uncovered_embeds) == (K.E_COMPUTE, 20)
     assert kv_coverage(100, cached_prefix_tokens=32, block_size=16, prefix_replay_tokens=32)[0] == 0
     # a KV load that restores the window replays nothing
-    assert kv_coverage(100, cached_prefix_tokens=0, block_size=16, external_tokens=48,
-                       prefix_replay_tokens=32, replay_window_loaded=True) == (48, 48)
+    assert kv_coverage(
+        100,
+        cached_prefix_tokens=0,
+        block_size=16,
+        external_tokens=48,
+        prefix_replay_tokens=32,
+        replay_window_loaded=True,
+    ) == (48, 48)
 
 
 def test_case_17_overlapping_occurrences_use_own_masks():
     video_mask = [(j % 2 == 0) and j <= 90 for j in range(100)]  # last video embed at 100
-    audio_mask = [(j % 2 == 1) and j <= 47 for j in range(96)]   # last audio embed at 12+47=59
+    audio_mask = [(j % 2 == 1) and j <= 47 for j in range(96)]  # last audio embed at 12+47=59
     video, audio = occ("vid", 10, 110, video_mask), occ("aud", 12, 108, audio_mask)
     assert video.last_embed_pos == 100 and audio.last_embed_pos == 59
     d = compute_demand([video, audio], 200, 64)
@@ -227,8 +263,12 @@ def test_case_19_several_identifiers_mixed():
 
 
 def test_case_20_proxy_uuid_never_matches_engine_identifier():
-    d = compute_demand([occ("lora1:h", 0, 16)], 64, 0, Availability(p_local={"u1": 16},
-                                                                    p_external=frozenset({"h"})))
+    d = compute_demand(
+        [occ("lora1:h", 0, 16)],
+        64,
+        0,
+        Availability(p_local={"u1": 16}, p_external=frozenset({"h"})),
+    )
     assert classes(d) == [K.E_COMPUTE]
 
 
@@ -239,6 +279,7 @@ def test_case_21_duplicate_identifiers_with_inconsistent_counts():
 
 # ---- more behaviour -------------------------------------------------------------------------
 
+
 def test_e_demand_is_in_first_uncovered_order_not_input_order():
     # overlapping items: the later-starting one has its first uncovered embed earlier
     a = occ("a", 0, 40, [j >= 35 for j in range(40)])
@@ -248,10 +289,15 @@ def test_e_demand_is_in_first_uncovered_order_not_input_order():
 
 
 def test_needs_media_at_p_lists_racy_skips():
-    avail = Availability(p_local={"B": 10}, p_local_freeable=frozenset({"B"}),
-                         p_external=frozenset({"C"}))
-    mm = [occ("A", 20, 40), occ("T", 30, 50, [True] * 2 + [False] * 18), occ("B", 50, 60),
-          occ("C", 70, 80)]
+    avail = Availability(
+        p_local={"B": 10}, p_local_freeable=frozenset({"B"}), p_external=frozenset({"C"})
+    )
+    mm = [
+        occ("A", 20, 40),
+        occ("T", 30, 50, [True] * 2 + [False] * 18),
+        occ("B", 50, 60),
+        occ("C", 70, 80),
+    ]
     d = compute_demand(mm, 120, 48, avail, external_kv_tokens=16)
     assert d.skip_e
     assert d.decisions[0].coverage_conditional  # last embed 39 >= 48 - 16
@@ -275,21 +321,25 @@ def test_compute_demand_is_pure():
 
 # ---- bad input ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args,kwargs,match", [
-    (([], 64, -1), {}, "num_computed_tokens"),
-    (([], 64, 64), {}, "num_computed_tokens"),
-    (([], 0, 0), {}, "num_prompt_tokens"),
-    (([], 64, 8.0), {}, "num_computed_tokens"),
-    (([], 64, 8), {"external_kv_tokens": 9}, "external_kv_tokens"),
-    (([], 64, 8), {"external_kv_tokens": -1}, "external_kv_tokens"),
-    (([], 64, 8), {"coverage_rule": "blocks"}, "coverage_rule"),
-    (([occ("A", 60, 70)], 64, 8), {}, "outside the prompt"),
-    (([occ("A", 20, 30), occ("B", 10, 12)], 64, 8), {}, "sorted"),
-    (([("A", 0, 4)], 64, 8), {}, r"occurrences\[0\]"),
-    (("A", 64, 8), {}, "occurrences"),
-    (([], 64, 8, {"A": 1}), {}, "availability"),
-    (([], 64, 8), {"is_encoder_decoder": True, "external_kv_tokens": 4}, "encoder-decoder"),
-])
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        (([], 64, -1), {}, "num_computed_tokens"),
+        (([], 64, 64), {}, "num_computed_tokens"),
+        (([], 0, 0), {}, "num_prompt_tokens"),
+        (([], 64, 8.0), {}, "num_computed_tokens"),
+        (([], 64, 8), {"external_kv_tokens": 9}, "external_kv_tokens"),
+        (([], 64, 8), {"external_kv_tokens": -1}, "external_kv_tokens"),
+        (([], 64, 8), {"coverage_rule": "blocks"}, "coverage_rule"),
+        (([occ("A", 60, 70)], 64, 8), {}, "outside the prompt"),
+        (([occ("A", 20, 30), occ("B", 10, 12)], 64, 8), {}, "sorted"),
+        (([("A", 0, 4)], 64, 8), {}, r"occurrences\[0\]"),
+        (("A", 64, 8), {}, "occurrences"),
+        (([], 64, 8, {"A": 1}), {}, "availability"),
+        (([], 64, 8), {"is_encoder_decoder": True, "external_kv_tokens": 4}, "encoder-decoder"),
+    ],
+)
 def test_compute_demand_bad_input(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         compute_demand(*args, **kwargs)
@@ -300,28 +350,34 @@ def test_is_embed_length_mismatch_raises():
         occ("A", 0, 4, [True])
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"p_local": {"A": 0}}, r"p_local\['A'\]"),
-    ({"p_local": {1: 3}}, "p_local keys"),
-    ({"p_local": {"A": 3}, "p_local_freeable": frozenset({"B"})}, "p_local_freeable"),
-    ({"p_external": "AB"}, "p_external"),
-    ({"e_cached": {1}}, "e_cached"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"p_local": {"A": 0}}, r"p_local\['A'\]"),
+        ({"p_local": {1: 3}}, "p_local keys"),
+        ({"p_local": {"A": 3}, "p_local_freeable": frozenset({"B"})}, "p_local_freeable"),
+        ({"p_external": "AB"}, "p_external"),
+        ({"e_cached": {1}}, "e_cached"),
+    ],
+)
 def test_availability_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Availability(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"cached_prefix_tokens": 65}, "cached_prefix_tokens"),
-    ({"cached_prefix_tokens": 0, "block_size": 0}, "block_size"),
-    ({"cached_prefix_tokens": 0, "alignment_tokens": 5}, "alignment_tokens"),
-    ({"cached_prefix_tokens": 0, "alignment_tokens": 32}, "alignment_tokens"),
-    ({"cached_prefix_tokens": 0, "eagle_drop": True, "hash_lookahead": 1}, "eagle_drop"),
-    ({"cached_prefix_tokens": 0, "max_cache_hit_length": 64}, "max_cache_hit_length"),
-    ({"cached_prefix_tokens": 48, "external_tokens": 32}, "exceeds"),
-    ({"cached_prefix_tokens": 0, "external_tokens": -1}, "external_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"cached_prefix_tokens": 65}, "cached_prefix_tokens"),
+        ({"cached_prefix_tokens": 0, "block_size": 0}, "block_size"),
+        ({"cached_prefix_tokens": 0, "alignment_tokens": 5}, "alignment_tokens"),
+        ({"cached_prefix_tokens": 0, "alignment_tokens": 32}, "alignment_tokens"),
+        ({"cached_prefix_tokens": 0, "eagle_drop": True, "hash_lookahead": 1}, "eagle_drop"),
+        ({"cached_prefix_tokens": 0, "max_cache_hit_length": 64}, "max_cache_hit_length"),
+        ({"cached_prefix_tokens": 48, "external_tokens": 32}, "exceeds"),
+        ({"cached_prefix_tokens": 0, "external_tokens": -1}, "external_tokens"),
+    ],
+)
 def test_kv_coverage_bad_input(kwargs, match):
     kwargs.setdefault("block_size", 16)
     with pytest.raises(ValueError, match=match):
@@ -330,10 +386,12 @@ def test_kv_coverage_bad_input(kwargs, match):
 
 def test_kv_coverage_connector_rule():
     # local 40 with fine alignment 8: tail 8; remote 24 > 8 -> drop the tail, take the remote
-    assert kv_coverage(100, cached_prefix_tokens=40, block_size=16, alignment_tokens=8,
-                       external_tokens=24) == (56, 24)
+    assert kv_coverage(
+        100, cached_prefix_tokens=40, block_size=16, alignment_tokens=8, external_tokens=24
+    ) == (56, 24)
     # remote 8 does not beat the tail: keep the local tail, load nothing
-    assert kv_coverage(100, cached_prefix_tokens=40, block_size=16, alignment_tokens=8,
-                       external_tokens=8) == (40, 0)
+    assert kv_coverage(
+        100, cached_prefix_tokens=40, block_size=16, alignment_tokens=8, external_tokens=8
+    ) == (40, 0)
     assert kv_coverage(100, cached_prefix_tokens=32, block_size=16, external_tokens=20) == (52, 20)
     assert kv_coverage(100, cached_prefix_tokens=96, block_size=16, hash_lookahead=8) == (80, 0)

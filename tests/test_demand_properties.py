@@ -58,7 +58,7 @@ def test_demanded_iff_the_chunked_prefill_touches_an_embed_at_or_after_c(req, ch
     occs, n, c, _ = req
     consumed = walk_chunked_prefill(occs, n, c, chunks)
     res = compute_demand(occs, n, c)
-    for d, used, m in zip(res.decisions, consumed, occs):
+    for d, used, m in zip(res.decisions, consumed, occs, strict=True):
         assert (d.klass in NEEDS) == (used > 0)
         assert d.uncovered_embeds == used
         if d.klass in NEEDS:
@@ -75,7 +75,7 @@ def test_more_coverage_never_adds_demand(req, more):
     c2 = min(n - 1, c + more)
     a = Availability(**avail)
     low, high = compute_demand(occs, n, c, a), compute_demand(occs, n, c2, a)
-    for d_low, d_high in zip(low.decisions, high.decisions):
+    for d_low, d_high in zip(low.decisions, high.decisions, strict=True):
         if d_low.klass not in NEEDS:
             assert d_high.klass not in NEEDS
     if low.conflicts or high.conflicts:
@@ -85,12 +85,12 @@ def test_more_coverage_never_adds_demand(req, more):
     assert set(high.p_local_reuse) <= set(low.p_local_reuse)
 
 
-@given(req=demand_requests(), rule=st.sampled_from(["embed", "placeholder"]),
-       encdec=st.booleans())
+@given(req=demand_requests(), rule=st.sampled_from(["embed", "placeholder"]), encdec=st.booleans())
 def test_result_invariants(req, rule, encdec):
     occs, n, c, avail = req
-    res = compute_demand(occs, n, c, Availability(**avail), coverage_rule=rule,
-                         is_encoder_decoder=encdec)
+    res = compute_demand(
+        occs, n, c, Availability(**avail), coverage_rule=rule, is_encoder_decoder=encdec
+    )
     assert [d.index for d in res.decisions] == list(range(len(occs)))
     first = {}
     for d in res.decisions:
@@ -107,13 +107,15 @@ def test_result_invariants(req, rule, encdec):
     for seq in (res.e_demand, res.p_loads, res.p_local_reuse, res.conflicts):
         assert len(seq) == len(set(seq))
     assert {i for i, _ in res.e_demand} == {i for i, d in first.items() if d.klass.needs_e}
-    assert dict(res.e_demand) == {i: d.klass is Klass.E_COMPUTE for i, d in first.items()
-                                  if d.klass.needs_e}
+    assert dict(res.e_demand) == {
+        i: d.klass is Klass.E_COMPUTE for i, d in first.items() if d.klass.needs_e
+    }
     assert set(res.p_loads) == {i for i, d in first.items() if d.klass is Klass.P_EXTERNAL}
     assert set(res.p_local_reuse) == {i for i, d in first.items() if d.klass is Klass.P_LOCAL}
     if encdec:
         assert all(d.klass in (Klass.KV_COVERED, Klass.NO_EMBEDS) for d in res.decisions) == (
-            c > 0 or all(m.num_embeds == 0 for m in occs))
+            c > 0 or all(m.num_embeds == 0 for m in occs)
+        )
 
 
 @given(req=demand_requests())

@@ -14,14 +14,25 @@ COVERED = {Klass.KV_COVERED, Klass.NO_EMBEDS}
 
 
 def vllm_outcome(vllm_scheduler, occs, n, c, avail, encdec):
-    return vllm_scheduler.compute({
-        "occurrences": [{"identifier": m.identifier, "offset": m.offset, "length": m.length,
-                         "is_embed": None if m.is_embed is None else list(m.is_embed)}
-                        for m in occs],
-        "num_prompt_tokens": n, "num_computed_tokens": c,
-        "p_local": avail["p_local"], "p_local_freeable": sorted(avail["p_local_freeable"]),
-        "p_external": sorted(avail["p_external"]), "is_encoder_decoder": encdec,
-    })
+    return vllm_scheduler.compute(
+        {
+            "occurrences": [
+                {
+                    "identifier": m.identifier,
+                    "offset": m.offset,
+                    "length": m.length,
+                    "is_embed": None if m.is_embed is None else list(m.is_embed),
+                }
+                for m in occs
+            ],
+            "num_prompt_tokens": n,
+            "num_computed_tokens": c,
+            "p_local": avail["p_local"],
+            "p_local_freeable": sorted(avail["p_local_freeable"]),
+            "p_external": sorted(avail["p_external"]),
+            "is_encoder_decoder": encdec,
+        }
+    )
 
 
 def vllm_classes(out, occs):
@@ -32,16 +43,23 @@ def vllm_classes(out, occs):
     for i in out["load"]:
         by_item[i] = "load"
     for i in out["duplicate"]:  # same as the scheduled occurrence of that identifier
-        first = next(j for j in out["encode"] + out["load"]
-                     if occs[j].identifier == occs[i].identifier)
+        first = next(
+            j for j in out["encode"] + out["load"] if occs[j].identifier == occs[i].identifier
+        )
         by_item[i] = by_item[first]
     for i in out["cache_hit"]:  # a P-local reference; a reuse only if P consumes embeddings
         by_item[i] = "reuse" if out["embeds_in_window"][i] else "nothing"
     return [by_item.get(i, "nothing") for i in range(len(occs))]
 
 
-EXPECT = {Klass.E_COMPUTE: "encode", Klass.E_CACHED: "encode", Klass.P_EXTERNAL: "load",
-          Klass.P_LOCAL: "reuse", Klass.KV_COVERED: "nothing", Klass.NO_EMBEDS: "nothing"}
+EXPECT = {
+    Klass.E_COMPUTE: "encode",
+    Klass.E_CACHED: "encode",
+    Klass.P_EXTERNAL: "load",
+    Klass.P_LOCAL: "reuse",
+    Klass.KV_COVERED: "nothing",
+    Klass.NO_EMBEDS: "nothing",
+}
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -62,21 +80,27 @@ def test_classes_equal_vllm_scheduler(vllm_scheduler, req, encdec):
     if out["rejected"]:
         return
     assert [EXPECT[d.klass] for d in res.decisions] == vllm_classes(out, occs)
-    for d, k in zip(res.decisions, out["embeds_in_window"]):
+    for d, k in zip(res.decisions, out["embeds_in_window"], strict=True):
         assert d.uncovered_embeds == (k if not encdec or c == 0 else 0)
 
 
 def test_oracle_sees_the_spec_cases(vllm_scheduler):
     """A few §6.4 cases, end to end through vLLM."""
     X = [MMOccurrence("X", 4, 16), MMOccurrence("X", 60, 16)]
-    empty = {"p_local": {}, "p_local_freeable": frozenset(), "p_external": frozenset(),
-             "e_cached": frozenset()}
+    empty = {
+        "p_local": {},
+        "p_local_freeable": frozenset(),
+        "p_external": frozenset(),
+        "e_cached": frozenset(),
+    }
     out = vllm_outcome(vllm_scheduler, X, 96, 48, empty, False)
     assert vllm_classes(out, X) == ["nothing", "encode"]
     out = vllm_outcome(vllm_scheduler, X, 96, 0, empty, False)
     assert vllm_classes(out, X) == ["encode", "encode"] and out["duplicate"] == [1]
     local = dict(empty, p_local={"X": 16})
     assert vllm_classes(vllm_outcome(vllm_scheduler, X, 96, 48, local, False), X) == [
-        "nothing", "reuse"]
+        "nothing",
+        "reuse",
+    ]
     bad = dict(empty, p_local={"X": 15})
     assert vllm_outcome(vllm_scheduler, X, 96, 48, bad, False)["rejected"]

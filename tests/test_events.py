@@ -46,8 +46,16 @@ def test_vllm_fixture_decodes_exactly(fx):
 
 
 def stored(hashes, medium="GPU", **kw):
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
-                       block_size=16, lora_id=None, medium=medium, lora_name=None, **kw)
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        **kw,
+    )
 
 
 def batch(*events, ts=1.0):
@@ -73,16 +81,31 @@ def test_legacy_array_layout_decodes():
     class AllClearedOld(LegacyEvent, tag="AllBlocksCleared"):
         pass
 
-    payload = msgspec.msgpack.encode([2.0, [BlockStoredOld([7, 8], None, [1, 2], 16, None, "GPU"),
-                                            BlockRemovedOld([7], "GPU"), AllClearedOld()], 3])
+    payload = msgspec.msgpack.encode(
+        [
+            2.0,
+            [
+                BlockStoredOld([7, 8], None, [1, 2], 16, None, "GPU"),
+                BlockRemovedOld([7], "GPU"),
+                AllClearedOld(),
+            ],
+            3,
+        ]
+    )
     assert msgspec.msgpack.decode(payload)[1][0][0] == "BlockStored"  # really arrays
     b = decode_batch(payload)
     assert b.data_parallel_rank == 3 and b.ts == 2.0
-    assert b.events[0] == stored([7, 8], token_ids=None) if False else b.events[0].block_hashes == [7, 8]
+    assert (
+        b.events[0] == stored([7, 8], token_ids=None)
+        if False
+        else b.events[0].block_hashes == [7, 8]
+    )
     assert isinstance(b.events[1], BlockRemoved) and isinstance(b.events[2], AllBlocksCleared)
 
 
-@pytest.mark.parametrize("payload", [b"", b"\x93\x01", b"not msgpack", msgspec.msgpack.encode([1.0, [{"type": "Nope"}]])])
+@pytest.mark.parametrize(
+    "payload", [b"", b"\x93\x01", b"not msgpack", msgspec.msgpack.encode([1.0, [{"type": "Nope"}]])]
+)
 def test_malformed_payloads_raise(payload):
     with pytest.raises(MalformedBatch):
         decode_batch(payload)
@@ -91,6 +114,7 @@ def test_malformed_payloads_raise(payload):
 
 
 # ---- RemoteKVIndex ------------------------------------------------------------------------
+
 
 def h(i):
     return hashlib.sha256(f"blk{i}".encode()).digest()
@@ -114,7 +138,12 @@ def test_index_duplicate_blocks_need_two_removals():
     idx.apply(batch(stored([1]), stored([1])))
     idx.apply(batch(BlockRemoved(block_hashes=[1], medium="GPU")))
     assert idx.contains(1)
-    idx.apply(batch(BlockRemoved(block_hashes=[1], medium="GPU"), BlockRemoved(block_hashes=[1], medium="GPU")))
+    idx.apply(
+        batch(
+            BlockRemoved(block_hashes=[1], medium="GPU"),
+            BlockRemoved(block_hashes=[1], medium="GPU"),
+        )
+    )
     assert not idx.contains(1)
 
 
@@ -123,7 +152,7 @@ def test_index_batch_is_all_or_nothing():
     with pytest.raises(ValueError, match="8 bytes"):
         idx.apply(batch(stored([1, 2]), BlockRemoved(block_hashes=[b"short"], medium="GPU")))
     assert idx.size() == 0
-    for bad in ([-2**63 - 1], [2**64], [1.5]):
+    for bad in ([-(2**63) - 1], [2**64], [1.5]):
         with pytest.raises(ValueError, match="block_hashes"):
             idx.longest_prefix(bad)
     with pytest.raises(ValueError, match="instance"):
@@ -133,6 +162,7 @@ def test_index_batch_is_all_or_nothing():
 
 
 # ---- the subscriber over loopback ZMQ -----------------------------------------------------
+
 
 def wait_for(pred, timeout=10.0):
     end = time.monotonic() + timeout
@@ -161,8 +191,14 @@ def value(metric, *labels):
 
 def run(ctx, metrics, pub, **kw):
     idx = RemoteKVIndex("p0")
-    sub = KVEventSubscriber(pub.endpoint, kw.pop("replay", pub.replay_endpoint), index=idx,
-                            metrics=metrics, context=ctx, **kw)
+    sub = KVEventSubscriber(
+        pub.endpoint,
+        kw.pop("replay", pub.replay_endpoint),
+        index=idx,
+        metrics=metrics,
+        context=ctx,
+        **kw,
+    )
     return idx, sub.start()
 
 
@@ -209,7 +245,9 @@ def test_gap_beyond_the_replay_buffer_resets_the_view(ctx, metrics):
         pub.publish(batch(stored([100])))
         assert wait_for(lambda: sub.applied_seq == 0)
         for i in range(1, 6):  # lost, and the buffer keeps only the last 2
-            pub.publish(batch(BlockRemoved(block_hashes=[100], medium="GPU"), stored([i])), drop=True)
+            pub.publish(
+                batch(BlockRemoved(block_hashes=[100], medium="GPU"), stored([i])), drop=True
+            )
         pub.publish(batch(stored([6])))
         assert wait_for(lambda: sub.applied_seq == 6)
         assert value(metrics.resyncs, "p0") == 1
@@ -268,8 +306,12 @@ def test_burst_is_applied_in_order(ctx, metrics):
         time.sleep(0.2)
         n = 3000
         for i in range(n):
-            pub.publish(batch(stored([i * 16 + j for j in range(16)]),
-                              BlockRemoved(block_hashes=[i * 16], medium="GPU")))
+            pub.publish(
+                batch(
+                    stored([i * 16 + j for j in range(16)]),
+                    BlockRemoved(block_hashes=[i * 16], medium="GPU"),
+                )
+            )
         assert wait_for(lambda: sub.applied_seq == n - 1, timeout=30)
         assert idx.size() == n * 15
         assert value(metrics.batches, "p0") == n
@@ -301,8 +343,9 @@ def test_malformed_frames_and_payloads_are_counted_and_survived(ctx, metrics):
 def test_topic_filter_and_clean_idle(ctx, metrics):
     pub = TestPublisher(ctx, topic="kv")
     idx = RemoteKVIndex("p1")
-    sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint, topic="kv", index=idx,
-                            metrics=metrics, context=ctx).start()
+    sub = KVEventSubscriber(
+        pub.endpoint, pub.replay_endpoint, topic="kv", index=idx, metrics=metrics, context=ctx
+    ).start()
     try:
         time.sleep(0.2)
         pub.publish(batch(stored([9])))
@@ -318,19 +361,23 @@ def test_topic_filter_and_clean_idle(ctx, metrics):
         sub.start()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"endpoint": "localhost:5557"}, "endpoint"),
-    ({"endpoint": "tcp://127.0.0.1:1", "replay_endpoint": "x"}, "replay_endpoint"),
-    ({"endpoint": "tcp://127.0.0.1:1", "topic": 3}, "topic"),
-    ({"endpoint": "tcp://127.0.0.1:1", "index": {}}, "index"),
-    ({"endpoint": "tcp://127.0.0.1:1", "replay_timeout_s": 0}, "replay_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"endpoint": "localhost:5557"}, "endpoint"),
+        ({"endpoint": "tcp://127.0.0.1:1", "replay_endpoint": "x"}, "replay_endpoint"),
+        ({"endpoint": "tcp://127.0.0.1:1", "topic": 3}, "topic"),
+        ({"endpoint": "tcp://127.0.0.1:1", "index": {}}, "index"),
+        ({"endpoint": "tcp://127.0.0.1:1", "replay_timeout_s": 0}, "replay_timeout_s"),
+    ],
+)
 def test_subscriber_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KVEventSubscriber(**kwargs)
 
 
 # ---- against vLLM's own prefix cache ------------------------------------------------------
+
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -344,8 +391,12 @@ def test_longest_prefix_equals_vllm_block_pool_hits(seed):
     from .oracle_client import require_oracle
 
     py, _ = require_oracle()
-    out = subprocess.run([str(py), str(Path(__file__).parent / "vllm_blockpool_oracle.py"),
-                          str(seed)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(py), str(Path(__file__).parent / "vllm_blockpool_oracle.py"), str(seed)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     steps = json.loads(out.stdout.strip().splitlines()[-1])
     hasher = BlockHasher("sha256", 16, seed="0")
     idx = RemoteKVIndex("vllm")
@@ -363,6 +414,7 @@ def test_longest_prefix_equals_vllm_block_pool_hits(seed):
 
 
 # ---- the KVView protocol and hash validation -------------------------------------------------
+
 
 def test_index_match_prefix_is_the_gpu_longest_prefix():
     from mmreuse.kvview import KVView, PrefixMatch
@@ -386,8 +438,12 @@ def test_index_validates_every_hash():
         ([1, 2, "x"], InvalidArgumentType, r"block_hashes\[2\]"),
         ([1, 9, -1], InvalidArgument, r"block_hashes\[2\] must be an event id in .*, got -1"),
     ]:
-        for call in (idx.longest_prefix, idx.match_prefix, RemoteKVIndex().longest_prefix,
-                     lambda x: idx.longest_prefix(x, medium="CPU")):
+        for call in (
+            idx.longest_prefix,
+            idx.match_prefix,
+            RemoteKVIndex().longest_prefix,
+            lambda x: idx.longest_prefix(x, medium="CPU"),
+        ):
             with pytest.raises(cls, match=match):
                 call(hashes)
     with pytest.raises(InvalidArgument, match="event id"):

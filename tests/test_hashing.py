@@ -22,6 +22,7 @@ def test_fast_path_is_built():
 
 # ---- NONE_HASH seeds ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fn", ["sha256", "sha256_cbor"])
 def test_unset_seed_uses_vllms_default_for_sha256(fn):
     assert BlockHasher(fn).none_hash == get_hash_fn(fn)(DEFAULT_NONE_HASH_SEED)
@@ -50,6 +51,7 @@ def test_random_seed_opt_in_warns_and_differs():
 
 # ---- event ids ---------------------------------------------------------------------------------
 
+
 def test_to_event_id_is_low_64_bits_big_endian():
     h = bytes(range(32))
     assert to_event_id(h) == int.from_bytes(h, "big") & (2**64 - 1) == int.from_bytes(h[24:], "big")
@@ -64,6 +66,7 @@ def test_to_event_id_rejects_non_hashes(bad):
 
 # ---- one-shot, incremental, fast vs reference --------------------------------------------------
 
+
 @given(case=cases(max_tokens=300))
 def test_fast_path_equals_reference(case):
     assert hash_case(case) == hash_case(case, use_fast_path=False)
@@ -71,8 +74,30 @@ def test_fast_path_equals_reference(case):
 
 # Where the encodings of a token id change length: CBOR 24, both 2**8 and 2**16, pickle's BININT
 # limit 2**31, CBOR's 4-byte limit 2**32, and pickle LONG1 / CBOR 8-byte ids beyond.
-BOUNDARY_IDS = [0, 1, 23, 24, 25, 255, 256, 257, 65535, 65536, 65537, 151655, 2**24, 2**30 - 1,
-                2**30, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**60, 2**63 - 1]
+BOUNDARY_IDS = [
+    0,
+    1,
+    23,
+    24,
+    25,
+    255,
+    256,
+    257,
+    65535,
+    65536,
+    65537,
+    151655,
+    2**24,
+    2**30 - 1,
+    2**30,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**40,
+    2**60,
+    2**63 - 1,
+]
 
 
 @st.composite
@@ -82,8 +107,11 @@ def boundary_tokens(draw):
     the scalar writer)."""
     ceiling = draw(st.sampled_from([2**8, 2**16 + 2, 2**31, 2**31 + 1, 2**32 + 1, 2**63]))
     ids = [t for t in BOUNDARY_IDS if t < ceiling]
-    return draw(st.lists(st.one_of(st.sampled_from(ids), st.integers(0, ceiling - 1)),
-                         min_size=8, max_size=300))
+    return draw(
+        st.lists(
+            st.one_of(st.sampled_from(ids), st.integers(0, ceiling - 1)), min_size=8, max_size=300
+        )
+    )
 
 
 @given(
@@ -114,10 +142,13 @@ def test_token_writer_switch_reports_the_previous_setting():
 def test_incremental_equals_one_shot(case, chunks):
     case = {k: v for k, v in case.items() if k not in ("steps", "prompt_embeds")}
     tokens = case_tokens(case)
-    prompt_len = max((m["end"] if "end" in m else m["offset"] + m["length"]
-                      for m in case.get("mm", [])), default=0)
+    prompt_len = max(
+        (m["end"] if "end" in m else m["offset"] + m["length"] for m in case.get("mm", [])),
+        default=0,
+    )
     one_shot = hash_case(case, incremental=False)
     from .vectors import case_hasher, case_request
+
     hasher = case_hasher(case)
     req = hasher.request(tokens[:prompt_len], **case_request(case))
     pos, seen = prompt_len, list(req.block_hashes)
@@ -139,8 +170,9 @@ def test_single_decode_token_append():
 
 def test_extra_keys_shape_vllm_0_33():
     h = BlockHasher("sha256", 4, seed="0")
-    keys = h.block_extra_keys([9] * 12, mm=[MMOccurrence("img", 2, 5)], cache_salt="s",
-                              lora_name="L", lora_path="/l")
+    keys = h.block_extra_keys(
+        [9] * 12, mm=[MMOccurrence("img", 2, 5)], cache_salt="s", lora_name="L", lora_path="/l"
+    )
     assert keys[0] == (("lora", "L", "/l"), ("mm", "img", 2), ("cache_salt", "s"))
     assert keys[1] == (("lora", "L", "/l"), ("mm", "img", -2))
     assert keys[2] == (("lora", "L", "/l"),)
@@ -171,15 +203,19 @@ def test_digest_sizes():
 
 # ---- bad input ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"hash_fn": "md5"}, "hash_fn"),
-    ({"scheme": "vllm-9.9"}, "scheme"),
-    ({"block_size": 0}, "block_size"),
-    ({"block_size": 2.0}, "block_size"),
-    ({"block_size": True}, "block_size"),
-    ({"lookahead": -1}, "lookahead"),
-    ({"seed": 0}, "seed"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"hash_fn": "md5"}, "hash_fn"),
+        ({"scheme": "vllm-9.9"}, "scheme"),
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": 2.0}, "block_size"),
+        ({"block_size": True}, "block_size"),
+        ({"lookahead": -1}, "lookahead"),
+        ({"seed": 0}, "seed"),
+    ],
+)
 def test_bad_hasher_arguments(kwargs, field):
     kwargs.setdefault("seed", "0")
     with pytest.raises(ValueError, match=field):
@@ -187,13 +223,16 @@ def test_bad_hasher_arguments(kwargs, field):
 
 
 @pytest.mark.parametrize("fast", [True, False])
-@pytest.mark.parametrize("tokens,where,what", [
-    ([1, -1, 3], r"tokens\[1\]", "-1"),
-    ([1, 2, 2**63], r"tokens\[2\]", str(2**63)),
-    ([1, 2.0], r"tokens\[1\]", "2.0"),
-    ([True, 1], r"tokens\[0\]", "True"),
-    ([1, 2, 3, 4, 5, "6"], r"tokens\[5\]", "'6'"),  # in the partial last block too
-])
+@pytest.mark.parametrize(
+    "tokens,where,what",
+    [
+        ([1, -1, 3], r"tokens\[1\]", "-1"),
+        ([1, 2, 2**63], r"tokens\[2\]", str(2**63)),
+        ([1, 2.0], r"tokens\[1\]", "2.0"),
+        ([True, 1], r"tokens\[0\]", "True"),
+        ([1, 2, 3, 4, 5, "6"], r"tokens\[5\]", "'6'"),  # in the partial last block too
+    ],
+)
 def test_bad_token_ids(fast, tokens, where, what):
     h = BlockHasher("sha256", 2, seed="0", use_fast_path=fast)
     with pytest.raises(ValueError, match=where) as e:
@@ -214,47 +253,59 @@ def test_allow_any_token_id_hashes_like_vllm():
     assert h.hash_prompt(tokens) == ref.hash_prompt(tokens)
 
 
-@pytest.mark.parametrize("mm,match", [
-    ([MMOccurrence("a", 8, 4)], "outside the prompt"),
-    ([MMOccurrence("a", 4, 4), MMOccurrence("b", 2, 1)], "sorted"),
-    ([MMOccurrence("a", 2, 4), MMOccurrence("b", 5, 1)], "overlapping"),
-    (["not an occurrence"], r"mm\[0\]"),
-])
+@pytest.mark.parametrize(
+    "mm,match",
+    [
+        ([MMOccurrence("a", 8, 4)], "outside the prompt"),
+        ([MMOccurrence("a", 4, 4), MMOccurrence("b", 2, 1)], "sorted"),
+        ([MMOccurrence("a", 2, 4), MMOccurrence("b", 5, 1)], "overlapping"),
+        (["not an occurrence"], r"mm\[0\]"),
+    ],
+)
 def test_bad_occurrences(mm, match):
     with pytest.raises(ValueError, match=match):
         BlockHasher("sha256", 2, seed="0").hash_prompt([0] * 10, mm=mm)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"identifier": 5, "offset": 0, "length": 1}, "identifier"),
-    ({"identifier": "a", "offset": -1, "length": 1}, "offset"),
-    ({"identifier": "a", "offset": 0, "length": 0}, "length"),
-    ({"identifier": "a", "offset": 0, "length": 2, "is_embed": [True]}, "is_embed"),
-    ({"identifier": "a", "offset": 0, "length": 2, "is_embed": [1, 0]}, r"is_embed\[0\]"),
-    ({"identifier": "a", "offset": 0, "length": 1, "modality": ""}, "modality"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"identifier": 5, "offset": 0, "length": 1}, "identifier"),
+        ({"identifier": "a", "offset": -1, "length": 1}, "offset"),
+        ({"identifier": "a", "offset": 0, "length": 0}, "length"),
+        ({"identifier": "a", "offset": 0, "length": 2, "is_embed": [True]}, "is_embed"),
+        ({"identifier": "a", "offset": 0, "length": 2, "is_embed": [1, 0]}, r"is_embed\[0\]"),
+        ({"identifier": "a", "offset": 0, "length": 1, "modality": ""}, "modality"),
+    ],
+)
 def test_bad_occurrence_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MMOccurrence(**kwargs)
 
 
-@pytest.mark.parametrize("embeds,match", [
-    (torch.zeros(5, 2), "5 rows"),
-    (torch.zeros(4, 2, dtype=torch.int32), "floating"),
-    (torch.zeros(8), "2-D"),
-    ([[0.0]], "torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "embeds,match",
+    [
+        (torch.zeros(5, 2), "5 rows"),
+        (torch.zeros(4, 2, dtype=torch.int32), "floating"),
+        (torch.zeros(8), "2-D"),
+        ([[0.0]], "torch.Tensor"),
+    ],
+)
 def test_bad_prompt_embeds(embeds, match):
     with pytest.raises(ValueError, match=match):
         BlockHasher("sha256", 2, seed="0").hash_prompt([0] * 4, prompt_embeds=embeds)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"lora_name": "L"}, "lora_path"),
-    ({"lora_name": "", "lora_path": "/p"}, "lora_name"),
-    ({"lora_path": "/p"}, "without lora_name"),
-    ({"cache_salt": 5}, "cache_salt"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"lora_name": "L"}, "lora_path"),
+        ({"lora_name": "", "lora_path": "/p"}, "lora_name"),
+        ({"lora_path": "/p"}, "without lora_name"),
+        ({"cache_salt": 5}, "cache_salt"),
+    ],
+)
 def test_bad_request_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BlockHasher("sha256", 2, seed="0").hash_prompt([0] * 4, **kwargs)

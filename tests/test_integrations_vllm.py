@@ -20,14 +20,16 @@ from .oracle_client import REPO, require_oracle
 
 
 def feature(ident, offset, length, mask=None):
-    pos = types.SimpleNamespace(offset=offset, length=length,
-                                is_embed=None if mask is None else torch.tensor(mask))
+    pos = types.SimpleNamespace(
+        offset=offset, length=length, is_embed=None if mask is None else torch.tensor(mask)
+    )
     return types.SimpleNamespace(identifier=ident, modality="image", mm_position=pos)
 
 
 def test_occurrences_from_request():
-    req = types.SimpleNamespace(mm_features=[feature("A", 2, 3, [True, False, True])],
-                                num_tokens=10)
+    req = types.SimpleNamespace(
+        mm_features=[feature("A", 2, 3, [True, False, True])], num_tokens=10
+    )
     assert occurrences_from_request(req) == [MMOccurrence("A", 2, 3, (True, False, True))]
     assert occurrences_from_request(types.SimpleNamespace(mm_features=None)) == []
     with pytest.raises(ValueError, match="mm_features"):
@@ -35,7 +37,9 @@ def test_occurrences_from_request():
 
 
 def test_availability_from_engine_stand_ins():
-    mgr = types.SimpleNamespace(cached={"A": {"r1"}, "B": set()}, num_embeds_by_hash={"A": 4, "B": 9})
+    mgr = types.SimpleNamespace(
+        cached={"A": {"r1"}, "B": set()}, num_embeds_by_hash={"A": 4, "B": 9}
+    )
     conn = types.SimpleNamespace(has_cache_item=lambda i: i.startswith("x"))
     a = availability_from_engine(mgr, conn, ["x1", "y"], e_cached=["z"])
     assert a.p_local == {"A": 4, "B": 9} and a.p_local_freeable == {"B"}
@@ -45,7 +49,9 @@ def test_availability_from_engine_stand_ins():
 
 
 def test_demand_for_request_stand_ins():
-    req = types.SimpleNamespace(mm_features=[feature("A", 0, 16), feature("B", 20, 8)], num_tokens=40)
+    req = types.SimpleNamespace(
+        mm_features=[feature("A", 0, 16), feature("B", 20, 8)], num_tokens=40
+    )
     mgr = types.SimpleNamespace(cached={"B": {"r"}}, num_embeds_by_hash={"B": 8})
     res = demand_for_request(req, 16, encoder_cache_manager=mgr)
     assert [d.klass for d in res.decisions] == [Klass.KV_COVERED, Klass.P_LOCAL] and res.skip_e
@@ -55,8 +61,13 @@ def test_demand_for_request_stand_ins():
 def test_adapter_on_real_vllm_objects():
     py, _ = require_oracle()
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run([str(py), str(Path(__file__).parent / "vllm_adapter_check.py")],
-                         capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [str(py), str(Path(__file__).parent / "vllm_adapter_check.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["classes"] == ["KV_COVERED", "P_LOCAL", "P_EXTERNAL", "P_LOCAL", "E_COMPUTE"]
     assert got["num_embeds"] == [16, 10, 10, 6, 5]

@@ -5,11 +5,16 @@ import torch
 
 from mmreuse import ops
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    ),
+]
 
 
 # ---- plain-torch reference ----------------------------------------------------------------
+
 
 def ref_bits(bitmap, num_blocks):
     words = bitmap.to(torch.int64) & 0xFFFFFFFF
@@ -65,11 +70,14 @@ def test_queries_match_reference(device):
     assert torch.equal(ops.residency_test(bitmap, ids, n), bits[ids])
     assert int(ops.residency_count(bitmap)) == int(bits.sum())
     misses = (~bits[ids]).nonzero()
-    assert int(ops.residency_prefix(bitmap, ids, n)) == (int(misses[0]) if misses.numel() else ids.numel())
+    assert int(ops.residency_prefix(bitmap, ids, n)) == (
+        int(misses[0]) if misses.numel() else ids.numel()
+    )
     expected = gens[ids].clone()
     expected[::3] += 1
-    assert torch.equal(ops.residency_validate(bitmap, gens, ids, expected),
-                       bits[ids] & (gens[ids] == expected))
+    assert torch.equal(
+        ops.residency_validate(bitmap, gens, ids, expected), bits[ids] & (gens[ids] == expected)
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -92,18 +100,22 @@ def test_out_of_range_raises_and_writes_nothing(device, bad):
     ids[57] = bad
     n = bits.numel()
     before_bitmap, before_gens = bitmap.clone(), gens.clone()
-    for call in (lambda: ops.residency_mark(bitmap, ids, n),
-                 lambda: ops.residency_evict(bitmap, gens, ids),
-                 lambda: ops.residency_test(bitmap, ids, n),
-                 lambda: ops.residency_prefix(bitmap, ids, n),
-                 lambda: ops.residency_validate(bitmap, gens, ids, gens[:1].expand(ids.numel()).clone())):
-        with pytest.raises(IndexError, match=rf"block_ids\[57\] = {bad} is out of range \[0, 300\)"):
+    for call in (
+        lambda: ops.residency_mark(bitmap, ids, n),
+        lambda: ops.residency_evict(bitmap, gens, ids),
+        lambda: ops.residency_test(bitmap, ids, n),
+        lambda: ops.residency_prefix(bitmap, ids, n),
+        lambda: ops.residency_validate(bitmap, gens, ids, gens[:1].expand(ids.numel()).clone()),
+    ):
+        with pytest.raises(
+            IndexError, match=rf"block_ids\[57\] = {bad} is out of range \[0, 300\)"
+        ):
             call()
         assert torch.equal(bitmap, before_bitmap) and torch.equal(gens, before_gens)
 
 
 def test_bad_dtypes_and_shapes():
-    bitmap, gens, ids, bits = random_state("cpu")
+    bitmap, gens, ids, _ = random_state("cpu")
     with pytest.raises(RuntimeError, match="int64"):
         ops.residency_mark(bitmap, ids.to(torch.int32), 300)
     with pytest.raises(RuntimeError, match="int32"):

@@ -67,7 +67,9 @@ MIXED = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(MIXED)), ids=[f"{n}-{k}" for k, (n, _) in enumerate(MIXED)])
+@pytest.mark.parametrize(
+    "case", range(len(MIXED)), ids=[f"{n}-{k}" for k, (n, _) in enumerate(MIXED)]
+)
 def test_mixed_devices_raise(case):
     _, call = MIXED[case]
     bitmap, gens = _state(64)

@@ -37,14 +37,21 @@ HASHERS = {
 
 
 def stored(hashes):
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
-                       block_size=16, lora_id=None, medium=None, lora_name=None)
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    )
 
 
 def held_hashes(hashes, rng):
     """What a view holds of a request: a leading run, sometimes more blocks after a gap."""
     k = rng.randint(0, len(hashes))
-    tail = hashes[k + 1:] if rng.random() < 0.3 else []
+    tail = hashes[k + 1 :] if rng.random() < 0.3 else []
     return hashes[:k] + tail
 
 
@@ -57,8 +64,9 @@ def block_index_with(hashes, rng):
 
 def remote_index_with(hashes, rng):
     index = RemoteKVIndex("p0")
-    index.apply(KVEventBatch(ts=0.0, events=[stored(to_event_id(h) for h in
-                                                    held_hashes(hashes, rng))]))
+    index.apply(
+        KVEventBatch(ts=0.0, events=[stored(to_event_id(h) for h in held_hashes(hashes, rng))])
+    )
     return index
 
 
@@ -69,9 +77,13 @@ def by_hand(view, hasher, tokens, occs, n, avail, salt, coverage, rule):
         hit, proof = view.lookup_prefix(hashes)
     else:
         hit, proof = view.longest_prefix(hashes), None
-    c, ext = kv_coverage(n, cached_prefix_tokens=hit * hasher.block_size,
-                         block_size=hasher.block_size, hash_lookahead=hasher.lookahead,
-                         **coverage)
+    c, ext = kv_coverage(
+        n,
+        cached_prefix_tokens=hit * hasher.block_size,
+        block_size=hasher.block_size,
+        hash_lookahead=hasher.lookahead,
+        **coverage,
+    )
     demand = compute_demand(occs, n, c, avail, external_kv_tokens=ext, coverage_rule=rule)
     return hashes, hit, proof, c, ext, demand
 
@@ -91,11 +103,17 @@ def plan_cases(draw):
     tokens = [rng.randrange(152000) for _ in range(n)]
     hasher = HASHERS[draw(st.sampled_from(sorted(HASHERS)))]
     salt = draw(st.sampled_from([None, "tenant-a"]))
-    coverage = draw(st.sampled_from([
-        {}, {"external_tokens": rng.randint(0, n // 2)},
-        {"max_cache_hit_length": rng.randint(0, n - 1)}, {"alignment_tokens": 1},
-        {"prefix_replay_tokens": rng.randint(1, 64)},
-    ]))
+    coverage = draw(
+        st.sampled_from(
+            [
+                {},
+                {"external_tokens": rng.randint(0, n // 2)},
+                {"max_cache_hit_length": rng.randint(0, n - 1)},
+                {"alignment_tokens": 1},
+                {"prefix_replay_tokens": rng.randint(1, 64)},
+            ]
+        )
+    )
     rule = draw(st.sampled_from(["embed", "placeholder"]))
     return occs, n, Availability(**avail), tokens, hasher, salt, coverage, rule, rng
 
@@ -110,17 +128,36 @@ def test_plan_equals_the_hand_composition_with_a_hasher(case, which):
         want = by_hand(view, hasher, tokens, occs, n, avail, salt, coverage, rule)
     except ValueError as e:  # e.g. external_tokens beyond the prompt: the plan refuses it too
         with pytest.raises(ValueError, match=str(e).split(" ", 1)[0]):
-            plan_admission(num_prompt_tokens=n, occurrences=occs, availability=avail, view=view,
-                           hasher=hasher, token_ids=tokens, cache_salt=salt, coverage=coverage,
-                           coverage_rule=rule)
+            plan_admission(
+                num_prompt_tokens=n,
+                occurrences=occs,
+                availability=avail,
+                view=view,
+                hasher=hasher,
+                token_ids=tokens,
+                cache_salt=salt,
+                coverage=coverage,
+                coverage_rule=rule,
+            )
         return
-    plan = plan_admission(num_prompt_tokens=n, occurrences=occs, availability=avail, view=view,
-                          hasher=hasher, token_ids=tokens, cache_salt=salt, coverage=coverage,
-                          coverage_rule=rule)
+    plan = plan_admission(
+        num_prompt_tokens=n,
+        occurrences=occs,
+        availability=avail,
+        view=view,
+        hasher=hasher,
+        token_ids=tokens,
+        cache_salt=salt,
+        coverage=coverage,
+        coverage_rule=rule,
+    )
     w_hashes, w_hit, w_proof, w_c, w_ext, w_demand = want
     assert plan.block_hashes == tuple(w_hashes)
     assert (plan.hit_blocks, plan.num_computed_tokens, plan.external_kv_tokens) == (
-        w_hit, w_c, w_ext)
+        w_hit,
+        w_c,
+        w_ext,
+    )
     assert plan.demand == w_demand
     assert_same_proof(plan.proof, w_proof)
     if which == "block_index":
@@ -128,44 +165,69 @@ def test_plan_equals_the_hand_composition_with_a_hasher(case, which):
 
 
 @settings(max_examples=100, deadline=None)
-@given(case=plan_cases(), which=st.sampled_from(["block_index", "remote"]),
-       as_ids=st.booleans())
+@given(case=plan_cases(), which=st.sampled_from(["block_index", "remote"]), as_ids=st.booleans())
 def test_plan_equals_the_hand_composition_with_given_hashes(case, which, as_ids):
     occs, n, avail, tokens, hasher, salt, _, rule, rng = case
     bs = hasher.block_size
     hashes = BlockHasher("sha256", block_size=bs).hash_prompt(tokens, mm=occs, cache_salt=salt)
     view = (block_index_with if which == "block_index" else remote_index_with)(hashes, rng)
     given_hashes = [to_event_id(h) for h in hashes] if as_ids else hashes
-    plan = plan_admission(num_prompt_tokens=n, occurrences=occs, availability=avail, view=view,
-                          block_hashes=given_hashes, block_size=bs, coverage_rule=rule)
+    plan = plan_admission(
+        num_prompt_tokens=n,
+        occurrences=occs,
+        availability=avail,
+        view=view,
+        block_hashes=given_hashes,
+        block_size=bs,
+        coverage_rule=rule,
+    )
     match = view.match_prefix(given_hashes)
     c, ext = kv_coverage(n, cached_prefix_tokens=match.num_blocks * bs, block_size=bs)
     assert plan.block_hashes == tuple(given_hashes)
     assert (plan.hit_blocks, plan.num_computed_tokens, plan.external_kv_tokens) == (
-        match.num_blocks, c, ext)
+        match.num_blocks,
+        c,
+        ext,
+    )
     assert plan.demand == compute_demand(occs, n, c, avail, coverage_rule=rule)
     assert_same_proof(plan.proof, match.proof)
 
 
-@given(req=demand_requests(), ext_frac=st.floats(0, 1),
-       rule=st.sampled_from(["embed", "placeholder"]))
+@given(
+    req=demand_requests(), ext_frac=st.floats(0, 1), rule=st.sampled_from(["embed", "placeholder"])
+)
 def test_given_c_equals_compute_demand(req, ext_frac, rule):
     occs, n, c, avail = req
     a = Availability(**avail)
     ext = int(c * ext_frac)
-    plan = plan_admission(num_prompt_tokens=n, occurrences=occs, availability=a,
-                          num_computed_tokens=c, external_kv_tokens=ext, coverage_rule=rule)
-    assert plan == AdmissionPlan(block_hashes=(), hit_blocks=0, proof=None, num_computed_tokens=c,
-                                 external_kv_tokens=ext,
-                                 demand=compute_demand(occs, n, c, a, external_kv_tokens=ext,
-                                                       coverage_rule=rule))
+    plan = plan_admission(
+        num_prompt_tokens=n,
+        occurrences=occs,
+        availability=a,
+        num_computed_tokens=c,
+        external_kv_tokens=ext,
+        coverage_rule=rule,
+    )
+    assert plan == AdmissionPlan(
+        block_hashes=(),
+        hit_blocks=0,
+        proof=None,
+        num_computed_tokens=c,
+        external_kv_tokens=ext,
+        demand=compute_demand(occs, n, c, a, external_kv_tokens=ext, coverage_rule=rule),
+    )
 
 
 def test_given_c_records_given_hashes_and_passes_is_encoder_decoder():
     occs = [MMOccurrence("A", 0, 8)]
-    plan = plan_admission(num_prompt_tokens=32, occurrences=occs, availability=Availability(),
-                          num_computed_tokens=1, block_hashes=[b"\x01" * 32, 7],
-                          is_encoder_decoder=True)
+    plan = plan_admission(
+        num_prompt_tokens=32,
+        occurrences=occs,
+        availability=Availability(),
+        num_computed_tokens=1,
+        block_hashes=[b"\x01" * 32, 7],
+        is_encoder_decoder=True,
+    )
     assert plan.block_hashes == (b"\x01" * 32, 7) and plan.hit_blocks == 0 and plan.proof is None
     assert plan.demand == compute_demand(occs, 32, 1, is_encoder_decoder=True)
     assert plan.demand.skip_e  # encoder-decoder: covered as soon as C > 0
@@ -178,8 +240,14 @@ def test_stale_proof_fails_validation_after_eviction():
     hashes = hasher.hash_prompt(tokens, mm=occs)
     index = BlockIndex(8)
     index.store_many(hashes, [0, 1, 2, 3])
-    plan = plan_admission(num_prompt_tokens=64, occurrences=occs, availability=Availability(),
-                          view=index, hasher=hasher, token_ids=tokens)
+    plan = plan_admission(
+        num_prompt_tokens=64,
+        occurrences=occs,
+        availability=Availability(),
+        view=index,
+        hasher=hasher,
+        token_ids=tokens,
+    )
     assert (plan.hit_blocks, plan.num_computed_tokens) == (4, 48)  # the N-1 cap: 63 -> 48
     assert plan.demand.e_demand == (("A", True),) and index.validate(plan.proof)
     index.evict_block(1)
@@ -191,24 +259,39 @@ def test_lookahead_and_hybrid_block_sizes_follow_kv_coverage():
     tokens = list(range(100))
     idx = RemoteKVIndex("p0")
     idx.apply(KVEventBatch(ts=0.0, events=[stored(la.hash_prompt(tokens))]))
-    plan = plan_admission(num_prompt_tokens=100, occurrences=[], availability=Availability(),
-                          view=idx, hasher=la, token_ids=tokens)
+    plan = plan_admission(
+        num_prompt_tokens=100,
+        occurrences=[],
+        availability=Availability(),
+        view=idx,
+        hasher=la,
+        token_ids=tokens,
+    )
     assert plan.hit_blocks == 12
-    assert plan.num_computed_tokens == kv_coverage(100, cached_prefix_tokens=96, block_size=8,
-                                                   hash_lookahead=3)[0]
+    assert (
+        plan.num_computed_tokens
+        == kv_coverage(100, cached_prefix_tokens=96, block_size=8, hash_lookahead=3)[0]
+    )
     # hash blocks of 8 inside KV blocks of 16: the hit probes into the next KV block
     fine = BlockHasher("sha256", block_size=8)
     idx.apply(KVEventBatch(ts=0.0, events=[stored(fine.hash_prompt(tokens)[:5])]))
-    plan = plan_admission(num_prompt_tokens=100, occurrences=[], availability=Availability(),
-                          view=idx, hasher=fine, token_ids=tokens,
-                          coverage={"block_size": 16, "alignment_tokens": 8})
+    plan = plan_admission(
+        num_prompt_tokens=100,
+        occurrences=[],
+        availability=Availability(),
+        view=idx,
+        hasher=fine,
+        token_ids=tokens,
+        coverage={"block_size": 16, "alignment_tokens": 8},
+    )
     assert (plan.hit_blocks, plan.num_computed_tokens) == (5, 40)
     assert kv_coverage(100, cached_prefix_tokens=40, block_size=16, alignment_tokens=8) == (40, 0)
 
 
 def test_plan_is_frozen_and_module_is_torch_free():
-    plan = plan_admission(num_prompt_tokens=4, occurrences=[], availability=Availability(),
-                          num_computed_tokens=0)
+    plan = plan_admission(
+        num_prompt_tokens=4, occurrences=[], availability=Availability(), num_computed_tokens=0
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.hit_blocks = 3
     code = "import sys, mmreuse.plan; assert 'torch' not in sys.modules, 'torch imported'"
@@ -217,6 +300,7 @@ def test_plan_is_frozen_and_module_is_torch_free():
 
 
 # ---- misuse -----------------------------------------------------------------------------------
+
 
 class Spy:
     """A KVView that records whether it was asked, and answers what it is told to."""
@@ -233,61 +317,112 @@ class Spy:
 H16 = BlockHasher("sha256", block_size=16)
 TOKENS = list(range(64))
 HASHES = H16.hash_prompt(TOKENS)
-BASE = dict(num_prompt_tokens=64, occurrences=[MMOccurrence("A", 0, 8)],
-            availability=Availability())
+BASE = dict(
+    num_prompt_tokens=64, occurrences=[MMOccurrence("A", 0, 8)], availability=Availability()
+)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({}, "neither num_computed_tokens nor view"),
-    ({"num_computed_tokens": 8, "view": "SPY"}, r"num_computed_tokens \(C given\) with view"),
-    ({"num_computed_tokens": 8, "hasher": H16, "token_ids": TOKENS},
-     "C given.* with hasher, token_ids"),
-    ({"num_computed_tokens": 8, "cache_salt": "s"}, "with cache_salt"),
-    ({"num_computed_tokens": 8, "block_size": 16}, "with block_size"),
-    ({"num_computed_tokens": 8, "coverage": {}}, "with coverage"),
-    ({"num_computed_tokens": 64}, "num_computed_tokens must be in"),
-    ({"num_computed_tokens": 8, "external_kv_tokens": 9}, "external_kv_tokens must be in"),
-    ({"num_computed_tokens": 8, "block_hashes": [b"short"]}, r"block_hashes\[0\]"),
-    ({"view": "SPY"}, "view without the request's hashes"),
-    ({"view": "SPY", "hasher": H16}, r"got only hasher\)"),
-    ({"view": "SPY", "token_ids": TOKENS, "cache_salt": "s"}, r"got only token_ids, cache_salt"),
-    ({"view": "SPY", "block_hashes": HASHES, "block_size": 16, "hasher": H16, "token_ids": TOKENS},
-     "block_hashes with hasher, token_ids: .*not both"),
-    ({"view": "SPY", "block_hashes": HASHES, "block_size": 16, "cache_salt": "s"},
-     "block_hashes with cache_salt"),
-    ({"view": "SPY", "block_hashes": HASHES}, "block_hashes without block_size"),
-    ({"view": "SPY", "block_hashes": HASHES, "block_size": 0}, "block_size must be >= 1"),
-    ({"view": "SPY", "block_hashes": HASHES + HASHES[:1], "block_size": 16}, "4 full blocks"),
-    ({"view": "SPY", "block_hashes": [HASHES[0], -1], "block_size": 16}, r"block_hashes\[1\]"),
-    ({"view": "SPY", "block_hashes": b"x" * 32, "block_size": 16}, "block_hashes must be a seq"),
-    ({"view": "SPY", "block_hashes": iter(HASHES), "block_size": 16}, "block_hashes must be a seq"),
-    ({"view": "SPY", "hasher": "sha256", "token_ids": TOKENS}, "hasher must be a BlockHasher"),
-    ({"view": "SPY", "hasher": H16, "token_ids": TOKENS, "block_size": 8},
-     "block_size must be hasher.block_size=16"),
-    ({"view": "SPY", "hasher": H16, "token_ids": TOKENS[:-1]},
-     "token_ids must hold .*64 tokens, got 63"),
-    ({"view": "SPY", "hasher": H16, "token_ids": "abc"}, "token_ids must be a sequence"),
-    ({"view": object(), "hasher": H16, "token_ids": TOKENS}, "view must be a KVView"),
-    ({"view": "SPY", "hasher": H16, "token_ids": TOKENS, "external_kv_tokens": 16},
-     "external_kv_tokens=16 without num_computed_tokens"),
-    ({"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": {"cached_prefix_tokens": 3}},
-     "coverage keys must be kv_coverage keywords.*'cached_prefix_tokens'"),
-    ({"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": {"eagle": True}},
-     "coverage keys .*'eagle'"),
-    ({"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": [("eagle_drop", True)]},
-     "coverage must be a mapping"),
-    ({"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": {"hash_lookahead": 2}},
-     r"coverage\['hash_lookahead'\] must be hasher.lookahead=0"),
-    ({"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": {"eagle_drop": 1}},
-     "eagle_drop must be a bool"),
-    ({"num_prompt_tokens": 0, "num_computed_tokens": 0}, "num_prompt_tokens must be >= 1"),
-    ({"num_computed_tokens": 8, "availability": {"A": 1}}, "availability must be an Availability"),
-    ({"num_computed_tokens": 8, "occurrences": "A"}, "occurrences must be a sequence"),
-    ({"num_computed_tokens": 8, "coverage_rule": "blocks"}, "coverage_rule must be"),
-    ({"num_computed_tokens": 8, "is_encoder_decoder": 1}, "is_encoder_decoder must be a bool"),
-    ({"view": "SPY", "hasher": H16, "token_ids": TOKENS, "availability": None},
-     "availability must be an Availability"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({}, "neither num_computed_tokens nor view"),
+        ({"num_computed_tokens": 8, "view": "SPY"}, r"num_computed_tokens \(C given\) with view"),
+        (
+            {"num_computed_tokens": 8, "hasher": H16, "token_ids": TOKENS},
+            "C given.* with hasher, token_ids",
+        ),
+        ({"num_computed_tokens": 8, "cache_salt": "s"}, "with cache_salt"),
+        ({"num_computed_tokens": 8, "block_size": 16}, "with block_size"),
+        ({"num_computed_tokens": 8, "coverage": {}}, "with coverage"),
+        ({"num_computed_tokens": 64}, "num_computed_tokens must be in"),
+        ({"num_computed_tokens": 8, "external_kv_tokens": 9}, "external_kv_tokens must be in"),
+        ({"num_computed_tokens": 8, "block_hashes": [b"short"]}, r"block_hashes\[0\]"),
+        ({"view": "SPY"}, "view without the request's hashes"),
+        ({"view": "SPY", "hasher": H16}, r"got only hasher\)"),
+        (
+            {"view": "SPY", "token_ids": TOKENS, "cache_salt": "s"},
+            r"got only token_ids, cache_salt",
+        ),
+        (
+            {
+                "view": "SPY",
+                "block_hashes": HASHES,
+                "block_size": 16,
+                "hasher": H16,
+                "token_ids": TOKENS,
+            },
+            "block_hashes with hasher, token_ids: .*not both",
+        ),
+        (
+            {"view": "SPY", "block_hashes": HASHES, "block_size": 16, "cache_salt": "s"},
+            "block_hashes with cache_salt",
+        ),
+        ({"view": "SPY", "block_hashes": HASHES}, "block_hashes without block_size"),
+        ({"view": "SPY", "block_hashes": HASHES, "block_size": 0}, "block_size must be >= 1"),
+        ({"view": "SPY", "block_hashes": HASHES + HASHES[:1], "block_size": 16}, "4 full blocks"),
+        ({"view": "SPY", "block_hashes": [HASHES[0], -1], "block_size": 16}, r"block_hashes\[1\]"),
+        (
+            {"view": "SPY", "block_hashes": b"x" * 32, "block_size": 16},
+            "block_hashes must be a seq",
+        ),
+        (
+            {"view": "SPY", "block_hashes": iter(HASHES), "block_size": 16},
+            "block_hashes must be a seq",
+        ),
+        ({"view": "SPY", "hasher": "sha256", "token_ids": TOKENS}, "hasher must be a BlockHasher"),
+        (
+            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "block_size": 8},
+            "block_size must be hasher.block_size=16",
+        ),
+        (
+            {"view": "SPY", "hasher": H16, "token_ids": TOKENS[:-1]},
+            "token_ids must hold .*64 tokens, got 63",
+        ),
+        ({"view": "SPY", "hasher": H16, "token_ids": "abc"}, "token_ids must be a sequence"),
+        ({"view": object(), "hasher": H16, "token_ids": TOKENS}, "view must be a KVView"),
+        (
+            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "external_kv_tokens": 16},
+            "external_kv_tokens=16 without num_computed_tokens",
+        ),
+        (
+            {
+                "view": "SPY",
+                "hasher": H16,
+                "token_ids": TOKENS,
+                "coverage": {"cached_prefix_tokens": 3},
+            },
+            "coverage keys must be kv_coverage keywords.*'cached_prefix_tokens'",
+        ),
+        (
+            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": {"eagle": True}},
+            "coverage keys .*'eagle'",
+        ),
+        (
+            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": [("eagle_drop", True)]},
+            "coverage must be a mapping",
+        ),
+        (
+            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": {"hash_lookahead": 2}},
+            r"coverage\['hash_lookahead'\] must be hasher.lookahead=0",
+        ),
+        (
+            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": {"eagle_drop": 1}},
+            "eagle_drop must be a bool",
+        ),
+        ({"num_prompt_tokens": 0, "num_computed_tokens": 0}, "num_prompt_tokens must be >= 1"),
+        (
+            {"num_computed_tokens": 8, "availability": {"A": 1}},
+            "availability must be an Availability",
+        ),
+        ({"num_computed_tokens": 8, "occurrences": "A"}, "occurrences must be a sequence"),
+        ({"num_computed_tokens": 8, "coverage_rule": "blocks"}, "coverage_rule must be"),
+        ({"num_computed_tokens": 8, "is_encoder_decoder": 1}, "is_encoder_decoder must be a bool"),
+        (
+            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "availability": None},
+            "availability must be an Availability",
+        ),
+    ],
+)
 def test_misuse_raises_naming_the_arguments(kwargs, match):
     spy = Spy()
     kwargs = {**BASE, **{k: spy if v == "SPY" else v for k, v in kwargs.items()}}
@@ -296,12 +431,19 @@ def test_misuse_raises_naming_the_arguments(kwargs, match):
     assert spy.calls == 0 or "eagle_drop" in match  # refused before any lookup
 
 
-@pytest.mark.parametrize("answer,match,cls", [
-    ((0, None), r"view.match_prefix\(block_hashes\) must be a PrefixMatch", InvalidArgumentType),
-    (PrefixMatch(5), r"num_blocks must be in \[0, 4\], got 5", InvalidArgument),
-    (PrefixMatch(-1), r"num_blocks must be in \[0, 4\]", InvalidArgument),
-    (PrefixMatch(True), "num_blocks must be an int", InvalidArgumentType),
-])
+@pytest.mark.parametrize(
+    "answer,match,cls",
+    [
+        (
+            (0, None),
+            r"view.match_prefix\(block_hashes\) must be a PrefixMatch",
+            InvalidArgumentType,
+        ),
+        (PrefixMatch(5), r"num_blocks must be in \[0, 4\], got 5", InvalidArgument),
+        (PrefixMatch(-1), r"num_blocks must be in \[0, 4\]", InvalidArgument),
+        (PrefixMatch(True), "num_blocks must be an int", InvalidArgumentType),
+    ],
+)
 def test_a_broken_view_answer_is_refused(answer, match, cls):
     with pytest.raises(cls, match=match):
         plan_admission(**BASE, view=Spy(answer), hasher=H16, token_ids=TOKENS)

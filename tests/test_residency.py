@@ -11,8 +11,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mmreuse.hashing import to_event_id
 from mmreuse.residency import BlockIndex, CoverageProof, ResidencyMap
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    ),
+]
 
 
 def h(i: int) -> bytes:
@@ -41,18 +45,27 @@ def test_residency_map_basics(device):
 def test_bounds_errors_leave_state_unchanged(device):
     r = ResidencyMap(64, device)
     r.mark_resident([3])
-    for call in (lambda: r.mark_resident([1, 64]), lambda: r.evict([3, -1]),
-                 lambda: r.is_resident([70]), lambda: r.generation([64]),
-                 lambda: r.longest_prefix([3, 99]), lambda: r.validate([3, 65], [0, 0])):
+    for call in (
+        lambda: r.mark_resident([1, 64]),
+        lambda: r.evict([3, -1]),
+        lambda: r.is_resident([70]),
+        lambda: r.generation([64]),
+        lambda: r.longest_prefix([3, 99]),
+        lambda: r.validate([3, 65], [0, 0]),
+    ):
         with pytest.raises(ValueError, match="out of range"):
             call()
     assert r.count() == 1 and r.generation([3]).tolist() == [0]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"num_blocks": 0}, "num_blocks"), ({"num_blocks": 2.5}, "num_blocks"),
-    ({"num_blocks": 8, "device": "meta"}, "device"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"num_blocks": 2.5}, "num_blocks"),
+        ({"num_blocks": 8, "device": "meta"}, "device"),
+    ],
+)
 def test_residency_map_bad_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ResidencyMap(**kwargs)
@@ -115,12 +128,15 @@ def test_duplicate_holders_and_clear():
 def test_block_index_bad_input():
     idx = BlockIndex(8)
     for call, match in [
-        (lambda: idx.store(h(0), 8), "block_id"), (lambda: idx.store(h(0), -1), "block_id"),
-        (lambda: idx.store("abc", 1), "block_hash"), (lambda: idx.store(-5, 1), "block_hash"),
-        (lambda: idx.store(2**64, 1), "block_hash"), (lambda: idx.store(b"123", 1), "block_hash"),
+        (lambda: idx.store(h(0), 8), "block_id"),
+        (lambda: idx.store(h(0), -1), "block_id"),
+        (lambda: idx.store("abc", 1), "block_hash"),
+        (lambda: idx.store(-5, 1), "block_hash"),
+        (lambda: idx.store(2**64, 1), "block_hash"),
+        (lambda: idx.store(b"123", 1), "block_hash"),
         (lambda: idx.evict_block(9), "block_id"),
         (lambda: idx.lookup_prefix(h(0)), "block_hashes"),
-        (lambda: idx.lookup_prefix([-2**63 - 1]), r"block_hashes\[0\]"),
+        (lambda: idx.lookup_prefix([-(2**63) - 1]), r"block_hashes\[0\]"),
         (lambda: idx.lookup_prefix([1.5]), r"block_hashes\[0\]"),
         (lambda: idx.validate((1, 2)), "CoverageProof"),
     ]:
@@ -183,7 +199,7 @@ class IndexModel(RuleBasedStateMachine):
         k, proof = self.idx.lookup_prefix([h(i) for i in chain])
         assert k == self.model_prefix(chain)
         assert proof.num_blocks == k
-        for b, hi in zip(proof.block_ids.tolist(), chain):
+        for b, hi in zip(proof.block_ids.tolist(), chain[:k], strict=True):
             assert self.block_hash[b] == hi
         assert proof.generations.tolist() == [self.gen[b] for b in proof.block_ids.tolist()]
         self.proofs.append(proof)
@@ -192,8 +208,10 @@ class IndexModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def validate(self, data):
         proof = data.draw(st.sampled_from(self.proofs))
-        ok = all(b in self.block_hash and self.gen[b] == g
-                 for b, g in zip(proof.block_ids.tolist(), proof.generations.tolist()))
+        ok = all(
+            b in self.block_hash and self.gen[b] == g
+            for b, g in zip(proof.block_ids.tolist(), proof.generations.tolist(), strict=True)
+        )
         assert self.idx.validate(proof) == ok
 
     @invariant()
@@ -213,6 +231,7 @@ def test_coverage_proof_is_a_frozen_value():
 
 
 # ---- the KVView protocol and hash validation -------------------------------------------------
+
 
 def test_block_index_match_prefix_is_lookup_prefix():
     from mmreuse.kvview import KVView, PrefixMatch

@@ -30,8 +30,10 @@ def test_scheme_vector(fname, vec, path):
 
 def test_text_only_hashes_agree_across_schemes():
     tokens = list(range(100, 200))
-    results = {name: BlockHasher("sha256", 16, seed="0", scheme=name).hash_prompt(tokens)
-               for name in SCHEMES}
+    results = {
+        name: BlockHasher("sha256", 16, seed="0", scheme=name).hash_prompt(tokens)
+        for name in SCHEMES
+    }
     assert len({tuple(v) for v in results.values()}) == 1
 
 
@@ -40,8 +42,10 @@ def test_multimodal_hashes_differ_across_key_shapes():
     mm = [MMOccurrence("img", 8, 20)]
     shapes = {}
     for name, scheme in SCHEMES.items():
-        shapes.setdefault(scheme.mm_key, BlockHasher("sha256", 16, seed="0", scheme=name)
-                          .hash_prompt(tokens, mm=mm)[0])
+        shapes.setdefault(
+            scheme.mm_key,
+            BlockHasher("sha256", 16, seed="0", scheme=name).hash_prompt(tokens, mm=mm)[0],
+        )
     assert len(set(shapes.values())) == 3
 
 
@@ -54,7 +58,7 @@ def test_old_schemes_keep_vllms_incremental_shortcut():
         h = BlockHasher("sha256", 16, seed="0", scheme=name)
         req = h.request(prompt, mm=mm)
         req.append_output_token_ids([7, 7])
-        one_shot = h.hash_prompt(prompt + [7, 7], mm=mm)
+        one_shot = h.hash_prompt([*prompt, 7, 7], mm=mm)
         assert (req.block_hashes == one_shot) == (get_scheme(name).incremental_mm == "window")
 
 
@@ -65,8 +69,10 @@ def test_scheme_limits():
         BlockHasher("xxhash", 16, seed="0", scheme="vllm-0.10")
     with pytest.raises(ValueError, match="prompt_embeds"):
         import torch
+
         BlockHasher("sha256", 16, seed="0", scheme="vllm-0.10").hash_prompt(
-            [0] * 4, prompt_embeds=torch.zeros(4, 2))
+            [0] * 4, prompt_embeds=torch.zeros(4, 2)
+        )
     with pytest.raises(ValueError, match="lora_int_id"):
         BlockHasher("sha256", 16, seed="0", scheme="vllm-0.10").hash_prompt([0] * 4, lora_name="L")
     with pytest.raises(ValueError, match="random"):

@@ -33,21 +33,35 @@ from mmreuse.sim.view import NO_VIEW
 def one_image_trace(tmp_path, turns):
     lines = []
     for t in range(turns):
-        lines.append(json.dumps({
-            "session": "s1", "arrival_s": 10.0 * t, "text_tokens": 40,
-            "images": [{"id": "img-1", "tokens": 576}] if t == 0 else [],
-            "output_tokens": 100}))
+        lines.append(
+            json.dumps(
+                {
+                    "session": "s1",
+                    "arrival_s": 10.0 * t,
+                    "text_tokens": 40,
+                    "images": [{"id": "img-1", "tokens": 576}] if t == 0 else [],
+                    "output_tokens": 100,
+                }
+            )
+        )
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def cfg_for(path, turns, **cluster):
-    c = dict(num_encoders=1, num_prefills=1, p_kv_blocks=4096, p_encoder_cache_embeds=4096,
-             e_cache_embeds=4096)
+    c = dict(
+        num_encoders=1,
+        num_prefills=1,
+        p_kv_blocks=4096,
+        p_encoder_cache_embeds=4096,
+        e_cache_embeds=4096,
+    )
     c.update(cluster)
-    return SimConfig(cluster=ClusterConfig(**c),
-                     workload=WorkloadConfig(kind="trace", trace_path=str(path), requests=turns))
+    return SimConfig(
+        cluster=ClusterConfig(**c),
+        workload=WorkloadConfig(kind="trace", trace_path=str(path), requests=turns),
+    )
 
 
 def by_policy(rows):
@@ -72,9 +86,15 @@ def test_closed_form_one_image_at_turn_one(tmp_path, turns):
 
 
 def test_all_caches_off_means_equal_encoder_work():
-    cfg = SimConfig(cluster=ClusterConfig(prefix_caching=False, p_encoder_cache_embeds=0,
-                                          e_cache_embeds=0, external_store_embeds=0),
-                    workload=WorkloadConfig(requests=300))
+    cfg = SimConfig(
+        cluster=ClusterConfig(
+            prefix_caching=False,
+            p_encoder_cache_embeds=0,
+            e_cache_embeds=0,
+            external_store_embeds=0,
+        ),
+        workload=WorkloadConfig(requests=300),
+    )
     rows, _ = run(cfg)
     forwards = {r["policy"]: r["encoder_forwards"] for r in rows}
     assert len(set(forwards.values())) == 1, forwards
@@ -83,14 +103,22 @@ def test_all_caches_off_means_equal_encoder_work():
 
 @pytest.mark.parametrize("kind", ["chat", "fanout", "agentic"])
 def test_conservation_per_cause(kind):
-    cfg = SimConfig(cluster=ClusterConfig(external_store_embeds=20000),
-                    workload=WorkloadConfig(kind=kind, requests=400))
+    cfg = SimConfig(
+        cluster=ClusterConfig(external_store_embeds=20000),
+        workload=WorkloadConfig(kind=kind, requests=400),
+    )
     requests = generate(cfg.workload, cfg.seed)
     total = sum(r.num_mm for r in requests)
     rows, _ = run(cfg)
     for r in rows:
-        causes = (r["encoder_forwards"] + r["avoided_by_kv"] + r["avoided_by_p_embedding"]
-                  + r["avoided_by_external"] + r["avoided_by_e_cache"] + r["avoided_by_dedup"])
+        causes = (
+            r["encoder_forwards"]
+            + r["avoided_by_kv"]
+            + r["avoided_by_p_embedding"]
+            + r["avoided_by_external"]
+            + r["avoided_by_e_cache"]
+            + r["avoided_by_dedup"]
+        )
         assert causes == r["occurrences"] == total, r
         assert r["requests"] == 400 and r["wrong_skips"] == 0
         assert r["redundant_forwards"] <= r["encoder_forwards"]
@@ -98,10 +126,17 @@ def test_conservation_per_cause(kind):
 
 def test_adversarial_eviction_never_skips_wrongly():
     """Tiny caches, a view 2 s behind, random routing, 10k requests: every policy stays safe."""
-    cfg = SimConfig(cluster=ClusterConfig(p_kv_blocks=512, p_encoder_cache_embeds=1200,
-                                          e_cache_embeds=1200, external_store_embeds=1500,
-                                          view_lag_ms=2000.0, routing="random"),
-                    workload=WorkloadConfig(kind="fanout", requests=10_000, sessions_per_s=40.0))
+    cfg = SimConfig(
+        cluster=ClusterConfig(
+            p_kv_blocks=512,
+            p_encoder_cache_embeds=1200,
+            e_cache_embeds=1200,
+            external_store_embeds=1500,
+            view_lag_ms=2000.0,
+            routing="random",
+        ),
+        workload=WorkloadConfig(kind="fanout", requests=10_000, sessions_per_s=40.0),
+    )
     rows, _ = run(cfg)
     for r in rows:
         assert r["requests"] == 10_000 and r["wrong_skips"] == 0, r
@@ -124,20 +159,34 @@ def test_same_seed_same_json(tmp_path):
 def test_routing_changes_reuse():
     base = SimConfig(workload=WorkloadConfig(requests=600))
     affine = by_policy(run(base)[0])["demand"]
-    rnd = by_policy(run(dataclasses.replace(
-        base, cluster=dataclasses.replace(base.cluster, routing="random")))[0])["demand"]
+    rnd = by_policy(
+        run(dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, routing="random")))[
+            0
+        ]
+    )["demand"]
     assert affine["avoided_by_kv"] > rnd["avoided_by_kv"]
 
 
 def test_cli_simulate_writes_json_and_plot(tmp_path, capsys):
     j, p = tmp_path / "out.json", tmp_path / "out.png"
-    assert main(["simulate", "--requests", "200", "--json", str(j), "--plot", str(p),
-                 "--no-progress"]) == 0
+    assert (
+        main(["simulate", "--requests", "200", "--json", str(j), "--plot", str(p), "--no-progress"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "eager" in out and "index" in out
     doc = json.loads(j.read_text())
-    keys = {"policy", "encoder_forwards", "avoided_by_kv", "avoided_by_p_embedding",
-            "avoided_by_e_cache", "late_fallbacks", "wrong_skips", "ttft_p50_ms", "ttft_p99_ms"}
+    keys = {
+        "policy",
+        "encoder_forwards",
+        "avoided_by_kv",
+        "avoided_by_p_embedding",
+        "avoided_by_e_cache",
+        "late_fallbacks",
+        "wrong_skips",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+    }
     assert [r["policy"] for r in doc["policies"]] == ["eager", "demand", "opportunistic", "index"]
     assert all(keys <= set(r) for r in doc["policies"])
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -147,36 +196,57 @@ def test_cli_trace_and_config(tmp_path, capsys):
     trace = one_image_trace(tmp_path, 3)
     conf = tmp_path / "c.json"
     conf.write_text(json.dumps({"cluster": {"num_encoders": 1, "num_prefills": 1}}))
-    assert main(["simulate", "--trace", str(trace), "--requests", "3", "--policy", "demand",
-                 "--config", str(conf), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                str(trace),
+                "--requests",
+                "3",
+                "--policy",
+                "demand",
+                "--config",
+                str(conf),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "demand" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args,match", [
-    (["simulate", "--requests", "0"], "requests"),
-    (["simulate", "--config", "/nonexistent.json"], "config file"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["simulate", "--requests", "0"], "requests"),
+        (["simulate", "--config", "/nonexistent.json"], "config file"),
+    ],
+)
 def test_cli_bad_input(args, match, capsys):
     assert main([*args, "--no-progress"]) == 2
     assert match in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("section,values,match", [
-    ("cluster", {"num_prefills": 0}, "num_prefills"),
-    ("cluster", {"routing": "sticky"}, "routing"),
-    ("workload", {"kind": "video"}, "kind"),
-    ("workload", {"text_tokens": [5, 1]}, "text_tokens"),
-    ("cost", {"e_to_p_gb_per_s": 0}, "e_to_p_gb_per_s"),
-    ("cost", {"nonsense": 1}, "nonsense"),
-    ("cost", {"demand_rtt_ms": float("nan")}, "demand_rtt_ms"),
-    ("cost", {"embedding_bytes_per_token": 7168.5}, "embedding_bytes_per_token"),
-    ("cluster", {"prefix_caching": "no"}, "prefix_caching"),
-    ("cluster", {"e_cache_embeds": 1.5}, "e_cache_embeds"),
-    ("workload", {"fanout_pool": 0}, "fanout_pool"),
-    ("workload", {"mean_turns": 0.5}, "mean_turns"),
-    ("policies", "eager", "policies"),
-    ("policies", ["eager", "sticky"], "policy"),
-])
+@pytest.mark.parametrize(
+    "section,values,match",
+    [
+        ("cluster", {"num_prefills": 0}, "num_prefills"),
+        ("cluster", {"routing": "sticky"}, "routing"),
+        ("workload", {"kind": "video"}, "kind"),
+        ("workload", {"text_tokens": [5, 1]}, "text_tokens"),
+        ("cost", {"e_to_p_gb_per_s": 0}, "e_to_p_gb_per_s"),
+        ("cost", {"nonsense": 1}, "nonsense"),
+        ("cost", {"demand_rtt_ms": float("nan")}, "demand_rtt_ms"),
+        ("cost", {"embedding_bytes_per_token": 7168.5}, "embedding_bytes_per_token"),
+        ("cluster", {"prefix_caching": "no"}, "prefix_caching"),
+        ("cluster", {"e_cache_embeds": 1.5}, "e_cache_embeds"),
+        ("workload", {"fanout_pool": 0}, "fanout_pool"),
+        ("workload", {"mean_turns": 0.5}, "mean_turns"),
+        ("policies", "eager", "policies"),
+        ("policies", ["eager", "sticky"], "policy"),
+    ],
+)
 def test_bad_config(section, values, match):
     with pytest.raises(ValueError, match=match):
         SimConfig.from_dict({section: values})
@@ -199,14 +269,17 @@ def test_bad_trace(tmp_path):
         generate(WorkloadConfig(kind="trace", trace_path=str(bad)), 0)
 
 
-@pytest.mark.parametrize("record,match", [
-    ({"session": "a", "arrival_s": 0, "text_tokens": 12.5}, "text_tokens"),
-    ({"session": "a", "arrival_s": 0, "text_tokens": True}, "text_tokens"),
-    ({"session": "a", "arrival_s": 0, "output_tokens": -1}, "output_tokens"),
-    ({"session": "a", "arrival_s": 0, "images": "img"}, "images"),
-    ({"session": "a", "arrival_s": 0, "images": [{"id": "x", "tokens": 57.6}]}, "tokens"),
-    ([1, 2], "record"),
-])
+@pytest.mark.parametrize(
+    "record,match",
+    [
+        ({"session": "a", "arrival_s": 0, "text_tokens": 12.5}, "text_tokens"),
+        ({"session": "a", "arrival_s": 0, "text_tokens": True}, "text_tokens"),
+        ({"session": "a", "arrival_s": 0, "output_tokens": -1}, "output_tokens"),
+        ({"session": "a", "arrival_s": 0, "images": "img"}, "images"),
+        ({"session": "a", "arrival_s": 0, "images": [{"id": "x", "tokens": 57.6}]}, "tokens"),
+        ([1, 2], "record"),
+    ],
+)
 def test_trace_values_are_not_coerced(tmp_path, record, match):
     path = tmp_path / "t.jsonl"
     path.write_text('{"session": "a", "arrival_s": 0, "text_tokens": 5}\n' + json.dumps(record))
@@ -217,14 +290,16 @@ def test_trace_values_are_not_coerced(tmp_path, record, match):
 def test_trace_turns_number_per_session(tmp_path):
     path = tmp_path / "t.jsonl"
     recs = [("a", 0.0), ("b", 0.5), ("a", 1.0), ("a", 2.0), ("b", 3.0)]
-    path.write_text("\n".join(json.dumps({"session": s, "arrival_s": t, "text_tokens": 20})
-                              for s, t in recs))
+    path.write_text(
+        "\n".join(json.dumps({"session": s, "arrival_s": t, "text_tokens": 20}) for s, t in recs)
+    )
     requests = generate(WorkloadConfig(kind="trace", trace_path=str(path), requests=5), 0)
     assert [(r.session.sid, r.turn) for r in requests] == [(0, 0), (1, 0), (0, 1), (0, 2), (1, 1)]
     assert [r.num_tokens for r in requests] == [20, 20, 40, 60, 40]
 
 
 # ---- parts -------------------------------------------------------------------------------------
+
 
 def test_buckets_and_deliveries_keep_their_report_names():
     assert BUCKETS == ("forward", "kv", "p_embedding", "external", "e_cache", "dedup")
@@ -269,6 +344,7 @@ def test_prefix_cache_keeps_one_map_in_its_block_index():
 # sha256 of `write_json` output, computed from the simulator before its refactor into policy
 # classes (commit 2ddde9e): a refactor that changes any count, latency or key order fails here.
 
+
 def dup_trace(path):
     """40 sessions repeating images within a request, shared across sessions and across turns."""
     rng = random.Random(11)
@@ -277,34 +353,63 @@ def dup_trace(path):
         own, shared = f"own-{s}", f"shared-{rng.randrange(4)}"
         t0 = rng.uniform(0, 20)
         for t, imgs in enumerate([[shared, own, shared], [], [own, f"late-{s}", own]]):
-            lines.append(json.dumps({
-                "session": f"s{s}", "arrival_s": t0 + 3.0 * t, "text_tokens": 20 + 7 * t,
-                "images": [{"id": i, "tokens": 64 + 16 * (len(i) % 3)} for i in imgs],
-                "output_tokens": 30}))
+            lines.append(
+                json.dumps(
+                    {
+                        "session": f"s{s}",
+                        "arrival_s": t0 + 3.0 * t,
+                        "text_tokens": 20 + 7 * t,
+                        "images": [{"id": i, "tokens": 64 + 16 * (len(i) % 3)} for i in imgs],
+                        "output_tokens": 30,
+                    }
+                )
+            )
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def pinned_chat(_):
-    return SimConfig(seed=5, cluster=ClusterConfig(p_kv_blocks=600, p_encoder_cache_embeds=2000,
-                                                   e_cache_embeds=1500, external_store_embeds=3000,
-                                                   view_lag_ms=500.0),
-                     workload=WorkloadConfig(kind="chat", requests=150, sessions_per_s=10.0))
+    return SimConfig(
+        seed=5,
+        cluster=ClusterConfig(
+            p_kv_blocks=600,
+            p_encoder_cache_embeds=2000,
+            e_cache_embeds=1500,
+            external_store_embeds=3000,
+            view_lag_ms=500.0,
+        ),
+        workload=WorkloadConfig(kind="chat", requests=150, sessions_per_s=10.0),
+    )
 
 
 def pinned_fanout(_):
-    return SimConfig(seed=7, cluster=ClusterConfig(p_kv_blocks=400, p_encoder_cache_embeds=1200,
-                                                   e_cache_embeds=1200, external_store_embeds=1500,
-                                                   view_lag_ms=2000.0, routing="random"),
-                     workload=WorkloadConfig(kind="fanout", requests=150, sessions_per_s=40.0))
+    return SimConfig(
+        seed=7,
+        cluster=ClusterConfig(
+            p_kv_blocks=400,
+            p_encoder_cache_embeds=1200,
+            e_cache_embeds=1200,
+            external_store_embeds=1500,
+            view_lag_ms=2000.0,
+            routing="random",
+        ),
+        workload=WorkloadConfig(kind="fanout", requests=150, sessions_per_s=40.0),
+    )
 
 
 def pinned_trace(tmp):
-    return SimConfig(cluster=ClusterConfig(p_kv_blocks=300, p_encoder_cache_embeds=600,
-                                           e_cache_embeds=500, external_store_embeds=800,
-                                           view_lag_ms=1000.0),
-                     workload=WorkloadConfig(kind="trace", requests=120,
-                                             trace_path=str(dup_trace(tmp / "dup.jsonl"))))
+    return SimConfig(
+        cluster=ClusterConfig(
+            p_kv_blocks=300,
+            p_encoder_cache_embeds=600,
+            e_cache_embeds=500,
+            external_store_embeds=800,
+            view_lag_ms=1000.0,
+        ),
+        workload=WorkloadConfig(
+            kind="trace", requests=120, trace_path=str(dup_trace(tmp / "dup.jsonl"))
+        ),
+    )
 
 
 PINNED = {

@@ -40,8 +40,16 @@ STOP_TIMEOUT_S = 5.0
 
 
 def stored(hashes, medium="GPU", **kw):
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
-                       block_size=16, lora_id=None, medium=medium, lora_name=None, **kw)
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        **kw,
+    )
 
 
 def removed(hashes, medium="GPU"):
@@ -100,8 +108,9 @@ class Scenario:
         replay = kw.pop("replay", self.pub.replay_endpoint)
         kw.setdefault("replay_timeout_s", 0.3)
         kw.setdefault("replay_deadline_s", 5.0)
-        self.sub = KVEventSubscriber(self.pub.endpoint, replay, index=self.idx, metrics=metrics,
-                                     context=ctx, **kw).start()
+        self.sub = KVEventSubscriber(
+            self.pub.endpoint, replay, index=self.idx, metrics=metrics, context=ctx, **kw
+        ).start()
         # the SUB joins late (slow joiner): warm up until a live batch is applied
         for i in range(200):
             self.publish(batch(stored([10_000 + i])))
@@ -115,8 +124,10 @@ class Scenario:
         return self.last
 
     def settle(self):
-        assert wait_for(lambda: self.sub.applied_seq == self.last), (self.sub.applied_seq,
-                                                                      self.last)
+        assert wait_for(lambda: self.sub.applied_seq == self.last), (
+            self.sub.applied_seq,
+            self.last,
+        )
 
     def assert_sound(self, *, exact=None):
         """No stale block; equal to the truth unless a resync was counted; thread alive."""
@@ -179,20 +190,26 @@ def lose_then_live(s, n_lost=2):
     s.settle()
     first = s.last + 1
     for i in range(n_lost):
-        s.publish(batch(removed([1]), stored([100 + i])) if i == 0 else batch(stored([100 + i])),
-                  drop=True)
+        s.publish(
+            batch(removed([1]), stored([100 + i])) if i == 0 else batch(stored([100 + i])),
+            drop=True,
+        )
     s.publish(batch(stored([200])))
     return first
 
 
 # ---- start() and construction ---------------------------------------------------------------
 
-@pytest.mark.parametrize("field,endpoint", [
-    ("endpoint", "tcp://127.0.0.1:notaport"),
-    ("endpoint", "foo://bar"),
-    ("replay_endpoint", "tcp://127.0.0.1:notaport"),
-    ("replay_endpoint", "foo://bar"),
-])
+
+@pytest.mark.parametrize(
+    "field,endpoint",
+    [
+        ("endpoint", "tcp://127.0.0.1:notaport"),
+        ("endpoint", "foo://bar"),
+        ("replay_endpoint", "tcp://127.0.0.1:notaport"),
+        ("replay_endpoint", "foo://bar"),
+    ],
+)
 def test_start_refuses_an_endpoint_zmq_refuses(ctx, metrics, field, endpoint):
     kw = {"endpoint": "tcp://127.0.0.1:5999", "replay_endpoint": None, field: endpoint}
     sub = KVEventSubscriber(**kw, metrics=metrics, context=ctx)
@@ -204,22 +221,25 @@ def test_start_refuses_an_endpoint_zmq_refuses(ctx, metrics, field, endpoint):
     sub.stop(STOP_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"poll_interval_s": math.nan}, "poll_interval_s"),
-    ({"poll_interval_s": math.inf}, "poll_interval_s"),
-    ({"poll_interval_s": True}, "poll_interval_s"),
-    ({"poll_interval_s": 0}, "poll_interval_s"),
-    ({"poll_interval_s": "0.1"}, "poll_interval_s"),
-    ({"replay_timeout_s": math.nan}, "replay_timeout_s"),
-    ({"replay_timeout_s": -1.0}, "replay_timeout_s"),
-    ({"replay_deadline_s": math.inf}, "replay_deadline_s"),
-    ({"max_replay_batches": 0}, "max_replay_batches"),
-    ({"max_replay_bytes": 1.5}, "max_replay_bytes"),
-    ({"max_media": True}, "max_media"),
-    ({"max_message_bytes": 0}, "max_message_bytes"),
-    ({"replay_endpoint": 5}, "replay_endpoint"),
-    ({"metrics": object()}, "metrics"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"poll_interval_s": math.nan}, "poll_interval_s"),
+        ({"poll_interval_s": math.inf}, "poll_interval_s"),
+        ({"poll_interval_s": True}, "poll_interval_s"),
+        ({"poll_interval_s": 0}, "poll_interval_s"),
+        ({"poll_interval_s": "0.1"}, "poll_interval_s"),
+        ({"replay_timeout_s": math.nan}, "replay_timeout_s"),
+        ({"replay_timeout_s": -1.0}, "replay_timeout_s"),
+        ({"replay_deadline_s": math.inf}, "replay_deadline_s"),
+        ({"max_replay_batches": 0}, "max_replay_batches"),
+        ({"max_replay_bytes": 1.5}, "max_replay_bytes"),
+        ({"max_media": True}, "max_media"),
+        ({"max_message_bytes": 0}, "max_message_bytes"),
+        ({"replay_endpoint": 5}, "replay_endpoint"),
+        ({"metrics": object()}, "metrics"),
+    ],
+)
 def test_constructor_refuses_bad_values(kwargs, match):
     with pytest.raises(InvalidArgument, match=f"^{match}"):
         KVEventSubscriber("tcp://127.0.0.1:5999", **kwargs)
@@ -227,26 +247,43 @@ def test_constructor_refuses_bad_values(kwargs, match):
 
 # ---- garbage and nesting on the live stream -----------------------------------------------
 
+
 def nested_payload(depth, where="extra_keys"):
     """A BlockStored whose `where` field holds `depth` nested arrays (inside extra_keys' own
     list: one entry that deep); msgspec cannot encode it, so the bytes are spliced."""
-    ev = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
-          "token_ids": [], "block_size": 16, "lora_id": None, "medium": "GPU",
-          "lora_name": None, where: None}
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [7],
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        where: None,
+    }
     base = msgspec.msgpack.encode([1.0, [ev], 0])
     i = base.rfind(where.encode()) + len(where)
     assert base[i] == 0xC0
     head = b"\x91" if where == "extra_keys" else b""
-    return base[:i] + head + b"\x91" * depth + b"\x01" + base[i + 1:]
+    return base[:i] + head + b"\x91" * depth + b"\x01" + base[i + 1 :]
 
 
-@pytest.mark.parametrize("payload", [
-    nested_payload(1000), nested_payload(100_000), nested_payload(1000, "unknown_field"),
-    nested_payload(MAX_EXTRA_KEY_DEPTH + 1),
-    b"\xdd\xff\xff\xff\xff", b"\xc1", b"", bytes(range(256)),
-    msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}], 0]),
-    msgspec.msgpack.encode([math.nan, [], -1]),
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        nested_payload(1000),
+        nested_payload(100_000),
+        nested_payload(1000, "unknown_field"),
+        nested_payload(MAX_EXTRA_KEY_DEPTH + 1),
+        b"\xdd\xff\xff\xff\xff",
+        b"\xc1",
+        b"",
+        bytes(range(256)),
+        msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}], 0]),
+        msgspec.msgpack.encode([math.nan, [], -1]),
+    ],
+)
 def test_decode_batch_raises_only_malformed(payload):
     try:
         b = decode_batch(payload)
@@ -256,8 +293,12 @@ def test_decode_batch_raises_only_malformed(payload):
 
 
 def test_deep_nesting_is_malformed_not_recursion():
-    for p in (nested_payload(1000), nested_payload(100_000), nested_payload(5000, "zzz"),
-              nested_payload(MAX_EXTRA_KEY_DEPTH + 1)):
+    for p in (
+        nested_payload(1000),
+        nested_payload(100_000),
+        nested_payload(5000, "zzz"),
+        nested_payload(MAX_EXTRA_KEY_DEPTH + 1),
+    ):
         with pytest.raises(MalformedBatch):
             decode_batch(p)
     ok = decode_batch(nested_payload(MAX_EXTRA_KEY_DEPTH))
@@ -272,8 +313,13 @@ def test_garbage_and_nested_payloads_resync_and_survive(scenario, metrics):
     s.pub.send_raw([b""])
     s.pub.send_raw([b"", b"\x00" * 7, b"x"])
     s.pub.send_raw([b"", b"\x00" * 8, b"x", b"extra"])
-    bad = [nested_payload(1000), nested_payload(50_000, "zzz"),
-           nested_payload(MAX_EXTRA_KEY_DEPTH + 1), b"\xc1garbage", b"\xdd\xff\xff\xff\xff"]
+    bad = [
+        nested_payload(1000),
+        nested_payload(50_000, "zzz"),
+        nested_payload(MAX_EXTRA_KEY_DEPTH + 1),
+        b"\xc1garbage",
+        b"\xdd\xff\xff\xff\xff",
+    ]
     for p in bad:
         s.last = s.pub.publish(p)  # a lost batch: it might have removed anything
     s.truth.apply(batch(removed([1, 2])))  # say it did
@@ -297,8 +343,9 @@ def test_an_unexpected_error_in_a_batch_costs_a_resync_not_the_loop(ctx, metrics
 
     pub = TestPublisher(ctx)
     idx = FlakyIndex("p0")
-    sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint, index=idx, metrics=metrics,
-                            context=ctx).start()
+    sub = KVEventSubscriber(
+        pub.endpoint, pub.replay_endpoint, index=idx, metrics=metrics, context=ctx
+    ).start()
     try:
         assert wait_for(lambda: (pub.publish(batch(stored([1]))), sub.applied_seq)[1] is not None)
         idx.fail = True
@@ -339,6 +386,7 @@ def test_a_dead_loop_is_visible_and_resets_the_view(scenario, metrics):
 
 # ---- replays that do not fill the gap -----------------------------------------------------
 
+
 def test_a_complete_replay_needs_no_resync(scenario, metrics):
     s = scenario()
     lose_then_live(s, 3)
@@ -348,9 +396,20 @@ def test_a_complete_replay_needs_no_resync(scenario, metrics):
     s.assert_sound(exact=True)
 
 
-@pytest.mark.parametrize("kind", ["partial_then_end", "hole_then_end", "stall", "absent",
-                                  "duplicate", "lying_high", "lying_low", "endless_garbage",
-                                  "bad_frames"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "partial_then_end",
+        "hole_then_end",
+        "stall",
+        "absent",
+        "duplicate",
+        "lying_high",
+        "lying_low",
+        "endless_garbage",
+        "bad_frames",
+    ],
+)
 def test_a_short_or_lying_replay_resyncs(scenario, metrics, kind):
     s = scenario()
 
@@ -471,6 +530,7 @@ def test_no_replay_server_at_all_resyncs(ctx, metrics, scenario):
 
 # ---- restarts, floods, media --------------------------------------------------------------
 
+
 def test_publisher_restart_forgets_the_old_process(ctx, metrics):
     s = Scenario(ctx, metrics)
     try:
@@ -528,8 +588,12 @@ def test_media_beyond_the_bound_are_refused_and_labels_stay_bounded(scenario, me
         s.publish(batch(stored([500 + k], medium=f"n{k}")))
         s.last = s.pub.publish(b"\xc1")  # a resync
     s.settle()
-    labels = {smp.labels["medium"] for mf in metrics.registry.collect()
-              if mf.name == "mmreuse_kv_index_blocks" for smp in mf.samples}
+    labels = {
+        smp.labels["medium"]
+        for mf in metrics.registry.collect()
+        if mf.name == "mmreuse_kv_index_blocks"
+        for smp in mf.samples
+    }
     assert len(labels) <= 3 + 1, labels
     s.truth = Truth()
     s.assert_sound(exact=True)
@@ -537,27 +601,50 @@ def test_media_beyond_the_bound_are_refused_and_labels_stay_bounded(scenario, me
 
 # ---- fuzz: decode_batch and RemoteKVIndex.apply over arbitrary msgpack ----------------------
 
-scalars = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1)
-           | st.floats(allow_nan=True) | st.binary(max_size=40) | st.text(max_size=12))
-trees = st.recursive(scalars, lambda kids: st.lists(kids, max_size=5)
-                     | st.dictionaries(st.text(max_size=8), kids, max_size=5), max_leaves=40)
-hashes = st.integers(-2**63, 2**64 - 1) | st.binary(min_size=0, max_size=40) | trees
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.binary(max_size=40)
+    | st.text(max_size=12)
+)
+trees = st.recursive(
+    scalars,
+    lambda kids: (
+        st.lists(kids, max_size=5) | st.dictionaries(st.text(max_size=8), kids, max_size=5)
+    ),
+    max_leaves=40,
+)
+hashes = st.integers(-(2**63), 2**64 - 1) | st.binary(min_size=0, max_size=40) | trees
 media = st.sampled_from([None, "GPU", "CPU", "STORAGE"]) | trees
 events = st.one_of(
-    st.fixed_dictionaries({"type": st.just("BlockStored"),
-                           "block_hashes": st.lists(hashes, max_size=6),
-                           "parent_block_hash": st.none() | hashes,
-                           "token_ids": st.lists(st.integers(0, 10), max_size=4) | trees,
-                           "block_size": st.integers(0, 64) | trees,
-                           "lora_id": st.none(), "medium": media, "lora_name": st.none()},
-                          optional={"extra_keys": trees, "group_idx": trees, "junk": trees}),
-    st.fixed_dictionaries({"type": st.just("BlockRemoved"),
-                           "block_hashes": st.lists(hashes, max_size=6), "medium": media}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("BlockStored"),
+            "block_hashes": st.lists(hashes, max_size=6),
+            "parent_block_hash": st.none() | hashes,
+            "token_ids": st.lists(st.integers(0, 10), max_size=4) | trees,
+            "block_size": st.integers(0, 64) | trees,
+            "lora_id": st.none(),
+            "medium": media,
+            "lora_name": st.none(),
+        },
+        optional={"extra_keys": trees, "group_idx": trees, "junk": trees},
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("BlockRemoved"),
+            "block_hashes": st.lists(hashes, max_size=6),
+            "medium": media,
+        }
+    ),
     st.fixed_dictionaries({"type": st.sampled_from(["AllBlocksCleared", "Nope"])}),
     trees,
 )
-batches = st.tuples(st.floats() | trees, st.lists(events, max_size=5),
-                    st.none() | st.integers(0, 3) | trees).map(list)
+batches = st.tuples(
+    st.floats() | trees, st.lists(events, max_size=5), st.none() | st.integers(0, 3) | trees
+).map(list)
 
 
 def model_apply(model: dict, b: KVEventBatch) -> None:

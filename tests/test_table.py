@@ -14,8 +14,14 @@ def arrays(cap=64):
     return np.zeros(cap, dtype=np.uint64), np.full(cap, -1, dtype=np.int64)
 
 
-@given(st.lists(st.tuples(st.sampled_from(["put", "del", "add"]),
-                          st.lists(st.integers(0, 40), max_size=12)), max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["put", "del", "add"]), st.lists(st.integers(0, 40), max_size=12)
+        ),
+        max_size=40,
+    )
+)
 def test_table_matches_a_dict(ops):
     t, put, counts = HashTable(), HashTable(), {}
     model = {}
@@ -67,32 +73,35 @@ def test_add_is_all_or_nothing():
     assert t.live == 0 and t.get(1) is None
 
 
-I = _index
+IDX = _index
 E, T = InvalidArgument, InvalidArgumentType
 I64, I32 = np.int64, np.int32
 
 
-@pytest.mark.parametrize("call,cls,match", [
-    (lambda k, v: I.table_put_many(k, v, [1, 2], [1]), E, "val_list has 1 values for 2 keys"),
-    (lambda k, v: I.table_put_many(k, v, [1], [-1]), E, r"val_list\[0\] must be in \[0, "),
-    (lambda k, v: I.table_put_many(k, v, [1], [True]), T, r"val_list\[0\] must be an int"),
-    (lambda k, v: I.table_put_many(k, v, [-1], [1]), E, r"key_list\[0\] must be an event id"),
-    (lambda k, v: I.table_put_many(k, v, {1}, [1]), T, "key_list must be a list or tuple"),
-    (lambda k, v: I.table_del_many(k, v, [2**64]), E, r"key_list\[0\]"),
-    (lambda k, v: I.table_add(k, v, [1], 2**40), E, "delta must be in"),
-    (lambda k, v: I.table_add(k, v, [1], 1.0), T, "delta must be an int"),
-    (lambda k, v: I.table_add(k, v, "ab", 1), T, "block_hashes must be a list or tuple"),
-    (lambda k, v: I.table_get(k, v, -3), E, "block_hash must be an event id"),
-    (lambda k, v: I.chain_prefix(k, v, [1, 2], np.empty(1, I64)), E, "out has 1 slots for 2"),
-    (lambda k, v: I.chain_prefix(k, v, [1], np.empty(4, I32)), T, "out must be"),
-    (lambda k, v: I.chain_prefix(k, v, [1], np.empty(4, I64)[::2]), T, "out must be"),
-    (lambda k, v: I.table_get(v, v, 1), T, "keys must be a writable contiguous uint64"),
-    (lambda k, v: I.table_get(k, b"x" * 512, 1), T, "vals must be"),
-    (lambda k, v: I.table_get(k[:3], v[:3], 1), E, "power-of-two length"),
-    (lambda k, v: I.table_get(k, v[:32], 1), E, "power-of-two length, got 64 and 32"),
-    (lambda k, v: I.table_get(k, v), T, "table_get takes 3 arguments, got 2"),
-    (lambda k, v: I.table_rehash(k, v, k), T, "table_rehash takes 4 arguments, got 3"),
-])
+@pytest.mark.parametrize(
+    "call,cls,match",
+    [
+        (lambda k, v: IDX.table_put_many(k, v, [1, 2], [1]), E, "val_list has 1 values for 2 keys"),
+        (lambda k, v: IDX.table_put_many(k, v, [1], [-1]), E, r"val_list\[0\] must be in \[0, "),
+        (lambda k, v: IDX.table_put_many(k, v, [1], [True]), T, r"val_list\[0\] must be an int"),
+        (lambda k, v: IDX.table_put_many(k, v, [-1], [1]), E, r"key_list\[0\] must be an event id"),
+        (lambda k, v: IDX.table_put_many(k, v, {1}, [1]), T, "key_list must be a list or tuple"),
+        (lambda k, v: IDX.table_del_many(k, v, [2**64]), E, r"key_list\[0\]"),
+        (lambda k, v: IDX.table_add(k, v, [1], 2**40), E, "delta must be in"),
+        (lambda k, v: IDX.table_add(k, v, [1], 1.0), T, "delta must be an int"),
+        (lambda k, v: IDX.table_add(k, v, "ab", 1), T, "block_hashes must be a list or tuple"),
+        (lambda k, v: IDX.table_get(k, v, -3), E, "block_hash must be an event id"),
+        (lambda k, v: IDX.chain_prefix(k, v, [1, 2], np.empty(1, I64)), E, "out has 1 slots for 2"),
+        (lambda k, v: IDX.chain_prefix(k, v, [1], np.empty(4, I32)), T, "out must be"),
+        (lambda k, v: IDX.chain_prefix(k, v, [1], np.empty(4, I64)[::2]), T, "out must be"),
+        (lambda k, v: IDX.table_get(v, v, 1), T, "keys must be a writable contiguous uint64"),
+        (lambda k, v: IDX.table_get(k, b"x" * 512, 1), T, "vals must be"),
+        (lambda k, v: IDX.table_get(k[:3], v[:3], 1), E, "power-of-two length"),
+        (lambda k, v: IDX.table_get(k, v[:32], 1), E, "power-of-two length, got 64 and 32"),
+        (lambda k, v: IDX.table_get(k, v), T, "table_get takes 3 arguments, got 2"),
+        (lambda k, v: IDX.table_rehash(k, v, k), T, "table_rehash takes 4 arguments, got 3"),
+    ],
+)
 def test_bad_arguments_raise_mmreuse_errors(call, cls, match):
     k, v = arrays()
     with pytest.raises(cls, match=match):

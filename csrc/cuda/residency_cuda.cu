@@ -111,8 +111,8 @@ void check_inputs(const char* op, const at::Tensor& bitmap, const at::Tensor& id
   TORCH_CHECK(bitmap.is_cuda() && ids.device() == bitmap.device(), op,
               ": bitmap and block_ids must be on the same CUDA device, got ", bitmap.device(),
               " and ", ids.device());
-  TORCH_CHECK(bitmap.scalar_type() == at::kInt && bitmap.dim() == 1 && bitmap.is_contiguous(),
-              op, ": bitmap must be a contiguous 1-D int32 tensor");
+  TORCH_CHECK(bitmap.scalar_type() == at::kInt && bitmap.dim() == 1 && bitmap.is_contiguous(), op,
+              ": bitmap must be a contiguous 1-D int32 tensor");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, op,
               ": block_ids must be a 1-D int64 tensor, got ", ids.scalar_type());
   TORCH_CHECK(fits_bitmap(num_blocks, bitmap.numel()), op, ": num_blocks=", num_blocks,
@@ -138,8 +138,8 @@ void raise_if_out_of_range(const char* op, const at::Tensor& flag, const at::Ten
   const int64_t first_bad = flag.item<int64_t>();
   if (first_bad != -1) {
     const int64_t value = ids[first_bad].item<int64_t>();
-    TORCH_CHECK_INDEX(false, op, ": block_ids[", first_bad, "] = ", value,
-                      " is out of range [0, ", num_blocks, ")");
+    TORCH_CHECK_INDEX(false, op, ": block_ids[", first_bad, "] = ", value, " is out of range [0, ",
+                      num_blocks, ")");
   }
 }
 
@@ -194,8 +194,8 @@ at::Tensor residency_test_cuda(const at::Tensor& bitmap, const at::Tensor& block
   at::Tensor flag = launch_bounds_check(ids, num_blocks, stream);
   if (n > 0) {
     test_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
-        reinterpret_cast<const uint32_t*>(bitmap.data_ptr<int32_t>()), ids.data_ptr<int64_t>(),
-        n, out.data_ptr<bool>(),
+        reinterpret_cast<const uint32_t*>(bitmap.data_ptr<int32_t>()), ids.data_ptr<int64_t>(), n,
+        out.data_ptr<bool>(),
         reinterpret_cast<const unsigned long long*>(flag.data_ptr<int64_t>()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -231,8 +231,8 @@ at::Tensor residency_prefix_cuda(const at::Tensor& bitmap, const at::Tensor& blo
   at::Tensor flag = launch_bounds_check(ids, num_blocks, stream);
   if (n > 0) {
     prefix_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
-        reinterpret_cast<const uint32_t*>(bitmap.data_ptr<int32_t>()), ids.data_ptr<int64_t>(),
-        n, reinterpret_cast<unsigned long long*>(first_missing.data_ptr<int64_t>()),
+        reinterpret_cast<const uint32_t*>(bitmap.data_ptr<int32_t>()), ids.data_ptr<int64_t>(), n,
+        reinterpret_cast<unsigned long long*>(first_missing.data_ptr<int64_t>()),
         reinterpret_cast<const unsigned long long*>(flag.data_ptr<int64_t>()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -35,8 +35,21 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "END_SEQ", "LEGACY_LAYOUT_VERSIONS", "MEDIUM_CPU", "MEDIUM_GPU", "MEDIUM_STORAGE",
-    "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "KVEventBatch",
-    "KVEventSubscriber", "MalformedBatch", "Metrics", "RemoteKVIndex", "decode_batch",
-    "encode_batch", "to_builtins",
+    "END_SEQ",
+    "LEGACY_LAYOUT_VERSIONS",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "KVEventSubscriber",
+    "MalformedBatch",
+    "Metrics",
+    "RemoteKVIndex",
+    "decode_batch",
+    "encode_batch",
+    "to_builtins",
 ]

@@ -20,48 +20,92 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.batches = Counter("mmreuse_kv_event_batches_total",
-                               "KV-event batches applied", ["instance"], registry=r)
-        self.events = Counter("mmreuse_kv_events_total",
-                              "KV events applied, by type", ["instance", "type"], registry=r)
-        self.gaps = Counter("mmreuse_kv_event_gaps_total",
-                            "Sequence gaps detected", ["instance"], registry=r)
-        self.replays = Counter("mmreuse_kv_event_replays_total",
-                               "Replay requests sent to the publisher", ["instance"], registry=r)
-        self.resyncs = Counter("mmreuse_kv_event_resyncs_total",
-                               "Index resets after a loss replay could not cover", ["instance"],
-                               registry=r)
-        self.restarts = Counter("mmreuse_kv_event_publisher_restarts_total",
-                                "Publisher restarts detected (sequence going back, or not "
-                                "continuing after a reconnect)", ["instance"],
-                                registry=r)
-        self.malformed = Counter("mmreuse_kv_event_malformed_total",
-                                 "Malformed frames or payloads", ["instance"], registry=r)
-        self.errors = Counter("mmreuse_kv_event_errors_total",
-                              "Unexpected errors handling a batch (survived by a resync)",
-                              ["instance"], registry=r)
-        self.replay_aborts = Counter("mmreuse_kv_event_replay_aborts_total",
-                                     "Replays cut short or refused (timeout, deadline, bound, "
-                                     "hole, a seq out of range, stop)", ["instance", "reason"],
-                                     registry=r)
-        self.subscriber_up = Gauge("mmreuse_kv_event_subscriber_up",
-                                   "1 while the subscriber loop runs, 0 once it has stopped or "
-                                   "died", ["instance"], registry=r)
-        self.subscriber_failures = Counter("mmreuse_kv_event_subscriber_failures_total",
-                                           "Subscriber loops that died on an error",
-                                           ["instance"], registry=r)
-        self.index_size = Gauge("mmreuse_kv_index_blocks",
-                                "Distinct block hashes held, per instance and medium",
-                                ["instance", "medium"], registry=r)
-        self.availability_entries = Gauge("mmreuse_availability_entries",
-                                          "Embedding-availability entries, per location",
-                                          ["location"], registry=r)
-        self.availability_expired = Counter("mmreuse_availability_expired_total",
-                                            "Availability entries dropped for staleness (TTL)",
-                                            ["location"], registry=r)
-        self.availability_evicted = Counter("mmreuse_availability_evicted_total",
-                                            "Availability entries dropped for capacity (LRU)",
-                                            ["location"], registry=r)
+        self.batches = Counter(
+            "mmreuse_kv_event_batches_total", "KV-event batches applied", ["instance"], registry=r
+        )
+        self.events = Counter(
+            "mmreuse_kv_events_total",
+            "KV events applied, by type",
+            ["instance", "type"],
+            registry=r,
+        )
+        self.gaps = Counter(
+            "mmreuse_kv_event_gaps_total", "Sequence gaps detected", ["instance"], registry=r
+        )
+        self.replays = Counter(
+            "mmreuse_kv_event_replays_total",
+            "Replay requests sent to the publisher",
+            ["instance"],
+            registry=r,
+        )
+        self.resyncs = Counter(
+            "mmreuse_kv_event_resyncs_total",
+            "Index resets after a loss replay could not cover",
+            ["instance"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            "mmreuse_kv_event_publisher_restarts_total",
+            "Publisher restarts detected (sequence going back, or not "
+            "continuing after a reconnect)",
+            ["instance"],
+            registry=r,
+        )
+        self.malformed = Counter(
+            "mmreuse_kv_event_malformed_total",
+            "Malformed frames or payloads",
+            ["instance"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "mmreuse_kv_event_errors_total",
+            "Unexpected errors handling a batch (survived by a resync)",
+            ["instance"],
+            registry=r,
+        )
+        self.replay_aborts = Counter(
+            "mmreuse_kv_event_replay_aborts_total",
+            "Replays cut short or refused (timeout, deadline, bound, "
+            "hole, a seq out of range, stop)",
+            ["instance", "reason"],
+            registry=r,
+        )
+        self.subscriber_up = Gauge(
+            "mmreuse_kv_event_subscriber_up",
+            "1 while the subscriber loop runs, 0 once it has stopped or died",
+            ["instance"],
+            registry=r,
+        )
+        self.subscriber_failures = Counter(
+            "mmreuse_kv_event_subscriber_failures_total",
+            "Subscriber loops that died on an error",
+            ["instance"],
+            registry=r,
+        )
+        self.index_size = Gauge(
+            "mmreuse_kv_index_blocks",
+            "Distinct block hashes held, per instance and medium",
+            ["instance", "medium"],
+            registry=r,
+        )
+        self.availability_entries = Gauge(
+            "mmreuse_availability_entries",
+            "Embedding-availability entries, per location",
+            ["location"],
+            registry=r,
+        )
+        self.availability_expired = Counter(
+            "mmreuse_availability_expired_total",
+            "Availability entries dropped for staleness (TTL)",
+            ["location"],
+            registry=r,
+        )
+        self.availability_evicted = Counter(
+            "mmreuse_availability_evicted_total",
+            "Availability entries dropped for capacity (LRU)",
+            ["location"],
+            registry=r,
+        )
 
     @classmethod
     def default(cls) -> Metrics:

@@ -30,6 +30,7 @@ Should the loop itself die (its socket failing), the view is reset too, `error` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -43,7 +44,14 @@ from ..kvview import PrefixMatch
 from ..validate import check_float, check_int, check_str, fail_type, fail_value, show
 from .index import RemoteKVIndex
 from .metrics import Metrics
-from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, MalformedBatch, decode_batch
+from .wire import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    MalformedBatch,
+    decode_batch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +118,9 @@ class KVEventSubscriber:
         context: zmq.Context | None = None,
     ) -> None:
         self.endpoint = _check_endpoint("endpoint", endpoint)
-        self.replay_endpoint = (None if replay_endpoint is None
-                                else _check_endpoint("replay_endpoint", replay_endpoint))
+        self.replay_endpoint = (
+            None if replay_endpoint is None else _check_endpoint("replay_endpoint", replay_endpoint)
+        )
         self.topic = check_str("topic", topic).encode("utf-8")
         if index is not None and not isinstance(index, RemoteKVIndex):
             fail_type("index", "a RemoteKVIndex", index)
@@ -122,10 +131,10 @@ class KVEventSubscriber:
         self.index = index if index is not None else RemoteKVIndex()
         self.metrics = metrics if metrics is not None else Metrics.default()
         self.poll_interval_s = check_float("poll_interval_s", poll_interval_s, 0, lo_open=True)
-        self.replay_timeout_s = check_float("replay_timeout_s", replay_timeout_s, 0,
-                                            lo_open=True)
-        self.replay_deadline_s = check_float("replay_deadline_s", replay_deadline_s, 0,
-                                             lo_open=True)
+        self.replay_timeout_s = check_float("replay_timeout_s", replay_timeout_s, 0, lo_open=True)
+        self.replay_deadline_s = check_float(
+            "replay_deadline_s", replay_deadline_s, 0, lo_open=True
+        )
         self.max_replay_batches = check_int("max_replay_batches", max_replay_batches, 1)
         self.max_replay_bytes = check_int("max_replay_bytes", max_replay_bytes, 1)
         self.max_message_bytes = check_int("max_message_bytes", max_message_bytes, 1, 2**62)
@@ -192,8 +201,10 @@ class KVEventSubscriber:
     def check(self) -> None:
         """Raise SubscriberDied unless the loop is running (its error as the cause)."""
         if self.error is not None:
-            raise SubscriberDied(f"KV-event subscriber for {self._label} died: "
-                                 f"{type(self.error).__name__}: {self.error}") from self.error
+            raise SubscriberDied(
+                f"KV-event subscriber for {self._label} died: "
+                f"{type(self.error).__name__}: {self.error}"
+            ) from self.error
         if not self.is_alive:
             raise SubscriberDied(f"KV-event subscriber for {self._label} is not running")
 
@@ -239,8 +250,9 @@ class KVEventSubscriber:
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
-            raise InvalidArgument(f"{field} must be a ZMQ endpoint ZMQ can connect to, got "
-                                  f"{show(endpoint)}: {exc}") from None
+            raise InvalidArgument(
+                f"{field} must be a ZMQ endpoint ZMQ can connect to, got {show(endpoint)}: {exc}"
+            ) from None
 
     def _run(self) -> None:
         m = self.metrics
@@ -295,8 +307,7 @@ class KVEventSubscriber:
                 monitor.recv_multipart(zmq.NOBLOCK)  # only EVENT_DISCONNECTED is subscribed
             except zmq.Again:
                 return
-            logger.warning("KV events %s: publisher disconnected; resetting the view",
-                           self._label)
+            logger.warning("KV events %s: publisher disconnected; resetting the view", self._label)
             self._resync(count=self.applied_seq is not None)
             self.applied_seq = None  # replay from 0; live_seq kept to tell a restart
             self._reconnected = True
@@ -307,8 +318,9 @@ class KVEventSubscriber:
             self._on_frames(frames)
         except Exception:
             self.metrics.errors.labels(self._label).inc()
-            logger.exception("KV events %s: error handling a batch; resetting the view",
-                             self._label)
+            logger.exception(
+                "KV events %s: error handling a batch; resetting the view", self._label
+            )
             self._resync()
             if self.live_seq is not None:
                 self.applied_seq = self.live_seq  # the batch in hand is lost with the rest
@@ -322,11 +334,17 @@ class KVEventSubscriber:
         _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
         reconnected, self._reconnected = self._reconnected, False
-        if self.live_seq is not None and (seq <= self.live_seq
-                                          or (reconnected and seq != self.live_seq + 1)):
+        if self.live_seq is not None and (
+            seq <= self.live_seq or (reconnected and seq != self.live_seq + 1)
+        ):
             m.restarts.labels(self._label).inc()
-            logger.warning("KV events %s: seq %d after %d%s: publisher restart", self._label, seq,
-                           self.live_seq, " and a reconnect" if reconnected else "")
+            logger.warning(
+                "KV events %s: seq %d after %d%s: publisher restart",
+                self._label,
+                seq,
+                self.live_seq,
+                " and a reconnect" if reconnected else "",
+            )
             self._resync(count=self.applied_seq is not None)  # not twice after a disconnect
             self.applied_seq = None
         self.live_seq = seq
@@ -346,15 +364,14 @@ class KVEventSubscriber:
             stored = removed = cleared = 0
             media, added = self._media, set()
             for e in batch.events:  # count, and bound the media the batch would create
-                kind = type(e)
-                if kind is BlockStored:
+                if isinstance(e, BlockStored):
                     stored += 1
                     medium = MEDIUM_GPU if e.medium is None else e.medium
                     if medium not in media:
                         added.add(medium)
-                elif kind is BlockRemoved:
+                elif isinstance(e, BlockRemoved):
                     removed += 1
-                elif kind is AllBlocksCleared:
+                elif isinstance(e, AllBlocksCleared):
                     cleared += 1
                     media, added = frozenset(), set()
             if added or cleared:
@@ -362,16 +379,20 @@ class KVEventSubscriber:
             self.index.apply(batch)
         except ValueError as exc:  # MalformedBatch, or a hash the index refuses
             m.malformed.labels(self._label).inc()
-            logger.warning("KV events %s: batch %d dropped (%s); resetting the view", self._label,
-                           seq, exc)
+            logger.warning(
+                "KV events %s: batch %d dropped (%s); resetting the view", self._label, seq, exc
+            )
             self._resync()  # what it would have told is lost
             self.applied_seq = seq
             return
         self.applied_seq = seq
         self._media = media
         m.batches.labels(self._label).inc()
-        for kind_name, n in (("BlockStored", stored), ("BlockRemoved", removed),
-                             ("AllBlocksCleared", cleared)):
+        for kind_name, n in (
+            ("BlockStored", stored),
+            ("BlockRemoved", removed),
+            ("AllBlocksCleared", cleared),
+        ):
             if n:
                 m.events.labels(self._label, kind_name).inc(n)
         self._update_gauges()
@@ -379,12 +400,15 @@ class KVEventSubscriber:
     def _admit_media(self, media: frozenset[str], added: set[str]) -> frozenset[str]:
         for medium in added:
             if len(medium) > MAX_MEDIUM_CHARS:
-                raise MalformedBatch(f"medium must be at most {MAX_MEDIUM_CHARS} characters, "
-                                     f"got {show(medium)}")
+                raise MalformedBatch(
+                    f"medium must be at most {MAX_MEDIUM_CHARS} characters, got {show(medium)}"
+                )
         after = media | added
         if len(after) > self.max_media:
-            raise MalformedBatch(f"batch names {len(after)} media, more than max_media="
-                                 f"{self.max_media}: {show(sorted(after))}")
+            raise MalformedBatch(
+                f"batch names {len(after)} media, more than max_media="
+                f"{self.max_media}: {show(sorted(after))}"
+            )
         return after
 
     def _update_gauges(self) -> None:
@@ -393,10 +417,8 @@ class KVEventSubscriber:
         gauge = self.metrics.index_size
         present = set(self.index.media()) | {MEDIUM_GPU}
         for medium in self._gauge_media - present:
-            try:
+            with contextlib.suppress(KeyError):  # never labelled
                 gauge.remove(self._label, medium)
-            except KeyError:
-                pass
         for medium in present:
             gauge.labels(self._label, medium).set(self.index.size(medium))
         self._gauge_media = present
@@ -418,14 +440,21 @@ class KVEventSubscriber:
             if self.replay_endpoint is None:
                 raise _ReplayAborted("unavailable", "no replay endpoint")
             if upto - start > self.max_replay_batches:
-                raise _ReplayAborted("bound", f"gap of {upto - start} batches > "
-                                              f"max_replay_batches={self.max_replay_batches}")
+                raise _ReplayAborted(
+                    "bound",
+                    f"gap of {upto - start} batches > max_replay_batches={self.max_replay_batches}",
+                )
             self._replay(start, upto, resynced)
         except _ReplayAborted as exc:
             if exc.reason != "unavailable":
                 self.metrics.replay_aborts.labels(self._label, exc.reason).inc()
-            logger.warning("KV events %s: batches %d..%d lost (%s); resetting the view",
-                           self._label, start, upto - 1, exc)
+            logger.warning(
+                "KV events %s: batches %d..%d lost (%s); resetting the view",
+                self._label,
+                start,
+                upto - 1,
+                exc,
+            )
             self._resync(count=not resynced[0])
             self.applied_seq = upto - 1
 
@@ -479,8 +508,9 @@ class KVEventSubscriber:
                     raise _ReplayAborted("short", f"replay ended at {expected}, short of {upto}")
                 seq = int.from_bytes(seq_bytes, "big")
                 if not start <= seq <= upto:
-                    raise _ReplayAborted("out_of_range",
-                                         f"replayed seq {seq} outside [{start}, {upto}]")
+                    raise _ReplayAborted(
+                        "out_of_range", f"replayed seq {seq} outside [{start}, {upto}]"
+                    )
                 if seq != expected:
                     if expected != start or seq < start:
                         raise _ReplayAborted("order", f"replayed seq {seq}, expected {expected}")
@@ -491,8 +521,9 @@ class KVEventSubscriber:
                         return
                 nbytes += len(payload)
                 if nbytes > self.max_replay_bytes:
-                    raise _ReplayAborted("bytes", f"replay past max_replay_bytes="
-                                                  f"{self.max_replay_bytes}")
+                    raise _ReplayAborted(
+                        "bytes", f"replay past max_replay_bytes={self.max_replay_bytes}"
+                    )
                 self._apply(seq, payload)
                 expected = seq + 1
         finally:

@@ -11,7 +11,7 @@ signed ints from Python's builtin hash().
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -69,7 +69,7 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-KVCacheEventType = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVCacheEventType = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(EventBatch):
@@ -77,6 +77,7 @@ class KVEventBatch(EventBatch):
 
 
 # ---- the legacy layout: the same events as tagged arrays ------------------------------------
+
 
 class _LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     pass
@@ -110,7 +111,7 @@ class _LegacyAllBlocksCleared(_LegacyEvent, tag="AllBlocksCleared"):
 
 
 class _LegacyBatch(EventBatch):
-    events: list[Union[_LegacyBlockStored, _LegacyBlockRemoved, _LegacyAllBlocksCleared]]
+    events: list[_LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared]
 
 
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
@@ -131,15 +132,25 @@ def _from_legacy(batch: _LegacyBatch) -> KVEventBatch:
     events: list[KVCacheEventType] = []
     for e in batch.events:
         if isinstance(e, _LegacyBlockStored):
-            events.append(BlockStored(
-                block_hashes=e.block_hashes, parent_block_hash=e.parent_block_hash,
-                token_ids=e.token_ids, block_size=e.block_size, lora_id=e.lora_id,
-                medium=e.medium, lora_name=e.lora_name, extra_keys=e.extra_keys,
-                group_idx=e.group_idx, kv_cache_spec_kind=e.kv_cache_spec_kind,
-                kv_cache_spec_sliding_window=e.kv_cache_spec_sliding_window))
+            events.append(
+                BlockStored(
+                    block_hashes=e.block_hashes,
+                    parent_block_hash=e.parent_block_hash,
+                    token_ids=e.token_ids,
+                    block_size=e.block_size,
+                    lora_id=e.lora_id,
+                    medium=e.medium,
+                    lora_name=e.lora_name,
+                    extra_keys=e.extra_keys,
+                    group_idx=e.group_idx,
+                    kv_cache_spec_kind=e.kv_cache_spec_kind,
+                    kv_cache_spec_sliding_window=e.kv_cache_spec_sliding_window,
+                )
+            )
         elif isinstance(e, _LegacyBlockRemoved):
-            events.append(BlockRemoved(block_hashes=e.block_hashes, medium=e.medium,
-                                       group_idx=e.group_idx))
+            events.append(
+                BlockRemoved(block_hashes=e.block_hashes, medium=e.medium, group_idx=e.group_idx)
+            )
         else:
             events.append(AllBlocksCleared())
     return KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank)
@@ -199,8 +210,9 @@ def _check_extra_keys(batch: KVEventBatch) -> None:
                     else:
                         continue  # flat: depth 2
                 if _depth(item) > MAX_EXTRA_KEY_DEPTH - 1:
-                    raise MalformedBatch(f"events[{i}].extra_keys nested deeper than "
-                                         f"{MAX_EXTRA_KEY_DEPTH} levels")
+                    raise MalformedBatch(
+                        f"events[{i}].extra_keys nested deeper than {MAX_EXTRA_KEY_DEPTH} levels"
+                    )
 
 
 def _depth(value: Any) -> int:

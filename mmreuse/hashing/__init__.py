@@ -13,15 +13,15 @@ from .hasher import (
 from .schemes import DEFAULT_SCHEME, SCHEMES, HashScheme, get_scheme
 
 __all__ = [
-    "BlockHash",
-    "BlockHasher",
     "DEFAULT_NONE_HASH_SEED",
     "DEFAULT_SCHEME",
     "HASH_FUNCTIONS",
+    "SCHEMES",
+    "BlockHash",
+    "BlockHasher",
     "HashScheme",
     "MMOccurrence",
     "RequestHasher",
-    "SCHEMES",
     "fast_path_available",
     "get_hash_fn",
     "get_scheme",

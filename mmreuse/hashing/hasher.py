@@ -34,7 +34,7 @@ from .schemes import DEFAULT_SCHEME, HashScheme, get_scheme
 try:  # the C++ fast path; absent only when the package was built without OpenSSL headers
     from .. import _hashcore
 except ImportError:  # pragma: no cover - exercised only on such builds
-    _hashcore = None
+    _hashcore = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +101,15 @@ def _check_lora(scheme: HashScheme, name: Any, path: Any, int_id: Any) -> None:
         check_str("lora_path", path)
     if scheme.lora_key == "tagged" and not path:
         fail_value(
-            "lora_path", f"given with lora_name under scheme {scheme.name!r} "
-            "(vLLM hashes ('lora', name, path))", path,
+            "lora_path",
+            f"given with lora_name under scheme {scheme.name!r} (vLLM hashes ('lora', name, path))",
+            path,
         )
     if scheme.lora_key == "int_id" and (type(int_id) is not int or int_id < 1):
         fail_value(
             "lora_int_id",
-            f"an int >= 1 under scheme {scheme.name!r} (vLLM hashes the LoRA int id)", int_id,
+            f"an int >= 1 under scheme {scheme.name!r} (vLLM hashes the LoRA int id)",
+            int_id,
         )
 
 
@@ -117,7 +119,11 @@ def _check_salt(cache_salt: Any) -> None:
 
 
 def _make_spec(
-    hash_fn: str, block_size: int, lookahead: int, none_hash: bytes, scheme: HashScheme,
+    hash_fn: str,
+    block_size: int,
+    lookahead: int,
+    none_hash: bytes,
+    scheme: HashScheme,
     allow_any_token_id: bool,
 ) -> Any:
     """The `_hashcore.HashSpec` of one hasher, or None where only the reference path can hash
@@ -127,10 +133,17 @@ def _make_spec(
     if block_size > _hashcore.MAX_BLOCK_TOKENS or lookahead > _hashcore.MAX_LOOKAHEAD:
         return None
     return _hashcore.HashSpec(
-        hash_fn, block_size, lookahead, none_hash,
-        mm_key=scheme.mm_key, mm_bounds=scheme.mm_bounds, lora_key=scheme.lora_key,
-        salt_key=scheme.salt_key, embeds_key=scheme.embeds_key,
-        incremental_mm=scheme.incremental_mm, allow_any_token_id=allow_any_token_id,
+        hash_fn,
+        block_size,
+        lookahead,
+        none_hash,
+        mm_key=scheme.mm_key,
+        mm_bounds=scheme.mm_bounds,
+        lora_key=scheme.lora_key,
+        salt_key=scheme.salt_key,
+        embeds_key=scheme.embeds_key,
+        incremental_mm=scheme.incremental_mm,
+        allow_any_token_id=allow_any_token_id,
     )
 
 
@@ -160,8 +173,16 @@ class BlockHasher:
     """
 
     __slots__ = (
-        "hash_fn", "block_size", "seed", "lookahead", "scheme", "none_hash",
-        "allow_any_token_id", "use_fast_path", "_fn", "_spec",
+        "_fn",
+        "_spec",
+        "allow_any_token_id",
+        "block_size",
+        "hash_fn",
+        "lookahead",
+        "none_hash",
+        "scheme",
+        "seed",
+        "use_fast_path",
     )
 
     def __init__(
@@ -202,9 +223,11 @@ class BlockHasher:
         self.none_hash: bytes = self._none_hash(allow_random_seed)
         # One validated C spec per hasher (None: the reference path hashes everything).
         self._spec = (
-            _make_spec(hash_fn, block_size, lookahead, self.none_hash, self.scheme,
-                       self.allow_any_token_id)
-            if self.use_fast_path else None
+            _make_spec(
+                hash_fn, block_size, lookahead, self.none_hash, self.scheme, self.allow_any_token_id
+            )
+            if self.use_fast_path
+            else None
         )
 
     def _none_hash(self, allow_random_seed: bool) -> bytes:
@@ -247,8 +270,14 @@ class BlockHasher:
     ) -> RequestHasher:
         """Start hashing a request whose prompt is `prompt_token_ids` (incremental form)."""
         return RequestHasher(
-            self, prompt_token_ids, mm=mm, lora_name=lora_name, lora_path=lora_path,
-            lora_int_id=lora_int_id, cache_salt=cache_salt, prompt_embeds=prompt_embeds,
+            self,
+            prompt_token_ids,
+            mm=mm,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            lora_int_id=lora_int_id,
+            cache_salt=cache_salt,
+            prompt_embeds=prompt_embeds,
         )
 
     def hash_prompt(
@@ -272,7 +301,8 @@ class BlockHasher:
             _check_lora(scheme, lora_name, lora_path, lora_int_id)
             _check_salt(cache_salt)
             keys = spec.request(
-                occurrences, _lora_key_value(scheme, lora_name, lora_path, lora_int_id),
+                occurrences,
+                _lora_key_value(scheme, lora_name, lora_path, lora_int_id),
                 cache_salt,
             )
             if keys is not None:
@@ -281,14 +311,21 @@ class BlockHasher:
                     return out
             mm = occurrences
         return RequestHasher(
-            self, tokens, mm=mm, lora_name=lora_name, lora_path=lora_path,
-            lora_int_id=lora_int_id, cache_salt=cache_salt, prompt_embeds=prompt_embeds,
+            self,
+            tokens,
+            mm=mm,
+            lora_name=lora_name,
+            lora_path=lora_path,
+            lora_int_id=lora_int_id,
+            cache_salt=cache_salt,
+            prompt_embeds=prompt_embeds,
             _borrow_tokens=True,
         ).block_hashes
 
     def block_extra_keys(self, tokens: Sequence[int], **request: Any) -> list[tuple | None]:
         """The extra keys vLLM hashes into each full block (for display and debugging)."""
         state = RequestHasher(self, tokens, _collect_keys=True, **request)
+        assert state._collected_keys is not None  # _collect_keys=True
         return state._collected_keys
 
 
@@ -378,7 +415,7 @@ class RequestHasher:
         # row-major tensor is a byte slice of the whole.
         flat = embeds.detach().cpu().contiguous().flatten().view(torch.uint8).numpy()
         row_bytes = embeds.shape[1] * embeds.element_size()
-        return memoryview(flat).cast("B"), row_bytes
+        return memoryview(flat).cast("B"), row_bytes  # type: ignore[arg-type]  # ndarray is a buffer
 
     # ---- public -----------------------------------------------------------------------------
 
@@ -411,8 +448,9 @@ class RequestHasher:
         key = (start, end)
         d = self._embeds_digests.get(key)
         if d is None:
-            rb = self._row_bytes
-            d = hashlib.sha256(self._embeds_bytes[start * rb : end * rb]).digest()
+            rb, data = self._row_bytes, self._embeds_bytes
+            assert data is not None  # only called with prompt embeds
+            d = hashlib.sha256(data[start * rb : end * rb]).digest()
             self._embeds_digests[key] = d
         return d
 
@@ -458,7 +496,9 @@ class RequestHasher:
                 inner, mm_idx = self._extra_keys(start, hend, mm_idx)
                 while mm_idx > 0 and self._mm[mm_idx - 1].end > end:
                     mm_idx -= 1
-                extra = (inner, tokens[end]) if la == 1 else (inner, *tokens[end:hend])
+                extra: tuple[Any, ...] | None = (
+                    (inner, tokens[end]) if la == 1 else (inner, *tokens[end:hend])
+                )
             else:
                 extra, mm_idx = self._extra_keys(start, end, mm_idx)
             if self._collected_keys is not None:

@@ -61,11 +61,18 @@ def availability_from_engine(
     p_external: set[str] = set()
     if ec_connector is not None:
         if not callable(getattr(ec_connector, "has_cache_item", None)):
-            fail_type("ec_connector", "an EC connector with has_cache_item(identifier), like "
-                      "ECConnectorBase", ec_connector)
+            fail_type(
+                "ec_connector",
+                "an EC connector with has_cache_item(identifier), like ECConnectorBase",
+                ec_connector,
+            )
         p_external = {i for i in set(identifiers) if ec_connector.has_cache_item(i)}
-    return Availability(p_local=p_local, p_local_freeable=frozenset(freeable),
-                        p_external=frozenset(p_external), e_cached=frozenset(e_cached))
+    return Availability(
+        p_local=p_local,
+        p_local_freeable=frozenset(freeable),
+        p_external=frozenset(p_external),
+        e_cached=frozenset(e_cached),
+    )
 
 
 def demand_for_request(
@@ -84,10 +91,15 @@ def demand_for_request(
     occs = occurrences_from_request(request)
     if not hasattr(request, "num_tokens"):
         fail_type("request", "vLLM's Request (with num_tokens)", request)
-    avail = availability_from_engine(encoder_cache_manager, ec_connector,
-                                     {m.identifier for m in occs}, e_cached=e_cached)
+    avail = availability_from_engine(
+        encoder_cache_manager, ec_connector, {m.identifier for m in occs}, e_cached=e_cached
+    )
     return plan_admission(
-        num_prompt_tokens=request.num_tokens, occurrences=occs, availability=avail,
-        num_computed_tokens=num_computed_tokens, external_kv_tokens=external_kv_tokens,
-        coverage_rule=coverage_rule, is_encoder_decoder=is_encoder_decoder,
+        num_prompt_tokens=request.num_tokens,
+        occurrences=occs,
+        availability=avail,
+        num_computed_tokens=num_computed_tokens,
+        external_kv_tokens=external_kv_tokens,
+        coverage_rule=coverage_rule,
+        is_encoder_decoder=is_encoder_decoder,
     ).demand

@@ -6,9 +6,24 @@ from .config import POLICIES, WORKLOADS, ClusterConfig, CostModel, SimConfig, Wo
 from .report import summarize, table
 from .workload import SimRequest, generate
 
-__all__ = ["BUCKETS", "POLICIES", "WORKLOADS", "Bucket", "ClusterConfig", "CostModel", "Delivery",
-           "PolicyResult", "SimConfig", "SimRequest", "Simulation", "WorkloadConfig", "generate",
-           "run", "summarize", "table"]
+__all__ = [
+    "BUCKETS",
+    "POLICIES",
+    "WORKLOADS",
+    "Bucket",
+    "ClusterConfig",
+    "CostModel",
+    "Delivery",
+    "PolicyResult",
+    "SimConfig",
+    "SimRequest",
+    "Simulation",
+    "WorkloadConfig",
+    "generate",
+    "run",
+    "summarize",
+    "table",
+]
 
 
 def run(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], list[PolicyResult]]:
@@ -18,8 +33,13 @@ def run(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], list[Policy
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(requests) * len(cfg.policies), unit="req", mininterval=0.5,
-                   leave=False, disable=None)
+        bar = tqdm(
+            total=len(requests) * len(cfg.policies),
+            unit="req",
+            mininterval=0.5,
+            leave=False,
+            disable=None,
+        )
     results = []
     try:
         for policy in cfg.policies:  # block hashes are cached per session, shared by the runs

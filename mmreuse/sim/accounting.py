@@ -79,16 +79,20 @@ def accounting_occurrences(decisions: Sequence[OccurrenceDecision]) -> dict[str,
     primary: dict[str, int] = {}
     for d in decisions:
         current = primary.get(d.identifier)
-        if current is None or (d.dedup_of is None and d.klass not in COVERED
-                               and decisions[current].klass in COVERED):
+        if current is None or (
+            d.dedup_of is None and d.klass not in COVERED and decisions[current].klass in COVERED
+        ):
             primary[d.identifier] = d.index
     return primary
 
 
 def needed_from_e(decisions: Sequence[OccurrenceDecision]) -> set[str]:
     """Identifiers whose accounting-relevant (non-duplicate, uncovered) class needs E."""
-    return {d.identifier for d in decisions
-            if d.dedup_of is None and d.klass not in COVERED and d.klass in NEEDS_E}
+    return {
+        d.identifier
+        for d in decisions
+        if d.dedup_of is None and d.klass not in COVERED and d.klass in NEEDS_E
+    }
 
 
 @dataclass(slots=True)

@@ -50,8 +50,9 @@ class PrefixCache:
         num_blocks, proof = self.index.lookup_prefix(block_hashes)
         return PrefixMatch(num_blocks, proof)
 
-    def admit(self, block_hashes: Sequence[bytes], num_hit: int,
-              hit_blocks: list[int]) -> list[int] | None:
+    def admit(
+        self, block_hashes: Sequence[bytes], num_hit: int, hit_blocks: list[int]
+    ) -> list[int] | None:
         """Reference the `num_hit` cached blocks `hit_blocks` and cache the rest of
         `block_hashes`; returns every block the request holds, or None if P has no room."""
         num_new = len(block_hashes) - num_hit

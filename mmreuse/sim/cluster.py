@@ -82,8 +82,9 @@ class EncodeJob:
 class Simulation:
     """One policy over one request stream."""
 
-    def __init__(self, cfg: SimConfig, requests: list[SimRequest], policy: str,
-                 progress: Any = None) -> None:
+    def __init__(
+        self, cfg: SimConfig, requests: list[SimRequest], policy: str, progress: Any = None
+    ) -> None:
         self.cost = cfg.cost
         self.cluster = cluster = cfg.cluster
         self.requests = requests
@@ -97,21 +98,32 @@ class Simulation:
         self._heap: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = count()
         self._last_encoder = 0  # round robin over E
-        self.view = (ClusterView(cluster.num_prefills, self.block_size, cluster.view_lag_ms,
-                                 lambda: self.now)
-                     if self.policy.reads_view else NO_VIEW)
+        self.view = (
+            ClusterView(
+                cluster.num_prefills, self.block_size, cluster.view_lag_ms, lambda: self.now
+            )
+            if self.policy.reads_view
+            else NO_VIEW
+        )
         self.prefills = [self._make_prefill(p) for p in range(cluster.num_prefills)]
-        self.encoders = [Encoder(EmbeddingLRU(cluster.e_cache_embeds, self._e_cache_changed(e)))
-                         for e in range(cluster.num_encoders)]
+        self.encoders = [
+            Encoder(EmbeddingLRU(cluster.e_cache_embeds, self._e_cache_changed(e)))
+            for e in range(cluster.num_encoders)
+        ]
         self.external = EmbeddingLRU(cluster.external_store_embeds, self.view.external_changed)
 
     def _make_prefill(self, p: int) -> Prefill:
         view = self.view
         return Prefill(
-            PrefixCache(self.cluster.p_kv_blocks,
-                        lambda stored, removed: view.kv_changed(p, stored, removed)),
-            EncoderCache(self.cluster.p_encoder_cache_embeds,
-                         lambda added, removed: view.encoder_cache_changed(p, added, removed)))
+            PrefixCache(
+                self.cluster.p_kv_blocks,
+                lambda stored, removed: view.kv_changed(p, stored, removed),
+            ),
+            EncoderCache(
+                self.cluster.p_encoder_cache_embeds,
+                lambda added, removed: view.encoder_cache_changed(p, added, removed),
+            ),
+        )
 
     def _e_cache_changed(self, e: int) -> Callable[[list[str], list[str]], None]:
         view = self.view
@@ -145,21 +157,40 @@ class Simulation:
             session.hashes = self.hasher.hash_prompt(session.tokens, mm=session.mm)
         return session.hashes[: request.num_tokens // self.block_size]
 
-    def plan(self, request: SimRequest, availability: Availability, *,
-             view: KVView | None = None, num_computed_tokens: int | None = None) -> AdmissionPlan:
+    def plan(
+        self,
+        request: SimRequest,
+        availability: Availability,
+        *,
+        view: KVView | None = None,
+        num_computed_tokens: int | None = None,
+    ) -> AdmissionPlan:
         """`plan_admission` for `request`: C looked up in `view`, or given."""
         if num_computed_tokens is not None:
-            return plan_admission(num_prompt_tokens=request.num_tokens, occurrences=request.mm,
-                                  availability=availability,
-                                  num_computed_tokens=num_computed_tokens)
-        return plan_admission(num_prompt_tokens=request.num_tokens, occurrences=request.mm,
-                              availability=availability, view=view,
-                              block_hashes=self.block_hashes(request), block_size=self.block_size)
+            return plan_admission(
+                num_prompt_tokens=request.num_tokens,
+                occurrences=request.mm,
+                availability=availability,
+                num_computed_tokens=num_computed_tokens,
+            )
+        return plan_admission(
+            num_prompt_tokens=request.num_tokens,
+            occurrences=request.mm,
+            availability=availability,
+            view=view,
+            block_hashes=self.block_hashes(request),
+            block_size=self.block_size,
+        )
 
-    def plan_at_prefill(self, request: SimRequest, p: int, *,
-                        delivered: Deliveries | None = None,
-                        not_external: Collection[str] = (),
-                        num_computed_tokens: int | None = None) -> AdmissionPlan:
+    def plan_at_prefill(
+        self,
+        request: SimRequest,
+        p: int,
+        *,
+        delivered: Deliveries | None = None,
+        not_external: Collection[str] = (),
+        num_computed_tokens: int | None = None,
+    ) -> AdmissionPlan:
         """P's true plan now: its KV (unless C is given), its encoder cache plus `delivered`,
         and the external store less `not_external`."""
         prefill = self.prefills[p]
@@ -168,12 +199,17 @@ class Simulation:
             local = {**local, **{ident: n for ident, (_, n) in delivered.items()}}
         idents = {m.identifier for m in request.mm}
         external = self.external
-        in_store = (frozenset(i for i in idents if i in external and i not in not_external)
-                    if external.enabled else frozenset())
-        availability = Availability(p_local={i: local[i] for i in idents if i in local},
-                                    p_external=in_store)
-        return self.plan(request, availability, view=prefill.kv,
-                         num_computed_tokens=num_computed_tokens)
+        in_store = (
+            frozenset(i for i in idents if i in external and i not in not_external)
+            if external.enabled
+            else frozenset()
+        )
+        availability = Availability(
+            p_local={i: local[i] for i in idents if i in local}, p_external=in_store
+        )
+        return self.plan(
+            request, availability, view=prefill.kv, num_computed_tokens=num_computed_tokens
+        )
 
     def job(self, request: SimRequest, p: int, idents: set[str] | None = None) -> EncodeJob:
         """An E job for the request's distinct items (only `idents` when given), in order."""
@@ -282,8 +318,11 @@ class Simulation:
         forwarded = frozenset(i for i, (how, _) in delivered.items() if how is Delivery.FORWARD)
         would = self.plan_at_prefill(request, p, not_external=forwarded)
         c = would.num_computed_tokens
-        demand = would.demand if not delivered else self.plan_at_prefill(
-            request, p, delivered=delivered, num_computed_tokens=c).demand
+        demand = (
+            would.demand
+            if not delivered
+            else self.plan_at_prefill(request, p, delivered=delivered, num_computed_tokens=c).demand
+        )
         would_need_e = needed_from_e(would.demand.decisions)
         accounts_for = accounting_occurrences(demand.decisions)
         delay = 0.0
@@ -319,8 +358,11 @@ class Simulation:
                 delay = max(delay, wait)
                 needs_encoding |= how is Delivery.FORWARD
             if d.klass not in COVERED:
-                if (d.klass in NEEDS_E and ident not in delivered
-                        and bucket not in (Bucket.FORWARD, Bucket.E_CACHE)):
+                if (
+                    d.klass in NEEDS_E
+                    and ident not in delivered
+                    and bucket not in (Bucket.FORWARD, Bucket.E_CACHE)
+                ):
                     result.wrong_skips += 1  # consumed without an embedding in hand
                 if prefill.encoder_cache.acquire(ident, n):
                     acquired.append(ident)
@@ -329,13 +371,23 @@ class Simulation:
         hit_blocks = would.proof.block_ids.tolist() if would.proof is not None else []
         hashes = cast("tuple[bytes, ...]", would.block_hashes)  # ours, from mmreuse.hashing
         blocks = prefill.kv.admit(hashes, would.hit_blocks, hit_blocks) or []
-        duration = (delay + self.cost.prefill_fixed_ms
-                    + self.cost.prefill_ms_per_token * (request.num_tokens - c))
-        self.at(self.now + duration, self._prefill_done, p, request, blocks, acquired,
-                needs_encoding)
+        duration = (
+            delay
+            + self.cost.prefill_fixed_ms
+            + self.cost.prefill_ms_per_token * (request.num_tokens - c)
+        )
+        self.at(
+            self.now + duration, self._prefill_done, p, request, blocks, acquired, needs_encoding
+        )
 
-    def _prefill_done(self, p: int, request: SimRequest, blocks: list[int], acquired: list[str],
-                      needs_encoding: bool) -> None:
+    def _prefill_done(
+        self,
+        p: int,
+        request: SimRequest,
+        blocks: list[int],
+        acquired: list[str],
+        needs_encoding: bool,
+    ) -> None:
         prefill = self.prefills[p]
         prefill.kv.release(blocks)
         for ident in acquired:

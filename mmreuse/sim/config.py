@@ -51,8 +51,12 @@ def _check_choice(obj: Any, name: str, choices: tuple[str, ...], what: str) -> N
 def _check_span(obj: Any, name: str) -> None:
     """A (lo, hi) pair of ints with 0 <= lo <= hi."""
     value = getattr(obj, name)
-    if not (isinstance(value, tuple) and len(value) == 2
-            and all(type(v) is int for v in value) and 0 <= value[0] <= value[1]):
+    if not (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(type(v) is int for v in value)
+        and 0 <= value[0] <= value[1]
+    ):
         fail_value(_field(obj, name), "(lo, hi) ints with 0 <= lo <= hi", value)
 
 
@@ -74,19 +78,27 @@ class CostModel:
     def __post_init__(self) -> None:
         rates = ("e_to_p_gb_per_s", "external_gb_per_s")
         _check_ints(self, "embedding_bytes_per_token", lo=0)
-        _check_numbers(self, *(f.name for f in fields(self)
-                               if f.name not in rates and f.name != "embedding_bytes_per_token"))
+        _check_numbers(
+            self,
+            *(
+                f.name
+                for f in fields(self)
+                if f.name not in rates and f.name != "embedding_bytes_per_token"
+            ),
+        )
         _check_numbers(self, *rates, positive=True)
 
     def transfer_ms(self, tokens: int) -> float:
         """E -> P transfer time of `tokens` embedding rows."""
-        return (self.e_to_p_latency_ms
-                + tokens * self.embedding_bytes_per_token / (self.e_to_p_gb_per_s * 1e6))
+        return self.e_to_p_latency_ms + tokens * self.embedding_bytes_per_token / (
+            self.e_to_p_gb_per_s * 1e6
+        )
 
     def external_ms(self, tokens: int) -> float:
         """P's load time of `tokens` embedding rows from the external store."""
-        return (self.external_latency_ms
-                + tokens * self.embedding_bytes_per_token / (self.external_gb_per_s * 1e6))
+        return self.external_latency_ms + tokens * self.embedding_bytes_per_token / (
+            self.external_gb_per_s * 1e6
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +118,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _check_ints(self, "num_encoders", "num_prefills", "block_size", "p_kv_blocks", lo=1)
-        _check_ints(self, "p_encoder_cache_embeds", "e_cache_embeds", "external_store_embeds",
-                    lo=0)
+        _check_ints(self, "p_encoder_cache_embeds", "e_cache_embeds", "external_store_embeds", lo=0)
         check_bool(_field(self, "prefix_caching"), self.prefix_caching)
         _check_choice(self, "routing", ROUTINGS, "'affine' or 'random'")
         _check_numbers(self, "view_lag_ms")
@@ -162,8 +173,11 @@ class SimConfig:
                 fail_value("policy", f"one of {POLICIES}", p)
         if not self.policies:
             raise InvalidArgument("policies must not be empty")
-        for name, kind in (("cost", CostModel), ("cluster", ClusterConfig),
-                           ("workload", WorkloadConfig)):
+        for name, kind in (
+            ("cost", CostModel),
+            ("cluster", ClusterConfig),
+            ("workload", WorkloadConfig),
+        ):
             if not isinstance(getattr(self, name), kind):
                 fail_type(f"SimConfig.{name}", f"a {kind.__name__}", getattr(self, name))
 

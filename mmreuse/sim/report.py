@@ -48,13 +48,24 @@ def summarize(r: PolicyResult) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The summaries as an aligned text table, one row per policy."""
-    cols = [("policy", "policy"), ("encoder_forwards", "fwd"), ("redundant_forwards", "redund"),
-            ("avoided_by_kv", "av.kv"), ("avoided_by_p_embedding", "av.P-emb"),
-            ("avoided_by_external", "av.ext"), ("avoided_by_e_cache", "av.E$"),
-            ("avoided_by_dedup", "av.dup"), ("e_requests", "E reqs"), ("transfers", "xfers"),
-            ("late_fallbacks", "late fb"), ("wrong_skips", "wrong"),
-            ("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "p99"),
-            ("ttft_encode_p50_ms", "enc p50"), ("ttft_reuse_p50_ms", "reuse p50")]
+    cols = [
+        ("policy", "policy"),
+        ("encoder_forwards", "fwd"),
+        ("redundant_forwards", "redund"),
+        ("avoided_by_kv", "av.kv"),
+        ("avoided_by_p_embedding", "av.P-emb"),
+        ("avoided_by_external", "av.ext"),
+        ("avoided_by_e_cache", "av.E$"),
+        ("avoided_by_dedup", "av.dup"),
+        ("e_requests", "E reqs"),
+        ("transfers", "xfers"),
+        ("late_fallbacks", "late fb"),
+        ("wrong_skips", "wrong"),
+        ("ttft_p50_ms", "TTFT p50"),
+        ("ttft_p99_ms", "p99"),
+        ("ttft_encode_p50_ms", "enc p50"),
+        ("ttft_reuse_p50_ms", "reuse p50"),
+    ]
 
     def fmt(value: object) -> str:
         if value is None:
@@ -63,9 +74,13 @@ def table(rows: list[dict]) -> str:
 
     cells = [[header for _, header in cols]] + [[fmt(r[key]) for key, _ in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
-             for row in cells]
+    lines = [
+        "  ".join(
+            cell.rjust(w) if i else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -94,9 +109,14 @@ def plot(results: list[PolicyResult], rows: list[dict], path: str | Path, title:
     ax1.set_title("TTFT CDF")
     ax1.legend()
     ax1.grid(True, alpha=0.3)
-    causes = [("encoder_forwards", "encoder forward"), ("avoided_by_kv", "P KV coverage"),
-              ("avoided_by_p_embedding", "P embedding"), ("avoided_by_external", "external store"),
-              ("avoided_by_e_cache", "E cache"), ("avoided_by_dedup", "duplicate")]
+    causes = [
+        ("encoder_forwards", "encoder forward"),
+        ("avoided_by_kv", "P KV coverage"),
+        ("avoided_by_p_embedding", "P embedding"),
+        ("avoided_by_external", "external store"),
+        ("avoided_by_e_cache", "E cache"),
+        ("avoided_by_dedup", "duplicate"),
+    ]
     bottom = np.zeros(len(rows))
     for key, label in causes:
         vals = np.asarray([r[key] for r in rows], dtype=float)

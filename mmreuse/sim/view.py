@@ -20,12 +20,16 @@ from ..events.wire import KVCacheEventType
 class ClusterView:
     """What the proxy knows, `lag_ms` behind the caches (`now_ms` is the simulation clock)."""
 
-    def __init__(self, num_prefills: int, block_size: int, lag_ms: float,
-                 now_ms: Callable[[], float]) -> None:
+    def __init__(
+        self, num_prefills: int, block_size: int, lag_ms: float, now_ms: Callable[[], float]
+    ) -> None:
         self.kv = [RemoteKVIndex(prefill_name(i)) for i in range(num_prefills)]
-        self.embeddings = EmbeddingAvailability(ttl_s=1e9, max_entries=10**7,
-                                                timer=lambda: now_ms() / 1000.0,
-                                                metrics=Metrics(_registry()))
+        self.embeddings = EmbeddingAvailability(
+            ttl_s=1e9,
+            max_entries=10**7,
+            timer=lambda: now_ms() / 1000.0,
+            metrics=Metrics(_registry()),
+        )
         self._block_size = block_size
         self._lag_ms = lag_ms
         self._now_ms = now_ms
@@ -45,13 +49,19 @@ class ClusterView:
         """P's KV events for one admission: BlockStored, then BlockRemoved."""
         events: list[KVCacheEventType] = []
         if stored:
-            events.append(BlockStored(block_hashes=list[ExternalBlockHash](stored),
-                                      parent_block_hash=None, token_ids=[],
-                                      block_size=self._block_size, lora_id=None, medium="GPU",
-                                      lora_name=None))
+            events.append(
+                BlockStored(
+                    block_hashes=list[ExternalBlockHash](stored),
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=self._block_size,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                )
+            )
         if removed:
-            events.append(BlockRemoved(block_hashes=list[ExternalBlockHash](removed),
-                                       medium="GPU"))
+            events.append(BlockRemoved(block_hashes=list[ExternalBlockHash](removed), medium="GPU"))
         batch = KVEventBatch(ts=self._now_ms() / 1000.0, events=events)
         index = self.kv[p]
         self._later(lambda: index.apply(batch))

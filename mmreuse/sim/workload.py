@@ -112,8 +112,11 @@ def generate(cfg: WorkloadConfig, seed: int) -> list[SimRequest]:
         if cfg.kind == "chat":
             turns = 1 + _poisson(rng, cfg.mean_turns - 1)
             num_images = rng.randint(*cfg.images_per_session)
-            image_turns = (sorted([0] + [rng.randrange(turns) for _ in range(num_images - 1)])
-                           if num_images else [])
+            image_turns = (
+                sorted([0] + [rng.randrange(turns) for _ in range(num_images - 1)])
+                if num_images
+                else []
+            )
         elif cfg.kind == "agentic":
             turns = 1 + _poisson(rng, cfg.mean_turns - 1)
             image_turns = list(range(turns))
@@ -131,16 +134,20 @@ def generate(cfg: WorkloadConfig, seed: int) -> list[SimRequest]:
                     rng_img = random.Random(ident)
                     builder.image(ident, _image_tokens(rng_img, cfg.image_tokens))
                 else:
-                    builder.image(_image_id(cfg.kind, seed, sid, len(session.mm)),
-                                  _image_tokens(rng, cfg.image_tokens))
+                    builder.image(
+                        _image_id(cfg.kind, seed, sid, len(session.mm)),
+                        _image_tokens(rng, cfg.image_tokens),
+                    )
             out.append((t, sid, session, turn, len(session.tokens), len(session.mm)))
             builder.text(rng.randint(*cfg.output_tokens))  # the answer, resent next turn
             t += rng.expovariate(1.0 / cfg.think_time_s) * 1000.0
         total += turns
         sid += 1
     out.sort(key=lambda x: (x[0], x[1], x[3]))
-    return [SimRequest(i, s, turn, t, n, k) for i, (t, _, s, turn, n, k) in
-            enumerate(out[: cfg.requests])]
+    return [
+        SimRequest(i, s, turn, t, n, k)
+        for i, (t, _, s, turn, n, k) in enumerate(out[: cfg.requests])
+    ]
 
 
 def _from_trace(cfg: WorkloadConfig) -> list[SimRequest]:
@@ -170,11 +177,13 @@ def _from_trace(cfg: WorkloadConfig) -> list[SimRequest]:
                 fail_type("images", "a list", images)
         except (KeyError, ValueError) as exc:  # JSONDecodeError is a ValueError
             raise InvalidArgument(
-                f"{path}:{lineno}: bad trace record ({exc}): {line[:120]}") from None
+                f"{path}:{lineno}: bad trace record ({exc}): {line[:120]}"
+            ) from None
         builder = sessions.get(name)
         if builder is None:
-            builder = sessions[name] = _SessionBuilder(len(sessions),
-                                                       random.Random(f"trace-{name}"))
+            builder = sessions[name] = _SessionBuilder(
+                len(sessions), random.Random(f"trace-{name}")
+            )
         builder.text(pending_output.pop(name, 0))
         builder.text(text)
         for img in images:
@@ -186,7 +195,8 @@ def _from_trace(cfg: WorkloadConfig) -> list[SimRequest]:
                 raise InvalidArgument(f"{path}:{lineno}: bad image ({exc}): {img!r}") from None
             if not ident or n < 1:
                 raise InvalidArgument(
-                    f"{path}:{lineno}: image needs an id and tokens >= 1: {img!r}")
+                    f"{path}:{lineno}: image needs an id and tokens >= 1: {img!r}"
+                )
             builder.image(ident, n)
         session = builder.session
         if not session.tokens:
