@@ -357,6 +357,38 @@ PyObject* EventId(PyObject*, PyObject* h) {
   return PyLong_FromUnsignedLongLong(key);
 }
 
+// event_ids(block_hashes, field="block_hashes") -> list[int]: `event_id` of each hash of a list
+// or tuple, naming the index of a refused one (`block_hashes[3]`), like blockhash.to_event_ids.
+PyObject* EventIds(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1 || nargs > 2) {
+    PyErr_Format(PyExc_TypeError, "event_ids() takes 1 or 2 arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  const char* field = "block_hashes";
+  if (nargs == 2) {
+    field = PyUnicode_Check(args[1]) ? PyUnicode_AsUTF8(args[1]) : nullptr;
+    if (field == nullptr) {
+      if (!PyErr_Occurred()) FailType("field", "a str", args[1]);
+      return nullptr;
+    }
+  }
+  Items items;
+  if (!items.Open(args[0], field)) return nullptr;
+  const Py_ssize_t n = items.size();
+  std::vector<uint64_t> keys(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!KeyOf(items[i], field, i, &keys[static_cast<size_t>(i)])) return nullptr;
+  }
+  Ref out(PyList_New(n));
+  if (!out) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* v = PyLong_FromUnsignedLongLong(keys[static_cast<size_t>(i)]);
+    if (v == nullptr) return nullptr;
+    PyList_SET_ITEM(out.get(), i, v);
+  }
+  return out.release();
+}
+
 // table_put_many(keys, vals, key_list, val_list) -> keys inserted (the rest updated).
 PyObject* TablePutMany(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!CheckArgs("table_put_many", nargs, 4)) return nullptr;
@@ -521,6 +553,10 @@ PyObject* ChainPrefix(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef kMethods[] = {
     {"event_id", EventId, METH_O,
      "event_id(block_hash) -> int: the table key of a block hash (blockhash.to_event_id in C)"},
+    {"event_ids", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(EventIds)),
+     METH_FASTCALL,
+     "event_ids(block_hashes, field='block_hashes') -> list[int]: event_id of each hash of a "
+     "list or tuple, naming the index of a refused one"},
     {"table_put_many", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(TablePutMany)),
      METH_FASTCALL, "table_put_many(keys, vals, key_list, val_list) -> inserted"},
     {"table_del_many", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(TableDelMany)),

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from . import _index
 from .validate import fail_type, fail_value
 
 __all__ = [
@@ -51,6 +52,8 @@ def to_event_id(block_hash: Any, field: str = "block_hash") -> EventBlockId:
 
 def to_event_ids(block_hashes: Iterable[Any], field: str = "block_hashes") -> list[EventBlockId]:
     """`to_event_id` for each hash, naming the index of a refused one (``block_hashes[3]``)."""
+    if type(block_hashes) is list or type(block_hashes) is tuple:
+        return _index.event_ids(block_hashes, field)  # the same rule, in one C call
     if isinstance(block_hashes, (str, bytes, bytearray)) or not isinstance(block_hashes, Iterable):
         fail_type(field, "a sequence of block hashes", block_hashes)
     out = []
