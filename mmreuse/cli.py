@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from .hashing import HASH_FUNCTIONS, SCHEMES, BlockHasher, MMOccurrence, to_event_id
 from .hashing.schemes import DEFAULT_SCHEME
 
 if TYPE_CHECKING:
     from .sim import SimConfig
+    from .sim.config import ConfigError
 
 IMAGE_TOKEN = 151655  # Qwen2-VL's <|image_pad|>
 
@@ -66,45 +69,189 @@ def hash_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """A bad command line value or file: printed as `mmreuse: error: <message>`, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as `mmreuse: error: --flag: ...` (exit 2, argparse's
+    convention) raised for `main` to print, instead of a usage dump and SystemExit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message.removeprefix("argument "))
+
+
+def _int_arg(lo: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an int, got {_printable(repr(text))}"
+            ) from None
+        if lo is not None and value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _text_arg(text: str) -> str:
+    """A string that is valid Unicode: bytes of argv that are not UTF-8 come in as lone
+    surrogates, which cannot be hashed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"must be valid UTF-8 text, got {_printable(repr(text))}"
+        ) from None
+    return text
+
+
+def _printable(text: str) -> str:
+    """`text` with what stdout cannot encode (lone surrogates of a non-UTF-8 path) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# where each command line override lands in the config
+_OVERRIDES = {
+    "workload.kind": "--workload",
+    "workload.trace_path": "--trace",
+    "workload.requests": "--requests",
+    "seed": "--seed",
+    "policies": "--policy",
+    "cluster.routing": "--routing",
+}
+
+
 def _sim_config(args: argparse.Namespace) -> SimConfig:
-    """The `--config` file (or the defaults), with the command line's overrides applied."""
-    import dataclasses
-
+    """The `--config` file (or the defaults) with the command line's overrides applied, checked
+    once; an error names the option or `<file>: <field>` it came from."""
     from .sim import SimConfig
+    from .sim.config import ConfigError, load_json
 
-    cfg = SimConfig.from_file(args.config) if args.config else SimConfig()
-    workload = cfg.workload
-    if args.workload:
-        workload = dataclasses.replace(workload, kind=args.workload)
-    if args.trace:
-        workload = dataclasses.replace(workload, kind="trace", trace_path=args.trace)
-    if args.requests is not None:
-        workload = dataclasses.replace(workload, requests=args.requests)
-    cfg = dataclasses.replace(cfg, workload=workload)
-    if args.seed is not None:
-        cfg = dataclasses.replace(cfg, seed=args.seed)
-    if args.policy:
-        cfg = dataclasses.replace(cfg, policies=tuple(args.policy))
-    if args.routing:
-        cluster = dataclasses.replace(cfg.cluster, routing=args.routing)
-        cfg = dataclasses.replace(cfg, cluster=cluster)
-    return cfg
+    source = args.config or ""
+    try:
+        raw = load_json(args.config) if args.config else {}
+    except ConfigError as exc:
+        raise UsageError(str(exc.located(source))) from None
+    given: set[str] = set()
+    if isinstance(raw, dict):
+        raw = dict(raw)
+
+        def put(field: str, value: object) -> None:
+            section, _, key = field.rpartition(".")
+            target = raw
+            if section:
+                if not isinstance(raw.get(section, {}), dict):
+                    return  # from_dict reports the file's section
+                target = raw[section] = dict(raw.get(section, {}))
+            target[key] = value
+            given.add(field)
+
+        if args.workload:
+            put("workload.kind", args.workload)
+        if args.trace:
+            put("workload.kind", "trace")
+            put("workload.trace_path", args.trace)
+            given.discard("workload.kind")
+        if args.requests is not None:
+            put("workload.requests", args.requests)
+        if args.seed is not None:
+            put("seed", args.seed)
+        if args.policy:
+            put("policies", list(args.policy))
+        if args.routing:
+            put("cluster.routing", args.routing)
+    try:
+        return SimConfig.from_dict(raw)
+    except ConfigError as exc:
+        raise _usage(exc, given, source) from None
+
+
+def _usage(exc: ConfigError, given: set[str], source: str) -> UsageError:
+    """`exc` as the user should read it: on the option that set the field, else on the file."""
+    field = exc.field.partition("[")[0]
+    if field in given:
+        return UsageError(f"{_OVERRIDES[field]}: {exc.problem}")
+    return UsageError(str(exc.located(source)) if source else str(exc))
+
+
+def _check_output(flag: str, path: str) -> None:
+    """Refuse, before the run, an output path that cannot be written."""
+    if not path:
+        raise UsageError(f"{flag}: must be a file path, got ''")
+    target = Path(path)
+    shown = _printable(repr(path))
+    if target.is_dir():
+        raise UsageError(f"{flag}: cannot write {shown}: it is a directory")
+    parent = target.parent
+    if not parent.exists():
+        raise UsageError(f"{flag}: cannot write {shown}: directory {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise UsageError(f"{flag}: cannot write {shown}: {str(parent)!r} is not a directory")
+    # open it as the write will (os.access says yes to root, even on /proc or a read-only
+    # mount): append to a file that exists (leaving it as it is), or create one and remove it
+    existed = target.exists()
+    try:
+        with open(target, "ab" if existed else "xb"):
+            pass
+        if not existed:
+            target.unlink()
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot write {shown}: {exc.strerror or exc}") from None
+
+
+def _check_plot(path: str) -> None:
+    """Refuse, before the run, a plot matplotlib could not save (missing, unknown format)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as exc:
+        raise UsageError(f"--plot: needs matplotlib ({exc})") from None
+    suffix = Path(path).suffix.lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise UsageError(
+            f"--plot: cannot write {_printable(repr(path))}: unknown image format {suffix!r} "
+            f"(one of {', '.join(sorted(formats))})"
+        )
 
 
 def simulate(args: argparse.Namespace) -> int:
-    """Run every policy on one request stream; print the table, write JSON / a plot if asked."""
+    """Run every policy on one request stream; print the table, write JSON / a plot if asked.
+
+    Everything that can be checked before the run is: the config, the output paths, the memory
+    the run needs (`mmreuse.sim.memory`), the trace (read whole before the first policy runs)."""
+    import dataclasses
     import time
 
-    from .sim import run, table
+    from .sim import check_memory, generate, run, table
+    from .sim.config import ConfigError
     from .sim.report import plot, write_json
 
     cfg = _sim_config(args)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            _check_output(flag, path)
+    if args.plot is not None:
+        _check_plot(args.plot)
+        if args.json is not None and Path(args.json).resolve() == Path(args.plot).resolve():
+            raise UsageError("--plot: is the same file as --json")
     workload, cluster = cfg.workload, cfg.cluster
+    try:
+        budget = check_memory(cfg)
+    except ConfigError as exc:
+        given = {"workload.requests"} if args.requests is not None else set()
+        raise _usage(exc, given, args.config or "") from None
     t0 = time.perf_counter()
-    rows, results = run(cfg, progress=not args.no_progress)
+    requests = generate(workload, cfg.seed, budget=budget)
+    if workload.kind == "trace":  # report the trace's own count, not the cap
+        workload = dataclasses.replace(workload, requests=len(requests))
+        cfg = dataclasses.replace(cfg, workload=workload)
+    rows, results = run(cfg, progress=not args.no_progress, requests=requests)
     elapsed = time.perf_counter() - t0
     print(
-        f"mmreuse simulate: workload {workload.kind}, {workload.requests} requests, "
+        f"mmreuse simulate: workload {workload.kind}, {len(requests)} requests, "
         f"seed {cfg.seed}, {cluster.num_encoders} E / {cluster.num_prefills} P, "
         f"routing {cluster.routing}, E cache {cluster.e_cache_embeds}, "
         f"external store {cluster.external_store_embeds or 'off'} ({elapsed:.1f} s)"
@@ -119,22 +266,25 @@ def simulate(args: argparse.Namespace) -> int:
             f"({100 * redundant / forwards:.0f} %) were for items "
             f"P did not need; {occurrences} multimodal occurrences in all"
         )
-    if args.json:
-        write_json(rows, cfg.to_dict(), args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(
-            results,
-            rows,
-            args.plot,
-            f"{workload.kind}, {workload.requests} requests, seed {cfg.seed}",
-        )
-        print(f"wrote {args.plot}")
+    try:
+        if args.json:
+            write_json(rows, cfg.to_dict(), args.json)
+            print(f"wrote {_printable(args.json)}")
+        if args.plot:
+            plot(
+                results,
+                rows,
+                args.plot,
+                f"{workload.kind}, {len(requests)} requests, seed {cfg.seed}",
+            )
+            print(f"wrote {_printable(args.plot)}")
+    except OSError as exc:  # checked above; what is left: a full disk, a race
+        raise UsageError(f"cannot write {exc.filename!r}: {exc.strerror or exc}") from None
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mmreuse", description=__doc__)
+    parser = _Parser(prog="mmreuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     from .sim.config import POLICIES, ROUTINGS, WORKLOADS
 
@@ -144,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", metavar="JSONL", help="replay a trace (schema: mmreuse/sim/workload.py)"
     )
     sim.add_argument("--policy", choices=POLICIES, action="append", help="repeatable; default: all")
-    sim.add_argument("--requests", type=int)
-    sim.add_argument("--seed", type=int)
+    sim.add_argument("--requests", type=_int_arg(1), help="default 2000; a trace's: its first N")
+    sim.add_argument("--seed", type=_int_arg())
     sim.add_argument("--routing", choices=ROUTINGS)
     sim.add_argument("--json", metavar="PATH")
     sim.add_argument("--plot", metavar="PATH")
@@ -156,15 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     sim.set_defaults(func=simulate)
     demo = sub.add_parser("hash-demo", help="hash an example multimodal request, print each block")
     demo.add_argument("--hash-fn", choices=HASH_FUNCTIONS, default="sha256")
-    demo.add_argument("--block-size", type=int, default=16)
-    demo.add_argument("--seed", default=None, help="the PYTHONHASHSEED string of the vLLM process")
+    demo.add_argument("--block-size", type=_int_arg(), default=16)
+    demo.add_argument(
+        "--seed", type=_text_arg, default=None, help="the PYTHONHASHSEED string of the vLLM process"
+    )
     demo.add_argument("--scheme", choices=sorted(SCHEMES), default=DEFAULT_SCHEME)
-    demo.add_argument("--cache-salt", default=None)
+    demo.add_argument("--cache-salt", type=_text_arg, default=None)
     demo.set_defaults(func=hash_demo)
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         return args.func(args)
-    except ValueError as exc:
+    except (UsageError, ValueError) as exc:
         print(f"mmreuse: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,10 @@
 """The `mmreuse` console command."""
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 from mmreuse.cli import main
 
@@ -30,3 +33,83 @@ def test_console_script_runs():
         check=True,
     ).stdout
     assert "hash_fn xxhash" in out
+
+
+def simulate(capsys, monkeypatch, *args):
+    """`mmreuse simulate ARGS` that must fail before any policy runs: (status, stderr)."""
+    monkeypatch.setattr("mmreuse.sim.Simulation.run", lambda self: pytest.fail("it ran"))
+    status = main(["simulate", *args, "--no-progress"])
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err and err.count("\n") == 1, (out, err)
+    return status, err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--requests", "0"], "--requests: must be >= 1, got 0"),
+        (["--requests", "-5"], "--requests: must be >= 1, got -5"),
+        (["--requests", "many"], "--requests: must be an int, got 'many'"),
+        (["--requests", "1" + "0" * 12], "--requests: the run would need about"),
+        (["--seed", "x"], "--seed: must be an int, got 'x'"),
+        (["--seed", "1.5"], "--seed: must be an int, got '1.5'"),
+        (["--policy", "sticky"], "--policy: invalid choice: 'sticky'"),
+        (["--routing"], "--routing: expected one argument"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ],
+)
+def test_bad_command_line_values(capsys, monkeypatch, args, message):
+    status, err = simulate(capsys, monkeypatch, *args)
+    assert status == 2 and err.startswith(f"mmreuse: error: {message}"), err
+
+
+def test_bad_trace_on_the_command_line(tmp_path, capsys, monkeypatch):
+    missing = tmp_path / "missing.jsonl"
+    status, err = simulate(capsys, monkeypatch, "--trace", str(missing))
+    assert status == 2
+    assert err.startswith(f"mmreuse: error: {missing}: trace file: cannot be read (No such file")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"session": "a", "arrival_s": 0, "text_tokens": 5}\n{"session": \n')
+    status, err = simulate(capsys, monkeypatch, "--trace", str(bad))
+    assert status == 2 and err.startswith(f"mmreuse: error: {bad}:2: record: invalid JSON (")
+
+
+def test_output_paths_are_checked_before_the_run(tmp_path, capsys, monkeypatch):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    cases = [
+        ("--json", str(tmp_path), "it is a directory"),
+        ("--json", str(tmp_path / "no" / "out.json"), "does not exist"),
+        ("--json", str(a_file / "out.json"), "is not a directory"),
+        ("--json", "", "must be a file path"),
+        ("--plot", str(tmp_path / "out.xyz"), "unknown image format 'xyz'"),
+        ("--plot", str(tmp_path), "it is a directory"),
+    ]
+    if os.path.isdir("/proc"):  # what os.access lets root through, and open does not
+        cases.append(("--json", "/proc/mmreuse-out.json", "cannot write"))
+    for flag, path, message in cases:
+        status, err = simulate(capsys, monkeypatch, flag, path)
+        assert status == 2, (flag, path)
+        assert err.startswith(f"mmreuse: error: {flag}: ") and message in err, err
+    same = str(tmp_path / "out.png")
+    status, err = simulate(capsys, monkeypatch, "--json", same, "--plot", same)
+    assert status == 2 and "--plot: is the same file as --json" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probes left nothing
+    assert a_file.read_text() == "x"
+
+
+def test_an_existing_output_is_left_alone_until_written(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out.json"
+    out.write_text("old")
+    monkeypatch.setattr("mmreuse.sim.Simulation.run", lambda self: pytest.fail("it ran"))
+    assert main(["simulate", "--json", str(out), "--requests", "0", "--no-progress"]) == 2
+    assert out.read_text() == "old"
+
+
+def test_hash_demo_refuses_text_that_is_not_utf8(capsys):
+    # argv bytes that are not UTF-8 arrive as lone surrogates, which cannot be hashed
+    assert main(["hash-demo", "--seed", "\udcff"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmreuse: error: --seed: must be valid UTF-8 text")
+    assert main(["hash-demo", "--block-size", "x"]) == 2
+    assert "--block-size: must be an int" in capsys.readouterr().err

@@ -17,17 +17,21 @@ from mmreuse.sim import (
     POLICIES,
     Bucket,
     ClusterConfig,
+    ConfigError,
     Delivery,
     SimConfig,
     Simulation,
     WorkloadConfig,
+    check_memory,
     generate,
     run,
 )
 from mmreuse.sim.caches import PrefixCache
+from mmreuse.sim.memory import Budget, available_bytes, estimate
 from mmreuse.sim.policies import POLICY_CLASSES, Index
 from mmreuse.sim.report import write_json
 from mmreuse.sim.view import NO_VIEW
+from mmreuse.sim.workload import MAX_LINE_BYTES, _SessionBuilder
 
 
 def one_image_trace(tmp_path, turns):
@@ -429,3 +433,245 @@ def test_json_output_is_pinned(tmp_path, name):
     path = tmp_path / "out.json"
     write_json(rows, meta, path)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == expected
+
+
+# ---- hostile input: config files, traces, memory ------------------------------------------------
+
+
+def run_cli(capsys, *args):
+    """`mmreuse simulate ARGS`: (exit status, stdout, stderr)."""
+    status = main(["simulate", *args, "--no-progress"])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize(
+    "text,field",
+    [
+        ("[]", "config"),
+        ("null", "config"),
+        ('"chat"', "config"),
+        ('{"policies": null}', "policies"),
+        ('{"policies": ["eager", 3]}', "policies[1]"),
+        ('{"policies": ["eager", "eager"]}', "policies"),
+        ('{"frobnicate": 1}', "frobnicate"),
+        ('{"cluster": null}', "cluster"),
+        ('{"cluster": {"kv_blocks": 5}}', "cluster.kv_blocks"),
+        ('{"cluster": {"num_prefills": "2"}}', "cluster.num_prefills"),
+        ('{"cluster": {"prefix_caching": 1}}', "cluster.prefix_caching"),
+        ('{"workload": {"requests": 1.5}}', "workload.requests"),
+        ('{"workload": {"kind": "trace"}}', "workload.trace_path"),
+        ('{"workload": {"kind": "trace", "trace_path": "\\ud800"}}', "workload.trace_path"),
+        ('{"workload": {"mean_turns": 1e9}}', "workload.mean_turns"),
+        ('{"cost": {"demand_rtt_ms": NaN}}', "cost.demand_rtt_ms"),
+        ('{"seed": "\\ud800"}', "seed"),
+        ('{"seed": true}', "seed"),
+        ("{bad json", "config file"),
+        ('{"seed": 1' + "0" * 5000 + "}", "config file"),
+        ("[" * 100_000, "config file"),
+        (b"\xff\xfe{}", "config file"),
+        ('{"cluster": {"p_kv_blocks": 1000000000000}}', "cluster.p_kv_blocks"),
+        ('{"cluster": {"num_prefills": 1000000000}}', "cluster.num_prefills"),
+        ('{"cluster": {"num_encoders": 1000000000000}}', "cluster.num_encoders"),
+        ('{"workload": {"requests": 1000000000000}}', "workload.requests"),
+        ('{"workload": {"text_tokens": [1, 1000000000000]}}', "workload.text_tokens"),
+    ],
+)
+def test_bad_config_file_is_one_error_line(tmp_path, capsys, monkeypatch, text, field):
+    """Every bad config: `mmreuse: error: <file>: <field>: <what>`, status 2, nothing run."""
+    monkeypatch.setattr("mmreuse.sim.Simulation.run", lambda self: pytest.fail("it ran"))
+    path = tmp_path / "c.json"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    status, out, err = run_cli(capsys, "--config", str(path))
+    assert status == 2 and out == ""
+    assert err.startswith(f"mmreuse: error: {path}: {field}: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_missing_or_unreadable_config_file(tmp_path, capsys):
+    for path in (tmp_path / "nope.json", tmp_path):
+        status, _, err = run_cli(capsys, "--config", str(path))
+        assert status == 2
+        assert err.startswith(f"mmreuse: error: {path}: config file: cannot be read ("), err
+
+
+def test_config_errors_are_typed_and_located():
+    with pytest.raises(InvalidArgumentType, match=r"^cluster\.num_prefills: must be an int"):
+        SimConfig.from_dict({"cluster": {"num_prefills": "2"}})
+    with pytest.raises(InvalidArgument, match=r"^workload\.fanout_pool: must be >= 1, got 0$"):
+        SimConfig.from_dict({"workload": {"fanout_pool": 0}})
+    err = ConfigError("cluster.routing", "must be 'affine' or 'random', got 'x'").located("f.json")
+    assert str(err) == "f.json: cluster.routing: must be 'affine' or 'random', got 'x'"
+
+
+def test_memory_estimate_refuses_what_cannot_fit():
+    cfg = SimConfig()
+    parts = estimate(cfg)
+    assert 1 << 20 < sum(p.bytes for p in parts) < 1 << 30  # the default run: ~100 MiB
+    budget = check_memory(cfg, available=8 << 30)
+    assert 0 < budget.available < 8 << 30
+    big = dataclasses.replace(cfg, cluster=ClusterConfig(p_kv_blocks=10**12))
+    with pytest.raises(ConfigError, match=r"^cluster\.p_kv_blocks: the run would need about"):
+        check_memory(big)
+    with pytest.raises(ConfigError, match=r"^workload\.requests: .* more than the 1\.0 MiB"):
+        check_memory(SimConfig(workload=WorkloadConfig(requests=10_000)), available=1 << 20)
+    assert available_bytes() > 0
+    # kv blocks allocate up front: 10x the blocks, ~10x their term
+    blocks = [
+        estimate(SimConfig(cluster=ClusterConfig(p_kv_blocks=n)))[0].bytes for n in (10**5, 10**6)
+    ]
+    assert 9 < blocks[1] / blocks[0] < 11
+    with pytest.raises(ConfigError, match=r"cluster\.p_kv_blocks"):
+        run(big)  # the library's entry point checks too, before allocating
+
+
+def write_lines(tmp_path, *lines, name="t.jsonl"):
+    path = tmp_path / name
+    path.write_text(
+        "".join(line + "\n" for line in lines), encoding="utf-8", errors="surrogatepass"
+    )
+    return path
+
+
+GOOD = '{"session": "a", "arrival_s": 0, "text_tokens": 5}'
+
+
+@pytest.mark.parametrize(
+    "line,field",
+    [
+        ('{"session": "b", "arrival_s": NaN}', "arrival_s"),
+        ('{"session": "b", "arrival_s": Infinity}', "arrival_s"),
+        ('{"session": "b", "arrival_s": -Infinity}', "arrival_s"),
+        ('{"session": "b", "arrival_s": -1}', "arrival_s"),
+        ('{"session": "b", "arrival_s": 1e308}', "arrival_s"),
+        ('{"session": "b", "arrival_s": true}', "arrival_s"),
+        ('{"session": "a", "arrival_s": -0.5, "text_tokens": 5}', "arrival_s"),
+        ('{"session": null, "arrival_s": 1}', "session"),
+        ('{"arrival_s": 1, "text_tokens": 5}', "session"),
+        ('{"session": "", "arrival_s": 1}', "session"),
+        ('{"session": 7, "arrival_s": 1}', "session"),
+        ('{"session": "\\ud800", "arrival_s": 1}', "session"),
+        ('{"session": "b"}', "arrival_s"),
+        ('{"session": "b", "arrival_s": 1, "text_tokens": false}', "text_tokens"),
+        ('{"session": "b", "arrival_s": 1, "output_tokens": true}', "output_tokens"),
+        (
+            '{"session": "b", "arrival_s": 1, "images": [{"id": "x", "tokens": true}]}',
+            "images[0].tokens",
+        ),
+        (
+            '{"session": "b", "arrival_s": 1, "images": [{"id": "x", "tokens": 0}]}',
+            "images[0].tokens",
+        ),
+        ('{"session": "b", "arrival_s": 1, "images": [{"id": null, "tokens": 5}]}', "images[0].id"),
+        (
+            '{"session": "b", "arrival_s": 1, "images": [{"id": "\\udc80", "tokens": 5}]}',
+            "images[0].id",
+        ),
+        ('{"session": "b", "arrival_s": 1, "images": [{"tokens": 5}]}', "images[0].id"),
+        (
+            '{"session": "b", "arrival_s": 1, "images": [{"id": "x", "tokens": 5, "w": 1}]}',
+            "images[0].w",
+        ),
+        ('{"session": "b", "arrival_s": 1, "images": [5]}', "images[0]"),
+        ('{"session": "b", "arrival_s": 1, "text_token": 5}', "text_token"),
+        ('{"session": "b", "arrival_s": 1}', "text_tokens"),  # a turn with no tokens
+        ("{bad", "record"),
+        ("[" * 100_000, "record"),
+        ('{"session": "b", "arrival_s": 1, "text_tokens": 1' + "0" * 5000 + "}", "record"),
+    ],
+)
+def test_trace_errors_name_path_line_and_field(tmp_path, line, field):
+    path = write_lines(tmp_path, GOOD, line)
+    with pytest.raises(InvalidArgument) as info:
+        generate(WorkloadConfig(kind="trace", trace_path=str(path)), 0)
+    assert str(info.value).startswith(f"{path}:2: {field}: "), str(info.value)
+
+
+def test_trace_file_errors(tmp_path):
+    bad_utf8 = tmp_path / "b.jsonl"
+    bad_utf8.write_bytes(GOOD.encode() + b'\n{"session": "\xff", "arrival_s": 1}\n')
+    long_line = write_lines(tmp_path, GOOD, " " * (MAX_LINE_BYTES + 1), name="long.jsonl")
+    cases = [
+        (tmp_path / "missing.jsonl", "missing.jsonl: trace file: cannot be read ("),
+        (tmp_path, f"{tmp_path}: trace file: cannot be read ("),
+        (write_lines(tmp_path, "", "  ", name="e.jsonl"), "e.jsonl: trace file: holds no turns"),
+        (bad_utf8, "b.jsonl:2: record: not UTF-8"),
+        (long_line, "long.jsonl:2: record: longer than"),
+    ]
+    for path, message in cases:
+        with pytest.raises(InvalidArgument) as info:
+            generate(WorkloadConfig(kind="trace", trace_path=str(path)), 0)
+        assert message in str(info.value)
+
+
+def test_trace_turns_out_of_order_within_a_session_are_refused(tmp_path):
+    # sessions may interleave in any order (sorted by arrival), a session's own turns may not
+    ok = write_lines(
+        tmp_path,
+        '{"session": "a", "arrival_s": 5, "text_tokens": 5}',
+        '{"session": "b", "arrival_s": 1, "text_tokens": 5}',
+        '{"session": "a", "arrival_s": 5, "text_tokens": 5}',
+    )
+    requests = generate(WorkloadConfig(kind="trace", trace_path=str(ok)), 0)
+    assert [(r.session.sid, r.turn) for r in requests] == [(1, 0), (0, 0), (0, 1)]
+    bad = write_lines(
+        tmp_path,
+        '{"session": "a", "arrival_s": 5, "text_tokens": 5}',
+        '{"session": "b", "arrival_s": 9, "text_tokens": 5}',
+        '{"session": "a", "arrival_s": 4.5, "text_tokens": 5}',
+        name="bad.jsonl",
+    )
+    with pytest.raises(InvalidArgument, match=r"bad\.jsonl:3: arrival_s: must not be before"):
+        generate(WorkloadConfig(kind="trace", trace_path=str(bad)), 0)
+
+
+def test_trace_memory_is_counted_while_it_is_read(tmp_path):
+    path = write_lines(
+        tmp_path,
+        GOOD,
+        '{"session": "a", "arrival_s": 1, "images": [{"id": "x", "tokens": 1000000000000}]}',
+    )
+    with pytest.raises(InvalidArgument, match=r"t\.jsonl:2: images\[0\]\.tokens: the trace up"):
+        generate(WorkloadConfig(kind="trace", trace_path=str(path)), 0, budget=Budget(1 << 30, 8))
+    cfg = SimConfig(workload=WorkloadConfig(kind="trace", trace_path=str(path)))
+    with pytest.raises(InvalidArgument, match=r"images\[0\]\.tokens: the trace up to this line"):
+        run(cfg)  # run() gives the loader what the machine has left
+
+
+def test_trace_run_reports_the_traces_request_count(tmp_path, capsys):
+    trace = one_image_trace(tmp_path, 3)
+    out_json = tmp_path / "out.json"
+    status, out, _ = run_cli(capsys, "--trace", str(trace), "--json", str(out_json))
+    assert status == 0
+    assert "workload trace, 3 requests," in out.splitlines()[0]
+    doc = json.loads(out_json.read_text())
+    assert doc["config"]["workload"]["requests"] == 3
+    assert all(r["requests"] == 3 for r in doc["policies"])
+    status, out, _ = run_cli(capsys, "--trace", str(trace), "--requests", "2")
+    assert status == 0 and "workload trace, 2 requests," in out.splitlines()[0]
+
+
+def test_trace_loader_matches_the_per_turn_builder(tmp_path):
+    """One draw per session gives the tokens a `_SessionBuilder` drawing per piece gives."""
+    path = dup_trace(tmp_path / "dup.jsonl")
+    requests = generate(WorkloadConfig(kind="trace", trace_path=str(path), requests=10**6), 0)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    builders: dict[str, _SessionBuilder] = {}
+    pending: dict[str, int] = {}
+    for rec in recs:
+        name = rec["session"]
+        if name not in builders:
+            builders[name] = _SessionBuilder(len(builders), random.Random(f"trace-{name}"))
+        b = builders[name]
+        b.text(pending.get(name, 0))
+        b.text(rec["text_tokens"])
+        for img in rec["images"]:
+            b.image(img["id"], img["tokens"])
+        pending[name] = rec["output_tokens"]
+    sessions = {r.session.sid: r.session for r in requests}
+    for b in builders.values():
+        assert sessions[b.session.sid].tokens == b.session.tokens
+        assert sessions[b.session.sid].mm == b.session.mm

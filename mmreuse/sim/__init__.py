@@ -1,8 +1,19 @@
 """mmreuse simulate: an EPD cluster simulator answering RFC #55639's questions."""
 
+import gc
+
 from .accounting import BUCKETS, Bucket, Delivery, PolicyResult
 from .cluster import Simulation
-from .config import POLICIES, WORKLOADS, ClusterConfig, CostModel, SimConfig, WorkloadConfig
+from .config import (
+    POLICIES,
+    WORKLOADS,
+    ClusterConfig,
+    ConfigError,
+    CostModel,
+    SimConfig,
+    WorkloadConfig,
+)
+from .memory import check as check_memory
 from .report import summarize, table
 from .workload import SimRequest, generate
 
@@ -12,6 +23,7 @@ __all__ = [
     "WORKLOADS",
     "Bucket",
     "ClusterConfig",
+    "ConfigError",
     "CostModel",
     "Delivery",
     "PolicyResult",
@@ -19,6 +31,7 @@ __all__ = [
     "SimRequest",
     "Simulation",
     "WorkloadConfig",
+    "check_memory",
     "generate",
     "run",
     "summarize",
@@ -26,9 +39,13 @@ __all__ = [
 ]
 
 
-def run(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], list[PolicyResult]]:
-    """Run every policy of `cfg` on the same request stream; returns (summaries, results)."""
-    requests = generate(cfg.workload, cfg.seed)
+def run(
+    cfg: SimConfig, progress: bool = False, requests: list[SimRequest] | None = None
+) -> tuple[list[dict], list[PolicyResult]]:
+    """Run every policy of `cfg` on the same request stream (`requests`, else generated from
+    `cfg` after `mmreuse.sim.memory.check` finds room for it); returns (summaries, results)."""
+    if requests is None:
+        requests = generate(cfg.workload, cfg.seed, budget=check_memory(cfg))
     bar = None
     if progress:
         from tqdm import tqdm
@@ -44,6 +61,9 @@ def run(cfg: SimConfig, progress: bool = False) -> tuple[list[dict], list[Policy
     try:
         for policy in cfg.policies:  # block hashes are cached per session, shared by the runs
             results.append(Simulation(cfg, requests, policy, progress=bar).run())
+            # a Simulation is a reference cycle (its policy, its callbacks): free its caches
+            # now, or every policy's would be alive at once (`mmreuse.sim.memory` counts one)
+            gc.collect()
     finally:
         if bar is not None:
             bar.close()

@@ -13,17 +13,19 @@ class GPUs; they are assumptions to vary, not measurements:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+import os
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgument, InvalidArgumentType
-from ..validate import check_bool, check_float, check_int, check_str, fail_type, fail_value
+from ..validate import check_bool, check_float, check_int, check_str, fail_type, fail_value, show
 
 POLICIES = ("eager", "demand", "opportunistic", "index")
 WORKLOADS = ("chat", "fanout", "agentic", "trace")
 ROUTINGS = ("affine", "random")
 IMAGE_TOKENS = ("fixed576", "qwen2vl")
+MAX_MEAN_TURNS = 500.0
 
 
 def _field(obj: Any, name: str) -> str:
@@ -144,12 +146,20 @@ class WorkloadConfig:
         _check_choice(self, "kind", WORKLOADS, f"one of {WORKLOADS}")
         _check_ints(self, "requests", "fanout_pool", lo=1)
         _check_numbers(self, "sessions_per_s", "think_time_s", positive=True)
-        check_float(_field(self, "mean_turns"), self.mean_turns, 1)
+        # Knuth's Poisson sampler underflows e^-lam past ~745: larger means would come out wrong
+        check_float(_field(self, "mean_turns"), self.mean_turns, 1, MAX_MEAN_TURNS)
         _check_choice(self, "image_tokens", IMAGE_TOKENS, "'fixed576' or 'qwen2vl'")
         for name in ("images_per_session", "text_tokens", "output_tokens"):
             _check_span(self, name)
         if self.trace_path is not None:
             check_str(_field(self, "trace_path"), self.trace_path)
+            try:  # what open() would refuse, refused here with the field's name
+                if b"\0" in os.fsencode(self.trace_path):
+                    raise ValueError
+            except (UnicodeError, ValueError):
+                fail_value(
+                    _field(self, "trace_path"), "a file path (no NUL, valid UTF-8)", self.trace_path
+                )
         if self.kind == "trace" and not self.trace_path:
             raise InvalidArgument("WorkloadConfig.trace_path is required with kind='trace'")
 
@@ -172,7 +182,9 @@ class SimConfig:
             if not isinstance(p, str) or p not in POLICIES:
                 fail_value("policy", f"one of {POLICIES}", p)
         if not self.policies:
-            raise InvalidArgument("policies must not be empty")
+            raise InvalidArgument("SimConfig.policies must not be empty")
+        if len(set(self.policies)) != len(self.policies):
+            fail_value("SimConfig.policies", "distinct policy names", list(self.policies))
         for name, kind in (
             ("cost", CostModel),
             ("cluster", ClusterConfig),
@@ -185,40 +197,129 @@ class SimConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> SimConfig:
-        """A config from JSON-like values: every key optional, unknown keys refused."""
+    def from_dict(cls, d: Any) -> SimConfig:
+        """A config from JSON-like values: every key optional, unknown keys refused; a bad value
+        raises ConfigError naming its dotted field (`cluster.num_prefills`)."""
         if not isinstance(d, dict):
-            fail_type("config", "an object", d)
-        unknown = set(d) - {"seed", "policies", "cost", "cluster", "workload"}
-        if unknown:
-            raise InvalidArgument(f"unknown config keys: {sorted(unknown)}")
-
-        def build(kind, values):
-            if not isinstance(values, dict):
-                raise InvalidArgumentType(f"config section for {kind.__name__} must be an object")
-            names = {f.name for f in fields(kind)}
-            bad = set(values) - names
-            if bad:
-                raise InvalidArgument(f"unknown {kind.__name__} keys: {sorted(bad)}")
-            values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-            return kind(**values)
-
-        policies = d.get("policies", POLICIES)
-        if isinstance(policies, str) or not isinstance(policies, (list, tuple)):
-            fail_type("policies", "a list of policy names", policies)
-        base = cls()
-        return replace(
-            base,
-            seed=d.get("seed", base.seed),
-            policies=tuple(policies),
-            cost=build(CostModel, d.get("cost", {})),
-            cluster=build(ClusterConfig, d.get("cluster", {})),
-            workload=build(WorkloadConfig, d.get("workload", {})),
-        )
+            raise config_error("config", f"must be an object, got {_shown(d)}", True)
+        _refuse_unknown("", d, TOP_KEYS)
+        policies = d.get("policies", list(POLICIES))
+        if not isinstance(policies, (list, tuple)):
+            raise config_error(
+                "policies", f"must be a list of policy names, got {_shown(policies)}", True
+            )
+        for i, p in enumerate(policies):
+            if not isinstance(p, str) or p not in POLICIES:
+                raise ConfigError(
+                    f"policies[{i}]", f"must be a policy name, one of {POLICIES}, got {show(p)}"
+                )
+        sections = {name: _build(name, kind, d.get(name, {})) for name, kind in SECTIONS.items()}
+        try:
+            return cls(seed=d.get("seed", 0), policies=tuple(policies), **sections)
+        except InvalidArgument as exc:
+            raise _located(exc, "SimConfig.", "") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> SimConfig:
+        """`from_dict` of a JSON file; every error reads `<path>: <field>: <what is wrong>`."""
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise InvalidArgument(f"config file {str(path)!r}: {exc}") from None
+            return cls.from_dict(load_json(path))
+        except ConfigError as exc:
+            raise exc.located(str(path)) from None
+
+
+SECTIONS: dict[str, type[CostModel] | type[ClusterConfig] | type[WorkloadConfig]] = {
+    "cost": CostModel,
+    "cluster": ClusterConfig,
+    "workload": WorkloadConfig,
+}
+TOP_KEYS = ("seed", "policies", *SECTIONS)
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; this bounds reading /dev/zero
+
+
+class ConfigError(InvalidArgument):
+    """A bad config value: `field` (dotted, as in the JSON), `problem`, and, once known, the
+    `source` it came from (a file); reads `<source>: <field>: <problem>`."""
+
+    def __init__(self, field: str, problem: str, wrong_type: bool = False, source: str = ""):
+        self.field, self.problem, self.wrong_type, self.source = field, problem, wrong_type, source
+        super().__init__(f"{source}: {field}: {problem}" if source else f"{field}: {problem}")
+
+    def located(self, source: str) -> ConfigError:
+        """The same error, read from `source`."""
+        cls = ConfigTypeError if self.wrong_type else ConfigError
+        return cls(self.field, self.problem, self.wrong_type, source)
+
+    def __reduce__(self):  # pickles (pytest-xdist, multiprocessing) with its fields
+        return (type(self), (self.field, self.problem, self.wrong_type, self.source))
+
+
+class ConfigTypeError(ConfigError, InvalidArgumentType):
+    """A config value of the wrong type (also a TypeError)."""
+
+    def __init__(self, field: str, problem: str, wrong_type: bool = True, source: str = ""):
+        super().__init__(field, problem, True, source)
+
+
+def config_error(field: str, problem: str, wrong_type: bool = False) -> ConfigError:
+    return (ConfigTypeError if wrong_type else ConfigError)(field, problem)
+
+
+def _shown(value: Any) -> str:
+    """A JSON value for a message: its type and value (`null` for None)."""
+    return "null" if value is None else f"{type(value).__name__} {show(value)}"
+
+
+def _refuse_unknown(prefix: str, values: dict, known: tuple[str, ...]) -> None:
+    for key in values:
+        if key not in known:
+            name = key if isinstance(key, str) and key.isidentifier() else show(key)
+            raise ConfigError(f"{prefix}{name}", f"unknown key (known: {', '.join(known)})")
+
+
+def _located(exc: InvalidArgument, prefix: str, section: str) -> ConfigError:
+    """A section's own error ("ClusterConfig.routing must be ...") as a ConfigError on the
+    dotted field ("cluster.routing")."""
+    message, wrong_type = str(exc), isinstance(exc, TypeError)
+    if message.startswith(prefix):
+        name, _, problem = message[len(prefix) :].partition(" ")
+        return config_error(f"{section}{name}", problem, wrong_type)
+    return config_error(section.rstrip(".") or "config", message, wrong_type)
+
+
+def _build(name: str, kind: Any, values: Any) -> Any:
+    if not isinstance(values, dict):
+        raise config_error(name, f"must be an object, got {_shown(values)}", True)
+    _refuse_unknown(f"{name}.", values, tuple(f.name for f in fields(kind)))
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    try:
+        return kind(**values)
+    except InvalidArgument as exc:
+        raise _located(exc, f"{kind.__name__}.", f"{name}.") from None
+
+
+def load_json(path: str | Path) -> Any:
+    """A config file's JSON value; ConfigError on field `config file` if it cannot be read, is
+    too big, is not UTF-8 or is not JSON."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError("config file", f"cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # an embedded NUL in the path
+        raise ConfigError("config file", f"cannot be read ({exc})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError("config file", f"is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config file", f"is not UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            "config file", f"invalid JSON at line {exc.lineno} column {exc.colno} ({exc.msg})"
+        ) from None
+    except (ValueError, RecursionError) as exc:  # a 5000-digit int, [[[[...]]]] nested too deep
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ConfigError("config file", f"invalid JSON ({reason})") from None

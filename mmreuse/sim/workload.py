@@ -7,24 +7,33 @@ Trace schema (JSONL, one turn per line, turns of a session in arrival order):
 `text_tokens` and `images` are what the user adds this turn (text first, then images);
 `output_tokens` the assistant's answer, appended to the history of the session's next turn.
 Image `id`s are engine identifiers: the same id in two sessions is the same image.
+Checked line by line, every error reading `<path>:<line>: <field>: <what is wrong>`: `session`
+and `arrival_s` are required; `session` and image `id`s are non-empty strings (valid Unicode);
+`arrival_s` is a finite number >= 0, not before the session's previous turn (sessions may
+interleave in any order: turns are sorted by arrival); token counts are ints (never bools or
+floats), images' >= 1; unknown fields are refused; a turn must leave its session some tokens.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
 import random
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidArgument
 from ..occurrence import MMOccurrence
-from ..validate import check_float, check_int, fail_type
+from ..validate import check_float, check_int, check_str, fail_type, fail_value, show
 from .config import WorkloadConfig
+from .memory import Budget, fmt_bytes
 
 IMAGE_TOKEN = 151655
 VOCAB = 150000
@@ -97,10 +106,12 @@ def _poisson(rng: random.Random, lam: float) -> int:
         k += 1
 
 
-def generate(cfg: WorkloadConfig, seed: int) -> list[SimRequest]:
-    """The request stream, sorted by arrival; exactly cfg.requests requests."""
+def generate(cfg: WorkloadConfig, seed: int, budget: Budget | None = None) -> list[SimRequest]:
+    """The request stream, sorted by arrival: exactly cfg.requests requests, or a trace's first
+    cfg.requests turns (all of them if fewer). A trace that needs more memory than `budget`
+    allows (`mmreuse.sim.memory.check`) is refused while it is read."""
     if cfg.kind == "trace":
-        return _from_trace(cfg)
+        return _from_trace(cfg, budget)
     rng = random.Random(f"{seed}-{cfg.kind}")
     out: list[tuple[float, int, Session, int, int, int]] = []
     t_session = 0.0
@@ -125,9 +136,10 @@ def generate(cfg: WorkloadConfig, seed: int) -> list[SimRequest]:
             image_turns = [0]
         t = t_session
         session = builder.session
+        images_at = Counter(image_turns)  # (not image_turns.count: quadratic in turns)
         for turn in range(turns):
             builder.text(rng.randint(*cfg.text_tokens))
-            for _ in range(image_turns.count(turn)):
+            for _ in range(images_at[turn]):
                 if cfg.kind == "fanout":
                     rank = min(int(rng.paretovariate(1.1)), cfg.fanout_pool) - 1
                     ident = _image_id("fanout", seed, rank)
@@ -150,63 +162,232 @@ def generate(cfg: WorkloadConfig, seed: int) -> list[SimRequest]:
     ]
 
 
-def _from_trace(cfg: WorkloadConfig) -> list[SimRequest]:
-    """The trace's turns (schema above), sorted by arrival; the first cfg.requests of them."""
-    path = Path(cfg.trace_path or "")
+MAX_ARRIVAL_S = 1e300  # in ms it must stay finite
+MAX_LINE_BYTES = 1 << 20  # a turn is a few hundred bytes; this bounds a line of /dev/zero
+TRACE_KEYS = ("session", "arrival_s", "text_tokens", "images", "output_tokens")
+IMAGE_KEYS = ("id", "tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """One trace line, checked: what the session adds this turn, and where it came from."""
+
+    lineno: int
+    sid: int
+    arrival_ms: float
+    text: int
+    images: tuple[tuple[str, int], ...]
+    output: int
+
+
+class _TraceError(InvalidArgument):
+    """`<path>:<line>: <field>: <what is wrong>`."""
+
+
+def _name(value: Any, field: str) -> str:
+    """A session name or image id: a non-empty str that is valid Unicode (no lone surrogates,
+    which cannot be encoded for hashing or seeding)."""
+    name = check_str(field, value, nonempty=True)
     try:
-        lines = path.read_text().splitlines()
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        fail_value(field, "valid Unicode (no lone surrogates)", name)
+    return name
+
+
+def _refuse_unknown(prefix: str, record: dict, known: tuple[str, ...]) -> None:
+    for key in record:
+        if key not in known:
+            name = key if key.isidentifier() else show(key)
+            raise InvalidArgument(
+                f"{prefix}{name}: unknown field (the schema has {', '.join(known)})"
+            )
+
+
+def _parse(rec: Any, lineno: int, sessions: dict[str, int], last_arrival: list[float]) -> _Turn:
+    """One line's record, checked; raises InvalidArgument starting with the field."""
+    if not isinstance(rec, dict):
+        fail_type("record", "an object", rec)
+    _refuse_unknown("", rec, TRACE_KEYS)
+    for key in ("session", "arrival_s"):
+        if key not in rec:
+            raise InvalidArgument(f"{key}: is required")
+    name = _name(rec["session"], "session")
+    arrival = check_float("arrival_s", rec["arrival_s"], 0, MAX_ARRIVAL_S) * 1000.0
+    text = check_int("text_tokens", rec.get("text_tokens", 0), 0)
+    output = check_int("output_tokens", rec.get("output_tokens", 0), 0)
+    raw_images = rec.get("images", [])
+    if not isinstance(raw_images, list):
+        fail_type("images", "a list", raw_images)
+    images = []
+    for i, img in enumerate(raw_images):
+        field = f"images[{i}]"
+        if not isinstance(img, dict):
+            fail_type(field, "an object", img)
+        _refuse_unknown(f"{field}.", img, IMAGE_KEYS)
+        for key in IMAGE_KEYS:
+            if key not in img:
+                raise InvalidArgument(f"{field}.{key}: is required")
+        images.append(
+            (_name(img["id"], f"{field}.id"), check_int(f"{field}.tokens", img["tokens"], 1))
+        )
+    sid = sessions.setdefault(name, len(sessions))
+    if sid == len(last_arrival):
+        last_arrival.append(arrival)
+    elif arrival < last_arrival[sid]:
+        raise InvalidArgument(
+            f"arrival_s must not be before the session's previous turn "
+            f"({last_arrival[sid] / 1000.0}), got {arrival / 1000.0}"
+        )
+    last_arrival[sid] = arrival
+    return _Turn(lineno, sid, arrival, text, tuple(images), output)
+
+
+def _field_error(where: str, exc: InvalidArgument) -> _TraceError:
+    """`exc` ("text_tokens must be >= 0, got -1") as `where: text_tokens: must be ...`."""
+    message = str(exc)
+    field, sep, problem = message.partition(" must ")
+    if sep and " " not in field:
+        message = f"{field}: must {problem}"
+    return _TraceError(f"{where}: {message}")
+
+
+def _read_lines(path: Path):
+    """(line number, text) of every line, each at most MAX_LINE_BYTES, decoded as UTF-8."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (closed below; a generator cannot use `with` here)
     except OSError as exc:
-        raise InvalidArgument(f"trace_path {str(path)!r}: {exc}") from None
-    sessions: dict[str, _SessionBuilder] = {}
-    pending_output: dict[str, int] = {}
-    turns_so_far: dict[str, int] = {}
-    out = []
-    for lineno, line in enumerate(lines, 1):
+        raise _TraceError(f"{path}: trace file: cannot be read ({exc.strerror or exc})") from None
+    with f:
+        lineno = 0
+        while True:
+            try:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+            except OSError as exc:
+                raise _TraceError(
+                    f"{path}: trace file: cannot be read ({exc.strerror or exc})"
+                ) from None
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise _TraceError(f"{path}:{lineno}: record: longer than {MAX_LINE_BYTES} bytes")
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _TraceError(
+                    f"{path}:{lineno}: record: not UTF-8 (byte {exc.start} of the line)"
+                ) from None
+
+
+def _build_session(
+    sid: int,
+    rng: random.Random,
+    turns: list[_Turn],
+    out: list[tuple[float, int, Session, int, int, int]],
+) -> None:
+    """A trace session, whole: each turn adds the previous turn's output and its own text (random
+    tokens), then its images; appends each turn's (arrival, sid, session, turn, tokens, mm).
+
+    The text is drawn in one `integers` call per session: numpy draws bounded integers element
+    by element from the bit generator's stream, so this is the same tokens as `_SessionBuilder`'s
+    one call per piece (the pinned trace output in tests/test_sim.py guards it), 15x fewer calls."""
+    session = Session(sid, array("q"), [])
+    token_rng = np.random.default_rng(rng.getrandbits(64))  # as _SessionBuilder seeds it
+    pending = 0
+    total_text = 0
+    for turn in turns:
+        total_text += pending + turn.text
+        pending = turn.output
+    text = token_rng.integers(0, VOCAB, total_text, dtype=np.int64) if total_text else None
+    pieces: list[np.ndarray] = []
+    mm = session.mm
+    pos = length = pending = 0
+    for number, turn in enumerate(turns):
+        n = pending + turn.text
+        if n:
+            assert text is not None
+            pieces.append(text[pos : pos + n])
+            pos += n
+            length += n
+        for ident, k in turn.images:
+            mm.append(MMOccurrence(ident, length, k))
+            pieces.append(np.full(k, IMAGE_TOKEN, dtype=np.int64))
+            length += k
+        pending = turn.output
+        out.append((turn.arrival_ms, sid, session, number, length, len(mm)))
+    session.tokens.frombytes(np.concatenate(pieces).tobytes())
+
+
+def _from_trace(cfg: WorkloadConfig, budget: Budget | None) -> list[SimRequest]:
+    """The trace's turns (schema above), sorted by arrival; the first cfg.requests of them.
+
+    Two passes, both linear: every line is parsed and checked (and its memory counted against
+    `budget`) before anything is built; then each session is built whole, one at a time. The
+    cyclic GC is paused meanwhile: the loader makes no cycles, and the collections its ~10
+    objects a line set off would take a third of the time (benchmarks/test_bench_sim.py)."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _load_trace(cfg, budget)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _load_trace(cfg: WorkloadConfig, budget: Budget | None) -> list[SimRequest]:
+    path = Path(cfg.trace_path or "")
+    sessions: dict[str, int] = {}
+    last_arrival: list[float] = []
+    session_tokens: list[int] = []
+    turns: list[_Turn] = []
+    needed = 0.0
+    for lineno, line in _read_lines(path):
         if not line.strip():
             continue
+        where = f"{path}:{lineno}"
         try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                fail_type("record", "an object", rec)
-            name = str(rec["session"])
-            arrival = check_float("arrival_s", rec["arrival_s"]) * 1000.0
-            text = check_int("text_tokens", rec.get("text_tokens", 0), 0)
-            images = rec.get("images", [])
-            output = check_int("output_tokens", rec.get("output_tokens", 0), 0)
-            if not isinstance(images, list):
-                fail_type("images", "a list", images)
-        except (KeyError, ValueError) as exc:  # JSONDecodeError is a ValueError
-            raise InvalidArgument(
-                f"{path}:{lineno}: bad trace record ({exc}): {line[:120]}"
-            ) from None
-        builder = sessions.get(name)
-        if builder is None:
-            builder = sessions[name] = _SessionBuilder(
-                len(sessions), random.Random(f"trace-{name}")
-            )
-        builder.text(pending_output.pop(name, 0))
-        builder.text(text)
-        for img in images:
             try:
-                if not isinstance(img, dict):
-                    fail_type("image", "an object", img)
-                ident, n = str(img["id"]), check_int("tokens", img["tokens"])
-            except (KeyError, ValueError) as exc:
-                raise InvalidArgument(f"{path}:{lineno}: bad image ({exc}): {img!r}") from None
-            if not ident or n < 1:
-                raise InvalidArgument(
-                    f"{path}:{lineno}: image needs an id and tokens >= 1: {img!r}"
+                rec = json.loads(line)
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+                reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+                raise InvalidArgument(f"record: invalid JSON ({reason})") from None
+            turn = _parse(rec, lineno, sessions, last_arrival)
+        except InvalidArgument as exc:
+            raise _field_error(where, exc) from None
+        if turn.sid == len(session_tokens):
+            session_tokens.append(0)
+        # the previous turn's output is resent with this one; tokens so far in the session
+        tokens = turn.text + sum(n for _, n in turn.images)
+        before = session_tokens[turn.sid]
+        session_tokens[turn.sid] = before + tokens + turn.output
+        if before + tokens == 0:
+            raise _TraceError(f"{where}: text_tokens: a turn with no tokens (nor any before it)")
+        if budget is not None:
+            needed += (
+                budget.per_request
+                + budget.per_token * (tokens + turn.output)
+                + budget.per_occurrence * len(turn.images)
+                + (budget.per_session if before == 0 else 0)
+            )
+            if needed > budget.available:
+                sizes = [("text_tokens", turn.text), ("output_tokens", turn.output)]
+                sizes += [(f"images[{i}].tokens", n) for i, (_, n) in enumerate(turn.images)]
+                field = max(sizes, key=lambda s: s[1])[0]
+                raise _TraceError(
+                    f"{where}: {field}: the trace up to this line needs about "
+                    f"{fmt_bytes(needed)} of memory, more than the {fmt_bytes(budget.available)} "
+                    "left for it"
                 )
-            builder.image(ident, n)
-        session = builder.session
-        if not session.tokens:
-            raise InvalidArgument(f"{path}:{lineno}: a turn with no tokens")
-        pending_output[name] = output
-        turn = turns_so_far.get(name, 0)
-        turns_so_far[name] = turn + 1
-        out.append((arrival, session.sid, session, turn, len(session.tokens), len(session.mm)))
+        turns.append(turn)
+    if not turns:
+        raise _TraceError(f"{path}: trace file: holds no turns")
+    by_session: list[list[_Turn]] = [[] for _ in sessions]
+    for turn in turns:
+        by_session[turn.sid].append(turn)
+    out: list[tuple[float, int, Session, int, int, int]] = []
+    for name, sid in sessions.items():
+        _build_session(sid, random.Random(f"trace-{name}"), by_session[sid], out)
     out.sort(key=lambda x: (x[0], x[1], x[3]))
-    if not out:
-        raise InvalidArgument(f"{path}: empty trace")
     out = out[: cfg.requests]
     return [SimRequest(i, s, turn, t, n, k) for i, (t, _, s, turn, n, k) in enumerate(out)]
