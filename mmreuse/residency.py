@@ -13,7 +13,7 @@ answers "how many leading blocks of this request are resident?" with a proof.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +24,109 @@ from torch import Tensor
 from . import ops
 from ._table import HashTable
 from .blockhash import EventBlockId, ExternalBlockHash, to_event_id, to_event_ids
+from .errors import InvalidArgument, InvalidArgumentType
 from .kvview import PrefixMatch
-from .validate import check_int, fail_type
+from .validate import check_int, fail_type, fail_value, show
 
 BlockHashKey = EventBlockId  # the 64-bit event id form; bytes are converted with to_event_id
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT_DTYPES = frozenset(
+    {
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    }
+)
+_IDS_EXPECTED = "a sequence of ints, or a 1-D integer tensor or array"
+
 
 def _check_num_blocks(num_blocks: Any) -> int:
-    return check_int("num_blocks", num_blocks, lo=1)
+    return check_int("num_blocks", num_blocks, 1, _INT64_MAX)
+
+
+def _check_device(device: Any) -> torch.device:
+    """A cpu or cuda torch.device that exists here (a str or torch.device)."""
+    if not isinstance(device, (str, torch.device)):
+        fail_type("device", "a str or torch.device", device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        fail_value("device", "a device name such as 'cpu' or 'cuda:0'", device)
+    if dev.type not in ("cpu", "cuda"):
+        fail_value("device", "cpu or cuda", device)
+    if dev.type == "cuda" and (
+        not torch.cuda.is_available()
+        or (dev.index is not None and dev.index >= torch.cuda.device_count())
+    ):
+        fail_value("device", "a CUDA device present on this machine", device)
+    return dev
+
+
+def _out_of_range(field: str, i: int, value: int, num_blocks: int | None) -> InvalidArgument:
+    if num_blocks is None:
+        return InvalidArgument(f"{field}[{i}] must be a 64-bit int, got {value}")
+    return InvalidArgument(f"{field}[{i}] = {value} is out of range [0, {num_blocks})")
+
+
+def _one_id(field: str, i: int, value: Any, num_blocks: int | None) -> int:
+    if isinstance(value, Tensor) and (value.dim() != 0 or value.dtype not in _INT_DTYPES):
+        fail_type(f"{field}[{i}]", "an int", value)  # a bool tensor has __index__ too
+    x = check_int(f"{field}[{i}]", value)
+    if (num_blocks is not None and not 0 <= x < num_blocks) or not _INT64_MIN <= x <= _INT64_MAX:
+        raise _out_of_range(field, i, x, num_blocks)
+    return x
+
+
+def _id_tensor(value: Any, field: str, num_blocks: int | None) -> Tensor:
+    """`value` as a 1-D int64 tensor: a tensor stays on its device, the rest land on the CPU.
+
+    Refuses (naming `field`) what is not a sequence of ints or a 1-D integer tensor/array:
+    bools, floats, complex, sets, generators, 2-D. Python ints outside int64 (and uint64
+    values >= 2**63) are refused with their real value; with `num_blocks`, every non-int64
+    or non-plain-int input is range-checked here too (plain int64 ids by the ops)."""
+    if isinstance(value, Tensor):
+        if value.dtype not in _INT_DTYPES:
+            raise InvalidArgumentType(
+                f"{field} must be an integer tensor, got dtype {value.dtype}: {show(value)}"
+            )
+        if value.dim() != 1:
+            raise InvalidArgument(f"{field} must be 1-D, got shape {tuple(value.shape)}")
+        if value.device.type not in ("cpu", "cuda"):
+            fail_value(f"{field}.device", "cpu or cuda", value.device)
+        if value.dtype != torch.uint64:
+            return value.to(torch.int64)
+        ids = value.view(torch.int64)  # the same bits; values >= 2**63 read negative
+        wrapped = (ids < 0).nonzero()
+        if wrapped.numel():
+            i = int(wrapped[0, 0])
+            raise _out_of_range(field, i, int(ids[i]) + (1 << 64), num_blocks)
+        return ids
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise InvalidArgumentType(
+                f"{field} must be an integer array, got dtype {value.dtype}: {show(value)}"
+            )
+        if value.ndim != 1:
+            raise InvalidArgument(f"{field} must be 1-D, got shape {value.shape}")
+        if value.dtype == np.uint64 and value.size and value.max() > _INT64_MAX:
+            i = int(np.argmax(value > _INT64_MAX))
+            raise _out_of_range(field, i, int(value[i]), num_blocks)
+        return torch.from_numpy(np.ascontiguousarray(value, dtype=np.int64))
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Sequence):
+        fail_type(field, _IDS_EXPECTED, value)  # a set or dict has no order, a str is no ids
+    if all(type(v) is int for v in value):  # the common case: numpy converts and range-fits
+        try:
+            return torch.from_numpy(np.array(value, dtype=np.int64))
+        except OverflowError:
+            pass  # outside int64: reported with its index below
+    checked = [_one_id(field, i, v, num_blocks) for i, v in enumerate(value)]
+    return torch.from_numpy(np.array(checked, dtype=np.int64))
 
 
 class ResidencySnapshot:
@@ -71,63 +166,69 @@ class ResidencySnapshot:
 
     def is_resident(self, block_ids: Sequence[int] | Tensor) -> np.ndarray:
         """Host-side residency test against this snapshot (bool array)."""
-        ids = np.asarray(block_ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
-            bad = int(ids[(ids < 0) | (ids >= self.num_blocks)][0])
-            raise ValueError(f"block id {bad} is out of range [0, {self.num_blocks})")
+        ids = _id_tensor(block_ids, "block_ids", self.num_blocks).cpu().numpy()
+        _check_range(ids, self.num_blocks)
         words = self.bitmap.numpy().view(np.uint32)
         return ((words[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).astype(bool)
 
 
+def _check_range(ids: np.ndarray | Tensor, num_blocks: int) -> None:
+    """Every int64 id in [0, num_blocks), else InvalidArgument naming the first one out."""
+    bad = (ids < 0) | (ids >= num_blocks)
+    if isinstance(bad, np.ndarray):
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise _out_of_range("block_ids", i, int(ids[i]), num_blocks)
+    elif bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise _out_of_range("block_ids", i, int(ids[i]), num_blocks)
+
+
 class ResidencyMap:
-    """Residency bits and generations of `num_blocks` KV blocks on `device`."""
+    """Residency bits and generations of `num_blocks` KV blocks on `device`.
+
+    Block ids (and a proof's generations) are a sequence of ints or a 1-D integer tensor or
+    numpy array; anything else (bools, floats, complex, sets, 2-D, ints outside int64) raises
+    InvalidArgument / InvalidArgumentType naming the field and showing the value."""
 
     def __init__(self, num_blocks: int, device: str | torch.device = "cpu") -> None:
         self.num_blocks = _check_num_blocks(num_blocks)
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        self.device = _check_device(device)
         self.bitmap = torch.zeros((num_blocks + 31) // 32, dtype=torch.int32, device=self.device)
         self.generations = torch.zeros(num_blocks, dtype=torch.int64, device=self.device)
 
-    def _ids(self, block_ids: Iterable[int] | Tensor) -> Tensor:
-        if isinstance(block_ids, Tensor):
-            if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
-                raise ValueError(f"block_ids must be integers, got dtype {block_ids.dtype}")
-            return block_ids.reshape(-1).to(device=self.device, dtype=torch.int64)
-        if isinstance(block_ids, (str, bytes)):
-            raise ValueError(f"block_ids must be ints, got {block_ids!r}")
-        ids = np.asarray(list(block_ids) if not isinstance(block_ids, np.ndarray) else block_ids)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise ValueError(f"block_ids must be ints, got {ids.dtype} values")
-        return torch.from_numpy(ids.astype(np.int64, copy=False).reshape(-1)).to(self.device)
+    def _ids(self, block_ids: Any, field: str = "block_ids") -> Tensor:
+        return _id_tensor(block_ids, field, self.num_blocks).to(self.device)
 
     def _call(self, fn, *args):
         try:
             return fn(*args)
-        except IndexError as exc:  # the op's bounds error, named for the caller
-            raise ValueError(str(exc).splitlines()[0]) from None
+        except IndexError as exc:  # the op's bounds error ("op: block_ids[3] = ..."), field first
+            msg = str(exc).splitlines()[0]
+            raise InvalidArgument(msg.split(": ", 1)[-1]) from None
 
-    def mark_resident(self, block_ids: Iterable[int] | Tensor) -> None:
+    def _mark(self, ids: Tensor) -> None:
+        self._call(ops.residency_mark, self.bitmap, ids, self.num_blocks)
+
+    def _evict(self, ids: Tensor) -> None:
+        self._call(ops.residency_evict, self.bitmap, self.generations, ids)
+
+    def mark_resident(self, block_ids: Sequence[int] | Tensor) -> None:
         """Mark blocks as holding valid KV (after the work that wrote or loaded it)."""
-        self._call(ops.residency_mark, self.bitmap, self._ids(block_ids), self.num_blocks)
+        self._mark(self._ids(block_ids))
 
-    def evict(self, block_ids: Iterable[int] | Tensor) -> None:
+    def evict(self, block_ids: Sequence[int] | Tensor) -> None:
         """Mark blocks as free and bump their generations: older proofs over them fail."""
-        self._call(ops.residency_evict, self.bitmap, self.generations, self._ids(block_ids))
+        self._evict(self._ids(block_ids))
 
-    def is_resident(self, block_ids: Iterable[int] | Tensor) -> Tensor:
+    def is_resident(self, block_ids: Sequence[int] | Tensor) -> Tensor:
         """Bool tensor (on the map's device)."""
         return self._call(ops.residency_test, self.bitmap, self._ids(block_ids), self.num_blocks)
 
-    def generation(self, block_ids: Iterable[int] | Tensor) -> Tensor:
+    def generation(self, block_ids: Sequence[int] | Tensor) -> Tensor:
         """int64 tensor of the blocks' generations."""
         ids = self._ids(block_ids)
-        if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.num_blocks:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"block id {bad} is out of range [0, {self.num_blocks})")
+        _check_range(ids, self.num_blocks)
         return self.generations.index_select(0, ids)
 
     def count(self) -> int:
@@ -145,9 +246,9 @@ class ResidencyMap:
     ) -> bool:
         """Whether every block is still resident with the given generation."""
         ids = self._ids(block_ids)
-        expected = self._ids(generations)
+        expected = _id_tensor(generations, "generations", None).to(self.device)
         if expected.shape != ids.shape:
-            raise ValueError(
+            raise InvalidArgument(
                 f"generations has {expected.numel()} entries for {ids.numel()} block ids"
             )
         ok = self._call(ops.residency_validate, self.bitmap, self.generations, ids, expected)
@@ -217,8 +318,15 @@ class BlockIndex:
         """Number of distinct hashes indexed."""
         return len(self._block_of)
 
-    def _check_blocks(self, block_ids: Sequence[int]) -> list[int]:
-        """`_check_block` for a batch: one pass when all are in-range ints."""
+    def _check_blocks(self, block_ids: Sequence[int], field: str = "block_ids") -> list[int]:
+        """`_check_block` for a batch (a sequence: ids pair with hashes by position): one pass
+        when all are in-range ints."""
+        if isinstance(block_ids, Tensor | np.ndarray):
+            return _id_tensor(block_ids, field, self.num_blocks).tolist()  # refuses 2-D, floats
+        if isinstance(block_ids, (str, bytes, bytearray, memoryview)) or not isinstance(
+            block_ids, Sequence
+        ):
+            fail_type(field, "a sequence of block ids", block_ids)
         blocks = list(block_ids)
         if (
             blocks
@@ -227,12 +335,22 @@ class BlockIndex:
             and max(blocks) < self.residency.num_blocks
         ):
             return blocks
-        return [self._check_block(b) for b in blocks]
+        return [self._check_block(b, f"{field}[{i}]") for i, b in enumerate(blocks)]
 
-    def _check_block(self, block_id: Any) -> int:
+    def _check_block(self, block_id: Any, field: str = "block_id") -> int:
         if type(block_id) is int and 0 <= block_id < self.residency.num_blocks:
             return block_id  # the common case, without the checks below
-        return check_int("block_id", block_id, 0, self.num_blocks - 1)
+        return check_int(field, block_id, 0, self.num_blocks - 1)
+
+    def _mark_resident(self, blocks: list[int]) -> None:
+        """ResidencyMap.mark_resident for ids `_check_blocks` already accepted."""
+        res = self.residency
+        res._mark(torch.from_numpy(np.array(blocks, dtype=np.int64)).to(res.device))
+
+    def _evict(self, blocks: list[int]) -> None:
+        """ResidencyMap.evict for ids `_check_blocks` already accepted."""
+        res = self.residency
+        res._evict(torch.from_numpy(np.array(blocks, dtype=np.int64)).to(res.device))
 
     def store(self, block_hash: ExternalBlockHash, block_id: int) -> None:
         """Block `block_id` now holds the KV of `block_hash` (vLLM's BlockStored)."""
@@ -243,15 +361,23 @@ class BlockIndex:
     ) -> None:
         """`store` for a batch, with one residency update (blocks that held other content are
         evicted first, so their generations change)."""
+        if isinstance(block_hashes, (str, bytes, bytearray, memoryview)) or not isinstance(
+            block_hashes, Sequence
+        ):  # they pair with block_ids by position: a set or generator has no order
+            fail_type("block_hashes", "a sequence of block hashes", block_hashes)
         keys = to_event_ids(block_hashes)
         blocks = self._check_blocks(block_ids)
         if len(keys) != len(blocks):
-            raise ValueError(f"{len(keys)} block_hashes for {len(blocks)} block_ids")
+            raise InvalidArgument(
+                f"block_ids has {len(blocks)} entries for {len(keys)} block_hashes"
+            )
         self._store(keys, blocks)
 
     def _store(self, keys: list[BlockHashKey], blocks: list[int]) -> None:
         if len(set(blocks)) != len(blocks):
-            raise ValueError("block_ids must be distinct within one store_many call")
+            raise InvalidArgument(
+                f"block_ids must be distinct within one store_many call, got {show(blocks)}"
+            )
         stale = [b for b, k in zip(blocks, keys, strict=True) if self._hash_in[b] not in (None, k)]
         if stale:
             self.evict_blocks(stale)
@@ -268,18 +394,18 @@ class BlockIndex:
                 self._holders.setdefault(key, {current}).add(block_id)
         self._sync_table(touched)
         if blocks:
-            self.residency.mark_resident(blocks)
+            self._mark_resident(blocks)
 
     def evict_block(self, block_id: int) -> None:
         """Block `block_id` no longer holds its KV (vLLM's BlockRemoved); its generation changes."""
-        self.evict_blocks([block_id])
+        self.evict_blocks([self._check_block(block_id)])
 
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """`evict_block` for a batch, with one residency update."""
         blocks = self._check_blocks(block_ids)
         if not blocks:
             return
-        self.residency.evict(blocks)
+        self._evict(blocks)
         touched = []
         for block_id in blocks:
             key = self._hash_in[block_id]
@@ -303,7 +429,7 @@ class BlockIndex:
         """Forget every block (vLLM's AllBlocksCleared); every generation changes."""
         held = [b for b, k in enumerate(self._hash_in) if k is not None]
         if held:
-            self.residency.evict(held)
+            self._evict(held)
         self._block_of.clear()
         self._holders.clear()
         self._hash_in = [None] * self.num_blocks
@@ -312,6 +438,23 @@ class BlockIndex:
     def block_id(self, block_hash: ExternalBlockHash) -> int | None:
         """The block holding `block_hash`, if any."""
         return self._block_of.get(to_event_id(block_hash))
+
+    def block_of_event_id(self, key: EventBlockId) -> int | None:
+        """The block holding the hash whose event id is `key`, if any: `block_id` for a value
+        already converted by `mmreuse.blockhash.to_event_id`, so not checked again (for hot
+        loops; any other value finds nothing)."""
+        return self._block_of.get(key)
+
+    def maps(self) -> tuple[Mapping[EventBlockId, int], Sequence[EventBlockId | None]]:
+        """The live event id -> block and block -> event id maps, read-only (not copies: for
+        loops that read them per block, where `block_id` / `hash_of` calls cost ~5 %)."""
+        return self._block_of, self._hash_in
+
+    def hash_of(self, block_id: int) -> EventBlockId | None:
+        """The event id of the hash block `block_id` holds, None when it holds none."""
+        if type(block_id) is int and 0 <= block_id < self.residency.num_blocks:
+            return self._hash_in[block_id]  # the common case, inlined (hot in the simulator)
+        return self._hash_in[self._check_block(block_id)]
 
     def lookup_prefix(self, block_hashes: Sequence[ExternalBlockHash]) -> tuple[int, CoverageProof]:
         """The leading run of `block_hashes` present and resident, with its proof. Every hash
@@ -338,5 +481,5 @@ class BlockIndex:
     def validate(self, proof: CoverageProof) -> bool:
         """Whether every block of `proof` still holds the same content (resident, same generation)."""
         if not isinstance(proof, CoverageProof):
-            raise ValueError(f"proof must be a CoverageProof, got {type(proof).__name__}")
+            fail_type("proof", "a CoverageProof", proof)
         return self.residency.validate(proof.block_ids, proof.generations)

@@ -173,3 +173,21 @@ def test_negative_ids_are_refused_by_remote_index_everywhere():
     with pytest.raises(InvalidArgument, match="event id"):
         idx.apply(batch(stored([-5])))
     assert idx.size() == 1 and idx.longest_prefix([2**64 - 5]) == 1
+
+
+@given(st.lists(HASHES, max_size=6), st.sampled_from([list, tuple]))
+def test_c_event_ids_match_python_one_by_one(hashes, kind):
+    """to_event_ids (one C call for a list or tuple) = to_event_id of each, or the first refusal
+    with its index, exactly as the generic Python loop reports it."""
+    expected: object = ("ok", [])
+    out = []
+    for i, h in enumerate(hashes):
+        one = _python(h)
+        if one[0] != "ok":
+            expected = (one[0], one[1].replace("block_hash ", f"block_hashes[{i}] ", 1))
+            break
+        out.append(one[1])
+    else:
+        expected = ("ok", out)
+    assert _c(lambda x: to_event_ids(kind(x)), hashes) == expected
+    assert _c(lambda x: to_event_ids(iter(x)), hashes) == expected  # the generic path

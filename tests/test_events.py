@@ -12,6 +12,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
+from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -463,3 +464,61 @@ def test_index_apply_refuses_negative_ids_and_changes_nothing():
         with pytest.raises(InvalidArgument, match="event id"):
             idx.apply(batch(BlockRemoved(block_hashes=[5, bad], medium="GPU")))
     assert idx.size() == 1 and idx.contains(5) and not idx.contains(6)
+
+
+# ---- hostile input to RemoteKVIndex (issue #11) -------------------------------------------
+
+
+def test_index_bounds_media_and_refuses_the_whole_batch():
+    idx = RemoteKVIndex(max_media=2)
+    assert idx.apply(batch(stored([1]), stored([2], "CPU"))) == 2
+    with pytest.raises(InvalidArgument, match=r"batch names 3 media, more than max_media=2"):
+        idx.apply(batch(stored([3]), stored([4], "DISK")))
+    assert not idx.contains(3) and idx.media() == ("CPU", "GPU")  # nothing applied
+    # AllBlocksCleared resets the count, within the same batch too
+    assert idx.apply(batch(AllBlocksCleared(), stored([5], "A"), stored([6], "B"))) == 3
+    assert idx.media() == ("A", "B")
+    with pytest.raises(InvalidArgument, match=r"batch.events\[1\].medium must be at most 64"):
+        idx.apply(batch(AllBlocksCleared(), stored([7], "x" * 65)))
+    assert idx.media() == ("A", "B")
+    idx.clear()  # a reset frees the media
+    idx.apply(batch(stored([8], "C"), stored([9], "D")))
+    assert idx.media() == ("C", "D")
+
+
+@pytest.mark.parametrize(
+    "events,match",
+    [
+        ([stored([1], 5)], r"batch.events\[0\].medium must be a str or None, got int 5"),
+        ([BlockRemoved(block_hashes=[1], medium=[1])], r"batch.events\[0\].medium"),
+        ([stored([1]), 3], r"batch.events\[1\] must be a BlockStored, BlockRemoved or"),
+        ("ab", r"batch.events must be a list"),
+    ],
+)
+def test_index_refuses_malformed_events(events, match):
+    idx = RemoteKVIndex()
+    with pytest.raises(InvalidArgumentType, match=match):
+        idx.apply(KVEventBatch(ts=1.0, events=events))
+    assert idx.size() == 0 and idx.media() == ()
+
+
+@pytest.mark.parametrize("bad", [0, True, 2.0, "8", None])
+def test_index_bad_max_media(bad):
+    with pytest.raises(ValueError, match="max_media"):
+        RemoteKVIndex(max_media=bad)
+
+
+def test_index_medium_arguments_are_strs():
+    idx = RemoteKVIndex()
+    for call in (
+        lambda: idx.size(3),
+        lambda: idx.contains(1, 3),
+        lambda: idx.longest_prefix([1], 3),
+    ):
+        with pytest.raises(InvalidArgumentType, match="medium must be a str"):
+            call()
+
+
+def test_subscriber_passes_its_max_media_to_the_index_it_makes(ctx):
+    sub = KVEventSubscriber("tcp://127.0.0.1:1", max_media=12, context=ctx)
+    assert sub.index.max_media == 12

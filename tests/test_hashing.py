@@ -1,15 +1,18 @@
 """BlockHasher: seeds, event ids, incremental form, fast path == reference, bad input."""
 
+import array
 import hashlib
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mmreuse import BlockHasher, MMOccurrence, to_event_id
+from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.hashing import DEFAULT_NONE_HASH_SEED, HASH_FUNCTIONS, fast_path_available, get_hash_fn
 
 from .strategies import cases
@@ -346,3 +349,87 @@ def test_rejected_append_leaves_the_request_unchanged(fast):
         assert req.num_tokens == 3 and req.block_hashes == []
     assert req.append_output_token_ids([4, 5]) == h.hash_prompt([1, 2, 3, 4, 5])
     assert req.num_tokens == 5
+
+
+# ---- hostile input (issue #11) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize(
+    "tokens",
+    [{1, 2, 3, 4}, {1: 1, 2: 2}, bytearray(b"\x01\x02"), memoryview(b"\x01\x02"), torch.tensor(3)],
+    ids=["set", "dict", "bytearray", "memoryview", "0-d tensor"],
+)
+def test_token_non_sequences_are_refused(fast, tokens):
+    h = BlockHasher("sha256", 2, use_fast_path=fast)
+    for call in (
+        h.hash_prompt,
+        lambda t: h.request(t),
+        lambda t: h.request([]).append_output_token_ids(t),
+    ):
+        with pytest.raises(
+            InvalidArgumentType,
+            match=r"^tokens must be (a sequence of ints|an int token id or a sequence of them)",
+        ):
+            call(tokens)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_token_sequences_accepted_today_still_are(fast):
+    h = BlockHasher("sha256", 2, use_fast_path=fast)
+    want = h.hash_prompt([1, 2, 3, 4])
+    for tokens in ((1, 2, 3, 4), range(1, 5), np.array([1, 2, 3, 4]), torch.tensor([1, 2, 3, 4])):
+        assert h.hash_prompt(tokens) == want == h.request(tokens).block_hashes
+    assert h.hash_prompt(array.array("q", [1, 2, 3, 4])) == want
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("scalar", [np.int64(3), torch.tensor(3), True, 3.0])
+def test_appending_a_non_int_scalar_names_it(fast, scalar):
+    req = BlockHasher("sha256", 2, use_fast_path=fast).request([1])
+    with pytest.raises(InvalidArgumentType, match=r"^tokens must be an int token id or a sequence"):
+        req.append_output_token_ids(scalar)
+    assert req.num_tokens == 1
+    assert req.append_output_token_ids(3) != [] and req.num_tokens == 2
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bad_token_element_is_named_by_index_and_value(fast):
+    h = BlockHasher("sha256", 2, use_fast_path=fast)
+    for tokens, match in (
+        ([1, 2, np.int64(3)], r"^tokens\[2\] must be an int token id, got \S*int64"),
+        ((1, True), r"^tokens\[1\] must be an int token id, got bool True"),
+        (np.array([1.0, 2.0]), r"^tokens\[0\] must be an int token id, got float 1.0"),
+    ):
+        with pytest.raises(InvalidArgumentType, match=match):
+            h.hash_prompt(tokens)
+
+
+LONE = "a\ud800b"
+
+
+@pytest.mark.parametrize("fn", ["sha256_cbor", "xxhash_cbor"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_strs_cbor_cannot_encode_raise_naming_the_field(fn, fast):
+    with pytest.raises(InvalidArgument, match=r"^seed must be encodable as UTF-8.*index 1"):
+        BlockHasher(fn, 2, seed=LONE, use_fast_path=fast)
+    h = BlockHasher(fn, 2, seed="0", use_fast_path=fast)
+    for kwargs, field in (
+        ({"cache_salt": LONE}, "cache_salt"),
+        ({"lora_name": LONE, "lora_path": "/p"}, "lora_name"),
+        ({"lora_name": "n", "lora_path": LONE}, "lora_path"),
+        ({"mm": [MMOccurrence(LONE, 0, 2)]}, r"mm\[0\].identifier"),
+    ):
+        for call in (h.hash_prompt, h.request, h.block_extra_keys):
+            with pytest.raises(InvalidArgument, match=f"^{field} must be encodable as UTF-8"):
+                call([1, 2, 3, 4], **kwargs)
+
+
+def test_pickle_hashes_lone_surrogates_as_vllm_would():
+    # pickle writes str with surrogatepass: these hash (fast path == reference), as before
+    for fast in (True, False):
+        h = BlockHasher("sha256", 2, seed=LONE, use_fast_path=fast)
+        got = h.hash_prompt([1, 2], cache_salt=LONE, mm=[MMOccurrence(LONE, 0, 2)])
+        assert got == BlockHasher("sha256", 2, seed=LONE, use_fast_path=False).hash_prompt(
+            [1, 2], cache_salt=LONE, mm=[MMOccurrence(LONE, 0, 2)]
+        )

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mmreuse import Klass, MMOccurrence
+from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.integrations.vllm import (
     availability_from_engine,
     demand_for_request,
@@ -76,3 +77,65 @@ def test_adapter_on_real_vllm_objects():
     assert got["p_local_reuse"] == ["B", "F"]
     assert got["p_local"] == {"B": 10, "F": 6} and got["freeable"] == ["F"]
     assert got["p_external"] == ["C"]
+
+
+# ---- hostile input (issue #11) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "manager",
+    [
+        {},
+        "encoder-cache",
+        object(),
+        types.SimpleNamespace(cached={}),  # no num_embeds_by_hash
+        types.SimpleNamespace(cached=["A"], num_embeds_by_hash={"A": 1}),
+    ],
+    ids=["dict", "str", "object", "no-counts", "cached-list"],
+)
+def test_a_wrong_encoder_cache_manager_is_not_read_as_empty(manager):
+    with pytest.raises(InvalidArgumentType, match=r"^encoder_cache_manager must be vLLM's"):
+        availability_from_engine(manager)
+    req = types.SimpleNamespace(mm_features=[feature("A", 0, 4)], num_tokens=8)
+    with pytest.raises(InvalidArgumentType, match=r"^encoder_cache_manager"):
+        demand_for_request(req, 0, encoder_cache_manager=manager)
+
+
+def test_encoder_cache_contents_are_checked():
+    for counts, cls, match in (
+        ({}, InvalidArgument, r"num_embeds_by_hash\['A'\] is missing"),
+        ({"A": "3"}, InvalidArgumentType, r"num_embeds_by_hash\['A'\] must be an int, got str"),
+        ({"A": 0}, InvalidArgument, r"num_embeds_by_hash\['A'\] must be >= 1, got 0"),
+    ):
+        mgr = types.SimpleNamespace(cached={"A": set()}, num_embeds_by_hash=counts)
+        with pytest.raises(cls, match="^encoder_cache_manager." + match):
+            availability_from_engine(mgr)
+
+
+def test_encoder_decoder_cache_manager_keeps_no_reusable_cache():
+    class EncoderCacheManager:
+        pass
+
+    class EncoderDecoderCacheManager(EncoderCacheManager):  # vLLM's: no `cached` at all
+        def __init__(self):
+            self.cache_size = 8
+
+    assert availability_from_engine(EncoderDecoderCacheManager()).p_local == {}
+
+
+@pytest.mark.parametrize("answer", [1, 0, "yes", None, [True]])
+def test_a_non_bool_has_cache_item_is_not_trusted(answer):
+    conn = types.SimpleNamespace(has_cache_item=lambda ident: answer)
+    with pytest.raises(
+        InvalidArgumentType, match=r"^ec_connector.has_cache_item\('img-1'\) must be a bool, got "
+    ):
+        availability_from_engine(None, conn, ["img-1"])
+
+
+def test_identifiers_are_strs():
+    conn = types.SimpleNamespace(has_cache_item=lambda ident: True)
+    with pytest.raises(InvalidArgumentType, match=r"^identifiers\[1\] must be a str, got int 7"):
+        availability_from_engine(None, conn, ["a", 7])
+    with pytest.raises(InvalidArgumentType, match=r"^identifiers must be an iterable"):
+        availability_from_engine(None, conn, 7)
+    assert availability_from_engine(None, conn, (i for i in ["a"])).p_external == {"a"}

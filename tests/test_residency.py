@@ -2,12 +2,14 @@
 
 import hashlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.hashing import to_event_id
 from mmreuse.residency import BlockIndex, CoverageProof, ResidencyMap
 
@@ -268,3 +270,158 @@ def test_block_index_validates_every_hash():
     with pytest.raises(InvalidArgument, match=r"block_hashes\[1\]"):
         idx.store_many([2, -3], [1, 2])
     assert len(idx) == 1 and idx.block_id(bytearray(b"\x00" * 7 + b"\x01")) == 0
+
+
+# ---- hostile input (issue #11) -----------------------------------------------------------
+
+NOT_IDS = [
+    ([1, True], InvalidArgumentType, r"\[1\] must be an int, got bool True"),
+    ([1, np.bool_(True)], InvalidArgumentType, r"\[1\] must be an int"),
+    ([torch.tensor(True)], InvalidArgumentType, r"\[0\] must be an int"),
+    (
+        torch.tensor([1 + 0j]),
+        InvalidArgumentType,
+        " must be an integer tensor, got dtype torch.complex64",
+    ),
+    (torch.tensor([True]), InvalidArgumentType, " must be an integer tensor, got dtype torch.bool"),
+    (torch.tensor([[1, 2], [3, 4]]), InvalidArgument, r" must be 1-D, got shape \(2, 2\)"),
+    (torch.tensor(3), InvalidArgument, r" must be 1-D, got shape \(\)"),
+    (np.array([[1, 2]]), InvalidArgument, r" must be 1-D, got shape \(1, 2\)"),
+    (np.array([1.0]), InvalidArgumentType, " must be an integer array, got dtype float64"),
+    ({1, 2}, InvalidArgumentType, " must be a sequence of ints"),
+    ({1: 2}, InvalidArgumentType, " must be a sequence of ints"),
+    ((i for i in [1]), InvalidArgumentType, " must be a sequence of ints"),
+    (bytearray(b"\x01"), InvalidArgumentType, " must be a sequence of ints"),
+    (np.int64(3), InvalidArgumentType, " must be a sequence of ints"),
+    (3, InvalidArgumentType, " must be a sequence of ints"),
+    (None, InvalidArgumentType, " must be a sequence of ints"),
+    ([float("nan")], InvalidArgumentType, r"\[0\] must be an int, got float nan"),
+]
+
+
+@pytest.mark.parametrize("bad,cls,match", NOT_IDS)
+def test_residency_map_refuses_what_is_not_block_ids(bad, cls, match):
+    r = ResidencyMap(64)
+    calls = (r.mark_resident, r.evict, r.is_resident, r.generation, r.longest_prefix)
+    for call in (*calls, lambda ids: r.validate(ids, [0]), r.snapshot().is_resident):
+        if isinstance(bad, type(i for i in [])):
+            bad = (i for i in [1])  # a fresh generator each time
+        with pytest.raises(cls, match="^block_ids" + match):
+            call(bad)
+    assert r.count() == 0 and r.generations.sum().item() == 0
+
+
+@pytest.mark.parametrize("bad,cls,match", NOT_IDS)
+def test_residency_map_validate_names_generations(bad, cls, match):
+    r = ResidencyMap(64)
+    with pytest.raises(cls, match="^generations" + match):
+        r.validate([1], bad)
+
+
+@pytest.mark.parametrize(
+    "ids,shown",
+    [
+        ([2**63], 2**63),
+        ([1, 2**64 + 1], 2**64 + 1),
+        (np.array([2**63 + 5], dtype=np.uint64), 2**63 + 5),
+        (torch.tensor([1, 2**63 + 5], dtype=torch.uint64), 2**63 + 5),
+        ([np.uint64(2**63)], 2**63),
+    ],
+)
+def test_ids_beyond_int64_are_shown_with_their_real_value(ids, shown):
+    r = ResidencyMap(64)
+    for call in (r.mark_resident, r.evict, r.is_resident, r.generation, r.longest_prefix):
+        with pytest.raises(InvalidArgument, match=rf"^block_ids\[\d\] = {shown} is out of range"):
+            call(ids)
+    with pytest.raises(
+        InvalidArgument, match=rf"^generations\[\d\] must be a 64-bit int, got {shown}"
+    ):
+        r.validate([1] * len(ids), ids)
+    assert r.count() == 0
+
+
+def test_accepted_id_forms_are_kept():
+    r = ResidencyMap(64)
+    for ids in (
+        [1, 2],
+        (1, 2),
+        range(1, 3),
+        np.array([1, 2], dtype=np.uint8),
+        torch.tensor([1, 2]),
+    ):
+        assert r.is_resident(ids).tolist() == [False, False]
+    r.mark_resident([np.int64(1), np.int32(2), torch.tensor(3)])  # integer scalars, by value
+    assert r.count() == 3 and r.validate(np.array([1, 2]), torch.tensor([0, 0], dtype=torch.int32))
+    assert r.is_resident(np.arange(4)[::-1]).tolist() == [True, True, True, False]
+
+
+@pytest.mark.parametrize(
+    "device,cls,match",
+    [
+        (3, InvalidArgumentType, "device must be a str or torch.device, got int 3"),
+        (None, InvalidArgumentType, "device must be a str or torch.device"),
+        ("bogus", InvalidArgument, "device must be a device name"),
+        ("xla", InvalidArgument, "device must be cpu or cuda"),
+        pytest.param(
+            "cuda:0",
+            InvalidArgument,
+            "device must be a CUDA device present",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present"),
+        ),
+    ],
+)
+def test_residency_map_bad_device(device, cls, match):
+    with pytest.raises(cls, match=match):
+        ResidencyMap(8, device)
+    with pytest.raises(InvalidArgument, match="num_blocks"):
+        ResidencyMap(2**70)
+
+
+def test_block_index_hostile_block_ids():
+    idx = BlockIndex(8)
+    for bad, cls, match in [
+        ({1, 2}, InvalidArgumentType, "block_ids must be a sequence"),  # pairs by position
+        ("12", InvalidArgumentType, "block_ids must be a sequence"),
+        ([1, True], InvalidArgumentType, r"block_ids\[1\] must be an int, got bool True"),
+        (np.array([[1, 2]]), InvalidArgument, "block_ids must be 1-D"),
+        (torch.tensor([1.0, 2.0]), InvalidArgumentType, "block_ids must be an integer tensor"),
+        ([1, 1], InvalidArgument, r"block_ids must be distinct .* got \[1, 1\]"),
+    ]:
+        with pytest.raises(cls, match=match):
+            idx.store_many([h(1), h(2)], bad)
+    with pytest.raises(InvalidArgumentType, match="block_hashes must be a sequence"):
+        idx.store_many({h(1), h(2)}, [1, 2])
+    with pytest.raises(InvalidArgument, match=r"^block_ids has 2 entries for 1 block_hashes"):
+        idx.store_many([h(1)], [1, 2])
+    with pytest.raises(InvalidArgumentType, match=r"block_ids\[0\] must be an int"):
+        idx.evict_blocks(["1"])
+    with pytest.raises(InvalidArgumentType, match=r"^proof must be a CoverageProof, got dict"):
+        idx.validate({})
+    assert len(idx) == 0 and idx.residency.count() == 0
+    idx.store_many([h(1), h(2)], np.array([1, 2]))
+    idx.evict_blocks(torch.tensor([2]))
+    assert idx.block_id(h(1)) == 1 and idx.block_id(h(2)) is None
+
+
+def test_block_index_hash_of_and_block_of_event_id():
+    idx = BlockIndex(8)
+    idx.store(h(1), 3)
+    key = to_event_id(h(1))
+    assert idx.hash_of(3) == key and idx.hash_of(np.int64(3)) == key and idx.hash_of(4) is None
+    assert idx.block_of_event_id(key) == 3 and idx.block_of_event_id(key + 1) is None
+    for bad, cls in ((True, InvalidArgumentType), (-1, InvalidArgument), (8, InvalidArgument)):
+        with pytest.raises(cls, match=r"^block_id"):
+            idx.hash_of(bad)
+    idx.evict_block(3)
+    assert idx.hash_of(3) is None and idx.block_of_event_id(key) is None
+    with pytest.raises(InvalidArgumentType, match=r"^block_id must be an int"):
+        idx.evict_block([3])
+
+
+def test_maps_are_the_live_read_only_views():
+    idx = BlockIndex(8)
+    idx.store_many([b"\x00" * 24 + (5).to_bytes(8, "big"), 7], [3, 4])
+    block_of, hash_in = idx.maps()
+    assert dict(block_of) == {5: 3, 7: 4} and list(hash_in) == [None] * 3 + [5, 7] + [None] * 3
+    idx.evict_block(3)
+    assert 5 not in block_of and hash_in[3] is None  # live, not a copy

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from .._table import HashTable
 from ..blockhash import ExternalBlockHash, to_event_id, to_event_ids
+from ..errors import InvalidArgument
 from ..kvview import PrefixMatch
-from ..validate import check_str, fail_type
+from ..validate import check_int, check_str, fail_type, show
 from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+# Longest medium name accepted: vLLM's are "GPU", "CPU", connector names; each one becomes a
+# table here (and a Prometheus label value in the subscriber).
+MAX_MEDIUM_CHARS = 64
 
 
 class RemoteKVIndex:
@@ -25,11 +31,16 @@ class RemoteKVIndex:
     re-announced with BlockStored but never removed twice; such counts only ever over-report,
     which P's consume-time validation catches (a late fallback, never a wrong skip).
 
+    Bounded against a hostile publisher: each medium is a table, so at most `max_media`
+    distinct media (names of at most MAX_MEDIUM_CHARS) are held between resets (`clear`,
+    AllBlocksCleared); a batch that would exceed that is refused whole.
+
     Implements `mmreuse.kvview.KVView` (`match_prefix`, on the GPU medium).
     """
 
-    def __init__(self, instance: str = "default") -> None:
+    def __init__(self, instance: str = "default", *, max_media: int = 8) -> None:
         self.instance = check_str("instance", instance, nonempty=True)
+        self.max_media = check_int("max_media", max_media, 1)
         self._media: dict[str, HashTable] = {}
         self._lock = threading.Lock()
 
@@ -44,16 +55,15 @@ class RemoteKVIndex:
         """Apply a decoded batch, whole or not at all; returns the number of events applied.
 
         Raises InvalidArgument (a ValueError; InvalidArgumentType for a wrong type) and changes
-        nothing if any hash is not bytes >= 8 long or an int in [0, 2**64) (negative ints too).
+        nothing if any hash is not bytes >= 8 long or an int in [0, 2**64) (negative ints too),
+        an event is of another type, a medium is not a str (or None: GPU) of at most
+        MAX_MEDIUM_CHARS, or the batch would leave more than `max_media` media.
         """
         if not isinstance(batch, KVEventBatch):
             fail_type("batch", "a KVEventBatch", batch)
         events = batch.events
         with self._lock:
-            probe = HashTable(1)
-            for e in events:  # validate every hash before changing anything
-                if isinstance(e, (BlockStored, BlockRemoved)):
-                    probe.add(e.block_hashes, 0)
+            self._check_events(events)
             for e in events:
                 if isinstance(e, BlockStored):
                     self._table(e.medium).add(e.block_hashes, 1)
@@ -64,6 +74,73 @@ class RemoteKVIndex:
                 elif isinstance(e, AllBlocksCleared):
                     self._media.clear()
         return len(events)
+
+    def _check_events(self, events: Any) -> None:
+        """Every hash and medium of a batch, and the media it leaves, before anything changes."""
+        if not isinstance(events, (list, tuple)):
+            fail_type("batch.events", "a list of KV events", events)
+        probe, held = HashTable(1), self._media
+        media: set[str] | None = None  # the media after the batch, once it adds or clears any
+        for e in events:  # exact event types, str media: one pass (the rest: one by one below)
+            cls = type(e)
+            if cls is BlockStored or cls is BlockRemoved:
+                probe.add(e.block_hashes, 0)
+                medium = e.medium
+                if medium is None:
+                    medium = MEDIUM_GPU
+                elif type(medium) is not str:
+                    break
+                if cls is BlockStored and medium not in (held if media is None else media):
+                    if len(medium) > MAX_MEDIUM_CHARS:
+                        break
+                    if media is None:
+                        media = set(held)
+                    media.add(medium)
+            elif cls is AllBlocksCleared:
+                media = set()
+            else:
+                break
+        else:
+            if media is not None and len(media) > self.max_media:
+                self._refuse_media(media)
+            return
+        self._check_each_event(events)
+
+    def _refuse_media(self, media: set[str]) -> None:
+        raise InvalidArgument(
+            f"batch names {len(media)} media, more than max_media={self.max_media}: "
+            f"{show(sorted(media))}"
+        )
+
+    def _check_each_event(self, events: list[Any] | tuple[Any, ...]) -> None:
+        """`_check_events` one event at a time, naming the first one refused."""
+        probe = HashTable(1)
+        media: set[str] | None = None  # the media after the batch, once it adds or clears any
+        for i, e in enumerate(events):
+            if isinstance(e, (BlockStored, BlockRemoved)):
+                probe.add(e.block_hashes, 0)
+                medium = e.medium
+                if medium is not None and type(medium) is not str:
+                    fail_type(f"batch.events[{i}].medium", "a str or None", medium)
+                key = MEDIUM_GPU if medium is None else medium
+                if isinstance(e, BlockRemoved) or key in (self._media if media is None else media):
+                    continue  # a BlockRemoved creates no table
+                if len(key) > MAX_MEDIUM_CHARS:
+                    raise InvalidArgument(
+                        f"batch.events[{i}].medium must be at most {MAX_MEDIUM_CHARS} "
+                        f"characters, got {show(key)}"
+                    )
+                if media is None:
+                    media = set(self._media)
+                media.add(key)
+            elif isinstance(e, AllBlocksCleared):
+                media = set()
+            else:
+                fail_type(
+                    f"batch.events[{i}]", "a BlockStored, BlockRemoved or AllBlocksCleared", e
+                )
+        if media is not None and len(media) > self.max_media:
+            self._refuse_media(media)
 
     @staticmethod
     def _hash_list(block_hashes: Sequence[ExternalBlockHash]) -> Sequence[ExternalBlockHash]:
@@ -104,6 +181,7 @@ class RemoteKVIndex:
 
     def size(self, medium: str = MEDIUM_GPU) -> int:
         """Distinct hashes held on `medium`."""
+        check_str("medium", medium)
         with self._lock:
             table = self._media.get(medium)
             return 0 if table is None else table.live

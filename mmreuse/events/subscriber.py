@@ -128,7 +128,8 @@ class KVEventSubscriber:
             fail_type("metrics", "a Metrics", metrics)
         if context is not None and not isinstance(context, zmq.Context):
             fail_type("context", "a zmq.Context", context)
-        self.index = index if index is not None else RemoteKVIndex()
+        self.max_media = check_int("max_media", max_media, 1)
+        self.index = index if index is not None else RemoteKVIndex(max_media=self.max_media)
         self.metrics = metrics if metrics is not None else Metrics.default()
         self.poll_interval_s = check_float("poll_interval_s", poll_interval_s, 0, lo_open=True)
         self.replay_timeout_s = check_float("replay_timeout_s", replay_timeout_s, 0, lo_open=True)
@@ -138,7 +139,6 @@ class KVEventSubscriber:
         self.max_replay_batches = check_int("max_replay_batches", max_replay_batches, 1)
         self.max_replay_bytes = check_int("max_replay_bytes", max_replay_bytes, 1)
         self.max_message_bytes = check_int("max_message_bytes", max_message_bytes, 1, 2**62)
-        self.max_media = check_int("max_media", max_media, 1)
         self._ctx = context or zmq.Context.instance()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()

@@ -58,6 +58,51 @@ def _fresh(s: str) -> str:
     return s.encode("utf-8", "surrogatepass").decode("utf-8", "surrogatepass")
 
 
+def _check_utf8(field: str, s: str) -> None:
+    """CBOR (sha256_cbor / xxhash_cbor) hashes a str as its UTF-8: one without it (a lone
+    surrogate) cannot be hashed. Pickle can (surrogatepass), so the pickle functions take it."""
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(
+                f"{field} must be encodable as UTF-8 to be hashed with CBOR, got {show(s)} "
+                f"({exc.reason} at index {exc.start})"
+            ) from None
+
+
+def _check_cbor_strings(
+    scheme: HashScheme, mm: list[MMOccurrence], name: Any, path: Any, salt: Any
+) -> None:
+    """`_check_utf8` on every str a CBOR hash function would encode for this request."""
+    for i, m in enumerate(mm):
+        _check_utf8(f"mm[{i}].identifier", m.identifier)
+    if name is not None and scheme.lora_key != "int_id":
+        _check_utf8("lora_name", name)
+        if path is not None and scheme.lora_key == "tagged":
+            _check_utf8("lora_path", path)
+    if salt:
+        _check_utf8("cache_salt", salt)
+
+
+def _as_token_list(tokens: Any) -> list[int]:
+    """A new list of a token sequence's items: a list, tuple, range, or a 1-D numpy array /
+    torch tensor / array.array (via tolist). Sets, dicts, str, bytes, bytearray, memoryview
+    and scalars are refused (the items themselves are checked later, by index)."""
+    if type(tokens) is list or type(tokens) is tuple:
+        return list(tokens)
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not hasattr(tokens, "__len__"):
+        fail_type("tokens", "a sequence of ints", tokens)
+    if hasattr(tokens, "tolist"):  # numpy / torch / array.array
+        out = tokens.tolist()
+        if not isinstance(out, list):  # a 0-d array: one value, not a sequence
+            fail_type("tokens", "a sequence of ints", tokens)
+        return out
+    if not isinstance(tokens, Sequence):  # a set or dict has no token order
+        fail_type("tokens", "a sequence of ints", tokens)
+    return list(tokens)
+
+
 def _check_token(i: int, t: Any, allow_any: bool) -> None:
     if type(t) is not int:  # exact ints only, as the fast path reads them (no bool, no numpy)
         fail_type(f"tokens[{i}]", "an int token id", t)
@@ -173,6 +218,7 @@ class BlockHasher:
     """
 
     __slots__ = (
+        "_cbor",
         "_fn",
         "_spec",
         "allow_any_token_id",
@@ -212,6 +258,8 @@ class BlockHasher:
             )
         if seed is not None and not isinstance(seed, str):
             fail_type("seed", "the PYTHONHASHSEED string or None", seed)
+        if seed is not None and hash_fn.endswith("_cbor"):
+            _check_utf8("seed", seed)
         check_bool("allow_random_seed", allow_random_seed)
         self.hash_fn = hash_fn
         self.block_size = block_size
@@ -220,6 +268,7 @@ class BlockHasher:
         self.allow_any_token_id = check_bool("allow_any_token_id", allow_any_token_id)
         self.use_fast_path = check_bool("use_fast_path", use_fast_path) and _hashcore is not None
         self._fn = get_hash_fn(hash_fn)
+        self._cbor = hash_fn.endswith("_cbor")  # strs are hashed as UTF-8: see _check_utf8
         self.none_hash: bytes = self._none_hash(allow_random_seed)
         # One validated C spec per hasher (None: the reference path hashes everything).
         self._spec = (
@@ -300,6 +349,8 @@ class BlockHasher:
             scheme = self.scheme
             _check_lora(scheme, lora_name, lora_path, lora_int_id)
             _check_salt(cache_salt)
+            if self._cbor:
+                _check_cbor_strings(scheme, occurrences, lora_name, lora_path, cache_salt)
             keys = spec.request(
                 occurrences,
                 _lora_key_value(scheme, lora_name, lora_path, lora_int_id),
@@ -359,7 +410,7 @@ class RequestHasher:
         if _borrow_tokens and type(prompt_token_ids) is list:
             tokens = prompt_token_ids
         else:
-            tokens = self._as_token_list(prompt_token_ids)
+            tokens = _as_token_list(prompt_token_ids)
         self._tokens: list[int] = tokens
         self._validated = 0
         self.block_hashes: list[bytes] = []
@@ -368,6 +419,8 @@ class RequestHasher:
         self._mm_ends = [m.end for m in self._mm]
         _check_lora(scheme, lora_name, lora_path, lora_int_id)
         _check_salt(cache_salt)
+        if hasher._cbor:
+            _check_cbor_strings(scheme, self._mm, lora_name, lora_path, cache_salt)
         self._embeds_bytes, self._row_bytes = self._check_embeds(prompt_embeds, len(tokens))
         self._embeds_digests: dict[tuple[int, int], bytes] = {}
 
@@ -379,14 +432,6 @@ class RequestHasher:
         self.block_hashes = self._new_blocks()  # the first list is ours: no copy
 
     # ---- validation -------------------------------------------------------------------------
-
-    @staticmethod
-    def _as_token_list(tokens: Any) -> list[int]:
-        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-            fail_type("tokens", "a sequence of ints", tokens)
-        if hasattr(tokens, "tolist"):  # numpy / torch
-            tokens = tokens.tolist()
-        return list(tokens)
 
     def _check_embeds(self, embeds: Any, num_prompt: int) -> tuple[memoryview | None, int]:
         if embeds is None:
@@ -431,10 +476,13 @@ class RequestHasher:
         tokens = self._tokens
         before = len(tokens)
         try:
-            if isinstance(token_ids, int) and not isinstance(token_ids, bool):
+            if type(token_ids) is int:
                 tokens.append(token_ids)
+            elif isinstance(token_ids, (int, float, complex)) or getattr(token_ids, "ndim", 1) == 0:
+                # a bool, float or numpy / torch scalar: one token, but not an int token id
+                fail_type("tokens", "an int token id or a sequence of them", token_ids)
             else:
-                tokens.extend(self._as_token_list(token_ids))
+                tokens.extend(_as_token_list(token_ids))
             new = self._new_blocks()
         except BaseException:
             del tokens[before:]

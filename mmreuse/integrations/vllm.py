@@ -12,13 +12,14 @@ Duck-typed against vLLM 0.33.0 (no vLLM import): `Request.mm_features` / `.num_t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..demand import Availability, CoverageRule, DemandResult
+from ..errors import InvalidArgument
 from ..occurrence import MMOccurrence
 from ..plan import plan_admission
-from ..validate import fail_type
+from ..validate import check_int, check_str, fail_type, show
 
 
 def occurrences_from_request(request: Any) -> list[MMOccurrence]:
@@ -27,6 +28,38 @@ def occurrences_from_request(request: Any) -> list[MMOccurrence]:
     if features is None and not hasattr(request, "mm_features"):
         fail_type("request", "vLLM's Request (with mm_features)", request)
     return [MMOccurrence.from_vllm(f) for f in features or ()]
+
+
+def _no_reusable_cache(manager: Any) -> bool:
+    """vLLM's EncoderDecoderCacheManager (an EncoderCacheManager without `cached`) keeps no
+    reusable encoder outputs: its cache reads as empty."""
+    return any(c.__name__ == "EncoderDecoderCacheManager" for c in type(manager).__mro__)
+
+
+def _encoder_cache(manager: Any) -> tuple[dict[str, int], set[str]]:
+    """(identifier -> num_embeds, the unreferenced ones) of an EncoderCacheManager."""
+    if _no_reusable_cache(manager):
+        return {}, set()
+    cached = getattr(manager, "cached", None)
+    counts = getattr(manager, "num_embeds_by_hash", None)
+    if not isinstance(cached, Mapping) or not isinstance(counts, Mapping):
+        fail_type(
+            "encoder_cache_manager",
+            "vLLM's EncoderCacheManager (with the mappings cached and num_embeds_by_hash)",
+            manager,
+        )
+    p_local: dict[str, int] = {}
+    freeable: set[str] = set()
+    for ident, refs in cached.items():
+        field = f"encoder_cache_manager.num_embeds_by_hash[{show(ident)}]"
+        if ident not in counts:
+            raise InvalidArgument(f"{field} is missing for an identifier in .cached")
+        p_local[check_str("encoder_cache_manager.cached keys", ident)] = check_int(
+            field, counts[ident], 1
+        )
+        if not refs:  # no referencing request: in `freeable`, evictable
+            freeable.add(ident)
+    return p_local, freeable
 
 
 def availability_from_engine(
@@ -43,30 +76,30 @@ def availability_from_engine(
     visible from P: pass `e_cached` from the proxy's view, if any.
     """
     for name, ids in (("identifiers", identifiers), ("e_cached", e_cached)):
-        if isinstance(ids, (str, bytes)):  # would read as a set of characters
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):  # str: characters
             fail_type(name, "an iterable of identifiers", ids)
+    wanted = list(identifiers)
+    for i, ident in enumerate(wanted):
+        check_str(f"identifiers[{i}]", ident)
     p_local: dict[str, int] = {}
     freeable: set[str] = set()
     if encoder_cache_manager is not None:
-        try:
-            cached = encoder_cache_manager.cached
-            counts = encoder_cache_manager.num_embeds_by_hash
-        except AttributeError:
-            # EncoderDecoderCacheManager keeps no reusable cache.
-            cached, counts = {}, {}
-        for ident in cached:
-            p_local[ident] = counts[ident]
-            if not cached[ident]:  # no referencing request: in `freeable`, evictable
-                freeable.add(ident)
+        p_local, freeable = _encoder_cache(encoder_cache_manager)
     p_external: set[str] = set()
     if ec_connector is not None:
-        if not callable(getattr(ec_connector, "has_cache_item", None)):
+        has_item = getattr(ec_connector, "has_cache_item", None)
+        if not callable(has_item):
             fail_type(
                 "ec_connector",
                 "an EC connector with has_cache_item(identifier), like ECConnectorBase",
                 ec_connector,
             )
-        p_external = {i for i in set(identifiers) if ec_connector.has_cache_item(i)}
+        for ident in dict.fromkeys(wanted):  # each asked once, in order
+            held = has_item(ident)
+            if not isinstance(held, bool):  # a truthy non-bool would be trusted as "held"
+                fail_type(f"ec_connector.has_cache_item({ident!r})", "a bool", held)
+            if held:
+                p_external.add(ident)
     return Availability(
         p_local=p_local,
         p_local_freeable=frozenset(freeable),

@@ -18,16 +18,6 @@ from ..residency import BlockIndex
 KVChange = Callable[[list[EventBlockId], list[EventBlockId]], None]  # (stored, removed)
 
 
-def _index_maps(index: BlockIndex) -> tuple[dict[EventBlockId, int], list[EventBlockId | None]]:
-    """The index's event id -> block and block -> event id maps, read-only, in this one place.
-
-    The BlockIndex is the one copy of the hash <-> block map; PrefixCache reads it per block on
-    its hot path, where `block_id()` (which re-validates each hash) adds ~10 % to a run.
-    A stand-in for a public read-only accessor (proposed: `BlockIndex.hash_of(block_id)`).
-    """
-    return index._block_of, index._hash_in
-
-
 class PrefixCache:
     """P's KV blocks, vLLM-like, over one `BlockIndex` (the only hash <-> block map): blocks a
     running request holds are referenced; freed blocks join an LRU queue (a request's blocks in
@@ -63,7 +53,7 @@ class PrefixCache:
         for b in hit_blocks:
             refs[b] += 1
             evictable.pop(b, None)
-        block_of, hash_in = _index_maps(self.index)
+        block_of, hash_in = self.index.maps()
         # this admission's changes, applied to the index at the end in two batched calls
         removed: list[EventBlockId] = []
         removed_set: set[EventBlockId] = set()
@@ -101,7 +91,7 @@ class PrefixCache:
     def release(self, blocks: list[int]) -> None:
         """Drop a finished request's references; unreferenced blocks with content become
         evictable (leaves first), empty ones go back to the never-used pool."""
-        refs, hash_in = self._refs, _index_maps(self.index)[1]
+        refs, hash_in = self._refs, self.index.maps()[1]
         for b in reversed(blocks):
             refs[b] -= 1
             if refs[b] == 0:
