@@ -5,6 +5,7 @@ from prometheus_client import CollectorRegistry
 
 from mmreuse import Availability, MMOccurrence, compute_demand
 from mmreuse.availability import EmbeddingAvailability, Tenant
+from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.events import Metrics
 
 
@@ -117,10 +118,23 @@ def test_bad_input(env, call, match):
 
 
 @pytest.mark.parametrize(
-    "kwargs,match", [({"ttl_s": 0}, "ttl_s"), ({"max_entries": 0}, "max_entries")]
+    "kwargs,match,cls",
+    [
+        ({"ttl_s": 0}, "ttl_s", InvalidArgument),
+        ({"ttl_s": -1.5}, "ttl_s", InvalidArgument),
+        ({"ttl_s": float("nan")}, "ttl_s", InvalidArgument),  # every entry would vanish at once
+        ({"ttl_s": float("inf")}, "ttl_s", InvalidArgument),
+        ({"ttl_s": True}, "ttl_s", InvalidArgumentType),
+        ({"ttl_s": "60"}, "ttl_s", InvalidArgumentType),
+        ({"max_entries": 0}, "max_entries", InvalidArgument),
+        ({"max_entries": 2.0}, "max_entries", InvalidArgumentType),
+        ({"max_entries": True}, "max_entries", InvalidArgumentType),
+        ({"timer": 5}, "timer", InvalidArgumentType),
+        ({"timer": "monotonic"}, "timer", InvalidArgumentType),
+    ],
 )
-def test_bad_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_construction(kwargs, match, cls):
+    with pytest.raises(cls, match=match):
         EmbeddingAvailability(**kwargs)
 
 
