@@ -161,7 +161,8 @@ def _check_view(view: Any, external_kv_tokens: Any) -> KVView:
             "neither num_computed_tokens nor view: pass num_computed_tokens (C known), or view "
             "with block_hashes (+ block_size) or hasher + token_ids"
         )
-    if not isinstance(view, KVView):
+    # What isinstance(view, KVView) checks, without its ~7 us per call (typing's protocol walk).
+    if not callable(getattr(view, "match_prefix", None)):
         fail_type("view", "a KVView (with match_prefix(block_hashes))", view)
     if type(external_kv_tokens) is not int or external_kv_tokens != 0:
         raise InvalidArgument(
