@@ -33,8 +33,9 @@ void check_device(const char* op, const at::Tensor& bitmap, const at::Tensor& t,
 // Raise (before any write) if an id is outside [0, num_blocks).
 void check_bounds(const char* op, const int64_t* ids, int64_t n, int64_t num_blocks) {
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_INDEX(static_cast<uint64_t>(ids[i]) < static_cast<uint64_t>(num_blocks), op,
-                      ": block_ids[", i, "] = ", ids[i], " is out of range [0, ", num_blocks, ")");
+    TORCH_CHECK_VALUE(static_cast<uint64_t>(ids[i]) < static_cast<uint64_t>(num_blocks),
+                      "block_ids[", i, "] = ", ids[i], " is out of range [0, ", num_blocks, ") (",
+                      op, ")");
   }
 }
 

@@ -203,9 +203,8 @@ class ResidencyMap:
     def _call(self, fn, *args):
         try:
             return fn(*args)
-        except IndexError as exc:  # the op's bounds error ("op: block_ids[3] = ..."), field first
-            msg = str(exc).splitlines()[0]
-            raise InvalidArgument(msg.split(": ", 1)[-1]) from None
+        except ValueError as exc:  # the op's bounds error, field first: the class is all we change
+            raise InvalidArgument(*exc.args) from None
 
     def _mark(self, ids: Tensor) -> None:
         self._call(ops.residency_mark, self.bitmap, ids, self.num_blocks)

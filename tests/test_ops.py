@@ -108,7 +108,7 @@ def test_out_of_range_raises_and_writes_nothing(device, bad):
         lambda: ops.residency_validate(bitmap, gens, ids, gens[:1].expand(ids.numel()).clone()),
     ):
         with pytest.raises(
-            IndexError, match=rf"block_ids\[57\] = {bad} is out of range \[0, 300\)"
+            ValueError, match=rf"^block_ids\[57\] = {bad} is out of range \[0, 300\)"
         ):
             call()
         assert torch.equal(bitmap, before_bitmap) and torch.equal(gens, before_gens)

@@ -138,8 +138,8 @@ void raise_if_out_of_range(const char* op, const at::Tensor& flag, const at::Ten
   const int64_t first_bad = flag.item<int64_t>();
   if (first_bad != -1) {
     const int64_t value = ids[first_bad].item<int64_t>();
-    TORCH_CHECK_INDEX(false, op, ": block_ids[", first_bad, "] = ", value, " is out of range [0, ",
-                      num_blocks, ")");
+    TORCH_CHECK_VALUE(false, "block_ids[", first_bad, "] = ", value, " is out of range [0, ",
+                      num_blocks, ") (", op, ")");
   }
 }
 
