@@ -8,11 +8,15 @@ Duck-typed against vLLM 0.33.0 (no vLLM import): `Request.mm_features` / `.num_t
     result = demand_for_request(request, num_computed_tokens,
                                 encoder_cache_manager=scheduler.encoder_cache_manager,
                                 ec_connector=scheduler.ec_connector)
+
+And on the proxy side, `from_render` turns vLLM's render output (`/v1/chat/completions/render`
+with `"mm_payload": "none"`) into the token ids and occurrences mmreuse hashes and plans.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..demand import Availability, CoverageRule, DemandResult
@@ -136,3 +140,114 @@ def demand_for_request(
         coverage_rule=coverage_rule,
         is_encoder_decoder=is_encoder_decoder,
     ).demand
+
+
+# ---- vLLM's render output ---------------------------------------------------------------------
+
+# Modalities whose placeholders vLLM fills densely (every placeholder position gets an embedding)
+# in the models mmreuse is used with. Render drops `is_embed` (vLLM 0.33's TODO in
+# `PlaceholderRangeInfo`): for a sparse modality (Qwen-VL video with interleaved timestamps) the
+# caller must say which token ids receive embeddings, or it is refused.
+DENSE_MODALITIES = frozenset({"image", "audio"})
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    """A chat request as vLLM's renderer sees it: what mmreuse hashes and plans.
+
+    Attributes:
+        token_ids: the prompt after placeholder expansion (`prompt_token_ids`).
+        occurrences: the multimodal items in vLLM's order (by offset, as `argsort_mm_positions`),
+            each identified as vLLM's `mm_hashes` does: the content part's `uuid` when given,
+            else vLLM's content hash.
+        cache_salt: the request's `cache_salt`, or None.
+    """
+
+    token_ids: tuple[int, ...]
+    occurrences: tuple[MMOccurrence, ...]
+    cache_salt: str | None = None
+
+
+def from_render(
+    render: Any,
+    *,
+    embed_token_ids: Mapping[str, int] | None = None,
+    dense_modalities: Iterable[str] = DENSE_MODALITIES,
+) -> RenderedPrompt:
+    """Turn the body of `POST /v1/chat/completions/render` (`"mm_payload": "none"`), or a
+    `GenerateRequest`, into a `RenderedPrompt`.
+
+    Render carries no `is_embed` mask. Hashes do not need it (vLLM 0.33 does not hash it), but
+    coverage and embed counts do, so each modality present must be either in `dense_modalities`
+    (every placeholder position is an embed) or in `embed_token_ids` (the positions holding that
+    token id are the embeds, as in Qwen-VL's `<|video_pad|>`); any other modality raises
+    `InvalidArgument` rather than guess. With tower-connector LoRA, vLLM's identifier is
+    "<lora_name>:<mm_hash>": pass such requests' identifiers through yourself.
+    """
+    body = render.model_dump() if hasattr(render, "model_dump") else render
+    if not isinstance(body, Mapping):
+        fail_type("render", "a render response (a mapping or a pydantic model)", render)
+    tokens = body.get("token_ids")
+    if not isinstance(tokens, list | tuple):
+        fail_type("render.token_ids", "a list of token ids", tokens)
+    token_ids = tuple(check_int(f"render.token_ids[{i}]", t, 0) for i, t in enumerate(tokens))
+    salt = body.get("cache_salt")
+    if salt is not None:
+        check_str("render.cache_salt", salt)
+    embed_ids = dict(embed_token_ids or {})
+    for modality, tid in embed_ids.items():
+        check_str("embed_token_ids key", modality, nonempty=True)
+        check_int(f"embed_token_ids[{modality!r}]", tid, 0)
+    dense = frozenset(check_str("dense_modalities[]", m, nonempty=True) for m in dense_modalities)
+    features = body.get("features")
+    if features is None:
+        return RenderedPrompt(token_ids, (), salt)
+    if not isinstance(features, Mapping):
+        fail_type("render.features", "a mapping (vLLM's MultiModalFeatures)", features)
+    hashes, places = features.get("mm_hashes"), features.get("mm_placeholders")
+    if not isinstance(hashes, Mapping) or not isinstance(places, Mapping):
+        fail_type("render.features", "mm_hashes and mm_placeholders mappings", features)
+    if set(hashes) != set(places):
+        raise InvalidArgument(
+            f"render.features: mm_hashes has modalities {sorted(hashes)} but mm_placeholders "
+            f"{sorted(places)}"
+        )
+    items = []  # (offset, modality, index, identifier, length)
+    for modality in places:
+        ids, ranges = hashes[modality], places[modality]
+        where = f"render.features.mm_placeholders[{modality!r}]"
+        if not isinstance(ids, list | tuple) or not isinstance(ranges, list | tuple):
+            fail_type(f"render.features[{modality!r}]", "lists of hashes and ranges", ids)
+        if len(ids) != len(ranges):
+            raise InvalidArgument(
+                f"render.features: {len(ids)} mm_hashes but {len(ranges)} mm_placeholders "
+                f"for {modality!r}"
+            )
+        if ranges and modality not in dense and modality not in embed_ids:
+            raise InvalidArgument(
+                f"{where}: render gives no is_embed mask and {modality!r} is neither in "
+                f"dense_modalities {sorted(dense)} nor in embed_token_ids: say which token id "
+                "receives its embeddings (embed_token_ids), or that it is dense"
+            )
+        for k, (ident, r) in enumerate(zip(ids, ranges, strict=True)):
+            if not isinstance(r, Mapping):
+                fail_type(f"{where}[{k}]", "a mapping with offset and length", r)
+            offset = check_int(f"{where}[{k}].offset", r.get("offset"), 0)
+            length = check_int(f"{where}[{k}].length", r.get("length"), 1)
+            if offset + length > len(token_ids):
+                raise InvalidArgument(
+                    f"{where}[{k}] = [{offset}, {offset + length}) is past the "
+                    f"{len(token_ids)} token ids"
+                )
+            check_str(f"render.features.mm_hashes[{modality!r}][{k}]", ident, nonempty=True)
+            items.append((offset, modality, k, ident, length))
+    items.sort(key=lambda it: it[0])  # vLLM's argsort_mm_positions: a stable sort by offset
+    occs = []
+    for offset, modality, _, ident, length in items:
+        mask = None
+        if modality in embed_ids:
+            tid = embed_ids[modality]
+            flags = tuple(t == tid for t in token_ids[offset : offset + length])
+            mask = None if all(flags) else flags
+        occs.append(MMOccurrence(ident, offset, length, is_embed=mask, modality=modality))
+    return RenderedPrompt(token_ids, tuple(occs), salt)
