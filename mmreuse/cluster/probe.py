@@ -1,0 +1,86 @@
+"""Count the encoder forwards each vLLM instance really ran (vLLM has no metric for them).
+
+Two witnesses: the scheduler's iteration-details log lines (`--enable-logging-iteration-details`),
+which say `encoder inputs: N` for every iteration that ran the encoder on N items, on E and on P;
+and, for E, the `*.safetensors` files ECExampleConnector wrote (one per encoded item). Files,
+not folders: a consumer's cache miss creates an empty `<id>/` folder.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "EncoderCount",
+    "EncoderProbe",
+    "connector_files",
+    "count_encoder_inputs",
+]
+
+# "... Iteration(7): 1 context requests, ..., encoder inputs: 1, encoder output embeddings: 16, ..."
+_ITERATION_RE = re.compile(r"Iteration\(\d+\):.*?\bencoder inputs: (\d+)\b")
+
+
+def count_encoder_inputs(text: str) -> int:
+    """The sum of `encoder inputs: N` over the iteration-details lines in `text`."""
+    return sum(int(m.group(1)) for m in _ITERATION_RE.finditer(text))
+
+
+def connector_files(ec_dir: Path) -> frozenset[str]:
+    """The encoder-cache files under ECExampleConnector's storage folder (relative paths)."""
+    root = Path(ec_dir)
+    if not root.is_dir():
+        return frozenset()
+    return frozenset(str(p.relative_to(root)) for p in root.rglob("*.safetensors") if p.is_file())
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderCount:
+    """Encoder forwards seen in one instance's log, and (for the producer) connector files."""
+
+    name: str
+    log_inputs: int
+    files: int | None = None
+
+
+class EncoderProbe:
+    """Reads instances' logs (and the shared connector folder) and reports what was encoded
+    since the probe was made or last `reset`."""
+
+    def __init__(self, logs: dict[str, Path], ec_dir: Path | None = None) -> None:
+        self._logs = {name: Path(p) for name, p in logs.items()}
+        self._ec_dir = None if ec_dir is None else Path(ec_dir)
+        self._base: dict[str, int] = {}
+        self._base_files: frozenset[str] = frozenset()
+        self.reset()
+
+    def _total(self, name: str) -> int:
+        try:
+            text = self._logs[name].read_text(errors="replace")
+        except OSError:
+            return 0
+        return count_encoder_inputs(text)
+
+    def reset(self) -> None:
+        """Count from now on."""
+        self._base = {name: self._total(name) for name in self._logs}
+        self._base_files = connector_files(self._ec_dir) if self._ec_dir else frozenset()
+
+    def new_files(self) -> frozenset[str]:
+        """Connector files written since the last reset."""
+        if self._ec_dir is None:
+            return frozenset()
+        return connector_files(self._ec_dir) - self._base_files
+
+    def count(self, name: str) -> EncoderCount:
+        """The encoder inputs `name` logged since the last reset (and new connector files when
+        the probe has the folder and `name` is a producer, i.e. starts with "E")."""
+        if name not in self._logs:
+            raise KeyError(f"name must be one of {sorted(self._logs)}, got {name!r}")
+        files = len(self.new_files()) if self._ec_dir and name.startswith("E") else None
+        return EncoderCount(name, self._total(name) - self._base[name], files)
+
+    def counts(self) -> dict[str, EncoderCount]:
+        return {name: self.count(name) for name in self._logs}
