@@ -522,3 +522,44 @@ def test_index_medium_arguments_are_strs():
 def test_subscriber_passes_its_max_media_to_the_index_it_makes(ctx):
     sub = KVEventSubscriber("tcp://127.0.0.1:1", max_media=12, context=ctx)
     assert sub.index.max_media == 12
+
+
+def _free_tcp_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bind_mode_receives_from_a_connecting_publisher():
+    """vLLM's publisher connects to a concrete tcp address: the subscriber then binds."""
+    endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
+    idx = RemoteKVIndex("p-bind")
+    sub = KVEventSubscriber(endpoint, index=idx, bind=True, metrics=Metrics(CollectorRegistry()))
+    sub.start()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    try:
+        pub.connect(endpoint)
+        seq = 0
+
+        def sent_and_seen():
+            nonlocal seq
+            pub.send_multipart(
+                [b"", seq.to_bytes(8, "big"), encode_batch(batch(stored([seq + 1])))]
+            )
+            seq += 1
+            return idx.size() > 0  # the first ones may be lost (a gap, then a resync)
+
+        assert wait_for(sent_and_seen)  # the first batches may go before the connection is up
+        assert sub.is_alive
+    finally:
+        pub.close(0)
+        sub.stop()
+
+
+def test_bind_mode_refuses_an_endpoint_it_cannot_bind():
+    with pytest.raises(InvalidArgument, match="bind"):
+        KVEventSubscriber("ipc:///nonexistent-dir/mmreuse/kv.sock", bind=True).start()
+    with pytest.raises(InvalidArgumentType, match="bind"):
+        KVEventSubscriber("tcp://127.0.0.1:5557", bind="yes")

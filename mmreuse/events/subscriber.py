@@ -41,7 +41,7 @@ import zmq
 
 from ..errors import InvalidArgument
 from ..kvview import PrefixMatch
-from ..validate import check_float, check_int, check_str, fail_type, fail_value, show
+from ..validate import check_bool, check_float, check_int, check_str, fail_type, fail_value, show
 from .index import RemoteKVIndex
 from .metrics import Metrics
 from .wire import (
@@ -98,6 +98,12 @@ class KVEventSubscriber:
     instance's view holds between resets (a batch that would exceed it is refused as malformed,
     with a resync: it keeps batches all-or-nothing, and no real vLLM names more than a few).
     `poll_interval_s` is how often the thread looks at `stop()`, rounded up to whole ms.
+
+    Socket modes: vLLM's publisher *binds* a wildcard or ipc endpoint (`tcp://*:5557`) and
+    *connects* to a concrete tcp address (`tcp://127.0.0.1:5557`). For the first the subscriber
+    connects (the default); for the second pass `bind=True`: the SUB socket binds `endpoint` and
+    the publisher connects to it. The replay ROUTER is always bound by vLLM, so the replay side
+    always connects.
     """
 
     def __init__(
@@ -115,9 +121,11 @@ class KVEventSubscriber:
         max_replay_bytes: int = 512 << 20,
         max_message_bytes: int = 64 << 20,
         max_media: int = 8,
+        bind: bool = False,
         context: zmq.Context | None = None,
     ) -> None:
         self.endpoint = _check_endpoint("endpoint", endpoint)
+        self.bind = check_bool("bind", bind)
         self.replay_endpoint = (
             None if replay_endpoint is None else _check_endpoint("replay_endpoint", replay_endpoint)
         )
@@ -232,7 +240,10 @@ class KVEventSubscriber:
             sub.setsockopt(zmq.RECONNECT_IVL, 10)
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-            self._connect_to(sub, "endpoint", self.endpoint)
+            if self.bind:
+                self._bind_to(sub, "endpoint", self.endpoint)
+            else:
+                self._connect_to(sub, "endpoint", self.endpoint)
             if self.replay_endpoint is not None:
                 probe = self._ctx.socket(zmq.DEALER)
                 try:
@@ -244,6 +255,16 @@ class KVEventSubscriber:
             sub.close(0)
             raise
         return sub
+
+    @staticmethod
+    def _bind_to(sock: zmq.Socket, field: str, endpoint: str) -> None:
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            raise InvalidArgument(
+                f"{field} must be a ZMQ endpoint this process can bind (bind=True), got "
+                f"{show(endpoint)}: {exc}"
+            ) from None
 
     @staticmethod
     def _connect_to(sock: zmq.Socket, field: str, endpoint: str) -> None:
