@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import urllib.error
 import urllib.request
 import zlib
 from typing import Any
@@ -47,12 +48,19 @@ def image_part(url: str, uuid: str | None = None) -> dict[str, Any]:
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    """POST `body` as JSON; the decoded JSON reply (HTTP errors raise urllib's HTTPError)."""
+    """POST `body` as JSON; the decoded JSON reply. An HTTP error raises urllib's HTTPError
+    with the server's answer (vLLM says what it refused) in its message."""
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        reply: dict[str, Any] = json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            reply: dict[str, Any] = json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:2000]
+        raise urllib.error.HTTPError(
+            exc.url, exc.code, f"{exc.reason}: {detail}", exc.headers, None
+        ) from None
     return reply
 
 
