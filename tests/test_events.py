@@ -522,6 +522,10 @@ def test_index_medium_arguments_are_strs():
 def test_subscriber_passes_its_max_media_to_the_index_it_makes(ctx):
     sub = KVEventSubscriber("tcp://127.0.0.1:1", max_media=12, context=ctx)
     assert sub.index.max_media == 12
+    given = RemoteKVIndex("p", max_media=4)
+    assert KVEventSubscriber("tcp://127.0.0.1:1", index=given, context=ctx).index is given
+    with pytest.raises(InvalidArgument, match="max_media=12 but the given index"):
+        KVEventSubscriber("tcp://127.0.0.1:1", index=given, max_media=12, context=ctx)
 
 
 def _free_tcp_port():

@@ -102,7 +102,7 @@ class Scenario:
 
     def __init__(self, ctx, metrics, **kw):
         self.pub = TestPublisher(ctx, buffer_steps=kw.pop("buffer_steps", 10_000))
-        self.idx = RemoteKVIndex("p0")
+        self.idx = RemoteKVIndex("p0", max_media=kw.get("max_media", 8))
         self.metrics = metrics
         self.truth = Truth()
         replay = kw.pop("replay", self.pub.replay_endpoint)

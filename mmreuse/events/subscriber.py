@@ -17,7 +17,8 @@ blocks P holds (a late fallback), never hold a block P removed (a wrong skip). H
   runs past `replay_deadline_s`, exceeds `max_replay_bytes`, ends early, skips or repeats a seq,
   or names a seq outside [requested start, live seq], or `stop()` during it;
 - a malformed frame set or payload (`MalformedBatch`, nesting bound included), a batch that
-  names more than `max_media` media (or a medium name over MAX_MEDIUM_CHARS), or any
+  names more than the index's `max_media` media (or a medium name over
+  `index.MAX_MEDIUM_CHARS`): the index refuses it whole; or any
   unexpected error handling a batch (`mmreuse_kv_event_errors_total`): the loop survives;
 - a dropped connection to the publisher: the view resets and is replayed from seq 0 (a
   restart whose new seqs overtook the old ones shows only as that); a publisher restart (seq
@@ -46,20 +47,12 @@ from .index import RemoteKVIndex
 from .metrics import Metrics
 from .wire import (
     MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    MalformedBatch,
     decode_batch,
 )
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-# Longest medium name accepted: vLLM's are "GPU", "CPU", connector names; each one becomes a
-# table in the index and a Prometheus label value.
-MAX_MEDIUM_CHARS = 64
 
 
 class SubscriberDied(RuntimeError):
@@ -94,9 +87,10 @@ class KVEventSubscriber:
     replay, `replay_deadline_s` the longest a whole replay may take, `max_replay_batches` the
     longest gap asked of the replay (vLLM buffers 10,000 steps by default), `max_replay_bytes`
     the payload a replay may deliver, `max_message_bytes` the largest frame either socket takes
-    (ZMQ drops a peer that sends more: a gap, then a resync), `max_media` the distinct media an
-    instance's view holds between resets (a batch that would exceed it is refused as malformed,
-    with a resync: it keeps batches all-or-nothing, and no real vLLM names more than a few).
+    (ZMQ drops a peer that sends more: a gap, then a resync), `max_media` (default 8) the
+    distinct media the view holds between resets: the bound of the RemoteKVIndex the subscriber
+    creates, which refuses a batch that would exceed it (then a resync: batches stay
+    all-or-nothing, and no real vLLM names more than a few); a given `index` keeps its own.
     `poll_interval_s` is how often the thread looks at `stop()`, rounded up to whole ms.
 
     Socket modes: vLLM's publisher *binds* a wildcard or ipc endpoint (`tcp://*:5557`) and
@@ -120,7 +114,7 @@ class KVEventSubscriber:
         max_replay_batches: int = 10_000,
         max_replay_bytes: int = 512 << 20,
         max_message_bytes: int = 64 << 20,
-        max_media: int = 8,
+        max_media: int | None = None,
         bind: bool = False,
         context: zmq.Context | None = None,
     ) -> None:
@@ -136,8 +130,14 @@ class KVEventSubscriber:
             fail_type("metrics", "a Metrics", metrics)
         if context is not None and not isinstance(context, zmq.Context):
             fail_type("context", "a zmq.Context", context)
-        self.max_media = check_int("max_media", max_media, 1)
-        self.index = index if index is not None else RemoteKVIndex(max_media=self.max_media)
+        if index is None:
+            index = RemoteKVIndex(max_media=8 if max_media is None else max_media)
+        elif max_media is not None and check_int("max_media", max_media, 1) != index.max_media:
+            raise InvalidArgument(
+                f"max_media={max_media} but the given index bounds media at {index.max_media}: "
+                "the index enforces it (RemoteKVIndex(max_media=...))"
+            )
+        self.index = index
         self.metrics = metrics if metrics is not None else Metrics.default()
         self.poll_interval_s = check_float("poll_interval_s", poll_interval_s, 0, lo_open=True)
         self.replay_timeout_s = check_float("replay_timeout_s", replay_timeout_s, 0, lo_open=True)
@@ -156,7 +156,6 @@ class KVEventSubscriber:
         self.applied_seq: int | None = None  # last seq applied (or skipped as lost)
         self.live_seq: int | None = None  # last seq received on the SUB socket
         self._label = self.index.instance
-        self._media: frozenset[str] = frozenset()  # media with a table since the last reset
         self._gauge_media: set[str] = set()  # media with an index_size label
         self._reconnected = False  # a disconnect since the last frame
 
@@ -382,23 +381,8 @@ class KVEventSubscriber:
         m = self.metrics
         try:
             batch = decode_batch(payload)
-            stored = removed = cleared = 0
-            media, added = self._media, set()
-            for e in batch.events:  # count, and bound the media the batch would create
-                if isinstance(e, BlockStored):
-                    stored += 1
-                    medium = MEDIUM_GPU if e.medium is None else e.medium
-                    if medium not in media:
-                        added.add(medium)
-                elif isinstance(e, BlockRemoved):
-                    removed += 1
-                elif isinstance(e, AllBlocksCleared):
-                    cleared += 1
-                    media, added = frozenset(), set()
-            if added or cleared:
-                media = self._admit_media(media, added)
-            self.index.apply(batch)
-        except ValueError as exc:  # MalformedBatch, or a hash the index refuses
+            self.index.apply(batch)  # refuses it whole: a bad hash, too many media
+        except ValueError as exc:  # MalformedBatch, or what the index refuses
             m.malformed.labels(self._label).inc()
             logger.warning(
                 "KV events %s: batch %d dropped (%s); resetting the view", self._label, seq, exc
@@ -407,30 +391,14 @@ class KVEventSubscriber:
             self.applied_seq = seq
             return
         self.applied_seq = seq
-        self._media = media
         m.batches.labels(self._label).inc()
-        for kind_name, n in (
-            ("BlockStored", stored),
-            ("BlockRemoved", removed),
-            ("AllBlocksCleared", cleared),
-        ):
-            if n:
-                m.events.labels(self._label, kind_name).inc(n)
+        counts: dict[str, int] = {}
+        for e in batch.events:
+            kind = type(e).__name__
+            counts[kind] = counts.get(kind, 0) + 1
+        for kind, n in counts.items():
+            m.events.labels(self._label, kind).inc(n)
         self._update_gauges()
-
-    def _admit_media(self, media: frozenset[str], added: set[str]) -> frozenset[str]:
-        for medium in added:
-            if len(medium) > MAX_MEDIUM_CHARS:
-                raise MalformedBatch(
-                    f"medium must be at most {MAX_MEDIUM_CHARS} characters, got {show(medium)}"
-                )
-        after = media | added
-        if len(after) > self.max_media:
-            raise MalformedBatch(
-                f"batch names {len(after)} media, more than max_media="
-                f"{self.max_media}: {show(sorted(after))}"
-            )
-        return after
 
     def _update_gauges(self) -> None:
         """index_size per medium held (GPU always); labels of media gone are removed, so the
@@ -448,7 +416,6 @@ class KVEventSubscriber:
         if count:
             self.metrics.resyncs.labels(self._label).inc()
         self.index.clear()
-        self._media = frozenset()
         self._update_gauges()
 
     # ---- gaps ---------------------------------------------------------------------------------
