@@ -1,4 +1,5 @@
-"""The `mmreuse` command line: `mmreuse simulate` (the main job) and `mmreuse hash-demo`."""
+"""The `mmreuse` command line: `mmreuse simulate` (the main job), `mmreuse proxy`, `mmreuse cluster`
+and `mmreuse hash-demo`."""
 
 from __future__ import annotations
 
@@ -316,9 +317,27 @@ def cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def proxy(argv: list[str]) -> int:
+    """`mmreuse proxy ARGS`: the reference proxy's flags, parsed by the proxy's own parser."""
+    from .proxy.app import run
+    from .proxy.config import parse_args
+
+    run(parse_args(argv))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["proxy"]:
+        return proxy(argv[1:])
     parser = _Parser(prog="mmreuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "proxy",
+        help="a demand-aware EPD proxy, a drop-in for vLLM's disagg_epd_proxy.py "
+        "(`mmreuse proxy --help`)",
+        add_help=False,
+    )
     from .sim.config import POLICIES, ROUTINGS, WORKLOADS
 
     sim = sub.add_parser("simulate", help="simulate an EPD cluster under each coordination policy")

@@ -20,6 +20,10 @@ TORCH_FREE = [
     "mmreuse.cluster",
     "mmreuse.integrations.vllm",
     "mmreuse.cli",
+    "mmreuse.events.hashcheck",
+    "mmreuse.proxy",
+    "mmreuse.proxy.app",
+    "mmreuse.proxy.policy",
 ]
 
 

@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING
 
+from .hashcheck import HashCheckStatus, HashConfigCheck
 from .index import RemoteKVIndex
 from .metrics import Metrics
 from .wire import (
@@ -43,6 +44,8 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "HashCheckStatus",
+    "HashConfigCheck",
     "KVCacheEvent",
     "KVEventBatch",
     "KVEventSubscriber",

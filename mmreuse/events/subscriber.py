@@ -36,17 +36,27 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
 from ..errors import InvalidArgument
 from ..kvview import PrefixMatch
-from ..validate import check_bool, check_float, check_int, check_str, fail_type, fail_value, show
+from ..validate import (
+    check_bool,
+    check_callable,
+    check_float,
+    check_int,
+    check_str,
+    fail_type,
+    fail_value,
+    show,
+)
 from .index import RemoteKVIndex
 from .metrics import Metrics
 from .wire import (
     MEDIUM_GPU,
+    KVEventBatch,
     decode_batch,
 )
 
@@ -117,6 +127,7 @@ class KVEventSubscriber:
         max_media: int | None = None,
         bind: bool = False,
         context: zmq.Context | None = None,
+        on_batch: Callable[[KVEventBatch], None] | None = None,
     ) -> None:
         self.endpoint = _check_endpoint("endpoint", endpoint)
         self.bind = check_bool("bind", bind)
@@ -138,6 +149,9 @@ class KVEventSubscriber:
                 "the index enforces it (RemoteKVIndex(max_media=...))"
             )
         self.index = index
+        if on_batch is not None:
+            check_callable("on_batch", on_batch)
+        self.on_batch = on_batch
         self.metrics = metrics if metrics is not None else Metrics.default()
         self.poll_interval_s = check_float("poll_interval_s", poll_interval_s, 0, lo_open=True)
         self.replay_timeout_s = check_float("replay_timeout_s", replay_timeout_s, 0, lo_open=True)
@@ -399,6 +413,12 @@ class KVEventSubscriber:
         for kind, n in counts.items():
             m.events.labels(self._label, kind).inc(n)
         self._update_gauges()
+        if self.on_batch is not None:
+            try:
+                self.on_batch(batch)
+            except Exception:  # an observer's bug costs its observation, never the view
+                m.errors.labels(self._label).inc()
+                logger.exception("KV events %s: on_batch raised", self._label)
 
     def _update_gauges(self) -> None:
         """index_size per medium held (GPU always); labels of media gone are removed, so the

@@ -379,6 +379,42 @@ class BlockHasher:
         assert state._collected_keys is not None  # _collect_keys=True
         return state._collected_keys
 
+    def hash_block(
+        self, parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None
+    ) -> bytes:
+        """One block's hash, as vLLM's `hash_block_tokens(hash_fn, parent_block_hash,
+        curr_block_token_ids, extra_keys)`: the digest of (parent or NONE_HASH, tokens, keys).
+
+        `extra_keys` is the tuple vLLM hashes (tagged keys under vllm-0.33; with lookahead,
+        `(keys, *next tokens)`) or None for a block without keys; it is hashed as given. Used
+        to re-hash what a KV event published (`mmreuse.events.hashcheck`)."""
+        if parent is not None and (type(parent) is not bytes or len(parent) != self.digest_size):
+            if type(parent) is not bytes:
+                fail_type("parent", f"None or a {self.digest_size}-byte block hash", parent)
+            fail_value("parent", f"a {self.digest_size}-byte block hash ({self.hash_fn})", parent)
+        if type(token_ids) is list or type(token_ids) is tuple:
+            items: Sequence[Any] = token_ids
+        elif isinstance(token_ids, (str, bytes, bytearray, memoryview)):
+            fail_type("token_ids", "a sequence of int token ids", token_ids)
+        elif hasattr(token_ids, "tolist"):  # numpy / torch / array.array
+            items = token_ids.tolist()
+            if not isinstance(items, list):  # a 0-d array
+                fail_type("token_ids", "a sequence of int token ids", token_ids)
+        elif isinstance(token_ids, Sequence):
+            items = token_ids
+        else:
+            fail_type("token_ids", "a sequence of int token ids", token_ids)
+        if len(items) != self.block_size:
+            raise InvalidArgument(
+                f"token_ids must hold block_size={self.block_size} token ids, got {len(items)}"
+            )
+        hi = None if self.allow_any_token_id else MAX_TOKEN_ID
+        lo = None if self.allow_any_token_id else 0
+        tokens = tuple([check_int(f"token_ids[{i}]", t, lo, hi) for i, t in enumerate(items)])
+        if extra_keys is not None and type(extra_keys) is not tuple:
+            fail_type("extra_keys", "None or a tuple of extra keys", extra_keys)
+        return self._fn((parent if parent is not None else self.none_hash, tokens, extra_keys))
+
 
 class RequestHasher:
     """Block hashes of one request, extended as tokens are appended.

@@ -1,0 +1,482 @@
+"""The proxy's HTTP side: aiohttp serves the reference proxy's routes and calls E, P and D.
+
+Routes: POST /v1/chat/completions (streaming or not), GET /v1/models, GET /health,
+POST /start_profile, POST /stop_profile (as the reference), and GET /metrics (Prometheus).
+Per request: decide (policy.Planner) -> encode what E must (encoder.EncoderFanout) -> rewrite
+(media.rewrite_for_decode) -> prefill (E + P + D) -> decode, retrying a decode 500 by
+re-encoding everything. Unlike the reference, a streaming client gets its status line only
+once the decode instance has accepted the request, so an E, P or D failure is an HTTP error,
+not a broken 200 stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import time
+import uuid as uuidlib
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..availability import EmbeddingAvailability
+from ..events.metrics import Metrics as EventMetrics
+from .config import ProxyConfig
+from .encoder import EncodeResult, EncoderFanout
+from .errors import ProxyError
+from .media import extract_mm_items, rewrite_for_decode
+from .metrics import ProxyMetrics
+from .policy import Decision, Planner
+from .views import InstanceView
+
+logger = logging.getLogger("mmreuse.proxy")
+
+_decode = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder()
+_JSON = {"Content-Type": "application/json"}
+
+PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
+AfterDecide = Callable[[Decision], Awaitable[None]]
+
+
+def _kv_params() -> dict[str, Any]:
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+class Proxy:
+    """One proxy: its config, client session, views, planner and metrics."""
+
+    def __init__(self, config: ProxyConfig, *, after_decide: AfterDecide | None = None) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = ProxyMetrics(self.registry)
+        self.event_metrics = EventMetrics(self.registry)
+        self.session: aiohttp.ClientSession | None = None
+        instances = config.prefill_instances
+        kv = config.kv_events_endpoints or (None,) * len(instances)
+        replay = config.kv_events_replay_endpoints or (None,) * len(instances)
+        self.views = [
+            InstanceView(
+                f"{'P' if config.prefill_urls else 'PD'}{i}",
+                url,
+                kv[i],
+                replay[i],
+                hash_algo=config.hash_algo,
+                hash_seed=config.hash_seed,
+                block_size=config.block_size,
+                event_metrics=self.event_metrics,
+                metrics=self.metrics,
+            )
+            for i, url in enumerate(instances)
+        ]
+        self.availability = EmbeddingAvailability(
+            ttl_s=config.e_cache_ttl_s, max_entries=config.e_cache_items, metrics=self.event_metrics
+        )
+        self.rng = random.Random(config.seed)
+        self.planner = Planner(config, self.views, self.availability, self._post_json, self.rng)
+        self.encoders = EncoderFanout(
+            config.encode_urls,
+            self._session,
+            max_batch_size=config.encoder_max_batch_size,
+            no_rewrite=config.no_rewrite,
+        )
+        self.after_decide = after_decide
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, _app: web.Application | None = None) -> None:
+        # vLLM closes an idle keep-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds
+        # (5 by default); reusing one it has closed fails the request. Retire ours first.
+        keep_alive = float(os.getenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
+        connector = aiohttp.TCPConnector(
+            limit=0,
+            **({"keepalive_timeout": keep_alive / 2} if keep_alive > 0 else {"force_close": True}),
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=100_000),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        for view in self.views:
+            await asyncio.to_thread(view.start)
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        for view in self.views:
+            await asyncio.to_thread(view.stop)
+        if self.session is not None:
+            await self.session.close()
+
+    def _session(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "Proxy.start() first"
+        return self.session
+
+    async def _post_json(self, url: str, body: Any) -> tuple[int, bytes]:
+        async with self._session().post(url, data=_encode.encode(body), headers=_JSON) as r:
+            return r.status, await r.read()
+
+    # ---- POST /v1/chat/completions ------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        m = self.metrics
+        policy = self.config.policy
+        try:
+            response = await self._chat(request, t0)
+        except ProxyError as e:
+            m.errors.labels(e.stage).inc()
+            m.requests.labels(policy, _outcome(e.status)).inc()
+            return web.json_response({"detail": e.detail}, status=e.status)
+        except Exception as e:  # what the reference answers: 500 with the error
+            logger.exception("chat completion failed")
+            m.errors.labels("proxy").inc()
+            m.requests.labels(policy, "server_error").inc()
+            return web.json_response({"detail": f"Proxy error: {e}"}, status=500)
+        m.requests.labels(policy, _outcome(response.status)).inc()
+        m.stage_seconds.labels("total").observe(time.perf_counter() - t0)
+        return response
+
+    async def _chat(self, request: web.Request, t0: float) -> web.StreamResponse:
+        try:
+            req = _decode.decode(await request.read())
+        except msgspec.DecodeError as e:
+            raise ProxyError(400, f"Invalid JSON body: {e}", stage="proxy") from e
+        if not isinstance(req, dict):
+            raise ProxyError(400, "The body must be a JSON object", stage="proxy")
+        req_id = request.headers.get("x-request-id") or str(uuidlib.uuid4())
+        cfg, m = self.config, self.metrics
+        items = extract_mm_items(req)
+        decision = await self.planner.decide(req, items)
+        if decision.render_s:
+            m.stage_seconds.labels("render").observe(decision.render_s)
+        if decision.decide_s:
+            m.stage_seconds.labels("decide").observe(decision.decide_s)
+        view = self.views[decision.instance]
+        if decision.no_plan is not None:
+            m.fallbacks.labels(view.name, "no_plan").inc()
+            m.errors.labels(decision.no_plan.split(":", 1)[0]).inc()
+            logger.warning("[%s] no plan, E gets everything: %s", req_id, decision.no_plan)
+        for klass in decision.klasses:
+            m.occurrences.labels(klass).inc()
+        if self.after_decide is not None:
+            await self.after_decide(decision)
+        if cfg.prefill_urls:
+            p_url: str | None = cfg.prefill_urls[decision.instance]
+            d_url = cfg.decode_urls[self.rng.randrange(len(cfg.decode_urls))]
+        else:
+            p_url, d_url = None, cfg.decode_urls[decision.instance]
+        stream = bool(req.get("stream", False))
+        for attempt in range(cfg.decode_retries + 1):
+            current = decision if attempt == 0 else self.planner.eager(items, decision.instance)
+            body = await self._prepare(req, items, current, req_id, p_url)
+            td = time.perf_counter()
+            resp = await self._session().post(
+                f"{d_url}/v1/chat/completions",
+                data=_encode.encode(body),
+                headers={"x-request-id": req_id, "Content-Type": "application/json"},
+            )
+            try:
+                if resp.status == 500 and attempt < cfg.decode_retries:
+                    detail = await resp.text()
+                    logger.warning(
+                        "[%s] decode returned 500, re-encoding and retrying (attempt %d/%d): %s",
+                        req_id, attempt + 1, cfg.decode_retries, detail[:200],
+                    )  # fmt: skip
+                    m.fallbacks.labels(view.name, "retry").inc()
+                    continue
+                if resp.status >= 400:
+                    detail = await resp.text()
+                    logger.error("[%s] decode returned %s: %s", req_id, resp.status, detail)
+                    raise ProxyError(resp.status, detail, stage="decode")
+                if stream:
+                    return await self._stream(request, resp, td)
+                out = await resp.read()
+                m.stage_seconds.labels("decode").observe(time.perf_counter() - td)
+                if current.raw_with_uuid and current.plan is not None:
+                    self._observe_fallback(out, current, view)
+                return web.Response(
+                    body=out,
+                    status=resp.status,
+                    headers={"Content-Type": resp.headers.get("Content-Type", "application/json")},
+                )
+            finally:
+                resp.release()
+        raise ProxyError(500, "Decode failed after re-encoding", stage="decode")
+
+    async def _prepare(
+        self,
+        req: dict[str, Any],
+        items: list[dict[str, Any]],
+        decision: Decision,
+        req_id: str,
+        p_url: str | None,
+    ) -> Mapping[str, Any]:
+        """Encode, rewrite and prefill: the body for decode. `req` is never mutated, so a
+        retry starts from the original media."""
+        m = self.metrics
+        te = time.perf_counter()
+        result = EncodeResult({}, {}, 0)
+        if decision.e_indices:
+            result = await self.encoders.encode(req, items, decision.e_indices, req_id)
+            m.stage_seconds.labels("encode").observe(time.perf_counter() - te)
+            m.e_subrequests.inc(result.subrequests)
+            self.planner.record_e(decision)
+        m.e_items.labels("sent").inc(len(decision.e_indices))
+        skipped = len(items) - len(decision.e_indices)
+        if skipped:
+            m.e_items.labels("skipped").inc(skipped)
+        item_meta = result.item_meta
+        if decision.dup_of:
+            item_meta = dict(item_meta)
+            for dup, first in decision.dup_of.items():
+                if first in item_meta:  # shares the first's embedding: one transfer
+                    item_meta[dup] = [{**f, "transfer_id": None} for f in item_meta[first]]
+        if self.config.no_rewrite:
+            prepared: Mapping[str, Any] = req
+        else:
+            prepared = rewrite_for_decode(req, item_meta, decision.raw_with_uuid)
+        if result.ec_params:
+            handles = dict(prepared.get("ec_transfer_params") or {})
+            handles.update(result.ec_params)
+            prepared = {**prepared, "ec_transfer_params": handles}
+        if p_url is None:
+            return prepared
+        return await self._prefill(prepared, p_url, req_id)
+
+    async def _prefill(self, req: Mapping[str, Any], p_url: str, req_id: str) -> Mapping[str, Any]:
+        """E + P + D: P prefills (max_tokens 1, remote decode); D gets P's kv_transfer_params."""
+        tp = time.perf_counter()
+        body = dict(req)
+        body["kv_transfer_params"] = _kv_params()
+        body["stream"] = False
+        body["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        body.pop("stream_options", None)
+        try:
+            async with self._session().post(
+                f"{p_url}/v1/chat/completions",
+                data=_encode.encode(body),
+                headers={"x-request-id": req_id, "Content-Type": "application/json"},
+            ) as resp:
+                payload = await resp.read()
+                status = resp.status
+        except aiohttp.ClientError as e:
+            raise ProxyError(
+                502, {"error": "Prefill processing error", "message": str(e)}, stage="prefill"
+            ) from e
+        self.metrics.stage_seconds.labels("prefill").observe(time.perf_counter() - tp)
+        if status != 200:
+            text = payload.decode("utf-8", "replace")
+            logger.error("[%s] prefill returned %d: %s", req_id, status, text)
+            raise ProxyError(
+                status, {"error": "Prefill request failed", "message": text}, stage="prefill"
+            )
+        try:
+            params = _decode.decode(payload).get("kv_transfer_params") or {}
+        except Exception:
+            params = {}
+        if params:
+            return {**req, "kv_transfer_params": params}
+        return req
+
+    async def _stream(
+        self, request: web.Request, resp: aiohttp.ClientResponse, td: float
+    ) -> web.StreamResponse:
+        """Forward decode's bytes as they come (no SSE parsing); the status line goes out only
+        now that decode has accepted the request."""
+        out = web.StreamResponse(
+            status=resp.status,
+            headers={"Content-Type": resp.headers.get("Content-Type", "text/event-stream")},
+        )
+        await out.prepare(request)
+        first = True
+        async for chunk in resp.content.iter_any():
+            if chunk:
+                if first:
+                    self.metrics.stage_seconds.labels("decode").observe(time.perf_counter() - td)
+                    first = False
+                await out.write(chunk)
+        await out.write_eof()
+        return out
+
+    def _observe_fallback(self, out: bytes, decision: Decision, view: InstanceView) -> None:
+        """P's own count of cached prompt tokens (vLLM: --enable-prompt-tokens-details) below
+        the plan's means a skipped item was served by P's cache, connector or encoder."""
+        try:
+            usage = _decode.decode(out).get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        except Exception:
+            return
+        plan = decision.plan
+        if isinstance(cached, int) and plan is not None and cached < plan.num_computed_tokens:
+            self.metrics.fallbacks.labels(view.name, "kv_short").inc()
+
+    # ---- the other routes ---------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            async with self._session().get(f"{self.config.decode_urls[0]}/v1/models") as resp:
+                body = await resp.read()
+                return web.Response(
+                    body=body,
+                    status=resp.status,
+                    headers={"Content-Type": resp.headers.get("Content-Type", "application/json")},
+                )
+        except aiohttp.ClientError as e:
+            return web.json_response({"detail": f"Proxy error: {e}"}, status=502)
+
+    async def health(self, request: web.Request) -> web.Response:
+        async def cluster(urls: tuple[str, ...]) -> str:
+            if not urls:
+                return "empty"
+            results = await asyncio.gather(*(self._probe(u) for u in urls))
+            return "healthy" if all(results) else "unhealthy"
+
+        cfg = self.config
+        e, p, d = await asyncio.gather(
+            cluster(cfg.encode_urls), cluster(cfg.prefill_urls), cluster(cfg.decode_urls)
+        )
+        ok = all(s != "unhealthy" for s in (e, p, d))
+        views = {v.name: v.health() for v in self.views}
+        problems = [f"{name}: {p}" for name, h in views.items() for p in h["problems"]]  # type: ignore[attr-defined]
+        if cfg.policy == "eager" and cfg.routing == "random":
+            problems = [p for p in problems if not p.endswith("no KV events endpoint")]
+        body = {
+            "proxy": "healthy",
+            "encode_cluster": e,
+            "prefill_cluster": p,
+            "decode_cluster": d,
+            "mmreuse": {
+                "policy": cfg.policy,
+                "routing": cfg.routing,
+                "status": "degraded" if problems else "ok",
+                "problems": problems,
+                "views": views,
+            },
+        }
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _probe(self, url: str) -> bool:
+        try:
+            async with self._session().get(
+                f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
+                return resp.status < 400
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def profile(self, request: web.Request) -> web.Response:
+        """POST /start_profile, /stop_profile: to one random E, P and D; 404 = disabled."""
+        cmd = request.path.strip("/").removesuffix("_profile")
+        payload = await request.read()
+        cfg = self.config
+        headers = {"Authorization": f"Bearer {os.getenv('OPENAI_API_KEY', '')}"}
+
+        async def one(urls: tuple[str, ...]) -> Any:
+            if not urls:
+                return None
+            url = f"{random.choice(urls)}/{cmd}_profile"
+            async with self._session().post(url, data=payload, headers={**headers, **_JSON}) as r:
+                if r.status == 404:
+                    return None
+                if r.status >= 400:
+                    raise ProxyError(r.status, await r.text(), stage="proxy")
+                return msgspec.json.decode(await r.read() or b"null")
+
+        try:
+            e, p, d = await asyncio.gather(
+                one(cfg.encode_urls), one(cfg.prefill_urls), one(cfg.decode_urls)
+            )
+        except ProxyError as err:
+            return web.json_response({"detail": err.detail}, status=err.status)
+        if e is None and p is None and d is None:
+            return web.json_response(
+                {"detail": "Profiling endpoints are disabled on all clusters"}, status=503
+            )
+        return web.json_response({"encode": e, "prefill": p, "decode": d})
+
+
+def _outcome(status: int) -> str:
+    return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
+
+
+@web.middleware
+async def _log_requests(request: web.Request, handler: Any) -> web.StreamResponse:
+    req_id = request.headers.get("x-request-id", "-")
+    logger.info(">>> [%s] %s %s from %s", req_id, request.method, request.path, request.remote)
+    response = await handler(request)
+    logger.info("<<< [%s] %s %s completed with status %d", req_id, request.method, request.path, response.status)  # fmt: skip
+    return response
+
+
+def build_app(config: ProxyConfig, *, after_decide: AfterDecide | None = None) -> web.Application:
+    """The aiohttp application for `config` (its proxy at `app[PROXY_KEY]`)."""
+    proxy = Proxy(config, after_decide=after_decide)
+    app = web.Application(
+        middlewares=[_log_requests] if config.log_requests else [],
+        client_max_size=1 << 30,  # multi-image requests carry base64 media
+    )
+    app[PROXY_KEY] = proxy
+    app.on_startup.append(proxy.start)
+    app.on_cleanup.append(proxy.stop)
+    app.router.add_post("/v1/chat/completions", proxy.chat)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/metrics", proxy.metrics_route)
+    app.router.add_post("/start_profile", proxy.profile)
+    app.router.add_post("/stop_profile", proxy.profile)
+    return app
+
+
+def run(config: ProxyConfig) -> None:
+    """Serve until interrupted (uvloop when installed, as the reference's uvicorn does)."""
+    logging.basicConfig(
+        level=logging.DEBUG if config.log_requests else logging.INFO,
+        format="%(asctime)s %(levelname)s: %(message)s",
+    )
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is in the [proxy] extra
+        runner = asyncio.run
+
+    async def serve() -> None:
+        app = build_app(config)
+        app_runner = web.AppRunner(app, access_log=None)
+        await app_runner.setup()
+        site = web.TCPSite(app_runner, config.host, config.port, backlog=4096)
+        await site.start()
+        logger.info(
+            "mmreuse proxy on %s:%d (policy %s, routing %s): E %s, P %s, D %s",
+            config.host, config.port, config.policy, config.routing,
+            list(config.encode_urls), list(config.prefill_urls), list(config.decode_urls),
+        )  # fmt: skip
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await app_runner.cleanup()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        runner(serve())

@@ -1,0 +1,293 @@
+"""`mmreuse proxy` flags: the reference proxy's static-mode flags (same names, defaults and
+meaning) plus the demand-aware ones. One frozen `ProxyConfig` is what the app runs on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from ..errors import InvalidArgument
+from ..hashing.functions import HASH_FUNCTIONS
+
+POLICIES = ("eager", "index")
+ROUTINGS = ("random", "affine")
+_NO_PREFILL = ("disable", "none", "")
+_UNSUPPORTED = {
+    "--dynamic-registration": "dynamic registration (POST /instances)",
+    "--probe-interval": "dynamic registration's probing",
+    "--probe-timeout": "dynamic registration's probing",
+    "--fail-threshold": "dynamic registration's probing",
+    "--evicted-ttl": "dynamic registration's probing",
+    "--ec-consumer-zmq-addrs": "Mooncake EC push",
+    "--ec-consumer-dp-size": "Mooncake EC push with data-parallel consumers",
+}
+
+
+def _dest(flag: str) -> str:
+    return "unsupported_" + flag.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Everything the proxy runs on. `prefill_urls` empty = E + PD (the decode URLs prefill)."""
+
+    encode_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    prefill_urls: tuple[str, ...] = ()
+    host: str = "0.0.0.0"
+    port: int = 8000
+    decode_retries: int = 1
+    no_rewrite: bool = False
+    log_requests: bool = False
+    encoder_max_batch_size: int = 0
+    policy: str = "eager"
+    routing: str = "random"
+    render_url: str | None = None
+    # Aligned with the instances that prefill (the P URLs, or the PD URLs in E + PD).
+    kv_events_endpoints: tuple[str | None, ...] = ()
+    kv_events_replay_endpoints: tuple[str | None, ...] = ()
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
+    block_size: int | None = None  # None: learned from each instance's BlockStored events
+    e_cache_items: int = 4096
+    e_cache_ttl_s: float = 3600.0
+    seed: int | None = None  # the routing RNG's seed (tests); None = system entropy
+
+    @property
+    def prefill_instances(self) -> tuple[str, ...]:
+        """The instances that run the prefill (and hold the prefix cache)."""
+        return self.prefill_urls or self.decode_urls
+
+
+def _urls(value: str) -> tuple[str, ...]:
+    return tuple(u.strip().rstrip("/") for u in value.split(",") if u.strip())
+
+
+def _aligned(value: str | None) -> tuple[str | None, ...]:
+    """Comma-separated and aligned with the prefill instances; an empty slot = none there."""
+    if value is None:
+        return ()
+    return tuple((s.strip() or None) for s in value.split(","))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mmreuse proxy",
+        description=(
+            "A demand-aware EPD proxy, a drop-in for vLLM's reference disagg_epd_proxy.py "
+            "(static mode): the same flags, routes and wire behaviour, plus --policy index "
+            "(send E only what the chosen P/PD still needs) and Prometheus /metrics."
+        ),
+    )
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="Log every request in and out, and raise the log level to DEBUG.",
+    )
+    p.add_argument(
+        "--no-rewrite",
+        action="store_true",
+        help="Forward media to the decoder unchanged and send E no uuid (stage-timing A/B).",
+    )
+    p.add_argument(
+        "--encode-servers-urls",
+        default="",
+        help='Comma-separated encode URLs ("http://e1:8001,http://e2:8001")',
+    )
+    p.add_argument(
+        "--prefill-servers-urls",
+        default="none",
+        help='Comma-separated prefill URLs to enable E->P->D; "disable" or "none" for E->PD',
+    )
+    p.add_argument(
+        "--decode-servers-urls",
+        default="",
+        help='Comma-separated decode URLs ("http://d1:8005,http://d2:8006")',
+    )
+    p.add_argument(
+        "--decode-retries",
+        type=int,
+        default=1,
+        help="Re-encode and re-send when decode returns 500 (its retryable error). 0 disables.",
+    )
+    # The reference's dynamic-registration and Mooncake-push flags: recognised, and refused
+    # with the reason (README, "What of the reference is not covered").
+    for flag in _UNSUPPORTED:
+        p.add_argument(
+            flag, dest=_dest(flag), nargs="?", const=True, default=None, help=argparse.SUPPRESS
+        )
+    g = p.add_argument_group("mmreuse (not in the reference)")
+    g.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="eager",
+        help="eager: every item to E (the reference); index: E gets only what the chosen "
+        "P/PD still needs, from its live KV view",
+    )
+    g.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="random",
+        help="random: the reference's choice of P/PD; affine: the one with the longest live "
+        "prefix hit (ties at random)",
+    )
+    g.add_argument(
+        "--render-url",
+        default=None,
+        help="where to render requests (POST /v1/chat/completions/render, mm_payload none); "
+        "default: the chosen P/PD (started with --enable-scale-out)",
+    )
+    g.add_argument(
+        "--kv-events-endpoints",
+        default=None,
+        help="comma-separated ZMQ endpoints of the P (or PD) instances' KV events, aligned "
+        "with their URLs (an empty slot: no view of that one)",
+    )
+    g.add_argument(
+        "--kv-events-replay-endpoints",
+        default=None,
+        help="their replay endpoints, aligned the same way (optional)",
+    )
+    g.add_argument(
+        "--hash-algo",
+        choices=sorted(HASH_FUNCTIONS),
+        default="sha256",
+        help="P's --prefix-caching-hash-algo (vLLM's default: sha256)",
+    )
+    g.add_argument(
+        "--hash-seed",
+        default=None,
+        help="P's PYTHONHASHSEED (default: unset, as vLLM without it; required for xxhash*)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="P's KV block size (default: learned from its BlockStored events)",
+    )
+    g.add_argument(
+        "--e-cache-items",
+        type=int,
+        default=4096,
+        help="how many items the proxy remembers having sent to E (E-side reuse), LRU",
+    )
+    g.add_argument(
+        "--e-cache-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds the proxy trusts that E still holds an item it sent",
+    )
+    return p
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> ProxyConfig:
+    """Parse flags (and ENCODER_MAX_BATCH_SIZE from `env`) into a ProxyConfig; usage errors
+    exit 2 with `mmreuse proxy: error: ...`, as argparse does."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    env = os.environ if env is None else env
+    try:
+        return config_from_args(args, env)
+    except InvalidArgument as e:
+        _fail(parser, str(e))
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.error(message)
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyConfig:
+    for flag, what in _UNSUPPORTED.items():
+        if getattr(args, _dest(flag)) is not None:
+            raise InvalidArgument(
+                f"{flag}: {what} is not supported by mmreuse proxy (static mode only; see the "
+                "README: the demand-aware policies need each P/PD's KV-event endpoint, which "
+                "registration does not carry, and Mooncake push cannot be tested here)"
+            )
+    if not args.encode_servers_urls or not args.decode_servers_urls:
+        raise InvalidArgument(
+            "Static routing requires --encode-servers-urls and --decode-servers-urls"
+        )
+    raw_batch = env.get("ENCODER_MAX_BATCH_SIZE", "0")
+    try:
+        batch = int(raw_batch)
+    except ValueError:
+        raise InvalidArgument(f"ENCODER_MAX_BATCH_SIZE={raw_batch!r} is not an integer") from None
+    if batch < 0:
+        raise InvalidArgument(f"ENCODER_MAX_BATCH_SIZE={batch} must be non-negative")
+    if args.decode_retries < 0:
+        raise InvalidArgument(f"--decode-retries={args.decode_retries} must be >= 0")
+    if not 0 < args.port < 65536:
+        raise InvalidArgument(f"--port={args.port} is not a TCP port")
+    prefill = (
+        () if args.prefill_servers_urls.lower() in _NO_PREFILL else _urls(args.prefill_servers_urls)
+    )
+    cfg_urls = {
+        "--encode-servers-urls": _urls(args.encode_servers_urls),
+        "--decode-servers-urls": _urls(args.decode_servers_urls),
+        "--prefill-servers-urls": prefill,
+    }
+    for flag, urls in cfg_urls.items():
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise InvalidArgument(f"{flag}: {u!r} is not an http(s) URL")
+    if not cfg_urls["--encode-servers-urls"] or not cfg_urls["--decode-servers-urls"]:
+        raise InvalidArgument(
+            "Static routing requires --encode-servers-urls and --decode-servers-urls"
+        )
+    instances = prefill or cfg_urls["--decode-servers-urls"]
+    which = "--prefill-servers-urls" if prefill else "--decode-servers-urls"
+    kv = _aligned(args.kv_events_endpoints)
+    replay = _aligned(args.kv_events_replay_endpoints)
+    for flag, eps in (("--kv-events-endpoints", kv), ("--kv-events-replay-endpoints", replay)):
+        if eps and len(eps) != len(instances):
+            raise InvalidArgument(
+                f"{flag} has {len(eps)} entries but {which} has {len(instances)}: align them "
+                "(leave a slot empty for an instance without one)"
+            )
+        for ep in eps:
+            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise InvalidArgument(f"{flag}: {ep!r} is not a ZMQ endpoint")
+    if replay and not kv:
+        raise InvalidArgument("--kv-events-replay-endpoints needs --kv-events-endpoints")
+    if args.block_size is not None and args.block_size < 1:
+        raise InvalidArgument(f"--block-size={args.block_size} must be >= 1")
+    if args.hash_algo.startswith("xxhash") and args.hash_seed is None:
+        raise InvalidArgument(
+            f"--hash-algo {args.hash_algo} needs --hash-seed: without PYTHONHASHSEED vLLM "
+            "seeds xxhash randomly per process, so no proxy can reproduce its hashes"
+        )
+    if args.e_cache_items < 1:
+        raise InvalidArgument(f"--e-cache-items={args.e_cache_items} must be >= 1")
+    if not args.e_cache_ttl > 0:
+        raise InvalidArgument(f"--e-cache-ttl={args.e_cache_ttl} must be > 0")
+    if args.render_url is not None and not args.render_url.startswith(("http://", "https://")):
+        raise InvalidArgument(f"--render-url: {args.render_url!r} is not an http(s) URL")
+    return ProxyConfig(
+        encode_urls=cfg_urls["--encode-servers-urls"],
+        decode_urls=cfg_urls["--decode-servers-urls"],
+        prefill_urls=prefill,
+        host=args.host,
+        port=args.port,
+        decode_retries=args.decode_retries,
+        no_rewrite=args.no_rewrite,
+        log_requests=args.log_requests,
+        encoder_max_batch_size=batch,
+        policy=args.policy,
+        routing=args.routing,
+        render_url=args.render_url.rstrip("/") if args.render_url else None,
+        kv_events_endpoints=kv,
+        kv_events_replay_endpoints=replay,
+        hash_algo=args.hash_algo,
+        hash_seed=args.hash_seed,
+        block_size=args.block_size,
+        e_cache_items=args.e_cache_items,
+        e_cache_ttl_s=args.e_cache_ttl,
+    )

@@ -1,0 +1,211 @@
+"""E fan-out: group the items to encode per encoder, send them, read E's metadata back.
+
+The reference proxy's `fanout_encoder_primer`, wire for wire: images assigned to the same
+encoder share one sub-request (up to ENCODER_MAX_BATCH_SIZE), audio and video go one per
+sub-request, the child request id is `<req_id>:<first item index>:<6 hex>`, the round-robin
+cursor carries on across requests, and results are matched by `item_indices`. The one
+addition: `indices` names the items to send, so a demand-aware policy sends E only what P
+still needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid as uuidlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from .errors import ProxyError
+from .media import EMBEDS_TYPES, item_uuid, uses_audio_in_video
+
+logger = logging.getLogger("mmreuse.proxy")
+
+# Copied from the client request onto each E sub-request when present.
+E_COPIED_KEYS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
+
+_decode = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeResult:
+    """What E reported: per item index its features, and the connector handles for P."""
+
+    item_meta: dict[int, list[dict[str, Any]]]
+    ec_params: dict[str, Any]
+    subrequests: int
+
+
+EMPTY = EncodeResult({}, {}, 0)
+
+
+class EncoderFanout:
+    """The encoders, the shared round-robin cursor and the batching rule."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        session_factory: Any,
+        *,
+        max_batch_size: int = 0,
+        no_rewrite: bool = False,
+    ) -> None:
+        self.urls = list(urls)
+        self._session = session_factory  # () -> aiohttp.ClientSession (created on startup)
+        self.max_batch_size = max_batch_size
+        self.no_rewrite = no_rewrite
+        self._cursor = 0  # asyncio is single-threaded: no lock needed around a sync update
+
+    def assign(self, count: int) -> list[str]:
+        """The next `count` encoders in the rotation (contiguous across requests)."""
+        urls, start = self.urls, self._cursor
+        self._cursor = (start + count) % len(urls)
+        return [urls[(start + i) % len(urls)] for i in range(count)]
+
+    def groups(self, items: Sequence[Mapping[str, Any]], indices: Sequence[int]):
+        """(encoder url, item indices) per sub-request."""
+        groups: list[tuple[str, list[int]]] = []
+        image_groups: dict[str, list[int]] = {}
+        for idx, target in zip(indices, self.assign(len(indices)), strict=True):
+            if items[idx]["type"] == "image_url":
+                batch = image_groups.get(target)
+                if batch is None or (self.max_batch_size and len(batch) >= self.max_batch_size):
+                    batch = image_groups[target] = []
+                    groups.append((target, batch))
+                batch.append(idx)
+            else:
+                groups.append((target, [idx]))
+        return groups
+
+    async def encode(
+        self,
+        request: Mapping[str, Any],
+        items: Sequence[Mapping[str, Any]],
+        indices: Sequence[int],
+        req_id: str,
+    ) -> EncodeResult:
+        """Send items[indices] to E; raise ProxyError (E's status, or 502) if any fails."""
+        if not indices:
+            return EMPTY
+        groups = self.groups(items, indices)
+        audio_in_video = uses_audio_in_video(request)
+        item_uuids: dict[int, str] = {}
+        transfer_ids: dict[int, list[str]] = {}
+        posts = []
+        session = self._session()
+        for target, batch in groups:
+            headers = {
+                "x-request-id": f"{req_id}:{batch[0]}:{uuidlib.uuid4().hex[:6]}",
+                "Content-Type": "application/json",
+            }
+            content = []
+            for idx in batch:
+                item = items[idx]
+                uid = None if self.no_rewrite else item_uuid(item)
+                if uid is not None:
+                    item_uuids[idx] = uid
+                n = 1 + int(item["type"] == "video_url" and audio_in_video)
+                transfer_ids[idx] = [uuidlib.uuid4().hex for _ in range(n)]
+                content.append(item if uid is None else {**item, "uuid": uid})
+            body: dict[str, Any] = {
+                "model": request.get("model"),
+                "messages": [{"role": "user", "content": content}],
+                "stream": False,
+            }
+            for key in E_COPIED_KEYS:
+                if key in request:
+                    body[key] = request[key]
+            posts.append(_post(session, f"{target}/v1/chat/completions", body, headers))
+        results = await asyncio.gather(*posts, return_exceptions=True)
+
+        item_meta: dict[int, list[dict[str, Any]]] = {}
+        ec_params: dict[str, Any] = {}
+        for (_, batch), result in zip(groups, results, strict=True):
+            first = batch[0]
+            if isinstance(result, BaseException):
+                logger.error("[%s] encoder request #%d raised: %s", req_id, first, result)
+                raise ProxyError(502, f"Encoder request failed: {result}", stage="encode")
+            status, payload = result
+            if status != 200:
+                detail = payload.decode("utf-8", "replace")
+                logger.error("[%s] encoder request #%d: %s %s", req_id, first, status, detail)
+                raise ProxyError(status, f"Encoder request failed: {detail}", stage="encode")
+            try:
+                params = _decode.decode(payload).get("ec_transfer_params") or {}
+            except Exception:
+                logger.warning("[%s] could not read encoder metadata #%d", req_id, first)
+                params = {}
+            if params:
+                _match(params, batch, items, item_uuids, transfer_ids, item_meta, ec_params)
+        return EncodeResult(item_meta, ec_params, len(groups))
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str]
+) -> tuple[int, bytes]:
+    async with session.post(url, data=_encode.encode(body), headers=headers) as resp:
+        return resp.status, await resp.read()
+
+
+def _match(
+    params: dict[str, Any],
+    batch: list[int],
+    items: Sequence[Mapping[str, Any]],
+    item_uuids: dict[int, str],
+    transfer_ids: dict[int, list[str]],
+    item_meta: dict[int, list[dict[str, Any]]],
+    ec_params: dict[str, Any],
+) -> None:
+    """The reference's matching of E's `ec_transfer_params` entries to the batch's items."""
+    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
+        raise ProxyError(502, "Invalid encoder metadata", stage="encode")
+    by_index: dict[int, tuple[str, dict[str, Any]]] = {}
+    if len(batch) > 1:
+        for mm_hash, reported in params.items():
+            for local in reported.get("item_indices", []):
+                if type(local) is not int or not 0 <= local < len(batch):
+                    raise ProxyError(502, "Invalid encoder item index", stage="encode")
+                if local in by_index:
+                    raise ProxyError(502, "Duplicate encoder item index", stage="encode")
+                by_index[local] = (mm_hash, reported)
+    for local, idx in enumerate(batch):
+        audio_in_video = (
+            len(transfer_ids[idx]) == 2
+            and len(params) == 2
+            and {entry.get("modality") for entry in params.values()} == {"video", "audio"}
+        )
+        if audio_in_video:
+            features = sorted(params.items(), key=lambda pair: pair[1]["modality"] != "video")
+            positions = [entry.get("item_indices") for _, entry in features]
+            if positions not in ([[0], [1]], [[1], [0]]):
+                raise ProxyError(502, "Invalid encoder audio/video indices", stage="encode")
+        else:
+            matched = by_index.get(local)
+            if matched is None:
+                uid = item_uuids.get(idx)
+                if uid is not None and uid in params:
+                    matched = (uid, params[uid])
+                elif len(batch) == 1 and len(params) == 1:
+                    matched = next(iter(params.items()))
+                else:
+                    raise ProxyError(502, "Encoder metadata cannot be matched", stage="encode")
+            features = [matched]
+        item_meta[idx] = []
+        for mm_hash, reported in features:
+            feature_index = reported["item_indices"][0] if audio_in_video else 0
+            transfer_id = reported.get("transfer_id") or transfer_ids[idx][feature_index]
+            item_meta[idx].append(
+                {
+                    "metadata": reported.get("metadata") or {},
+                    "modality": reported.get("modality")
+                    or EMBEDS_TYPES[items[idx]["type"]].removesuffix("_embeds"),
+                    "mm_hash": mm_hash,
+                    "transfer_id": transfer_id,
+                }
+            )
+        ec_params.update(features)

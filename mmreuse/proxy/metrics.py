@@ -1,0 +1,86 @@
+"""The proxy's Prometheus metrics, in one registry per app (GET /metrics serves it, together
+with the KV-event subscribers' metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Stage latencies span sub-millisecond decisions to multi-second CPU prefills.
+_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+STAGES = ("render", "decide", "encode", "prefill", "decode", "total")
+
+
+class ProxyMetrics:
+    """Requests, occurrences by class, E traffic, stage latencies, views, fallbacks, errors."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter(
+            "mmreuse_proxy_requests_total",
+            "chat requests, by policy and outcome (ok, client_error, server_error)",
+            ["policy", "outcome"],
+            registry=r,
+        )
+        self.occurrences = Counter(
+            "mmreuse_proxy_occurrences_total",
+            "multimodal occurrences by class: kv_covered, p_local, p_external, e_cached, "
+            "e_compute, duplicate, no_embeds; unclassified (eager, or no plan)",
+            ["klass"],
+            registry=r,
+        )
+        self.e_subrequests = Counter(
+            "mmreuse_proxy_encoder_subrequests_total", "sub-requests sent to E", registry=r
+        )
+        self.e_items = Counter(
+            "mmreuse_proxy_encoder_items_total",
+            "media items: sent to E, or skipped (P got them raw, with their uuid)",
+            ["action"],
+            registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "mmreuse_proxy_stage_seconds",
+            "per-stage latency: render, decide, encode, prefill, decode (to the first byte when "
+            "streaming), total",
+            ["stage"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.view_lag = Gauge(
+            "mmreuse_proxy_view_lag_seconds",
+            "age of the last KV-event batch applied, when it was applied (publisher clock)",
+            ["instance"],
+            registry=r,
+        )
+        self.hash_verified = Gauge(
+            "mmreuse_proxy_hash_blocks_verified",
+            "P's BlockStored blocks re-hashed by the proxy and found equal",
+            ["instance"],
+            registry=r,
+        )
+        self.hash_mismatches = Gauge(
+            "mmreuse_proxy_hash_config_mismatches",
+            "P's BlockStored blocks the proxy hashes differently: its --hash-algo, --hash-seed "
+            "or --block-size differs from P's (the view is then not used)",
+            ["instance"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "mmreuse_proxy_fallbacks_total",
+            "fallbacks: kv_short (P's prefix hit was shorter than planned: it used its own "
+            "encoder cache, connector or encoder for a skipped item), retry (a decode 500, "
+            "everything re-encoded), no_plan (render or planning failed: E got everything)",
+            ["instance", "kind"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "mmreuse_proxy_errors_total",
+            "errors by stage (render, encode, prefill, decode, proxy)",
+            ["stage"],
+            registry=r,
+        )
+        for stage in STAGES:
+            self.stage_seconds.labels(stage)

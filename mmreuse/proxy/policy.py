@@ -1,0 +1,268 @@
+"""Which P/PD serves a request, and which of its media items E must encode.
+
+`eager` is the reference proxy: a random P/PD, every item to E. `index` renders the request
+(with the proxy's uuids, so identifiers are P's), hashes it as P does, looks the hashes up in
+P's live view, and plans it with `mmreuse.plan.plan_admission`: E gets only `e_demand` (each
+identifier once); every other item goes to P raw, with its uuid, so that if P's state changed
+since the view, vLLM's own order (KV, encoder cache, EC connector, its encoder) still serves
+it. `affine` routing picks the P/PD with the longest live prefix hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..availability import EmbeddingAvailability
+from ..demand import Klass
+from ..errors import InvalidArgument
+from ..integrations.vllm import RenderedPrompt, from_render
+from ..plan import AdmissionPlan, plan_admission
+from .config import ProxyConfig
+from .media import MODALITY, with_uuids
+from .views import InstanceView
+
+logger = logging.getLogger("mmreuse.proxy")
+
+E_LOCATION = "E"  # the E side as one location: vLLM's example encoders share one EC store
+
+_decode = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes and what E gets.
+
+    Attributes:
+        instance: index of the P (or PD) chosen, into `ProxyConfig.prefill_instances`.
+        e_indices: media items (request order) sent to E.
+        raw_with_uuid: items P receives raw, with their uuid (skipped for E).
+        dup_of: item -> the item sent to E for the same identifier (it shares its embedding).
+        klasses: per item, its class (`Klass` value, "duplicate", or "unclassified").
+        plan: the admission plan (None under eager, or when no plan could be made).
+        identifiers: per item, vLLM's identifier (from render), when rendered.
+        cache_salt: the request's cache salt, when rendered.
+        render_s, decide_s: seconds spent rendering, and deciding (hash + view + plan).
+        no_plan: why a demand-aware decision fell back to sending everything (None if it did not).
+    """
+
+    instance: int
+    e_indices: tuple[int, ...]
+    raw_with_uuid: frozenset[int] = frozenset()
+    dup_of: Mapping[int, int] | None = None
+    klasses: tuple[str, ...] = ()
+    plan: AdmissionPlan | None = None
+    identifiers: tuple[str, ...] = ()
+    cache_salt: str | None = None
+    render_s: float = 0.0
+    decide_s: float = 0.0
+    no_plan: str | None = None
+
+
+class Planner:
+    """Makes each request's Decision from the config, the views and E-side availability."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        views: Sequence[InstanceView],
+        availability: EmbeddingAvailability,
+        post: Callable[[str, Any], Any],
+        rng: random.Random,
+    ) -> None:
+        self.config = config
+        self.views = list(views)
+        self.availability = availability
+        self._post = post  # async (url, body) -> (status, bytes)
+        self._rng = rng
+        self._needs_render = config.policy == "index" or config.routing == "affine"
+
+    def random_instance(self) -> int:
+        return self._rng.randrange(len(self.config.prefill_instances))
+
+    def eager(self, items: Sequence[Mapping[str, Any]], instance: int | None = None) -> Decision:
+        inst = self.random_instance() if instance is None else instance
+        n = len(items)
+        return Decision(inst, tuple(range(n)), klasses=("unclassified",) * n)
+
+    async def decide(
+        self, request: Mapping[str, Any], items: Sequence[Mapping[str, Any]]
+    ) -> Decision:
+        if not self._needs_render or (not items and self.config.routing == "random"):
+            return self.eager(items)
+        instance = self.random_instance()
+        t0 = time.perf_counter()
+        try:
+            rendered = await self._render(request, items, instance)
+        except (_NoPlan, InvalidArgument) as e:
+            return _replace(self.eager(items, instance), no_plan=f"render: {e}",
+                            render_s=time.perf_counter() - t0)  # fmt: skip
+        t1 = time.perf_counter()
+        try:
+            decision = self._plan(rendered, items, instance)
+        except (_NoPlan, InvalidArgument) as e:
+            decision = _replace(self.eager(items, instance), no_plan=f"plan: {e}")
+        t2 = time.perf_counter()
+        return _replace(decision, render_s=t1 - t0, decide_s=t2 - t1)
+
+    async def _render(
+        self, request: Mapping[str, Any], items: Sequence[Mapping[str, Any]], instance: int
+    ) -> RenderedPrompt:
+        body = with_uuids(request, items)
+        for key in ("stream", "stream_options", "kv_transfer_params", "ec_transfer_params"):
+            body.pop(key, None)
+        body["mm_payload"] = "none"
+        base = self.config.render_url or self.config.prefill_instances[instance]
+        try:
+            status, payload = await self._post(f"{base}/v1/chat/completions/render", body)
+        except Exception as e:  # a render failure costs the plan, never the request
+            raise _NoPlan(f"{type(e).__name__}: {e}") from e
+        if status != 200:
+            raise _NoPlan(f"HTTP {status}: {payload[:200].decode('utf-8', 'replace')}")
+        try:
+            return from_render(_decode.decode(payload))
+        except msgspec.DecodeError as e:
+            raise _NoPlan(f"render answered invalid JSON: {e}") from e
+
+    def _hashes(self, rendered: RenderedPrompt, view: InstanceView, memo: dict) -> list[bytes]:
+        hasher = view.hasher
+        if hasher is None:
+            return []
+        key = (hasher.block_size,)
+        if key not in memo:
+            memo[key] = hasher.hash_prompt(
+                list(rendered.token_ids),
+                mm=rendered.occurrences,
+                cache_salt=rendered.cache_salt,
+            )
+        return memo[key]
+
+    def _plan(
+        self, rendered: RenderedPrompt, items: Sequence[Mapping[str, Any]], instance: int
+    ) -> Decision:
+        occ_items = _occurrence_items(rendered, items)
+        memo: dict = {}
+        if self.config.routing == "affine" and len(self.views) > 1:
+            hits = []
+            for view in self.views:
+                hashes = self._hashes(rendered, view, memo)
+                bs = view.hasher.block_size if view.hasher else 0
+                hits.append(view.hit_blocks(hashes) * bs)
+            best = max(hits)
+            instance = self._rng.choice([i for i, h in enumerate(hits) if h == best])
+        if self.config.policy != "index":
+            return _replace(
+                self.eager(items, instance),
+                identifiers=_identifiers(rendered, occ_items, len(items)),
+            )
+        view = self.views[instance]
+        n = len(rendered.token_ids)
+        availability = self.availability.availability_for(
+            view.name, E_LOCATION, cache_salt=rendered.cache_salt
+        )
+        if view.usable and view.hasher is not None:
+            plan = plan_admission(
+                num_prompt_tokens=n,
+                occurrences=rendered.occurrences,
+                availability=availability,
+                view=view.index,
+                block_hashes=self._hashes(rendered, view, memo),
+                block_size=view.hasher.block_size,
+            )
+        else:
+            plan = plan_admission(
+                num_prompt_tokens=n,
+                occurrences=rendered.occurrences,
+                availability=availability,
+                num_computed_tokens=0,
+            )
+        demand = plan.demand
+        if demand.conflicts:  # vLLM rejects it: let P say so, as under eager
+            raise _NoPlan(f"embed counts disagree for {list(demand.conflicts)}")
+        wanted = {ident for ident, _ in demand.e_demand}
+        sent_for: dict[str, int] = {}
+        klasses = ["unclassified"] * len(items)
+        for d in demand.decisions:
+            idx = occ_items[d.index]
+            klasses[idx] = "duplicate" if d.dedup_of is not None else d.klass.value
+            if d.klass.needs_e and d.dedup_of is None and d.identifier in wanted:
+                sent_for.setdefault(d.identifier, idx)
+        e_indices = tuple(sorted(sent_for.values()))
+        dup_of: dict[int, int] = {}
+        raw: set[int] = set()
+        for d in demand.decisions:
+            idx = occ_items[d.index]
+            first = sent_for.get(d.identifier)
+            if first is None:
+                raw.add(idx)
+            elif first != idx:
+                dup_of[idx] = first
+        return Decision(
+            instance,
+            e_indices,
+            frozenset(raw),
+            dup_of,
+            tuple(klasses),
+            plan,
+            _identifiers(rendered, occ_items, len(items)),
+            rendered.cache_salt,
+        )
+
+    def record_e(self, decision: Decision) -> None:
+        """E now holds what it was sent (the E-side availability index plans with)."""
+        if decision.identifiers and decision.e_indices:
+            self.availability.update_e(
+                E_LOCATION,
+                added=[decision.identifiers[i] for i in decision.e_indices],
+                cache_salt=decision.cache_salt,
+            )
+
+
+class _NoPlan(Exception):
+    """Planning is not possible for this request; it is served as under eager."""
+
+
+def _replace(d: Decision, **changes: Any) -> Decision:
+    fields = {f: getattr(d, f) for f in Decision.__slots__}
+    fields.update(changes)
+    return Decision(**fields)
+
+
+def _occurrence_items(rendered: RenderedPrompt, items: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Occurrence i (vLLM's order) -> its media item (request order): per modality both are in
+    prompt order, so the k-th occurrence of a modality is its k-th item."""
+    by_modality: dict[str, list[int]] = {}
+    for idx, item in enumerate(items):
+        by_modality.setdefault(MODALITY[item["type"]], []).append(idx)
+    seen: dict[str, int] = {}
+    out = []
+    for occ in rendered.occurrences:
+        k = seen.get(occ.modality, 0)
+        seen[occ.modality] = k + 1
+        slots = by_modality.get(occ.modality, [])
+        if k >= len(slots):
+            raise _NoPlan(f"render has more {occ.modality} items than the request")
+        out.append(slots[k])
+    for modality, slots in by_modality.items():
+        if seen.get(modality, 0) != len(slots):
+            raise _NoPlan(
+                f"render has {seen.get(modality, 0)} {modality} items, the request {len(slots)}"
+            )
+    return out
+
+
+def _identifiers(rendered: RenderedPrompt, occ_items: list[int], n: int) -> tuple[str, ...]:
+    out = [""] * n
+    for occ, idx in zip(rendered.occurrences, occ_items, strict=True):
+        out[idx] = occ.identifier
+    return tuple(out)
+
+
+__all__ = ["Decision", "Klass", "Planner"]

@@ -1,0 +1,158 @@
+"""The proxy's live view of each prefill instance: its KV events (a `KVEventSubscriber` into a
+`RemoteKVIndex`), the check that the proxy hashes as that instance does, and the view's lag."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..events.hashcheck import HashConfigCheck
+from ..events.index import RemoteKVIndex
+from ..events.metrics import Metrics as EventMetrics
+from ..events.wire import BlockStored, KVEventBatch
+from ..hashing import BlockHasher
+from .metrics import ProxyMetrics
+
+logger = logging.getLogger("mmreuse.proxy")
+
+
+class InstanceView:
+    """One P (or PD) as the proxy sees it. Usable only while its subscriber runs and its hash
+    check has found no mismatch; otherwise the proxy plans as if it held nothing (E gets
+    everything for it), and says why in /health and /metrics."""
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        endpoint: str | None,
+        replay_endpoint: str | None,
+        *,
+        hash_algo: str,
+        hash_seed: str | None,
+        block_size: int | None,
+        event_metrics: EventMetrics,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.name, self.url = name, url
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self.hash_algo, self.hash_seed = hash_algo, hash_seed
+        self.configured_block_size = block_size
+        self.index = RemoteKVIndex(name)
+        self._event_metrics, self._metrics = event_metrics, metrics
+        self._lock = threading.Lock()
+        self.hasher: BlockHasher | None = None
+        self.check: HashConfigCheck | None = None
+        self._reported_mismatch = False
+        self.subscriber: Any = None  # a KVEventSubscriber once started (pyzmq loads lazily)
+        if block_size is not None:
+            self._configure(block_size)
+
+    def _configure(self, block_size: int) -> None:
+        hasher = BlockHasher(self.hash_algo, block_size, seed=self.hash_seed)
+        self.check = HashConfigCheck(hasher, instance=self.name)
+        self.hasher = hasher
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.endpoint is None:
+            return
+        from ..events.subscriber import KVEventSubscriber  # pyzmq: only where a view is asked
+
+        self.subscriber = KVEventSubscriber(
+            self.endpoint,
+            self.replay_endpoint,
+            index=self.index,
+            metrics=self._event_metrics,
+            on_batch=self._on_batch,
+        ).start()
+
+    def stop(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.stop()
+
+    # ---- the subscriber thread ----------------------------------------------------------------
+
+    def _on_batch(self, batch: KVEventBatch) -> None:
+        self._metrics.view_lag.labels(self.name).set(max(0.0, time.time() - batch.ts))
+        for event in batch.events:
+            if not isinstance(event, BlockStored):
+                continue
+            if self.check is None:
+                with self._lock:
+                    if (
+                        self.check is None
+                        and isinstance(event.block_size, int)
+                        and event.block_size > 0
+                    ):
+                        self._configure(event.block_size)
+                        logger.info(
+                            "view %s: block size %d (from its events)", self.name, event.block_size
+                        )
+            if self.check is not None:
+                self.check.observe(event)
+        self._report()
+
+    def _report(self) -> None:
+        if self.check is None:
+            return
+        status = self.check.status
+        self._metrics.hash_verified.labels(self.name).set(status.verified)
+        if status.mismatches and not self._reported_mismatch:
+            self._reported_mismatch = True
+            logger.error(
+                "view %s: HASH CONFIGURATION MISMATCH: %s", self.name, status.first_mismatch
+            )
+        self._metrics.hash_mismatches.labels(self.name).set(status.mismatches)
+
+    # ---- the read side ------------------------------------------------------------------------
+
+    @property
+    def problems(self) -> list[str]:
+        """Why this view cannot be trusted now (empty: it can)."""
+        out = []
+        if self.endpoint is None:
+            out.append("no KV events endpoint")
+        elif self.subscriber is None or not self.subscriber.is_alive:
+            err = getattr(self.subscriber, "error", None)
+            out.append(f"KV-event subscriber not running{f': {err}' if err else ''}")
+        if self.check is not None and not self.check.status.ok:
+            out.append(f"hash configuration mismatch: {self.check.status.first_mismatch}")
+        return out
+
+    @property
+    def usable(self) -> bool:
+        return (
+            self.hasher is not None
+            and self.subscriber is not None
+            and self.subscriber.is_alive
+            and self.check is not None
+            and self.check.status.ok
+        )
+
+    def hit_blocks(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of `hashes` this instance holds, as its events tell (0 if unusable)."""
+        return self.index.longest_prefix(hashes) if self.usable else 0
+
+    def health(self) -> dict[str, object]:
+        status = self.check.status if self.check is not None else None
+        return {
+            "url": self.url,
+            "kv_events": self.endpoint,
+            "usable": self.usable,
+            "block_size": self.hasher.block_size if self.hasher else None,
+            "blocks": self.index.size(),
+            "hash_check": None
+            if status is None
+            else {
+                "verified": status.verified,
+                "mismatches": status.mismatches,
+                "unverifiable": status.unverifiable,
+                "first_mismatch": status.first_mismatch,
+            },
+            "problems": self.problems,
+        }
