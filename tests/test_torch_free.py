@@ -24,6 +24,7 @@ TORCH_FREE = [
     "mmreuse.proxy",
     "mmreuse.proxy.app",
     "mmreuse.proxy.policy",
+    "mmreuse.proxy.reference",
 ]
 
 
