@@ -20,9 +20,12 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from ..errors import InvalidArgument
 from ..validate import check_int
 from .install import API_SERVER_MODULE, require_venv
 from .instance import (
+    BLOCK_SIZE,
+    SERVER_ENV,
     Instance,
     InstanceSpec,
     StartupError,
@@ -111,6 +114,8 @@ class Cluster:
         startup_timeout: float = 300.0,
         kv_events_bind: bool = True,
         extra_args: tuple[str, ...] = (),
+        prefill_extra_args: tuple[tuple[str, ...], ...] = (),
+        encoder_extra_args: tuple[str, ...] = (),
     ) -> None:
         self.encoders = check_int("encoders", encoders, 0, MAX_ENCODERS)
         self.prefills = check_int("prefills", prefills, 1, MAX_PREFILLS)
@@ -119,6 +124,13 @@ class Cluster:
         self.startup_timeout = startup_timeout
         self.kv_events_bind = kv_events_bind
         self.extra_args = extra_args
+        if prefill_extra_args and len(prefill_extra_args) != self.prefills:
+            raise InvalidArgument(
+                f"prefill_extra_args has {len(prefill_extra_args)} entries for "
+                f"{self.prefills} prefills: one tuple per P (empty for none)"
+            )
+        self.prefill_extra_args = prefill_extra_args
+        self.encoder_extra_args = encoder_extra_args
         self.instances: dict[str, Instance] = {}
         self.startup_seconds: dict[str, float] = {}
 
@@ -137,7 +149,10 @@ class Cluster:
     def specs(self) -> list[InstanceSpec]:
         """The instances' specs, on freshly chosen free ports."""
         ports = iter(free_ports(self.encoders + 3 * self.prefills))
-        specs = [InstanceSpec(f"E{i}", "encoder", next(ports)) for i in range(self.encoders)]
+        specs = [
+            InstanceSpec(f"E{i}", "encoder", next(ports), extra_args=self.encoder_extra_args)
+            for i in range(self.encoders)
+        ]
         for i in range(self.prefills):
             specs.append(
                 InstanceSpec(
@@ -147,7 +162,8 @@ class Cluster:
                     kv_events_port=next(ports),
                     replay_port=next(ports),
                     kv_events_bind=self.kv_events_bind,
-                    extra_args=self.extra_args,
+                    extra_args=self.extra_args
+                    + (self.prefill_extra_args[i] if self.prefill_extra_args else ()),
                 )
             )
         return specs
@@ -207,6 +223,21 @@ class Cluster:
             inst.stop()
         (self.run_dir / STATE_NAME).unlink(missing_ok=True)
         atexit.unregister(self.stop)
+
+    def proxy_args(self) -> list[str]:
+        """`mmreuse proxy` flags for this cluster (E + PD): URLs, KV-event endpoints aligned
+        with the PDs, and P's hash configuration (sha256, PYTHONHASHSEED, block size)."""
+        es = [i.spec for i in self.instances.values() if i.spec.role == "encoder"]
+        ps = [i.spec for i in self.instances.values() if i.spec.role == "prefill"]
+        return [
+            "--encode-servers-urls", ",".join(s.url for s in es),
+            "--decode-servers-urls", ",".join(s.url for s in ps),
+            "--kv-events-endpoints", ",".join(str(s.kv_events_endpoint) for s in ps),
+            "--kv-events-replay-endpoints", ",".join(str(s.replay_endpoint) for s in ps),
+            "--hash-algo", "sha256",
+            "--hash-seed", SERVER_ENV["PYTHONHASHSEED"],
+            "--block-size", str(BLOCK_SIZE),
+        ]  # fmt: skip
 
     def probe(self) -> EncoderProbe:
         """An encoder probe over every instance's log and the shared connector folder."""

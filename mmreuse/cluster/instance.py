@@ -139,7 +139,7 @@ def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path)
         "--max-model-len", "4096",
         "--max-num-seqs", "4",
         "--dtype", "bfloat16",
-        "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 0}),
+        "--limit-mm-per-prompt", json.dumps({"image": 16, "video": 0}),
         "--block-size", str(BLOCK_SIZE),
         "--enable-logging-iteration-details",
         "--ec-transfer-config", json.dumps(ec),
@@ -157,6 +157,7 @@ def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path)
             "--enable-prefix-caching",
             "--kv-events-config", json.dumps(events),
             "--enable-scale-out",
+            "--enable-prompt-tokens-details",  # usage.cached_tokens: the proxy sees fallbacks
         ]  # fmt: skip
     return argv + list(spec.extra_args)
 

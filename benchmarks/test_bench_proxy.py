@@ -1,0 +1,83 @@
+"""pytest-benchmark: the `index` decision of `mmreuse proxy` for a 32,768-token prompt with 16
+images (hash under P's configuration + live-view lookup + coverage + demand + the item map;
+render excluded), and, on its own, reading render's answer for that prompt.
+
+.venv/bin/python -m pytest benchmarks/test_bench_proxy.py --benchmark-enable
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from mmreuse.blockhash import to_event_id
+from mmreuse.events.wire import BlockStored, KVEventBatch
+from mmreuse.integrations.vllm import from_render
+from mmreuse.proxy.app import Proxy
+from mmreuse.proxy.config import parse_args
+
+N, IMAGES, IMAGE_TOKENS, BLOCK = 32_768, 16, 576, 16
+IMAGE_PAD = 151655
+
+
+def _request_and_render(seed: int = 0):
+    rng = random.Random(seed)
+    tokens, places, content = [], [], []
+    gap = (N - IMAGES * IMAGE_TOKENS) // (IMAGES + 1)
+    for k in range(IMAGES):
+        tokens += [rng.randrange(1000, 100_000) for _ in range(gap)]
+        places.append({"offset": len(tokens), "length": IMAGE_TOKENS})
+        tokens += [IMAGE_PAD] * IMAGE_TOKENS
+        content.append(
+            {"type": "image_url", "image_url": {"url": f"https://x/{k}.png"}, "uuid": f"img-{k}"}
+        )
+        content.append({"type": "text", "text": "..."})
+    tokens += [rng.randrange(1000, 100_000) for _ in range(N - len(tokens))]
+    render = {
+        "token_ids": tokens,
+        "features": {
+            "mm_hashes": {"image": [f"img-{k}" for k in range(IMAGES)]},
+            "mm_placeholders": {"image": places},
+        },
+    }
+    request = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    return request, render
+
+
+@pytest.fixture(scope="module", params=[0.0, 0.5, 1.0], ids=["cold", "half", "all"])
+def planner(request):
+    """A proxy with one PD whose live view holds the first `fraction` of the prompt's blocks."""
+    config = parse_args(
+        ["--encode-servers-urls", "http://e", "--decode-servers-urls", "http://pd",
+         "--policy", "index", "--kv-events-endpoints", "tcp://127.0.0.1:1",
+         "--hash-seed", "0", "--block-size", str(BLOCK)]
+    )  # fmt: skip
+    proxy = Proxy(config)
+    view = proxy.views[0]
+    view.subscriber = SimpleNamespace(is_alive=True, error=None)  # the view, without ZMQ
+    req, render = _request_and_render()
+    rendered = from_render(render)
+    assert view.hasher is not None
+    hashes = view.hasher.hash_prompt(list(rendered.token_ids), mm=rendered.occurrences)
+    held = [to_event_id(h) for h in hashes[: int(len(hashes) * request.param)]]
+    if held:
+        stored = BlockStored(held, None, [0] * BLOCK * len(held), BLOCK, None, None, None)
+        view.index.apply(KVEventBatch(0.0, [stored]))
+    return proxy.planner, rendered, req
+
+
+def test_index_decision_32k_16_images(benchmark, planner):
+    plan, rendered, req = planner
+    items = req["messages"][0]["content"][::2]
+    decision = benchmark(plan._plan, rendered, items, 0)
+    assert len(decision.klasses) == IMAGES
+
+
+def test_read_render_answer_32k_16_images(benchmark):
+    _, render = _request_and_render()
+    payload = msgspec.json.encode(render)
+    rendered = benchmark(lambda: from_render(msgspec.json.decode(payload)))
+    assert len(rendered.occurrences) == IMAGES
