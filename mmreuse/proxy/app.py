@@ -110,7 +110,6 @@ class Proxy:
         self.session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=100_000),
-            auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
         for view in self.views:
@@ -306,12 +305,24 @@ class Proxy:
         )
         await out.prepare(request)
         first = True
-        async for chunk in resp.content.iter_any():
-            if chunk:
-                if first:
-                    self.metrics.stage_seconds.labels("decode").observe(time.perf_counter() - td)
-                    first = False
-                await out.write(chunk)
+        try:
+            async for chunk in resp.content.iter_any():
+                if chunk:
+                    if first:
+                        self.metrics.stage_seconds.labels("decode").observe(
+                            time.perf_counter() - td
+                        )
+                        first = False
+                    await out.write(chunk)
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+            # The status line is out: the one honest signal left is a broken stream (no
+            # terminating chunk), never a second response.
+            logger.error("decode stream broke after it started: %s", e)
+            self.metrics.errors.labels("decode").inc()
+            out.force_close()
+            if request.transport is not None:  # no terminating chunk: the client sees it broken
+                request.transport.close()
+            return out
         await out.write_eof()
         return out
 

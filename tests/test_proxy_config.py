@@ -1,0 +1,216 @@
+"""`mmreuse proxy` flags: the reference proxy's static-mode flags with its names, defaults and
+meaning (vLLM 0.33.0 `disagg_epd_proxy.py`, its `__main__` block), the environment it reads
+(ENCODER_MAX_BATCH_SIZE), and the usage errors: exit 2 with `mmreuse proxy: error: ...`."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmreuse import cli
+from mmreuse.proxy.config import ProxyConfig, build_parser, parse_args
+
+E = "http://e0:8001"
+PD = "http://pd0:8002"
+BASE = ["--encode-servers-urls", E, "--decode-servers-urls", PD]
+
+
+def usage_error(capsys, argv, env=None) -> str:
+    """parse_args must refuse `argv` as argparse does: SystemExit(2), the message on stderr."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, env={} if env is None else env)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "mmreuse proxy: error:" in err
+    return err
+
+
+def test_reference_defaults():
+    # The reference: --host 0.0.0.0, --port 8000, --prefill-servers-urls "none" (E + PD),
+    # --decode-retries 1, --no-rewrite and --log-requests off, ENCODER_MAX_BATCH_SIZE 0.
+    cfg = parse_args(BASE, env={})
+    assert cfg == ProxyConfig(encode_urls=(E,), decode_urls=(PD,))
+    assert (cfg.host, cfg.port, cfg.decode_retries) == ("0.0.0.0", 8000, 1)
+    assert (cfg.no_rewrite, cfg.log_requests, cfg.encoder_max_batch_size) == (False, False, 0)
+    assert cfg.prefill_urls == ()
+    assert cfg.prefill_instances == (PD,)  # in E + PD the decode instances prefill
+    assert (cfg.policy, cfg.routing) == ("eager", "random")
+    defaults = {a.dest: a.default for a in build_parser()._actions}
+    assert defaults["prefill_servers_urls"] == "none"
+    assert defaults["encode_servers_urls"] == defaults["decode_servers_urls"] == ""
+
+
+def test_every_reference_flag_is_read():
+    cfg = parse_args(
+        [
+            "--host", "127.0.0.1",
+            "--port", "9100",
+            "--encode-servers-urls", "http://e0:1, http://e1:2/",
+            "--prefill-servers-urls", "http://p0:3,http://p1:4",
+            "--decode-servers-urls", "http://d0:5",
+            "--decode-retries", "3",
+            "--no-rewrite",
+            "--log-requests",
+        ],
+        env={"ENCODER_MAX_BATCH_SIZE": "4"},
+    )  # fmt: skip
+    assert cfg.host == "127.0.0.1" and cfg.port == 9100
+    # Comma-separated, stripped as the reference strips them (and a trailing slash dropped).
+    assert cfg.encode_urls == ("http://e0:1", "http://e1:2")
+    assert cfg.prefill_urls == ("http://p0:3", "http://p1:4")
+    assert cfg.decode_urls == ("http://d0:5",)
+    assert cfg.prefill_instances == cfg.prefill_urls  # E + P + D: P holds the prefix cache
+    assert cfg.decode_retries == 3
+    assert cfg.no_rewrite and cfg.log_requests
+    assert cfg.encoder_max_batch_size == 4
+
+
+@pytest.mark.parametrize("value", ["none", "disable", "", "NONE", "Disable"])
+def test_no_prefill_means_e_plus_pd(value):
+    # The reference: `args.prefill_servers_urls.lower() in ("disable", "none", "")`.
+    cfg = parse_args([*BASE, "--prefill-servers-urls", value], env={})
+    assert cfg.prefill_urls == ()
+    assert cfg.prefill_instances == (PD,)
+
+
+def test_decode_retries_zero_disables():
+    assert parse_args([*BASE, "--decode-retries", "0"], env={}).decode_retries == 0
+
+
+def test_environment_defaults_to_os_environ(monkeypatch):
+    monkeypatch.setenv("ENCODER_MAX_BATCH_SIZE", "7")
+    assert parse_args(BASE).encoder_max_batch_size == 7
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5", " "])
+def test_encoder_max_batch_size_refused(capsys, value):
+    # The reference raises at import for a negative or non-integer value.
+    err = usage_error(capsys, BASE, env={"ENCODER_MAX_BATCH_SIZE": value})
+    assert "ENCODER_MAX_BATCH_SIZE" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--encode-servers-urls", E],
+        ["--decode-servers-urls", PD],
+        ["--encode-servers-urls", "", "--decode-servers-urls", PD],
+        ["--encode-servers-urls", " , ", "--decode-servers-urls", PD],
+    ],
+)
+def test_missing_url_flags_refused(capsys, argv):
+    err = usage_error(capsys, argv)
+    assert "Static routing requires --encode-servers-urls and --decode-servers-urls" in err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--decode-retries", "-1"], "--decode-retries"),
+        (["--port", "0"], "--port"),
+        (["--port", "70000"], "--port"),
+        (["--port", "http"], "--port"),
+        (["--block-size", "0"], "--block-size"),
+        (["--e-cache-items", "0"], "--e-cache-items"),
+        (["--e-cache-ttl", "0"], "--e-cache-ttl"),
+        (["--e-cache-ttl", "nan"], "--e-cache-ttl"),
+        (["--policy", "demand"], "--policy"),
+        (["--routing", "sticky"], "--routing"),
+        (["--hash-algo", "md5"], "--hash-algo"),
+        (["--render-url", "pd0:8002"], "--render-url"),
+        (["--prefill-servers-urls", "p0:8003"], "--prefill-servers-urls"),
+        (["--kv-events-endpoints", "127.0.0.1:5557"], "--kv-events-endpoints"),
+    ],
+)
+def test_bad_values_refused(capsys, argv, words):
+    assert words in usage_error(capsys, [*BASE, *argv])
+
+
+def test_bad_url_refused(capsys):
+    err = usage_error(capsys, ["--encode-servers-urls", "e0:8001", "--decode-servers-urls", PD])
+    assert "--encode-servers-urls" in err and "'e0:8001'" in err
+
+
+def test_kv_events_endpoints_aligned_with_the_prefill_instances(capsys):
+    two = ["--encode-servers-urls", E, "--decode-servers-urls", "http://d0:1,http://d1:2"]
+    cfg = parse_args([*two, "--kv-events-endpoints", "tcp://d0:5557,"], env={})
+    assert cfg.kv_events_endpoints == ("tcp://d0:5557", None)  # an empty slot: no view there
+    err = usage_error(capsys, [*two, "--kv-events-endpoints", "tcp://d0:5557"])
+    assert "--kv-events-endpoints has 1 entries but --decode-servers-urls has 2" in err
+    # E + P + D: aligned with the P URLs, not the D ones.
+    epd = [*two, "--prefill-servers-urls", "http://p0:3"]
+    assert parse_args([*epd, "--kv-events-endpoints", "tcp://p0:1"], env={}).kv_events_endpoints
+    err = usage_error(capsys, [*epd, "--kv-events-endpoints", "tcp://p0:1,tcp://p1:1"])
+    assert "--prefill-servers-urls has 1" in err
+    err = usage_error(capsys, [*epd, "--kv-events-replay-endpoints", "tcp://p0:2"])
+    assert "--kv-events-replay-endpoints needs --kv-events-endpoints" in err
+    err = usage_error(
+        capsys,
+        [*epd, "--kv-events-endpoints", "tcp://p0:1", "--kv-events-replay-endpoints", ","],
+    )
+    assert "--kv-events-replay-endpoints has 2 entries" in err
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_xxhash_needs_a_hash_seed(capsys, algo):
+    err = usage_error(capsys, [*BASE, "--hash-algo", algo])
+    assert "--hash-seed" in err
+    cfg = parse_args([*BASE, "--hash-algo", algo, "--hash-seed", "0"], env={})
+    assert (cfg.hash_algo, cfg.hash_seed) == (algo, "0")
+
+
+def test_demand_aware_flags():
+    cfg = parse_args(
+        [
+            *BASE,
+            "--policy", "index",
+            "--routing", "affine",
+            "--render-url", "http://render:1/",
+            "--kv-events-endpoints", "tcp://pd0:5557",
+            "--kv-events-replay-endpoints", "tcp://pd0:5558",
+            "--hash-algo", "sha256_cbor",
+            "--hash-seed", "42",
+            "--block-size", "32",
+            "--e-cache-items", "10",
+            "--e-cache-ttl", "2.5",
+        ],
+        env={},
+    )  # fmt: skip
+    assert cfg == (
+        ProxyConfig(
+            encode_urls=(E,),
+            decode_urls=(PD,),
+            policy="index",
+            routing="affine",
+            render_url="http://render:1",
+            kv_events_endpoints=("tcp://pd0:5557",),
+            kv_events_replay_endpoints=("tcp://pd0:5558",),
+            hash_algo="sha256_cbor",
+            hash_seed="42",
+            block_size=32,
+            e_cache_items=10,
+            e_cache_ttl_s=2.5,
+        )
+    )
+    assert parse_args(BASE, env={}).hash_seed is None  # unset, as vLLM without PYTHONHASHSEED
+
+
+def test_mmreuse_proxy_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["proxy", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: mmreuse proxy")
+    for flag in (
+        "--host", "--port", "--encode-servers-urls", "--prefill-servers-urls",
+        "--decode-servers-urls", "--decode-retries", "--no-rewrite", "--log-requests",
+        "--policy", "--kv-events-endpoints", "--hash-seed",
+    ):  # fmt: skip
+        assert flag in out
+
+
+def test_mmreuse_proxy_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["proxy", "--encode-servers-urls", E])
+    assert exc.value.code == 2
+    assert "Static routing requires" in capsys.readouterr().err
