@@ -229,3 +229,11 @@ def test_cluster_package_imports_neither_torch_nor_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_free_ports_stay_below_the_ephemeral_range():
+    # vLLM binds its internal sockets to ephemeral ports while starting: ours must not be there.
+    from mmreuse.cluster.instance import _ephemeral_range
+
+    lo, _ = _ephemeral_range()
+    assert all(p < lo for p in free_ports(16))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -103,16 +104,39 @@ class InstanceSpec:
         return None if self.replay_port is None else f"tcp://{HOST}:{self.replay_port}"
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free on 127.0.0.1 right now (held open together while choosing; another
-    process may still take one before the server binds it, which its start then reports)."""
-    check_int("n", n, 1, 64)
-    socks = []
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for _ in range(n):
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return lo, hi
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on 127.0.0.1 right now, chosen *below* the kernel's ephemeral
+    range: vLLM binds its own internal ZMQ sockets to ephemeral ports (port 0) while starting,
+    and one of those must never land on a port chosen here for another instance (a P starting
+    beside another P failed once with "Address already in use" on its replay port). Held open
+    together while choosing; another process may still take one before the server binds it,
+    which its start then reports."""
+    check_int("n", n, 1, 64)
+    lo, _ = _ephemeral_range()
+    low = 20000 if lo > 21000 else 1024
+    rng = random.Random()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(200 * n):
+            if len(socks) == n:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((HOST, 0))
+            try:
+                s.bind((HOST, rng.randrange(low, lo if lo > low else 65535)))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
+        if len(socks) < n:
+            raise RuntimeError(f"no {n} free ports below the ephemeral range")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:

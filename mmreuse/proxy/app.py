@@ -157,7 +157,9 @@ class Proxy:
             raise ProxyError(400, f"Invalid JSON body: {e}", stage="proxy") from e
         if not isinstance(req, dict):
             raise ProxyError(400, "The body must be a JSON object", stage="proxy")
-        req_id = request.headers.get("x-request-id") or str(uuidlib.uuid4())
+        req_id = request.headers.get("x-request-id")
+        if req_id is None:  # as the reference: an empty header stays empty
+            req_id = str(uuidlib.uuid4())
         cfg, m = self.config, self.metrics
         items = extract_mm_items(req)
         decision = await self.planner.decide(req, items)
