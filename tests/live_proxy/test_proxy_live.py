@@ -113,10 +113,10 @@ def test_index_sends_e_less_with_identical_outputs(cluster, tmp_path, empty_stor
     assert eager["e_items"] == items and eager["e_skipped"] == 0
     assert index["e_items"] + index["e_skipped"] == items
     assert 0 < index["e_items"] < eager["e_items"] and index["kv_covered"] > 0
-    # Real forwards on E: never more under index. (On this tiny cluster E's in-memory encoder
-    # cache still holds a run's few images after its store is emptied, so E itself absorbs the
-    # repeats and the forwards come out equal; what index saves here is E's requests and items.)
-    assert index["e_forwards"] <= eager["e_forwards"], (index, eager)
+    if empty_store:  # E must re-encode what its 64-token encoder cache lost: eager the history
+        assert index["e_forwards"] < eager["e_forwards"], (index, eager)
+    else:  # E's store absorbs repeats: the forwards are the distinct images, for both
+        assert index["e_forwards"] <= eager["e_forwards"], (index, eager)
     # Nothing skipped was missing at P: P never ran its own encoder.
     assert index["p_forwards"]["P0"] == 0 and eager["p_forwards"]["P0"] == 0
 
@@ -131,7 +131,7 @@ def test_affine_routing_returns_sessions_to_their_prefix(cluster, tmp_path):
         # prompt and history (> 2 blocks of 32), not just the template's shared first block.
         assert all(cached >= 64 for _, t, _, cached in run["results"] if t >= 1), run["results"]
     assert _tokens(index) == _tokens(eager)
-    assert index["e_items"] < eager["e_items"] and index["e_forwards"] <= eager["e_forwards"]
+    assert index["e_items"] < eager["e_items"] and index["e_forwards"] < eager["e_forwards"]
 
 
 def test_forced_eviction_falls_back_and_succeeds(cluster):
