@@ -30,9 +30,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ..availability import EmbeddingAvailability
 from ..events.metrics import Metrics as EventMetrics
 from .config import ProxyConfig
-from .encoder import EncodeResult, EncoderFanout
+from .encoder import EncodeResult, EncoderFanout, chat_url, new_hex
 from .errors import ProxyError
-from .media import extract_mm_items, rewrite_for_decode
+from .media import extract_mm_items, item_uuid, rewrite_for_decode
 from .metrics import ProxyMetrics
 from .policy import Decision, Planner
 from .views import InstanceView
@@ -109,8 +109,8 @@ class Proxy:
         )
         self.session = aiohttp.ClientSession(
             connector=connector,
-            timeout=aiohttp.ClientTimeout(total=100_000),
-            skip_auto_headers=("User-Agent",),
+            timeout=aiohttp.ClientTimeout(),  # none: the reference's 100,000 s, without timers
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
         for view in self.views:
             await asyncio.to_thread(view.start)
@@ -139,15 +139,15 @@ class Proxy:
             response = await self._chat(request, t0)
         except ProxyError as e:
             m.errors.labels(e.stage).inc()
-            m.requests.labels(policy, _outcome(e.status)).inc()
+            m.request(policy, _outcome(e.status)).inc()
             return web.json_response({"detail": e.detail}, status=e.status)
         except Exception as e:  # what the reference answers: 500 with the error
             logger.exception("chat completion failed")
             m.errors.labels("proxy").inc()
-            m.requests.labels(policy, "server_error").inc()
+            m.request(policy, "server_error").inc()
             return web.json_response({"detail": f"Proxy error: {e}"}, status=500)
-        m.requests.labels(policy, _outcome(response.status)).inc()
-        m.stage_seconds.labels("total").observe(time.perf_counter() - t0)
+        m.request(policy, _outcome(response.status)).inc()
+        m.stage["total"].observe(time.perf_counter() - t0)
         return response
 
     async def _chat(self, request: web.Request, t0: float) -> web.StreamResponse:
@@ -159,21 +159,23 @@ class Proxy:
             raise ProxyError(400, "The body must be a JSON object", stage="proxy")
         req_id = request.headers.get("x-request-id")
         if req_id is None:  # as the reference: an empty header stays empty
-            req_id = str(uuidlib.uuid4())
+            req_id = str(uuidlib.UUID(new_hex(128), version=4))
         cfg, m = self.config, self.metrics
         items = extract_mm_items(req)
+        uuids = [item_uuid(item) for item in items]  # once: E, the rewrite and render use them
         decision = await self.planner.decide(req, items)
         if decision.render_s:
-            m.stage_seconds.labels("render").observe(decision.render_s)
+            m.stage["render"].observe(decision.render_s)
         if decision.decide_s:
-            m.stage_seconds.labels("decide").observe(decision.decide_s)
+            m.stage["decide"].observe(decision.decide_s)
         view = self.views[decision.instance]
         if decision.no_plan is not None:
             m.fallbacks.labels(view.name, "no_plan").inc()
             m.errors.labels(decision.no_plan.split(":", 1)[0]).inc()
             logger.warning("[%s] no plan, E gets everything: %s", req_id, decision.no_plan)
-        for klass in decision.klasses:
-            m.occurrences.labels(klass).inc()
+        if decision.klasses:
+            for klass in set(decision.klasses):
+                m.occurrence(klass).inc(decision.klasses.count(klass))
         if self.after_decide is not None:
             await self.after_decide(decision)
         if cfg.prefill_urls:
@@ -184,10 +186,10 @@ class Proxy:
         stream = bool(req.get("stream", False))
         for attempt in range(cfg.decode_retries + 1):
             current = decision if attempt == 0 else self.planner.eager(items, decision.instance)
-            body = await self._prepare(req, items, current, req_id, p_url)
+            body = await self._prepare(req, items, uuids, current, req_id, p_url)
             td = time.perf_counter()
             resp = await self._session().post(
-                f"{d_url}/v1/chat/completions",
+                chat_url(d_url),
                 data=_encode.encode(body),
                 headers={"x-request-id": req_id, "Content-Type": "application/json"},
             )
@@ -207,7 +209,7 @@ class Proxy:
                 if stream:
                     return await self._stream(request, resp, td)
                 out = await resp.read()
-                m.stage_seconds.labels("decode").observe(time.perf_counter() - td)
+                m.stage["decode"].observe(time.perf_counter() - td)
                 if current.raw_with_uuid and current.plan is not None:
                     self._observe_fallback(out, current, view)
                 return web.Response(
@@ -223,6 +225,7 @@ class Proxy:
         self,
         req: dict[str, Any],
         items: list[dict[str, Any]],
+        uuids: list[str],
         decision: Decision,
         req_id: str,
         p_url: str | None,
@@ -233,14 +236,15 @@ class Proxy:
         te = time.perf_counter()
         result = EncodeResult({}, {}, 0)
         if decision.e_indices:
-            result = await self.encoders.encode(req, items, decision.e_indices, req_id)
-            m.stage_seconds.labels("encode").observe(time.perf_counter() - te)
+            result = await self.encoders.encode(req, items, decision.e_indices, req_id, uuids)
+            m.stage["encode"].observe(time.perf_counter() - te)
             m.e_subrequests.inc(result.subrequests)
             self.planner.record_e(decision)
-        m.e_items.labels("sent").inc(len(decision.e_indices))
+        if decision.e_indices:
+            m.e_sent.inc(len(decision.e_indices))
         skipped = len(items) - len(decision.e_indices)
         if skipped:
-            m.e_items.labels("skipped").inc(skipped)
+            m.e_skipped.inc(skipped)
         item_meta = result.item_meta
         if decision.dup_of:
             item_meta = dict(item_meta)
@@ -250,7 +254,7 @@ class Proxy:
         if self.config.no_rewrite:
             prepared: Mapping[str, Any] = req
         else:
-            prepared = rewrite_for_decode(req, item_meta, decision.raw_with_uuid)
+            prepared = rewrite_for_decode(req, item_meta, decision.raw_with_uuid, uuids)
         if result.ec_params:
             handles = dict(prepared.get("ec_transfer_params") or {})
             handles.update(result.ec_params)
@@ -271,7 +275,7 @@ class Proxy:
         body.pop("stream_options", None)
         try:
             async with self._session().post(
-                f"{p_url}/v1/chat/completions",
+                chat_url(p_url),
                 data=_encode.encode(body),
                 headers={"x-request-id": req_id, "Content-Type": "application/json"},
             ) as resp:
@@ -281,7 +285,7 @@ class Proxy:
             raise ProxyError(
                 502, {"error": "Prefill processing error", "message": str(e)}, stage="prefill"
             ) from e
-        self.metrics.stage_seconds.labels("prefill").observe(time.perf_counter() - tp)
+        self.metrics.stage["prefill"].observe(time.perf_counter() - tp)
         if status != 200:
             text = payload.decode("utf-8", "replace")
             logger.error("[%s] prefill returned %d: %s", req_id, status, text)
@@ -311,9 +315,7 @@ class Proxy:
             async for chunk in resp.content.iter_any():
                 if chunk:
                     if first:
-                        self.metrics.stage_seconds.labels("decode").observe(
-                            time.perf_counter() - td
-                        )
+                        self.metrics.stage["decode"].observe(time.perf_counter() - td)
                         first = False
                     await out.write(chunk)
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:

@@ -11,14 +11,17 @@ still needs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import uuid as uuidlib
+import os
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import msgspec
+import yarl
 
 from .errors import ProxyError
 from .media import EMBEDS_TYPES, item_uuid, uses_audio_in_video
@@ -30,6 +33,21 @@ E_COPIED_KEYS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_
 
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
+
+# Child request ids and transfer ids only need to be unique: a per-process generator seeded
+# from the OS, as the reference's uuid4() values are, without a getrandom() call for each.
+_ids = random.Random(int.from_bytes(os.urandom(32), "big"))
+
+
+@functools.lru_cache(maxsize=256)
+def chat_url(base: str) -> yarl.URL:
+    """`<base>/v1/chat/completions`, parsed once (aiohttp would parse the string each call)."""
+    return yarl.URL(f"{base}/v1/chat/completions")
+
+
+def new_hex(bits: int) -> str:
+    """`bits` random bits as lower-case hex (uuid4().hex's form for 128)."""
+    return f"{_ids.getrandbits(bits):0{bits // 4}x}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +106,10 @@ class EncoderFanout:
         items: Sequence[Mapping[str, Any]],
         indices: Sequence[int],
         req_id: str,
+        uuids: Sequence[str] | None = None,
     ) -> EncodeResult:
-        """Send items[indices] to E; raise ProxyError (E's status, or 502) if any fails."""
+        """Send items[indices] to E; raise ProxyError (E's status, or 502) if any fails.
+        `uuids`: the items' uuids when already computed."""
         if not indices:
             return EMPTY
         groups = self.groups(items, indices)
@@ -100,17 +120,23 @@ class EncoderFanout:
         session = self._session()
         for target, batch in groups:
             headers = {
-                "x-request-id": f"{req_id}:{batch[0]}:{uuidlib.uuid4().hex[:6]}",
+                "x-request-id": f"{req_id}:{batch[0]}:{new_hex(24)}",
                 "Content-Type": "application/json",
             }
             content = []
             for idx in batch:
                 item = items[idx]
-                uid = None if self.no_rewrite else item_uuid(item)
+                uid = (
+                    None
+                    if self.no_rewrite
+                    else uuids[idx]
+                    if uuids is not None
+                    else item_uuid(item)
+                )
                 if uid is not None:
                     item_uuids[idx] = uid
                 n = 1 + int(item["type"] == "video_url" and audio_in_video)
-                transfer_ids[idx] = [uuidlib.uuid4().hex for _ in range(n)]
+                transfer_ids[idx] = [new_hex(128) for _ in range(n)]
                 content.append(item if uid is None else {**item, "uuid": uid})
             body: dict[str, Any] = {
                 "model": request.get("model"),
@@ -120,8 +146,14 @@ class EncoderFanout:
             for key in E_COPIED_KEYS:
                 if key in request:
                     body[key] = request[key]
-            posts.append(_post(session, f"{target}/v1/chat/completions", body, headers))
-        results = await asyncio.gather(*posts, return_exceptions=True)
+            posts.append(_post(session, chat_url(target), body, headers))
+        if len(posts) == 1:  # the common case: no gather (a task per sub-request) needed
+            try:
+                results: list[Any] = [await posts[0]]
+            except Exception as e:
+                results = [e]
+        else:
+            results = await asyncio.gather(*posts, return_exceptions=True)
 
         item_meta: dict[int, list[dict[str, Any]]] = {}
         ec_params: dict[str, Any] = {}
@@ -146,7 +178,7 @@ class EncoderFanout:
 
 
 async def _post(
-    session: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str]
+    session: aiohttp.ClientSession, url: yarl.URL, body: Any, headers: dict[str, str]
 ) -> tuple[int, bytes]:
     async with session.post(url, data=_encode.encode(body), headers=headers) as resp:
         return resp.status, await resp.read()

@@ -93,6 +93,7 @@ def rewrite_for_decode(
     request: Mapping[str, Any],
     item_meta: Mapping[int, list[dict[str, Any]]],
     raw_with_uuid: frozenset[int] = frozenset(),
+    uuids: Sequence[str] | None = None,
 ) -> dict[str, Any] | Mapping[str, Any]:
     """The body P/PD receives: each item E produced becomes a metadata-only reference
     (`{"type": "image_embeds", "image_embeds": {<E's metadata>}, "uuid": ...}`).
@@ -101,13 +102,16 @@ def rewrite_for_decode(
     transfer_id), as the reference's `fanout_encoder_primer` returns. An item without metadata
     stays raw (P preprocesses it), as in the reference; an item in `raw_with_uuid` (skipped for E
     by a demand-aware policy) stays raw *with* its uuid, so P keys it as E would have and vLLM's
-    own order applies (KV, encoder cache, EC connector, its own encoder). Audio requests with an
+    own order applies (KV, encoder cache, EC connector, its own encoder). `uuids`: the items'
+    uuids when already computed (else computed here). Audio requests with an
     item lacking metadata stay raw entirely (the reference's rule: audio processors may consume
     other modalities' placeholders). vLLM refuses raw and embeds items of one modality in one
     request, so a modality that would mix goes raw with uuids (the reference sends the mix and
     P answers 400). Returns `request` itself when nothing changes.
     """
     items = extract_mm_items(request)
+    if uuids is None:
+        uuids = [item_uuid(item) for item in items]
     raw_audio = any(
         item["type"] in ("audio_url", "input_audio")
         or (item["type"] == "video_url" and uses_audio_in_video(request))
@@ -146,7 +150,7 @@ def rewrite_for_decode(
                 transfer_items.append({"mm_hash": feature["mm_hash"], "transfer_id": transfer_id})
         if how[idx] == "uuid":
             changed += 1
-            return {**part, "uuid": item_uuid(part)}
+            return {**part, "uuid": uuids[idx]}
         if how[idx] == "raw":
             return part
         metadata = {
@@ -157,7 +161,7 @@ def rewrite_for_decode(
             for f in features
         }
         changed += 1
-        return {"type": EMBEDS_TYPES[part["type"]], **metadata, "uuid": item_uuid(part)}
+        return {"type": EMBEDS_TYPES[part["type"]], **metadata, "uuid": uuids[idx]}
 
     rewritten = _map_items(request, rewrite)
     if not changed:

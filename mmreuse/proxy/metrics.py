@@ -3,6 +3,8 @@ with the KV-event subscribers' metrics)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Stage latencies span sub-millisecond decisions to multi-second CPU prefills.
@@ -83,5 +85,21 @@ class ProxyMetrics:
             ["stage"],
             registry=r,
         )
-        for stage in STAGES:
-            self.stage_seconds.labels(stage)
+        # Children bound once: a `.labels()` lookup per use costs more than the update.
+        self.stage = {stage: self.stage_seconds.labels(stage) for stage in STAGES}
+        self.e_sent = self.e_items.labels("sent")
+        self.e_skipped = self.e_items.labels("skipped")
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def request(self, policy: str, outcome: str) -> Any:
+        return self._child(self.requests, policy, outcome)
+
+    def occurrence(self, klass: str) -> Any:
+        return self._child(self.occurrences, klass)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric._name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
