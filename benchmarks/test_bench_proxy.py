@@ -15,7 +15,7 @@ import pytest
 
 from mmreuse.blockhash import to_event_id
 from mmreuse.events.wire import BlockStored, KVEventBatch
-from mmreuse.integrations.vllm import from_render
+from mmreuse.integrations.vllm import from_render, from_render_json
 from mmreuse.proxy.app import Proxy
 from mmreuse.proxy.config import parse_args
 
@@ -77,6 +77,15 @@ def test_index_decision_32k_16_images(benchmark, planner):
 
 
 def test_read_render_answer_32k_16_images(benchmark):
+    """The proxy's path: `from_render_json` (token ids checked by msgspec while decoding)."""
+    _, render = _request_and_render()
+    payload = msgspec.json.encode(render)
+    rendered = benchmark(from_render_json, payload)
+    assert len(rendered.occurrences) == IMAGES
+
+
+def test_read_render_answer_32k_16_images_generic(benchmark):
+    """`from_render` on a decoded dict (each token id checked in Python)."""
     _, render = _request_and_render()
     payload = msgspec.json.encode(render)
     rendered = benchmark(lambda: from_render(msgspec.json.decode(payload)))

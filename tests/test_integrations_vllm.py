@@ -15,6 +15,7 @@ from mmreuse.integrations.vllm import (
     availability_from_engine,
     demand_for_request,
     from_render,
+    from_render_json,
     occurrences_from_request,
 )
 
@@ -240,3 +241,42 @@ def test_from_render_text_only_and_model_objects():
 def test_from_render_refuses(body, cls, match):
     with pytest.raises(cls, match=match):
         from_render(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        _render([0] * 8, {"image": ["x"]}, {"image": [(2, 4)]}),
+        _render(
+            list(range(300, 340)),
+            {"image": ["a", "b"], "audio": ["c"]},
+            {"image": [(0, 4), (20, 4)], "audio": [(10, 3)]},
+        ),
+        {"token_ids": [5, 6, 7], "cache_salt": "tenant"},
+        {"token_ids": []},
+    ],
+)
+def test_from_render_json_equals_from_render(body):
+    import json
+
+    assert from_render_json(json.dumps(body).encode()) == from_render(body)
+
+
+@pytest.mark.parametrize(
+    "payload,cls,match",
+    [
+        (b'{"token_ids": [1, -2]}', InvalidArgument, r"token_ids\[1\]"),
+        (b'{"token_ids": [1, true]}', InvalidArgument, r"token_ids\[1\]"),
+        (b'{"token_ids": [1, 2.5]}', InvalidArgument, r"token_ids\[1\]"),
+        (b'{"token_ids": [9223372036854775808]}', InvalidArgument, r"token_ids\[0\]"),
+        (b'{"token_ids": "123"}', InvalidArgument, "token_ids"),
+        (b'{"features": {}}', InvalidArgument, "token_ids"),
+        (b'{"token_ids": [1, 2', InvalidArgument, "not JSON"),
+        (b"[1, 2]", InvalidArgument, "object"),
+        (b'{"token_ids": [1], "cache_salt": 5}', InvalidArgument, "cache_salt"),
+        ("a str", InvalidArgumentType, "payload"),
+    ],
+)
+def test_from_render_json_refuses(payload, cls, match):
+    with pytest.raises(cls, match=match):
+        from_render_json(payload)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from ..demand import Availability, CoverageRule, DemandResult
 from ..errors import InvalidArgument
@@ -191,6 +193,47 @@ def from_render(
     if not isinstance(tokens, list | tuple):
         fail_type("render.token_ids", "a list of token ids", tokens)
     token_ids = tuple(check_int(f"render.token_ids[{i}]", t, 0) for i, t in enumerate(tokens))
+    return _rendered(body, token_ids, embed_token_ids, dense_modalities)
+
+
+class _RenderBody(msgspec.Struct):
+    """The render answer's fields mmreuse reads; msgspec checks the token ids in C."""
+
+    token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]]
+    features: Any = None
+    cache_salt: str | None = None
+
+
+_render_body = msgspec.json.Decoder(_RenderBody)
+
+
+def from_render_json(
+    payload: bytes,
+    *,
+    embed_token_ids: Mapping[str, int] | None = None,
+    dense_modalities: Iterable[str] = DENSE_MODALITIES,
+) -> RenderedPrompt:
+    """`from_render` on the raw JSON bytes of a render answer, with the same checks and errors,
+    the token ids validated while decoding (the proxy's path: ~10x faster for long prompts)."""
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        fail_type("payload", "the render answer's JSON bytes", payload)
+    try:
+        body = _render_body.decode(payload)
+    except msgspec.ValidationError as e:
+        hint = " (token ids are ints in [0, 2**63-1])" if "token_ids" in str(e) else ""
+        raise InvalidArgument(f"render: {e}{hint}") from None
+    except msgspec.DecodeError as e:
+        raise InvalidArgument(f"render: not JSON: {e}") from None
+    as_map = {"token_ids": body.token_ids, "features": body.features, "cache_salt": body.cache_salt}
+    return _rendered(as_map, tuple(body.token_ids), embed_token_ids, dense_modalities)
+
+
+def _rendered(
+    body: Mapping[str, Any],
+    token_ids: tuple[int, ...],
+    embed_token_ids: Mapping[str, int] | None,
+    dense_modalities: Iterable[str],
+) -> RenderedPrompt:
     salt = body.get("cache_salt")
     if salt is not None:
         check_str("render.cache_salt", salt)

@@ -17,12 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from ..availability import EmbeddingAvailability
 from ..demand import Klass
 from ..errors import InvalidArgument
-from ..integrations.vllm import RenderedPrompt, from_render
+from ..integrations.vllm import RenderedPrompt, from_render_json
 from ..plan import AdmissionPlan, plan_admission
 from .config import ProxyConfig
 from .media import MODALITY, with_uuids
@@ -32,8 +30,6 @@ logger = logging.getLogger("mmreuse.proxy")
 
 E_LOCATION = "E"  # the E side as one location: vLLM's example encoders share one EC store
 
-_decode = msgspec.json.Decoder()
-_encode = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +122,7 @@ class Planner:
             raise _NoPlan(f"{type(e).__name__}: {e}") from e
         if status != 200:
             raise _NoPlan(f"HTTP {status}: {payload[:200].decode('utf-8', 'replace')}")
-        try:
-            return from_render(_decode.decode(payload))
-        except msgspec.DecodeError as e:
-            raise _NoPlan(f"render answered invalid JSON: {e}") from e
+        return from_render_json(payload)  # InvalidArgument: no plan
 
     def _hashes(self, rendered: RenderedPrompt, view: InstanceView, memo: dict) -> list[bytes]:
         hasher = view.hasher
