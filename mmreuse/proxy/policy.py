@@ -31,7 +31,6 @@ logger = logging.getLogger("mmreuse.proxy")
 E_LOCATION = "E"  # the E side as one location: vLLM's example encoders share one EC store
 
 
-
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where a request goes and what E gets.
