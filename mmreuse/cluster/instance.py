@@ -106,7 +106,9 @@ class InstanceSpec:
 
 def _ephemeral_range() -> tuple[int, int]:
     try:
-        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        lo, hi = (
+            int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        )
     except (OSError, ValueError):
         return 32768, 60999  # Linux's default
     return lo, hi
