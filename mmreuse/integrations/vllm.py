@@ -26,6 +26,18 @@ from ..errors import InvalidArgument
 from ..occurrence import MMOccurrence
 from ..plan import plan_admission
 from ..validate import check_int, check_str, fail_type, show
+from .vllm_hasher import fast_request_block_hasher
+
+__all__ = [
+    "DENSE_MODALITIES",
+    "RenderedPrompt",
+    "availability_from_engine",
+    "demand_for_request",
+    "fast_request_block_hasher",
+    "from_render",
+    "from_render_json",
+    "occurrences_from_request",
+]
 
 
 def occurrences_from_request(request: Any) -> list[MMOccurrence]:

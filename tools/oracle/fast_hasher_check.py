@@ -1,0 +1,126 @@
+"""Run in the vLLM 0.33.0 oracle venv (PYTHONPATH = the mmreuse checkout): mmreuse's
+`fast_request_block_hasher` against vLLM's own `get_request_block_hasher` on real `Request`
+objects, prompt and decode steps, every hash function, lookahead 0-2, multimodal features,
+cache salt and LoRA; prints one JSON line of counts (and timings with --time)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256, sha256_cbor, xxhash, xxhash_cbor
+from vllm.v1.core import kv_cache_utils as K
+from vllm.v1.request import Request
+
+from mmreuse.integrations.vllm_hasher import fast_request_block_hasher
+
+FNS = {"sha256": sha256, "sha256_cbor": sha256_cbor, "xxhash": xxhash, "xxhash_cbor": xxhash_cbor}
+
+
+def fresh(s: str) -> str:
+    return "".join(list(s))  # a new str object, as after vLLM's msgpack wire
+
+
+def feature(ident: str, offset: int, length: int) -> MultiModalFeatureSpec:
+    return MultiModalFeatureSpec(
+        data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset, length)
+    )
+
+
+def make_request(rng: random.Random, n: int, k: int, salt: bool, lora: bool, shared: bool, hasher):
+    tokens = [rng.randrange(0, 150_000) for _ in range(n)]
+    feats, pos = [], 0
+    ids = [fresh(f"img-{rng.randrange(4)}") for _ in range(k)]
+    if shared and k >= 2:
+        ids[1] = ids[0]  # one object twice: pickle memoizes it
+    for ident in ids:
+        pos += rng.randrange(1, 40)
+        length = rng.randrange(1, 70)
+        if pos + length > n:
+            break
+        feats.append(feature(ident, pos, length))
+        pos += length
+    return Request(
+        request_id=fresh("r"),
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=64),
+        pooling_params=None,
+        mm_features=feats,
+        cache_salt=fresh("tenant-x") if salt else None,
+        lora_request=LoRARequest(fresh("ad"), 1, fresh("/p/ad")) if lora else None,
+        block_hasher=hasher,
+    )
+
+
+def check(seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    counts = {"requests": 0, "blocks": 0, "fast": 0, "fallback": 0, "mismatch": 0}
+    for fn in FNS.values():
+        K.init_none_hash(fn)
+        for la in (0, 1, 2, True):
+            for bs in (16, 32):
+                ref = K.get_request_block_hasher(bs, fn, la)
+                ours = fast_request_block_hasher(bs, fn, la)
+                for case in range(12):
+                    args = (rng.randrange(1, 400), rng.randrange(0, 4), case % 3 == 0, case % 5 == 0, case % 7 == 0)  # fmt: skip
+                    state = rng.getstate()
+                    r1 = make_request(rng, *args, ref)
+                    rng.setstate(state)
+                    r2 = make_request(rng, *args, ours)
+                    for _ in range(rng.randrange(0, 40)):
+                        t = rng.randrange(0, 150_000)
+                        r1.append_output_token_ids(t)
+                        r2.append_output_token_ids(t)
+                    counts["requests"] += 1
+                    counts["blocks"] += len(r1.block_hashes)
+                    if r1.block_hashes != r2.block_hashes:
+                        counts["mismatch"] += 1
+                    used = getattr(r2, "_mmreuse_request_keys", False) is not False
+                    counts["fast" if used else "fallback"] += 1
+    return counts
+
+
+def timing() -> dict:
+    """Engine-core time per request: the initial hashing of a new prompt, vLLM's vs mmreuse's."""
+    out = {}
+    rng = random.Random(1)
+    for label, n, k in (
+        ("short 512", 512, 1),
+        ("32k text", 32768, 0),
+        ("32k, 16 images", 32768, 16),
+    ):
+        for name in ("sha256", "xxhash"):
+            fn = FNS[name]
+            K.init_none_hash(fn)
+            ref = K.get_request_block_hasher(16, fn, 0)
+            ours = fast_request_block_hasher(16, fn, 0)
+            tokens = [rng.randrange(0, 150_000) for _ in range(n)]
+            feats = []
+            if k:
+                gap = (n - k * 576) // (k + 1)
+                feats = [feature(fresh(f"img-{i}"), gap + i * (gap + 576), 576) for i in range(k)]
+            best = {}
+            for who, h in (("vllm", ref), ("mmreuse", ours)) * 5:
+                r = Request(request_id="r", prompt_token_ids=list(tokens), sampling_params=SamplingParams(), pooling_params=None, mm_features=list(feats))  # fmt: skip
+                t0 = time.perf_counter()
+                hashes = h(r)
+                dt = time.perf_counter() - t0
+                best[who] = min(best.get(who, dt), dt)
+                best[f"{who}_n"] = len(hashes)
+            out[f"{label} {name}"] = {
+                "vllm_ms": best["vllm"] * 1e3,
+                "mmreuse_ms": best["mmreuse"] * 1e3,
+            }
+    return out
+
+
+if __name__ == "__main__":
+    result = {"check": check()}
+    if "--time" in sys.argv:
+        result["timing"] = timing()
+    print(json.dumps(result))
