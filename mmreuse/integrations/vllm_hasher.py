@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 _VLLM_HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 _SCHEME = get_scheme("vllm-0.33")
 _KEYS_ATTR = "_mmreuse_request_keys"
+# Calls answered by mmreuse's fast path and by vLLM's own hasher, in this process.
+STATS = {"fast": 0, "vllm": 0}
 
 
 def _mmreuse_hash_fn(fn: Any) -> str | None:
@@ -121,7 +123,9 @@ def fast_request_block_hasher(
                 start = len(request.block_hashes) * hash_block_size
                 out = keys.hash_blocks(tokens, request.block_hashes, start)
                 if out is not None:
+                    STATS["fast"] += 1
                     return out
+        STATS["vllm"] += 1
         return vllm_hasher(request)
 
     request_block_hasher.__mmreuse__ = True  # type: ignore[attr-defined]
