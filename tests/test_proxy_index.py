@@ -611,3 +611,39 @@ async def test_conflicting_embed_counts_fall_back_to_eager():
         assert e_sent(s) == [sha(C), sha(C)]
         assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 1
         assert s.sample("mmreuse_proxy_errors_total", stage="plan") == 1
+
+
+class _SlowRender(Fake):
+    """A PD whose render answers only after `delay_s`."""
+
+    delay_s = 5.0
+
+    async def handle(self, request):
+        if request.path == "/v1/chat/completions/render":
+            await asyncio.sleep(self.delay_s)
+        return await super().handle(request)
+
+
+@arun
+async def test_a_render_past_its_timeout_costs_the_plan_not_the_request():
+    # A render that does not answer within --render-timeout: E gets everything, as under eager,
+    # and the client is answered once the timeout has passed, not when render would have.
+    e = await Fake("e").start()
+    pd = await _SlowRender("pd", render=render).start()
+    argv = ["--encode-servers-urls", e.url, "--decode-servers-urls", pd.url,
+            "--policy", "index", "--render-timeout", "0.2"]  # fmt: skip
+    app = build_app(parse_args(argv, env={}))
+    try:
+        async with TestClient(TestServer(app)) as client:
+            t0 = time.monotonic()
+            r = await client.post("/v1/chat/completions", json=chat(TEXT, img(A)))
+            assert r.status == 200 and time.monotonic() - t0 < 3.0
+            assert [p["uuid"] for x in e.chats() for p in x.body["messages"][0]["content"]] == [
+                sha(A)
+            ]
+            registry = app[PROXY_KEY].registry
+            labels = {"instance": "PD0", "kind": "no_plan"}
+            assert registry.get_sample_value("mmreuse_proxy_fallbacks_total", labels) == 1
+    finally:
+        await e.close()
+        await pd.close()

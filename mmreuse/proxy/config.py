@@ -46,6 +46,9 @@ class ProxyConfig:
     policy: str = "eager"
     routing: str = "random"
     render_url: str | None = None
+    render_timeout_s: float = (
+        10.0  # a slow render costs the plan (E gets everything), not the request
+    )
     # Aligned with the instances that prefill (the P URLs, or the PD URLs in E + PD).
     kv_events_endpoints: tuple[str | None, ...] = ()
     kv_events_replay_endpoints: tuple[str | None, ...] = ()
@@ -141,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="where to render requests (POST /v1/chat/completions/render, mm_payload none); "
         "default: the chosen P/PD (started with --enable-scale-out)",
+    )
+    g.add_argument(
+        "--render-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a render may take; past it the request is served as under eager",
     )
     g.add_argument(
         "--kv-events-endpoints",
@@ -268,6 +277,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         raise InvalidArgument(f"--e-cache-items={args.e_cache_items} must be >= 1")
     if not args.e_cache_ttl > 0:
         raise InvalidArgument(f"--e-cache-ttl={args.e_cache_ttl} must be > 0")
+    if not args.render_timeout > 0:
+        raise InvalidArgument(f"--render-timeout={args.render_timeout} must be > 0")
     if args.render_url is not None and not args.render_url.startswith(("http://", "https://")):
         raise InvalidArgument(f"--render-url: {args.render_url!r} is not an http(s) URL")
     return ProxyConfig(
@@ -283,6 +294,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         policy=args.policy,
         routing=args.routing,
         render_url=args.render_url.rstrip("/") if args.render_url else None,
+        render_timeout_s=args.render_timeout,
         kv_events_endpoints=kv,
         kv_events_replay_endpoints=replay,
         hash_algo=args.hash_algo,

@@ -10,6 +10,7 @@ it. `affine` routing picks the P/PD with the longest live prefix hit.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -116,7 +117,12 @@ class Planner:
         body["mm_payload"] = "none"
         base = self.config.render_url or self.config.prefill_instances[instance]
         try:
-            status, payload = await self._post(f"{base}/v1/chat/completions/render", body)
+            status, payload = await asyncio.wait_for(
+                self._post(f"{base}/v1/chat/completions/render", body),
+                self.config.render_timeout_s,
+            )
+        except TimeoutError as e:
+            raise _NoPlan(f"no answer within {self.config.render_timeout_s} s") from e
         except Exception as e:  # a render failure costs the plan, never the request
             raise _NoPlan(f"{type(e).__name__}: {e}") from e
         if status != 200:
