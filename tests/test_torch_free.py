@@ -21,6 +21,7 @@ TORCH_FREE = [
     "mmreuse.integrations.vllm",
     "mmreuse.cli",
     "mmreuse.events.hashcheck",
+    "mmreuse.events.ec_wire",
     "mmreuse.proxy",
     "mmreuse.proxy.app",
     "mmreuse.proxy.policy",

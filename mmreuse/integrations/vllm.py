@@ -28,7 +28,7 @@ from ..plan import plan_admission
 from ..validate import check_int, check_str, fail_type, show
 from .vllm_hasher import fast_request_block_hasher
 
-__all__ = [
+__all__ = [  # and EventfulEncoderCacheManager, loaded on access (module __getattr__)
     "DENSE_MODALITIES",
     "RenderedPrompt",
     "availability_from_engine",
@@ -306,3 +306,13 @@ def _rendered(
             mask = None if all(flags) else flags
         occs.append(MMOccurrence(ident, offset, length, is_embed=mask, modality=modality))
     return RenderedPrompt(token_ids, tuple(occs), salt)
+
+
+def __getattr__(name: str) -> Any:
+    """The vLLM plug-in classes import vLLM, so they load only when vLLM asks for them (by
+    qualname, e.g. `--ec-manager-config`), never with this module."""
+    if name == "EventfulEncoderCacheManager":
+        from .vllm_ec import EventfulEncoderCacheManager
+
+        return EventfulEncoderCacheManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

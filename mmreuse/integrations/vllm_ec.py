@@ -1,0 +1,135 @@
+"""`EventfulEncoderCacheManager`: vLLM's `EncoderCacheManager`, unchanged in behaviour, that
+also publishes what changes in it (`mmreuse.events.ec_wire`) with vLLM's own ZMQ publisher.
+
+Switched on in a P/PD with
+`--ec-manager-config '{"encoder_cache_manager_cls": "mmreuse.integrations.vllm.EventfulEncoderCacheManager"}'`
+and its endpoint through `--additional-config '{"mmreuse": {"encoder_cache_events_endpoint":
+"tcp://*:PORT", "encoder_cache_events_replay_endpoint": "tcp://*:PORT2"}}'` (without an
+endpoint it behaves as vLLM's and publishes nothing). Imports vLLM: load it only inside vLLM.
+
+Each vLLM method runs first, as it is; the subclass then records what it changed, from facts
+it read before and after (O(1) per call, O(evicted) for an eviction). Events are flushed once
+per scheduler step (vLLM calls `get_freed_mm_hashes` in every `schedule()`) and when a request
+is freed, so that a P going idle still publishes its last changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+from ..events.ec_wire import (
+    EncoderCacheCleared,
+    EncoderCacheEventBatch,
+    EncoderCacheEvicted,
+    EncoderCacheFreeable,
+    EncoderCacheReferenced,
+    EncoderCacheStored,
+)
+
+logger = logging.getLogger(__name__)
+
+CONFIG_KEY = "mmreuse"
+
+
+def _publisher_from(vllm_config: Any) -> Any:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    ours = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    if not isinstance(ours, dict) or not ours.get("encoder_cache_events_endpoint"):
+        return None
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    parallel = getattr(vllm_config, "parallel_config", None)
+    rank = getattr(parallel, "data_parallel_rank", 0) or 0
+    publisher = ZmqEventPublisher(
+        rank,
+        endpoint=ours["encoder_cache_events_endpoint"],
+        replay_endpoint=ours.get("encoder_cache_events_replay_endpoint"),
+        topic=ours.get("encoder_cache_events_topic", "ec"),
+    )
+    logger.info("mmreuse: encoder-cache events on %s", ours["encoder_cache_events_endpoint"])
+    return publisher
+
+
+class EventfulEncoderCacheManager(EncoderCacheManager):
+    """vLLM's encoder cache manager, publishing its changes (see the module docstring)."""
+
+    @classmethod
+    def create_manager(cls, *, cache_size: int, vllm_config: Any) -> EventfulEncoderCacheManager:
+        manager = cls(cache_size=cache_size)
+        manager.publisher = _publisher_from(vllm_config)
+        return manager
+
+    def __init__(self, cache_size: int) -> None:
+        super().__init__(cache_size)
+        self.publisher: Any = None
+        self._pending: list[Any] = []
+
+    # ---- vLLM's methods, then what they changed -----------------------------------------------
+
+    def check_and_update_cache(self, request: Any, input_id: int) -> bool:
+        mm_hash = request.mm_features[input_id].identifier
+        was_freeable = mm_hash in self.freeable
+        hit = super().check_and_update_cache(request, input_id)
+        if hit and was_freeable and mm_hash not in self.freeable:
+            self._pending.append(EncoderCacheReferenced([mm_hash]))
+        return hit
+
+    def can_allocate(
+        self, request: Any, input_id: int, encoder_compute_budget: int, num_embeds_to_schedule: int
+    ) -> bool:
+        n = len(self.freed)
+        ok = super().can_allocate(request, input_id, encoder_compute_budget, num_embeds_to_schedule)
+        if len(self.freed) > n:
+            self._pending.append(EncoderCacheEvicted(list(self.freed[n:])))
+        return ok
+
+    def allocate(self, request: Any, input_id: int) -> None:
+        mm_hash = request.mm_features[input_id].identifier
+        new = mm_hash not in self.num_embeds_by_hash
+        super().allocate(request, input_id)
+        if new:
+            self._pending.append(EncoderCacheStored(mm_hash, self.num_embeds_by_hash[mm_hash]))
+
+    def free_encoder_input(self, request: Any, input_id: int) -> None:
+        mm_hash = request.mm_features[input_id].identifier
+        was_freeable = mm_hash in self.freeable
+        super().free_encoder_input(request, input_id)
+        if not was_freeable and mm_hash in self.freeable:
+            self._pending.append(EncoderCacheFreeable([mm_hash]))
+
+    def free(self, request: Any) -> None:
+        super().free(request)
+        self.flush()
+
+    def reset(self) -> None:
+        super().reset()
+        self._pending.append(EncoderCacheCleared())
+        self.flush()
+
+    def get_freed_mm_hashes(self) -> list[str]:
+        freed = super().get_freed_mm_hashes()
+        self.flush()
+        return freed
+
+    # ---- publishing ---------------------------------------------------------------------------
+
+    def take_events(self) -> list[Any]:
+        """The events recorded since the last flush (and forget them)."""
+        events, self._pending = self._pending, []
+        return events
+
+    def flush(self) -> None:
+        """Publish what changed since the last flush as one batch (nothing when unchanged)."""
+        if not self._pending:
+            return
+        events = self.take_events()
+        if self.publisher is None:
+            return
+        try:
+            self.publisher.publish(EncoderCacheEventBatch(time.time(), events))
+        except Exception:  # a publisher problem must never reach vLLM's scheduler
+            logger.exception("mmreuse: encoder-cache events not published")
