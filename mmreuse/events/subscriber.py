@@ -37,6 +37,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
@@ -394,8 +395,7 @@ class KVEventSubscriber:
         """Decode and apply one batch, all or nothing; a bad one is lost, so the view resets."""
         m = self.metrics
         try:
-            batch = decode_batch(payload)
-            self.index.apply(batch)  # refuses it whole: a bad hash, too many media
+            batch = self._decode_apply(payload)
         except ValueError as exc:  # MalformedBatch, or what the index refuses
             m.malformed.labels(self._label).inc()
             logger.warning(
@@ -420,6 +420,16 @@ class KVEventSubscriber:
                 m.errors.labels(self._label).inc()
                 logger.exception("KV events %s: on_batch raised", self._label)
 
+    def _decode_apply(self, payload: bytes) -> Any:
+        """Decode a payload and apply it to the view, whole or not at all (ValueError if not).
+        The one place that knows the view is a RemoteKVIndex fed by KV events."""
+        batch = decode_batch(payload)
+        self.index.apply(batch)  # refuses it whole: a bad hash, too many media
+        return batch
+
+    def _reset_view(self) -> None:
+        self.index.clear()
+
     def _update_gauges(self) -> None:
         """index_size per medium held (GPU always); labels of media gone are removed, so the
         label set stays within max_media + 1."""
@@ -435,7 +445,7 @@ class KVEventSubscriber:
     def _resync(self, count: bool = True) -> None:
         if count:
             self.metrics.resyncs.labels(self._label).inc()
-        self.index.clear()
+        self._reset_view()
         self._update_gauges()
 
     # ---- gaps ---------------------------------------------------------------------------------

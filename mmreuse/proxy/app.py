@@ -70,6 +70,11 @@ class Proxy:
         instances = config.prefill_instances
         kv = config.kv_events_endpoints or (None,) * len(instances)
         replay = config.kv_events_replay_endpoints or (None,) * len(instances)
+        ec = config.ec_events_endpoints or (None,) * len(instances)
+        ec_replay = config.ec_events_replay_endpoints or (None,) * len(instances)
+        self.availability = EmbeddingAvailability(
+            ttl_s=config.e_cache_ttl_s, max_entries=config.e_cache_items, metrics=self.event_metrics
+        )
         self.views = [
             InstanceView(
                 f"{'P' if config.prefill_urls else 'PD'}{i}",
@@ -81,12 +86,12 @@ class Proxy:
                 block_size=config.block_size,
                 event_metrics=self.event_metrics,
                 metrics=self.metrics,
+                availability=self.availability,
+                ec_endpoint=ec[i],
+                ec_replay_endpoint=ec_replay[i],
             )
             for i, url in enumerate(instances)
         ]
-        self.availability = EmbeddingAvailability(
-            ttl_s=config.e_cache_ttl_s, max_entries=config.e_cache_items, metrics=self.event_metrics
-        )
         self.rng = random.Random(config.seed)
         self.planner = Planner(config, self.views, self.availability, self._post_json, self.rng)
         self.encoders = EncoderFanout(

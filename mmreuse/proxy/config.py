@@ -52,6 +52,9 @@ class ProxyConfig:
     # Aligned with the instances that prefill (the P URLs, or the PD URLs in E + PD).
     kv_events_endpoints: tuple[str | None, ...] = ()
     kv_events_replay_endpoints: tuple[str | None, ...] = ()
+    # Aligned the same way: EventfulEncoderCacheManager's encoder-cache events (P-local reuse).
+    ec_events_endpoints: tuple[str | None, ...] = ()
+    ec_events_replay_endpoints: tuple[str | None, ...] = ()
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     block_size: int | None = None  # None: learned from each instance's BlockStored events
@@ -163,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="their replay endpoints, aligned the same way (optional)",
     )
     g.add_argument(
+        "--encoder-cache-events-endpoints",
+        default=None,
+        help="comma-separated ZMQ endpoints of the P (or PD) instances' encoder-cache events "
+        "(mmreuse's EventfulEncoderCacheManager), aligned with their URLs",
+    )
+    g.add_argument(
+        "--encoder-cache-events-replay-endpoints",
+        default=None,
+        help="their replay endpoints, aligned the same way (optional)",
+    )
+    g.add_argument(
         "--hash-algo",
         choices=sorted(HASH_FUNCTIONS),
         default="sha256",
@@ -255,7 +269,14 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
     which = "--prefill-servers-urls" if prefill else "--decode-servers-urls"
     kv = _aligned(args.kv_events_endpoints)
     replay = _aligned(args.kv_events_replay_endpoints)
-    for flag, eps in (("--kv-events-endpoints", kv), ("--kv-events-replay-endpoints", replay)):
+    ec = _aligned(args.encoder_cache_events_endpoints)
+    ec_replay = _aligned(args.encoder_cache_events_replay_endpoints)
+    for flag, eps in (
+        ("--kv-events-endpoints", kv),
+        ("--kv-events-replay-endpoints", replay),
+        ("--encoder-cache-events-endpoints", ec),
+        ("--encoder-cache-events-replay-endpoints", ec_replay),
+    ):
         if eps and len(eps) != len(instances):
             raise InvalidArgument(
                 f"{flag} has {len(eps)} entries but {which} has {len(instances)}: align them "
@@ -266,6 +287,10 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
                 raise InvalidArgument(f"{flag}: {ep!r} is not a ZMQ endpoint")
     if replay and not kv:
         raise InvalidArgument("--kv-events-replay-endpoints needs --kv-events-endpoints")
+    if ec_replay and not ec:
+        raise InvalidArgument(
+            "--encoder-cache-events-replay-endpoints needs --encoder-cache-events-endpoints"
+        )
     if args.block_size is not None and args.block_size < 1:
         raise InvalidArgument(f"--block-size={args.block_size} must be >= 1")
     if args.hash_algo.startswith("xxhash") and args.hash_seed is None:
@@ -297,6 +322,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         render_timeout_s=args.render_timeout,
         kv_events_endpoints=kv,
         kv_events_replay_endpoints=replay,
+        ec_events_endpoints=ec,
+        ec_events_replay_endpoints=ec_replay,
         hash_algo=args.hash_algo,
         hash_seed=args.hash_seed,
         block_size=args.block_size,

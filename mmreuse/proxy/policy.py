@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..availability import EmbeddingAvailability
-from ..demand import Klass
+from ..demand import Availability, Klass
 from ..errors import InvalidArgument
 from ..integrations.vllm import RenderedPrompt, from_render_json
 from ..plan import AdmissionPlan, plan_admission
@@ -165,6 +165,16 @@ class Planner:
         availability = self.availability.availability_for(
             view.name, E_LOCATION, cache_salt=rendered.cache_salt
         )
+        if rendered.cache_salt is not None and view.ec_subscriber is not None:
+            # vLLM's encoder cache is not scoped by cache salt: P's entries (recorded without a
+            # tenant) serve this request too; what the proxy sent to E stays per tenant.
+            p_side = self.availability.availability_for(view.name)
+            availability = Availability(
+                p_local=p_side.p_local,
+                p_local_freeable=p_side.p_local_freeable,
+                p_external=availability.p_external,
+                e_cached=availability.e_cached,
+            )
         if view.usable and view.hasher is not None:
             plan = plan_admission(
                 num_prompt_tokens=n,

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..availability import EmbeddingAvailability
 from ..events.hashcheck import HashConfigCheck
 from ..events.index import RemoteKVIndex
 from ..events.metrics import Metrics as EventMetrics
@@ -36,6 +37,9 @@ class InstanceView:
         block_size: int | None,
         event_metrics: EventMetrics,
         metrics: ProxyMetrics,
+        availability: EmbeddingAvailability | None = None,
+        ec_endpoint: str | None = None,
+        ec_replay_endpoint: str | None = None,
     ) -> None:
         self.name, self.url = name, url
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
@@ -48,6 +52,9 @@ class InstanceView:
         self.check: HashConfigCheck | None = None
         self._reported_mismatch = False
         self.subscriber: Any = None  # a KVEventSubscriber once started (pyzmq loads lazily)
+        self.availability = availability
+        self.ec_endpoint, self.ec_replay_endpoint = ec_endpoint, ec_replay_endpoint
+        self.ec_subscriber: Any = None  # an EncoderCacheEventSubscriber, when configured
         if block_size is not None:
             self._configure(block_size)
 
@@ -59,6 +66,16 @@ class InstanceView:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.ec_endpoint is not None and self.availability is not None:
+            from ..events.ec_subscriber import EncoderCacheEventSubscriber
+
+            self.ec_subscriber = EncoderCacheEventSubscriber(
+                self.ec_endpoint,
+                self.ec_replay_endpoint,
+                availability=self.availability,
+                instance=self.name,
+                metrics=self._event_metrics,
+            ).start()
         if self.endpoint is None:
             return
         from ..events.subscriber import KVEventSubscriber  # pyzmq: only where a view is asked
@@ -72,8 +89,9 @@ class InstanceView:
         ).start()
 
     def stop(self) -> None:
-        if self.subscriber is not None:
-            self.subscriber.stop()
+        for sub in (self.subscriber, self.ec_subscriber):
+            if sub is not None:
+                sub.stop()
 
     # ---- the subscriber thread ----------------------------------------------------------------
 
@@ -120,6 +138,10 @@ class InstanceView:
         elif self.subscriber is None or not self.subscriber.is_alive:
             err = getattr(self.subscriber, "error", None)
             out.append(f"KV-event subscriber not running{f': {err}' if err else ''}")
+        if self.ec_endpoint is not None and (
+            self.ec_subscriber is None or not self.ec_subscriber.is_alive
+        ):
+            out.append("encoder-cache event subscriber not running")
         if self.check is not None and not self.check.status.ok:
             out.append(f"hash configuration mismatch: {self.check.status.first_mismatch}")
         return out
@@ -143,6 +165,7 @@ class InstanceView:
         return {
             "url": self.url,
             "kv_events": self.endpoint,
+            "encoder_cache_events": self.ec_endpoint,
             "usable": self.usable,
             "block_size": self.hasher.block_size if self.hasher else None,
             "blocks": self.index.size(),

@@ -1,0 +1,78 @@
+"""`EncoderCacheEventSubscriber`: a P's encoder-cache events (`mmreuse.events.ec_wire`, as
+`EventfulEncoderCacheManager` publishes them) into `EmbeddingAvailability`'s P-local entries.
+
+The same socket modes, bounds, gap / replay / resync rules as `KVEventSubscriber` (it is one,
+with another payload and another view): a batch applies whole or not at all, a gap the replay
+cannot fill or a malformed batch forgets everything known of the instance (it then relearns
+from the next events: a false "not cached", never a false "cached"). vLLM's encoder cache is
+not scoped by cache salt, so the entries are recorded without a tenant (`cache_salt=None`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..availability import EmbeddingAvailability
+from ..validate import check_str, fail_type
+from .ec_wire import (
+    EncoderCacheCleared,
+    EncoderCacheEvicted,
+    EncoderCacheFreeable,
+    EncoderCacheReferenced,
+    EncoderCacheStored,
+    decode_ec_batch,
+)
+from .index import RemoteKVIndex
+from .subscriber import KVEventSubscriber
+
+
+class EncoderCacheEventSubscriber(KVEventSubscriber):
+    """SUB on a P's encoder-cache events, DEALER to its replay socket, into `availability`
+    (P-local entries of `instance`, with their freeable flag)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        availability: EmbeddingAvailability,
+        instance: str,
+        topic: str = "",
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(availability, EmbeddingAvailability):
+            fail_type("availability", "an EmbeddingAvailability", availability)
+        self.availability = availability
+        self.instance = check_str("instance", instance, nonempty=True)
+        if "index" in kwargs or "max_media" in kwargs:
+            fail_type("index", "nothing: this subscriber feeds an EmbeddingAvailability", kwargs)
+        # The base class labels its metrics by its index's instance; this index stays empty.
+        super().__init__(endpoint, replay_endpoint, topic, RemoteKVIndex(instance), **kwargs)
+
+    def _decode_apply(self, payload: bytes) -> Any:
+        batch = decode_ec_batch(payload)  # MalformedBatch (a ValueError): nothing applied
+        name, avail = self.instance, self.availability
+        for e in batch.events:
+            if isinstance(e, EncoderCacheStored):
+                avail.update_p(name, added={e.identifier: e.num_embeds})
+            elif isinstance(e, EncoderCacheFreeable):
+                avail.update_p(name, freeable=e.identifiers)
+            elif isinstance(e, EncoderCacheReferenced):
+                avail.update_p(name, referenced=e.identifiers)
+            elif isinstance(e, EncoderCacheEvicted):
+                avail.update_p(name, removed=e.identifiers)
+            elif isinstance(e, EncoderCacheCleared):
+                avail.forget_instance("p", name)
+        return batch
+
+    def _reset_view(self) -> None:
+        self.availability.forget_instance("p", self.instance)
+
+    def _update_gauges(self) -> None:
+        pass  # EmbeddingAvailability keeps its own gauge (availability_entries)
+
+    def longest_prefix(self, block_hashes: Any, medium: str = "GPU") -> int:
+        raise TypeError("an encoder-cache subscriber has no KV view")
+
+    def match_prefix(self, block_hashes: Any) -> Any:
+        raise TypeError("an encoder-cache subscriber has no KV view")
