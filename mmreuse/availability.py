@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +81,9 @@ class EmbeddingAvailability:
 
     Args:
         ttl_s: seconds an entry stays without a delta mentioning it.
-        max_entries: entries per location and tenant (least recently updated dropped first).
+        max_entries: entries per location, over all its tenants (the least recently updated
+            tenant's oldest dropped first).
+        max_tenants: tenants per location (the least recently updated one dropped first).
         timer: the clock (monotonic seconds); injectable for tests and the simulator.
         metrics: Prometheus metrics (default: the process-wide ones).
     """
@@ -90,11 +93,16 @@ class EmbeddingAvailability:
         *,
         ttl_s: float = 60.0,
         max_entries: int = 100_000,
+        max_tenants: int = 64,
         timer: Callable[[], float] = time.monotonic,
         metrics: Metrics | None = None,
     ) -> None:
         self.ttl_s = check_float("ttl_s", ttl_s, 0, lo_open=True)
         self.max_entries = check_int("max_entries", max_entries, 1)
+        self.max_tenants = check_int("max_tenants", max_tenants, 1)
+        # Per location, its tenants in least-recently-updated order: a client that invents cache
+        # salts cannot grow this past max_tenants * max_entries entries a location.
+        self._tenants: dict[tuple[str, str], OrderedDict[Tenant, None]] = {}
         self._timer = check_callable("timer", timer)
         self._metrics = metrics if metrics is not None else Metrics.default()
         self._caches: dict[tuple[str, str, Tenant], _Entries] = {}
@@ -102,6 +110,14 @@ class EmbeddingAvailability:
 
     def _cache(self, kind: str, name: str, tenant: Tenant) -> _Entries:
         key = (kind, name, tenant)
+        order = self._tenants.setdefault((kind, name), OrderedDict())
+        order[tenant] = None
+        order.move_to_end(tenant)
+        while len(order) > self.max_tenants:
+            oldest, _ = order.popitem(last=False)
+            dropped = self._caches.pop((kind, name, oldest), None)
+            if dropped is not None and len(dropped):
+                self._metrics.availability_evicted.labels(f"{kind}:{name}").inc(len(dropped))
         cache = self._caches.get(key)
         if cache is None:
             location = f"{kind}:{name}"
@@ -116,6 +132,26 @@ class EmbeddingAvailability:
 
             cache = self._caches[key] = _Entries(self.max_entries, self.ttl_s, self._timer, on_drop)
         return cache
+
+    def _bound(self, kind: str, name: str) -> None:
+        """At most max_entries a location over all its tenants: the least recently updated
+        tenant gives up its oldest entries first (a tenant left empty is dropped)."""
+        order = self._tenants.get((kind, name))
+        if not order:
+            return
+        caches = [
+            (t, self._caches[(kind, name, t)]) for t in order if (kind, name, t) in self._caches
+        ]
+        total = sum(len(c) for _, c in caches)
+        for tenant, cache in caches:  # least recently updated first
+            while total > self.max_entries and len(cache):
+                cache.popitem()
+                total -= 1
+            if not len(cache) and len(order) > 1:
+                del self._caches[(kind, name, tenant)]
+                del order[tenant]
+            if total <= self.max_entries:
+                break
 
     def _gauge(self, kind: str, name: str) -> None:
         total = sum(len(c) for (k, n, _), c in self._caches.items() if k == kind and n == name)
@@ -161,6 +197,7 @@ class EmbeddingAvailability:
                     cache[ident] = (cache[ident][0], False)
             for ident in removed_ids:
                 cache.pop(ident, None)
+            self._bound("p", instance)
             self._gauge("p", instance)
 
     def update_external(
@@ -201,6 +238,7 @@ class EmbeddingAvailability:
                 cache[ident] = True
             for ident in removed_ids:
                 cache.pop(ident, None)
+            self._bound(kind, name)
             self._gauge(kind, name)
 
     def forget_instance(self, kind: str, name: str) -> None:
@@ -210,6 +248,7 @@ class EmbeddingAvailability:
         with self._lock:
             for key in [k for k in self._caches if k[0] == kind and k[1] == name]:
                 del self._caches[key]
+            self._tenants.pop((kind, name), None)
             self._gauge(kind, name)
 
     # ---- the view -----------------------------------------------------------------------------

@@ -30,7 +30,11 @@ class Fake:
     list of statuses to answer first (consumed in order). `answer`, when set, makes the JSON (or
     the `web.StreamResponse`) a chat completion answers, from its request body, instead of the
     role's default. `gzip`: compress every answer when the client accepts it (a compressing
-    front end). `abort_after`: a streaming answer drops its connection after that many chunks."""
+    front end). `abort_after`: a streaming answer drops its connection after that many chunks.
+    `render` may return bytes (sent as the raw JSON body). `delay`, when set, makes a chat
+    completion wait that many seconds (from its request body) before answering. `stall_after`: a
+    streaming answer goes silent after that many chunks until `release` is set or its client
+    hangs up (counted in `hung_up`)."""
 
     role: str
     seen: list[Seen] = field(default_factory=list)
@@ -47,6 +51,10 @@ class Fake:
     answer: Callable[[dict], Any] | None = None
     gzip: bool = False
     abort_after: int | None = None  # streaming: drop the connection after this many chunks
+    delay: Callable[[dict], float] | None = None
+    stall_after: int | None = None  # streaming: go silent after this many chunks
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    hung_up: int = 0  # stalled streams whose client closed the connection
 
     @property
     def url(self) -> str:
@@ -79,9 +87,14 @@ class Fake:
         if request.path == "/v1/chat/completions/render":
             if self.render is None:
                 return web.Response(status=403, text="render disabled")
-            return web.json_response(self.render(body))
+            rendered = self.render(body)
+            if isinstance(rendered, bytes):
+                return web.Response(body=rendered, content_type="application/json")
+            return web.json_response(rendered)
         if request.path.endswith("_profile"):
             return web.json_response({"ok": self.role})
+        if self.delay is not None and request.path == "/v1/chat/completions":
+            await asyncio.sleep(self.delay(body))
         if self.answer is not None and request.path == "/v1/chat/completions":
             out = self.answer(body)
             return out if isinstance(out, web.StreamResponse) else web.json_response(out)
@@ -105,7 +118,9 @@ class Fake:
             if self.gzip:
                 resp.enable_compression()
             await resp.prepare(request)
-            for chunk in self.chunks[: self.abort_after]:
+            for n, chunk in enumerate(self.chunks[: self.abort_after]):
+                if n == self.stall_after and not await self._stall(request):
+                    return resp  # the client hung up while the stream was silent
                 await resp.write(chunk)
             if self.abort_after is not None:
                 assert request.transport is not None
@@ -124,6 +139,20 @@ class Fake:
             out["kv_transfer_params"] = {"remote_engine_id": "p-engine", "remote_block_ids": [1]}
         return web.json_response(out)
 
+    async def _stall(self, request: web.Request) -> bool:
+        """Stay silent until `release` (True) or until the client hangs up (False, or the
+        server cancelling this handler: TestServer runs with handler_cancellation)."""
+        try:
+            while not self.release.is_set():
+                if request.transport is None or request.transport.is_closing():
+                    self.hung_up += 1
+                    return False
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.hung_up += 1
+            raise
+        return True
+
     async def start(self) -> Fake:
         app = web.Application(client_max_size=1 << 28)
         app.router.add_route("*", "/{tail:.*}", self.handle)
@@ -132,6 +161,7 @@ class Fake:
         return self
 
     async def close(self) -> None:
+        self.release.set()  # a stalled stream ends, so that the server can close
         if self.server is not None:
             await self.server.close()
 

@@ -236,6 +236,8 @@ def from_render_json(
         raise InvalidArgument(f"render: {e}{hint}") from None
     except msgspec.DecodeError as e:
         raise InvalidArgument(f"render: not JSON: {e}") from None
+    except RecursionError:
+        raise InvalidArgument("render: nested too deeply to be vLLM's render answer") from None
     as_map = {"token_ids": body.token_ids, "features": body.features, "cache_salt": body.cache_salt}
     return _rendered(as_map, tuple(body.token_ids), embed_token_ids, dense_modalities)
 

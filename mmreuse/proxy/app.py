@@ -142,6 +142,9 @@ class Proxy:
         policy = self.config.policy
         try:
             response = await self._chat(request, t0)
+        except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler)
+            m.request(policy, "client_gone").inc()
+            raise
         except ProxyError as e:
             m.errors.labels(e.stage).inc()
             m.request(policy, _outcome(e.status)).inc()
@@ -151,7 +154,8 @@ class Proxy:
             m.errors.labels("proxy").inc()
             m.request(policy, "server_error").inc()
             return web.json_response({"detail": f"Proxy error: {e}"}, status=500)
-        m.request(policy, _outcome(response.status)).inc()
+        outcome = getattr(response, "mmreuse_outcome", None) or _outcome(response.status)
+        m.request(policy, outcome).inc()
         m.stage["total"].observe(time.perf_counter() - t0)
         return response
 
@@ -316,23 +320,34 @@ class Proxy:
         )
         await out.prepare(request)
         first = True
+        while True:
+            try:
+                chunk = await resp.content.readany()
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+                # The status line is out: the one honest signal left is a broken stream (no
+                # terminating chunk), never a second response.
+                logger.error("decode stream broke after it started: %s", e)
+                self.metrics.errors.labels("decode").inc()
+                out.force_close()
+                if request.transport is not None:
+                    request.transport.close()
+                out.mmreuse_outcome = "stream_broken"  # type: ignore[attr-defined]
+                return out
+            if not chunk:
+                break
+            if first:
+                self.metrics.stage["decode"].observe(time.perf_counter() - td)
+                first = False
+            try:
+                await out.write(chunk)
+            except (ConnectionError, RuntimeError) as e:  # the client went away: not decode's
+                logger.info("client left mid-stream: %s", e)
+                out.mmreuse_outcome = "client_gone"  # type: ignore[attr-defined]
+                return out
         try:
-            async for chunk in resp.content.iter_any():
-                if chunk:
-                    if first:
-                        self.metrics.stage["decode"].observe(time.perf_counter() - td)
-                        first = False
-                    await out.write(chunk)
-        except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
-            # The status line is out: the one honest signal left is a broken stream (no
-            # terminating chunk), never a second response.
-            logger.error("decode stream broke after it started: %s", e)
-            self.metrics.errors.labels("decode").inc()
-            out.force_close()
-            if request.transport is not None:  # no terminating chunk: the client sees it broken
-                request.transport.close()
-            return out
-        await out.write_eof()
+            await out.write_eof()
+        except (ConnectionError, RuntimeError):
+            out.mmreuse_outcome = "client_gone"  # type: ignore[attr-defined]
         return out
 
     def _observe_fallback(self, out: bytes, decision: Decision, view: InstanceView) -> None:
@@ -484,7 +499,9 @@ def run(config: ProxyConfig) -> None:
 
     async def serve() -> None:
         app = build_app(config)
-        app_runner = web.AppRunner(app, access_log=None)
+        # A client that hangs up cancels its handler, which closes the backend request (as
+        # Starlette on uvicorn does for the reference); aiohttp's default keeps it running.
+        app_runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await app_runner.setup()
         site = web.TCPSite(app_runner, config.host, config.port, backlog=4096)
         await site.start()

@@ -298,6 +298,11 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
             f"--hash-algo {args.hash_algo} needs --hash-seed: without PYTHONHASHSEED vLLM "
             "seeds xxhash randomly per process, so no proxy can reproduce its hashes"
         )
+    if args.no_rewrite and args.policy != "eager":
+        raise InvalidArgument(
+            f"--no-rewrite with --policy {args.policy}: P would get every item raw without its "
+            "uuid, so its keys would not be the ones the plan used; use --policy eager"
+        )
     if args.e_cache_items < 1:
         raise InvalidArgument(f"--e-cache-items={args.e_cache_items} must be >= 1")
     if not args.e_cache_ttl > 0:

@@ -23,7 +23,8 @@ class ProxyMetrics:
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
             "mmreuse_proxy_requests_total",
-            "chat requests, by policy and outcome (ok, client_error, server_error)",
+            "chat requests, by policy and outcome (ok, client_error, server_error, stream_broken: "
+            "decode's stream broke after it started, client_gone: the client hung up)",
             ["policy", "outcome"],
             registry=r,
         )

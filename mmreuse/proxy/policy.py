@@ -24,7 +24,7 @@ from ..errors import InvalidArgument
 from ..integrations.vllm import RenderedPrompt, from_render_json
 from ..plan import AdmissionPlan, plan_admission
 from .config import ProxyConfig
-from .media import MODALITY, with_uuids
+from .media import MODALITY, item_uuid, with_uuids
 from .views import InstanceView
 
 logger = logging.getLogger("mmreuse.proxy")
@@ -100,11 +100,20 @@ class Planner:
         except (_NoPlan, InvalidArgument) as e:
             return _replace(self.eager(items, instance), no_plan=f"render: {e}",
                             render_s=time.perf_counter() - t0)  # fmt: skip
+        except Exception as e:  # a bug here costs the plan, never the request
+            logger.exception("render answer not usable")
+            return _replace(self.eager(items, instance), no_plan=f"render: {type(e).__name__}: {e}",
+                            render_s=time.perf_counter() - t0)  # fmt: skip
         t1 = time.perf_counter()
         try:
-            decision = self._plan(rendered, items, instance)
+            decision = self._plan(rendered, items, instance, request)
         except (_NoPlan, InvalidArgument) as e:
             decision = _replace(self.eager(items, instance), no_plan=f"plan: {e}")
+        except Exception as e:
+            logger.exception("planning failed")
+            decision = _replace(
+                self.eager(items, instance), no_plan=f"plan: {type(e).__name__}: {e}"
+            )
         t2 = time.perf_counter()
         return _replace(decision, render_s=t1 - t0, decide_s=t2 - t1)
 
@@ -143,9 +152,15 @@ class Planner:
         return memo[key]
 
     def _plan(
-        self, rendered: RenderedPrompt, items: Sequence[Mapping[str, Any]], instance: int
+        self,
+        rendered: RenderedPrompt,
+        items: Sequence[Mapping[str, Any]],
+        instance: int,
+        request: Mapping[str, Any] | None = None,
     ) -> Decision:
         occ_items = _occurrence_items(rendered, items)
+        if request is not None:
+            rendered = _checked(rendered, items, occ_items, request)
         memo: dict = {}
         if self.config.routing == "affine" and len(self.views) > 1:
             hits = []
@@ -264,6 +279,34 @@ def _occurrence_items(rendered: RenderedPrompt, items: Sequence[Mapping[str, Any
                 f"render has {seen.get(modality, 0)} {modality} items, the request {len(slots)}"
             )
     return out
+
+
+def _checked(
+    rendered: RenderedPrompt,
+    items: Sequence[Mapping[str, Any]],
+    occ_items: list[int],
+    request: Mapping[str, Any],
+) -> RenderedPrompt:
+    """Render's answer, held to what the proxy knows of the request: the request's cache salt
+    (a render that dropped it would plan on another tenant's blocks), and identifiers that are
+    the items' uuids (without processing kwargs, vLLM's identifier *is* the uuid) or at least
+    in one-to-one correspondence with them (otherwise a dedup could give one item another's
+    embedding). Anything else: no plan."""
+    salt = request.get("cache_salt")
+    if rendered.cache_salt is not None and rendered.cache_salt != salt:
+        raise _NoPlan(f"render's cache_salt {rendered.cache_salt!r} is not the request's {salt!r}")
+    rehashed = bool(request.get("mm_processor_kwargs") or request.get("media_io_kwargs"))
+    by_ident: dict[str, str] = {}
+    by_uuid: dict[str, str] = {}
+    for occ, idx in zip(rendered.occurrences, occ_items, strict=True):
+        uid = item_uuid(items[idx])
+        if not rehashed and occ.identifier != uid:
+            raise _NoPlan(f"render names item {idx} {occ.identifier!r}, not its uuid {uid!r}")
+        if by_ident.setdefault(occ.identifier, uid) != uid or by_uuid.setdefault(uid, occ.identifier) != occ.identifier:  # fmt: skip
+            raise _NoPlan(f"render's identifier {occ.identifier!r} names two different items")
+    if salt != rendered.cache_salt:
+        rendered = RenderedPrompt(rendered.token_ids, rendered.occurrences, salt)
+    return rendered
 
 
 def _identifiers(rendered: RenderedPrompt, occ_items: list[int], n: int) -> tuple[str, ...]:
