@@ -148,7 +148,7 @@ class Cluster:
 
     def specs(self) -> list[InstanceSpec]:
         """The instances' specs, on freshly chosen free ports."""
-        ports = iter(free_ports(self.encoders + 3 * self.prefills))
+        ports = iter(free_ports(self.encoders + 5 * self.prefills))
         specs = [
             InstanceSpec(f"E{i}", "encoder", next(ports), extra_args=self.encoder_extra_args)
             for i in range(self.encoders)
@@ -162,6 +162,8 @@ class Cluster:
                     kv_events_port=next(ports),
                     replay_port=next(ports),
                     kv_events_bind=self.kv_events_bind,
+                    ec_events_port=next(ports),
+                    ec_replay_port=next(ports),
                     extra_args=self.extra_args
                     + (self.prefill_extra_args[i] if self.prefill_extra_args else ()),
                 )
@@ -234,6 +236,8 @@ class Cluster:
             "--decode-servers-urls", ",".join(s.url for s in ps),
             "--kv-events-endpoints", ",".join(str(s.kv_events_endpoint) for s in ps),
             "--kv-events-replay-endpoints", ",".join(str(s.replay_endpoint) for s in ps),
+            "--encoder-cache-events-endpoints", ",".join(str(s.ec_events_endpoint) for s in ps),
+            "--encoder-cache-events-replay-endpoints", ",".join(str(s.ec_replay_endpoint) for s in ps),
             "--hash-algo", "sha256",
             "--hash-seed", SERVER_ENV["PYTHONHASHSEED"],
             "--block-size", str(BLOCK_SIZE),

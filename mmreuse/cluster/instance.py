@@ -43,6 +43,7 @@ Role = Literal["encoder", "prefill"]
 ROLES: tuple[Role, ...] = ("encoder", "prefill")
 HOST = "127.0.0.1"
 SERVED_NAME = "tiny"
+EC_MANAGER_CLS = "mmreuse.integrations.vllm.EventfulEncoderCacheManager"
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32; its default 128 is too coarse
 SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per instance
@@ -70,6 +71,9 @@ class InstanceSpec:
     replay_port: int | None = None
     kv_events_bind: bool = True
     extra_args: tuple[str, ...] = ()
+    # mmreuse's EventfulEncoderCacheManager in P: its encoder-cache events and their replay.
+    ec_events_port: int | None = None
+    ec_replay_port: int | None = None
 
     def __post_init__(self) -> None:
         check_str("name", self.name)
@@ -84,6 +88,16 @@ class InstanceSpec:
                 check_int(fld, value, 1, 65535)
             elif value is not None:
                 fail_value(fld, "None for an encoder (it publishes no KV events)", value)
+        for fld in ("ec_events_port", "ec_replay_port"):
+            value = getattr(self, fld)
+            if value is not None:
+                if self.role != "prefill":
+                    fail_value(fld, "None for an encoder", value)
+                check_int(fld, value, 1, 65535)
+        if (self.ec_events_port is None) != (self.ec_replay_port is None):
+            fail_value(
+                "ec_replay_port", "given exactly when ec_events_port is", self.ec_replay_port
+            )
         if not isinstance(self.extra_args, tuple) or not all(
             isinstance(a, str) for a in self.extra_args
         ):
@@ -102,6 +116,15 @@ class InstanceSpec:
     def replay_endpoint(self) -> str | None:
         """P's replay ROUTER (always bound by vLLM): a DEALER connects here."""
         return None if self.replay_port is None else f"tcp://{HOST}:{self.replay_port}"
+
+    @property
+    def ec_events_endpoint(self) -> str | None:
+        """Where a subscriber connects to P's encoder-cache events (P binds `tcp://*:PORT`)."""
+        return None if self.ec_events_port is None else f"tcp://{HOST}:{self.ec_events_port}"
+
+    @property
+    def ec_replay_endpoint(self) -> str | None:
+        return None if self.ec_replay_port is None else f"tcp://{HOST}:{self.ec_replay_port}"
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -185,6 +208,18 @@ def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path)
             "--enable-scale-out",
             "--enable-prompt-tokens-details",  # usage.cached_tokens: the proxy sees fallbacks
         ]  # fmt: skip
+        if spec.ec_events_port is not None:
+            extra = {"mmreuse": {
+                "encoder_cache_events_endpoint": f"tcp://*:{spec.ec_events_port}",
+                "encoder_cache_events_replay_endpoint": f"tcp://*:{spec.ec_replay_port}",
+            }}  # fmt: skip
+            manager = {"encoder_cache_manager_cls": EC_MANAGER_CLS}
+            argv += [
+                "--ec-manager-config",
+                json.dumps(manager),
+                "--additional-config",
+                json.dumps(extra),
+            ]
     return argv + list(spec.extra_args)
 
 

