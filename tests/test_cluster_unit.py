@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -237,3 +238,19 @@ def test_free_ports_stay_below_the_ephemeral_range():
 
     lo, _ = _ephemeral_range()
     assert all(p < lo for p in free_ports(16))
+
+
+def test_cluster_runs_mmreuse_encoder_cache_events_per_p(tmp_path):
+    from mmreuse.cluster import Cluster
+    from mmreuse.errors import InvalidArgument
+
+    specs = Cluster(tmp_path, encoders=1, prefills=2, ec_events=(True, False)).specs()
+    p0, p1 = (s for s in specs if s.role == "prefill")
+    assert p0.ec_events_endpoint is not None and p1.ec_events_endpoint is None
+    argv0 = server_argv(p0, Path("python"), tmp_path, tmp_path)
+    argv1 = server_argv(p1, Path("python"), tmp_path, tmp_path)
+    assert "--ec-manager-config" in argv0 and "--ec-manager-config" not in argv1
+    extra = json.loads(argv0[argv0.index("--additional-config") + 1])
+    assert extra["mmreuse"]["encoder_cache_events_endpoint"] == f"tcp://*:{p0.ec_events_port}"
+    with pytest.raises(InvalidArgument, match="ec_events"):
+        Cluster(tmp_path, prefills=2, ec_events=(True,))

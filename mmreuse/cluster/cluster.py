@@ -116,6 +116,7 @@ class Cluster:
         extra_args: tuple[str, ...] = (),
         prefill_extra_args: tuple[tuple[str, ...], ...] = (),
         encoder_extra_args: tuple[str, ...] = (),
+        ec_events: tuple[bool, ...] = (),
     ) -> None:
         self.encoders = check_int("encoders", encoders, 0, MAX_ENCODERS)
         self.prefills = check_int("prefills", prefills, 1, MAX_PREFILLS)
@@ -131,6 +132,12 @@ class Cluster:
             )
         self.prefill_extra_args = prefill_extra_args
         self.encoder_extra_args = encoder_extra_args
+        if ec_events and len(ec_events) != self.prefills:
+            raise InvalidArgument(
+                f"ec_events has {len(ec_events)} entries for {self.prefills} prefills: one bool "
+                "per P (whether it runs EventfulEncoderCacheManager)"
+            )
+        self.ec_events = ec_events or (True,) * self.prefills
         self.instances: dict[str, Instance] = {}
         self.startup_seconds: dict[str, float] = {}
 
@@ -154,6 +161,7 @@ class Cluster:
             for i in range(self.encoders)
         ]
         for i in range(self.prefills):
+            ec_port, ec_replay = next(ports), next(ports)
             specs.append(
                 InstanceSpec(
                     f"P{i}",
@@ -162,8 +170,8 @@ class Cluster:
                     kv_events_port=next(ports),
                     replay_port=next(ports),
                     kv_events_bind=self.kv_events_bind,
-                    ec_events_port=next(ports),
-                    ec_replay_port=next(ports),
+                    ec_events_port=ec_port if self.ec_events[i] else None,
+                    ec_replay_port=ec_replay if self.ec_events[i] else None,
                     extra_args=self.extra_args
                     + (self.prefill_extra_args[i] if self.prefill_extra_args else ()),
                 )
@@ -236,8 +244,8 @@ class Cluster:
             "--decode-servers-urls", ",".join(s.url for s in ps),
             "--kv-events-endpoints", ",".join(str(s.kv_events_endpoint) for s in ps),
             "--kv-events-replay-endpoints", ",".join(str(s.replay_endpoint) for s in ps),
-            "--encoder-cache-events-endpoints", ",".join(str(s.ec_events_endpoint) for s in ps),
-            "--encoder-cache-events-replay-endpoints", ",".join(str(s.ec_replay_endpoint) for s in ps),
+            "--encoder-cache-events-endpoints", ",".join(s.ec_events_endpoint or "" for s in ps),
+            "--encoder-cache-events-replay-endpoints", ",".join(s.ec_replay_endpoint or "" for s in ps),
             "--hash-algo", "sha256",
             "--hash-seed", SERVER_ENV["PYTHONHASHSEED"],
             "--block-size", str(BLOCK_SIZE),
