@@ -25,11 +25,12 @@ _STEP = re.compile(r"Iteration\(\d+\):.*?iteration elapsed time: ([0-9.]+) ms")
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--swap", action="store_true", help="the plug-in on P1 instead of P0")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="mmreuse-cost-") as tmp:
-        c = Cluster(Path(tmp) / "c", encoders=0, prefills=2, ec_events=(True, False))
+        c = Cluster(Path(tmp) / "c", encoders=0, prefills=2, ec_events=(not a.swap, a.swap))
         with c:
-            names = {"P0": "with the plug-in", "P1": "without"}
+            names = {"P0": "without" if a.swap else "with the plug-in", "P1": "with the plug-in" if a.swap else "without"}
             lat: dict[str, list[float]] = {"P0": [], "P1": []}
             for r in range(a.requests):
                 for name in ("P0", "P1") if r % 2 == 0 else ("P1", "P0"):
