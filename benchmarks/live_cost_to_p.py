@@ -30,7 +30,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mmreuse-cost-") as tmp:
         c = Cluster(Path(tmp) / "c", encoders=0, prefills=2, ec_events=(not a.swap, a.swap))
         with c:
-            names = {"P0": "without" if a.swap else "with the plug-in", "P1": "with the plug-in" if a.swap else "without"}
+            names = {
+                "P0": "without" if a.swap else "with the plug-in",
+                "P1": "with the plug-in" if a.swap else "without",
+            }
             lat: dict[str, list[float]] = {"P0": [], "P1": []}
             for r in range(a.requests):
                 for name in ("P0", "P1") if r % 2 == 0 else ("P1", "P0"):
