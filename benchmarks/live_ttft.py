@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,35 +21,8 @@ import urllib.request
 from pathlib import Path
 
 from mmreuse.cluster import Cluster
-from mmreuse.cluster.instance import free_ports
+from mmreuse.cluster.proxy import proxy_process
 from mmreuse.cluster.workload import conversations
-
-
-def _proxy(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    (port,) = free_ports(1)
-    cmd = [
-        sys.executable,
-        "-m",
-        "mmreuse.cli",
-        "proxy",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *args,
-    ]
-    proc = subprocess.Popen(
-        cmd, start_new_session=True, stdout=log.open("wb"), stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(150):
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return proc, url
-        except OSError:
-            time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise RuntimeError(f"proxy did not start: {log.read_text()[-2000:]}")
 
 
 def _ttft(url: str, body: dict) -> float:
@@ -88,9 +58,9 @@ def main() -> int:
         ) as c:
             for policy in ("eager", "index", "eager", "index"):  # ABAB: drift hits both
                 run = f"ttft-{policy}-{time.time_ns()}"
-                proc, url = _proxy([*c.proxy_args(), "--policy", policy], Path(tmp) / f"{run}.log")
-                os.environ["ENCODER_MAX_BATCH_SIZE"] = "2"
-                try:
+                env = {"ENCODER_MAX_BATCH_SIZE": "2"}  # E's 64-token budget fits 2 images
+                args = [*c.proxy_args(), "--policy", policy]
+                with proxy_process(args, Path(tmp) / f"{run}.log", env=env) as url:
                     time.sleep(1.0)
                     last_turn = 0
                     for _s, t, body in conversations(run, a.sessions, a.turns):
@@ -99,9 +69,6 @@ def main() -> int:
                                 shutil.rmtree(child, ignore_errors=True)
                         last_turn = t
                         rows.setdefault(policy, []).append((t, _ttft(url, body)))
-                finally:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait(10)
     print(f"TTFT through mmreuse proxy, {a.sessions} sessions x {a.turns} turns, every request "
           f"with a new image; store {'emptied between turns' if a.empty_store else 'kept'} "
           "(CPU-scale: tiny random-weight model, 2 cores)")  # fmt: skip

@@ -22,11 +22,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmreuse.cluster.client import post_json
+from mmreuse.cluster.proxy import proxy_process
 from mmreuse.cluster.workload import conversations
 from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
 
-from .conftest import proxy_args, proxy_process
+from .conftest import proxy_args
 
 pytestmark = pytest.mark.live
 
