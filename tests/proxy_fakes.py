@@ -6,6 +6,8 @@ scriptable chat answer (`answer`), an optional render answer (`render`) and gzip
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import json
 import socket
 from collections.abc import Callable
@@ -176,3 +178,26 @@ def refused_url() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+def arun(fn):
+    """Run an async test body in a fresh event loop (no pytest-asyncio here)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return wrapper
+
+
+def sha(s: str) -> str:
+    """The reference proxy's uuid of an item whose URL is `s`."""
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+def img(url: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}, **extra}
+
+
+def chat(*content: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": list(content)}], **extra}

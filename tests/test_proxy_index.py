@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import hashlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -29,35 +27,13 @@ from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
 
 from .kv_publisher import TestPublisher
-from .proxy_fakes import Fake
+from .proxy_fakes import Fake, arun, chat, img, sha
 
 BLOCK = 16
 TEXT_TOKENS = list(range(1, 41))  # the rendered prompt: 40 text tokens, then each image
 IMAGE_TOKEN = 268  # 16 placeholder tokens per image
 IMAGE_LEN = 16
 WAIT_S = 15.0  # a bound on waiting for the view (a hang guard, not a timing check)
-
-
-def arun(fn):
-    """Run an async test body in a fresh event loop (no pytest-asyncio here)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
-
-
-def sha(s: str) -> str:
-    return hashlib.sha256(s.encode()).hexdigest()
-
-
-def img(url: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": url}, **extra}
-
-
-def chat(*content: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": list(content)}], **extra}
 
 
 A, B, C = "http://img/a.png", "http://img/b.png", "http://img/c.png"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import hashlib
 import json
 import re
 import uuid
@@ -28,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
 
-from .proxy_fakes import Fake, refused_url
+from .proxy_fakes import Fake, arun, chat, img, refused_url, sha
 
 HEX6 = "[0-9a-f]{6}"
 HANG_GUARD_S = 3.0  # a bound on a read that must end at once (a hang guard, not a timing check)
@@ -42,30 +40,8 @@ KV_REMOTE_DECODE = {
 }
 
 
-def arun(fn):
-    """Run an async test body in a fresh event loop (no pytest-asyncio here)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-
-    return wrapper
-
-
-def sha(s: str) -> str:
-    return hashlib.sha256(s.encode()).hexdigest()
-
-
-def img(url: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": url}, **extra}
-
-
 def text(t: str) -> dict[str, Any]:
     return {"type": "text", "text": t}
-
-
-def chat(*content: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny", "messages": [{"role": "user", "content": list(content)}], **extra}
 
 
 def e_items(seen) -> list[dict[str, Any]]:
