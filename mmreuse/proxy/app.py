@@ -172,7 +172,7 @@ class Proxy:
         cfg, m = self.config, self.metrics
         items = extract_mm_items(req)
         uuids = [item_uuid(item) for item in items]  # once: E, the rewrite and render use them
-        decision = await self.planner.decide(req, items)
+        decision = await self.planner.decide(req, items, uuids)
         if decision.render_s:
             m.stage["render"].observe(decision.render_s)
         if decision.decide_s:

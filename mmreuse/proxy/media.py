@@ -63,11 +63,10 @@ def uses_audio_in_video(request: Mapping[str, Any]) -> bool:
     return bool(isinstance(kwargs, Mapping) and kwargs.get("use_audio_in_video"))
 
 
-def with_uuids(request: Mapping[str, Any], items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The request with every media part carrying its uuid (what render must see, so that its
+def with_uuids(request: Mapping[str, Any], uuids: Sequence[str]) -> dict[str, Any]:
+    """The request with media part i carrying `uuids[i]` (what render must see, so that its
     identifiers are those P will key by)."""
-    by_id = {id(item): item_uuid(item) for item in items}
-    return _map_items(request, lambda idx, part: {**part, "uuid": by_id[id(part)]})
+    return _map_items(request, lambda idx, part: {**part, "uuid": uuids[idx]})
 
 
 def _map_items(request: Mapping[str, Any], fn: Any) -> dict[str, Any]:

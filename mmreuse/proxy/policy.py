@@ -89,14 +89,20 @@ class Planner:
         return Decision(inst, tuple(range(n)), klasses=("unclassified",) * n)
 
     async def decide(
-        self, request: Mapping[str, Any], items: Sequence[Mapping[str, Any]]
+        self,
+        request: Mapping[str, Any],
+        items: Sequence[Mapping[str, Any]],
+        uuids: Sequence[str] | None = None,
     ) -> Decision:
+        """`uuids`: the items' uuids when the caller has them (else computed here)."""
         if not self._needs_render or (not items and self.config.routing == "random"):
             return self.eager(items)
+        if uuids is None:
+            uuids = [item_uuid(item) for item in items]
         instance = self.random_instance()
         t0 = time.perf_counter()
         try:
-            rendered = await self._render(request, items, instance)
+            rendered = await self._render(request, uuids, instance)
         except (_NoPlan, InvalidArgument) as e:
             return _replace(self.eager(items, instance), no_plan=f"render: {e}",
                             render_s=time.perf_counter() - t0)  # fmt: skip
@@ -106,7 +112,7 @@ class Planner:
                             render_s=time.perf_counter() - t0)  # fmt: skip
         t1 = time.perf_counter()
         try:
-            decision = self._plan(rendered, items, instance, request)
+            decision = self._plan(rendered, items, instance, request, uuids)
         except (_NoPlan, InvalidArgument) as e:
             decision = _replace(self.eager(items, instance), no_plan=f"plan: {e}")
         except Exception as e:
@@ -118,9 +124,9 @@ class Planner:
         return _replace(decision, render_s=t1 - t0, decide_s=t2 - t1)
 
     async def _render(
-        self, request: Mapping[str, Any], items: Sequence[Mapping[str, Any]], instance: int
+        self, request: Mapping[str, Any], uuids: Sequence[str], instance: int
     ) -> RenderedPrompt:
-        body = with_uuids(request, items)
+        body = with_uuids(request, uuids)
         for key in ("stream", "stream_options", "kv_transfer_params", "ec_transfer_params"):
             body.pop(key, None)
         body["mm_payload"] = "none"
@@ -157,10 +163,13 @@ class Planner:
         items: Sequence[Mapping[str, Any]],
         instance: int,
         request: Mapping[str, Any] | None = None,
+        uuids: Sequence[str] | None = None,
     ) -> Decision:
         occ_items = _occurrence_items(rendered, items)
         if request is not None:
-            rendered = _checked(rendered, items, occ_items, request)
+            if uuids is None:
+                uuids = [item_uuid(item) for item in items]
+            rendered = _checked(rendered, uuids, occ_items, request)
         memo: dict = {}
         if self.config.routing == "affine" and len(self.views) > 1:
             hits = []
@@ -283,7 +292,7 @@ def _occurrence_items(rendered: RenderedPrompt, items: Sequence[Mapping[str, Any
 
 def _checked(
     rendered: RenderedPrompt,
-    items: Sequence[Mapping[str, Any]],
+    uuids: Sequence[str],
     occ_items: list[int],
     request: Mapping[str, Any],
 ) -> RenderedPrompt:
@@ -299,7 +308,7 @@ def _checked(
     by_ident: dict[str, str] = {}
     by_uuid: dict[str, str] = {}
     for occ, idx in zip(rendered.occurrences, occ_items, strict=True):
-        uid = item_uuid(items[idx])
+        uid = uuids[idx]
         if not rehashed and occ.identifier != uid:
             raise _NoPlan(f"render names item {idx} {occ.identifier!r}, not its uuid {uid!r}")
         if by_ident.setdefault(occ.identifier, uid) != uid or by_uuid.setdefault(uid, occ.identifier) != occ.identifier:  # fmt: skip
