@@ -28,7 +28,7 @@ from ..plan import plan_admission
 from ..validate import check_int, check_str, fail_type, show
 from .vllm_hasher import fast_request_block_hasher
 
-__all__ = [  # and EventfulEncoderCacheManager, loaded on access (module __getattr__)
+__all__ = [  # and EventfulEncoderCacheManager, DemandScheduler: loaded on access (__getattr__)
     "DENSE_MODALITIES",
     "RenderedPrompt",
     "availability_from_engine",
@@ -317,4 +317,8 @@ def __getattr__(name: str) -> Any:
         from .vllm_ec import EventfulEncoderCacheManager
 
         return EventfulEncoderCacheManager
+    if name in ("DemandScheduler", "AsyncDemandScheduler"):
+        from . import vllm_demand
+
+        return getattr(vllm_demand, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,279 @@
+"""Demand queries: the proxy asks a P "what do you need from E for this request?", P answers.
+
+The wire of `mmreuse.integrations.vllm.DemandScheduler` (the P side) and the proxy's `demand`
+and `opportunistic` policies (the client side). One ZMQ ROUTER socket in P, bound to
+`additional_config["mmreuse"]["demand_endpoint"]`; a client connects a DEALER and sends one
+frame per query, a msgpack map tagged by `"type"`; P answers each query with one frame, in any
+order, naming the query's `id`:
+
+- `DemandQuery {id, token_ids, items, cache_salt, lora_name, e_cached, remember}` ->
+  `DemandAnswer` or `DemandError`. `items` are the rendered request's multimodal items in
+  vLLM's order (by offset), each `{identifier, offset, length, modality, is_embed}`.
+- `StatsQuery {id, check_index}` -> `DemandStats` (P's counters; with `check_index`, the
+  residency index compared with vLLM's prefix cache, block by block).
+
+Everything P puts in an answer was read under one lock that vLLM's scheduler methods also hold,
+so an answer is one consistent state of P. A query that is not well formed gets a
+`DemandError`, never an exception in P's engine; an answer that is not well formed is refused by
+`decode_answer` here (`MalformedAnswer`), so a hostile P can cost the client its plan only.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from .demand import Klass
+from .errors import InvalidArgument
+from .occurrence import MMOccurrence
+
+MAX_ID_CHARS = 128
+MAX_ITEMS = 4096
+
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
+class QueryItem(msgspec.Struct, omit_defaults=True, gc=False):
+    """One multimodal item of the query (an `MMOccurrence` on the wire)."""
+
+    identifier: Annotated[str, msgspec.Meta(min_length=1)]
+    offset: _Count
+    length: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+    modality: Annotated[str, msgspec.Meta(min_length=1)] = "image"
+    is_embed: list[bool] | None = None
+
+
+class DemandQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """What P is asked about: a rendered request (render's token ids and features).
+
+    `e_cached`: identifiers the client knows E holds (P cannot see E). `remember`: keep the
+    answer's proof so that the request, sent with `vllm_xargs.mmreuse_demand_id = id`, is
+    checked against it when P admits it.
+    """
+
+    id: _Id
+    token_ids: list[_TokenId]
+    items: list[QueryItem] = []
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    e_cached: list[str] = []
+    remember: bool = True
+
+
+class StatsQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    id: _Id
+    check_index: bool = False
+
+
+class DemandAnswer(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """P's answer, from one consistent state of P.
+
+    Attributes:
+        num_computed_tokens: C: the prefix-cache hit vLLM's own lookup gives now (tokens).
+        classes: per item (the query's order), its `Klass` value, or "duplicate".
+        dedup_of: per item, the earlier item whose embedding it shares, or None.
+        e_demand: (identifier, needs_forward) E must deliver, each once, in P's order.
+        p_local_reuse, p_loads: identifiers P reuses from its encoder cache / loads through
+            its EC connector.
+        p_local_self_evicted: freeable encoder-cache entries this request's own admission
+            evicts before it reaches them (they count as needing E).
+        encoder_cache_short: P's encoder cache cannot hold this request's new embeddings at
+            once: P spreads them over steps, and may encode again an entry it freed in between
+            (the classes hold for its first step).
+        proof_blocks, proof_generations: the `CoverageProof` of the hit (P's residency index).
+        trust_kv_blocks: how many new KV blocks P can allocate before the first block of the
+            hit may be evicted (its place in vLLM's free queue); None when every hit block is in
+            use by a running request (then only a finished request can expose it), 0 without a
+            hit.
+        trust_encoder_embeds: encoder-cache space (embeddings) P can allocate before one of the
+            entries the answer reuses may be evicted; None when all of them are referenced.
+        external_kv: "none" (P has no KV connector) or "not_consulted" (a KV connector may
+            add tokens at admission; asking it has side effects, so it is not asked).
+        step: P's scheduler step when answered. lock_wait_us, answer_us: time waited for the
+            lock, and spent answering under it.
+    """
+
+    id: str
+    num_computed_tokens: _Count
+    classes: list[str]
+    dedup_of: list[int | None]
+    e_demand: list[tuple[str, bool]]
+    p_local_reuse: list[str] = []
+    p_loads: list[str] = []
+    p_local_self_evicted: list[str] = []
+    encoder_cache_short: bool = False
+    proof_blocks: list[_Count] = []
+    proof_generations: list[_Count] = []
+    trust_kv_blocks: _Count | None = None
+    trust_encoder_embeds: _Count | None = None
+    external_kv: str = "none"
+    step: _Count = 0
+    lock_wait_us: float = 0.0
+    answer_us: float = 0.0
+
+
+class DemandError(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """The query could not be answered; `error` says why (naming the field)."""
+
+    id: str
+    error: str
+
+
+class DemandStats(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """P's demand counters since it started.
+
+    `admitted`: requests admitted that carried an answered query's id; `proof_valid`: of them,
+    whose proof still held at admission; `changed`: why the others did not (per cause:
+    "eviction" - a hit block lost its content; "block_reuse" - a hit block holds other content;
+    "encoder_eviction" - an entry the answer reused left P's encoder cache); `hit_differs`:
+    admissions whose C differs from the answer's (it grows when blocks were added since; of them,
+    `valid_hit_shorter`: a smaller C although the proof held - an unsound proof, always 0).
+    `index_blocks`: blocks the residency index
+    holds; `index_mismatches`: with `check_index`, blocks where it differs from vLLM's prefix
+    cache (else None); `index_device`: where the index lives.
+    """
+
+    id: str
+    answers: _Count = 0
+    errors: _Count = 0
+    admitted: _Count = 0
+    proof_valid: _Count = 0
+    changed: dict[str, _Count] = {}
+    hit_differs: _Count = 0
+    valid_hit_shorter: _Count = 0
+    index_blocks: _Count = 0
+    index_mismatches: _Count | None = None
+    index_device: str = "cpu"
+    forgotten: _Count = 0
+
+
+Query = DemandQuery | StatsQuery
+Answer = DemandAnswer | DemandError | DemandStats
+
+_query_decoder = msgspec.msgpack.Decoder(Query)
+_answer_decoder = msgspec.msgpack.Decoder(Answer)
+_encoder = msgspec.msgpack.Encoder()
+
+_CLASSES = frozenset(k.value for k in Klass) | {"duplicate"}
+
+
+class MalformedQuery(InvalidArgument):
+    """A frame that is not a well-formed query (the answer is a DemandError with this text)."""
+
+
+class MalformedAnswer(InvalidArgument):
+    """A frame that is not a well-formed answer to the query it names."""
+
+
+def encode(message: Query | Answer) -> bytes:
+    return _encoder.encode(message)
+
+
+def _bytes(field: str, payload: Any) -> bytes:
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise InvalidArgument(f"{field} must be bytes, got {type(payload).__name__}")
+    return bytes(payload)
+
+
+def decode_query(payload: bytes) -> Query:
+    """A query frame, checked: items are valid occurrences inside the token ids, identifiers
+    are unique per item slot; raises MalformedQuery naming the field."""
+    try:
+        query = _query_decoder.decode(_bytes("payload", payload))
+    except InvalidArgument as e:
+        raise MalformedQuery(str(e)) from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise MalformedQuery(f"not a demand query: {e}") from None
+    if isinstance(query, DemandQuery):
+        occurrences_of(query)
+    return query
+
+
+def occurrences_of(query: DemandQuery) -> list[MMOccurrence]:
+    """The query's items as MMOccurrences (vLLM's order is required: sorted by offset)."""
+    n = len(query.token_ids)
+    if n == 0:
+        raise MalformedQuery("token_ids is empty")
+    if len(query.items) > MAX_ITEMS:
+        raise MalformedQuery(f"items has {len(query.items)} entries, more than {MAX_ITEMS}")
+    out = []
+    last = -1
+    for i, item in enumerate(query.items):
+        if item.offset + item.length > n:
+            raise MalformedQuery(
+                f"items[{i}] = [{item.offset}, {item.offset + item.length}) is past the "
+                f"{n} token ids"
+            )
+        if item.offset < last:
+            raise MalformedQuery(f"items[{i}].offset {item.offset} is before items[{i - 1}]'s")
+        last = item.offset
+        mask = None if item.is_embed is None else tuple(item.is_embed)
+        try:
+            out.append(MMOccurrence(item.identifier, item.offset, item.length, mask, item.modality))
+        except InvalidArgument as e:
+            raise MalformedQuery(f"items[{i}]: {e}") from None
+    return out
+
+
+def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
+    """An answer frame, checked (against `query` when given: same id, one class per item,
+    e_demand naming only the query's identifiers); raises MalformedAnswer."""
+    try:
+        answer = _answer_decoder.decode(_bytes("payload", payload))
+    except InvalidArgument as e:
+        raise MalformedAnswer(str(e)) from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise MalformedAnswer(f"not a demand answer: {e}") from None
+    if query is None or not isinstance(answer, DemandAnswer):
+        return answer
+    if answer.id != query.id:
+        raise MalformedAnswer(f"answer id {answer.id!r} is not the query's {query.id!r}")
+    k = len(query.items)
+    if len(answer.classes) != k or len(answer.dedup_of) != k:
+        raise MalformedAnswer(
+            f"answer has {len(answer.classes)} classes and {len(answer.dedup_of)} dedup_of for "
+            f"{k} items"
+        )
+    for i, c in enumerate(answer.classes):
+        if c not in _CLASSES:
+            raise MalformedAnswer(f"classes[{i}] = {c!r} is not one of {sorted(_CLASSES)}")
+    for i, d in enumerate(answer.dedup_of):
+        if d is not None and not 0 <= d < i:
+            raise MalformedAnswer(f"dedup_of[{i}] = {d} is not an earlier item")
+    if answer.num_computed_tokens >= len(query.token_ids):
+        raise MalformedAnswer(
+            f"num_computed_tokens {answer.num_computed_tokens} is not below the "
+            f"{len(query.token_ids)} prompt tokens"
+        )
+    idents = {item.identifier for item in query.items}
+    for field in ("p_local_reuse", "p_loads"):
+        stray = set(getattr(answer, field)) - idents
+        if stray:
+            raise MalformedAnswer(f"{field} names identifiers not in the query: {sorted(stray)}")
+    stray = {ident for ident, _ in answer.e_demand} - idents
+    if stray:
+        raise MalformedAnswer(f"e_demand names identifiers not in the query: {sorted(stray)}")
+    if len(answer.proof_blocks) != len(answer.proof_generations):
+        raise MalformedAnswer("proof_blocks and proof_generations differ in length")
+    return answer
+
+
+__all__ = [
+    "Answer",
+    "DemandAnswer",
+    "DemandError",
+    "DemandQuery",
+    "DemandStats",
+    "MalformedAnswer",
+    "MalformedQuery",
+    "Query",
+    "QueryItem",
+    "StatsQuery",
+    "decode_answer",
+    "decode_query",
+    "encode",
+    "occurrences_of",
+]

@@ -1,0 +1,602 @@
+"""`DemandScheduler`: vLLM's scheduler, unchanged in behaviour, that also answers demand queries
+(`mmreuse.demand_query`) from P's true state, and keeps P's residency index.
+
+Switched on in a P/PD with `--scheduler-cls mmreuse.integrations.vllm.DemandScheduler` and its
+endpoint through `--additional-config '{"mmreuse": {"demand_endpoint": "tcp://*:PORT"}}'`
+(without an endpoint it answers nothing but still keeps its index and counters). Imports vLLM:
+load it only inside vLLM.
+
+How answers stay consistent and prompt. vLLM's engine core runs the scheduler on one thread and
+blocks when idle. An answer thread owns the ROUTER socket; every scheduler method that changes
+state (`schedule`, `update_from_output`, `add_request`, `finish_requests`, the resets) runs
+holding one lock, and an answer is computed holding it too. So an answer sees P between two
+scheduler calls, never in the middle of one (no torn reads); when P is idle the lock is free
+and the answer is immediate; when P is busy it waits at most for the scheduler call in
+progress (the model's forward pass runs outside the lock, and releases the GIL).
+
+What an answer reads, without side effects: the prefix-cache hit of vLLM's own lookup
+(`coordinator.find_longest_cache_hit`: no allocation, no LRU touch, no stats), the encoder
+cache (`cached`, `freeable`), the EC connector's `has_cache_item`; `compute_demand` turns them
+into the demand. The hashes are the request's, from a `Request` built as vLLM builds it.
+
+P's residency. A `BlockIndex` (on the KV cache's device) is fed by P's block pool itself: the
+pool's two choke points for prefix-cache entries (`_insert_block_hash`,
+`_remove_cached_block_hashes`) and `reset_prefix_cache`, which are exactly where vLLM emits its
+`BlockStored` / `BlockRemoved` / `AllBlocksCleared`. Every answer carries the hit's
+`CoverageProof`; when a request sent with `vllm_xargs.mmreuse_demand_id` is admitted, the proof
+is validated and a change since the answer is counted by cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import cachetools
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from ..demand import Availability, Klass, compute_demand
+from ..demand_query import (
+    DemandAnswer,
+    DemandError,
+    DemandQuery,
+    DemandStats,
+    MalformedQuery,
+    StatsQuery,
+    decode_query,
+    encode,
+    occurrences_of,
+)
+from ..residency import BlockIndex
+from .vllm import availability_from_engine, occurrences_from_request
+
+logger = logging.getLogger(__name__)
+
+CONFIG_KEY = "mmreuse"
+DEMAND_ID_KEY = "mmreuse_demand_id"  # in vllm_xargs (SamplingParams.extra_args)
+REMEMBERED_ANSWERS = 4096  # answers whose proofs wait for their request (LRU beyond)
+MAX_FREE_QUEUE_WALK = 65536  # trust_kv_blocks is "at least" this many beyond it
+
+# Scheduler methods that change state: each runs holding the demand lock.
+_LOCKED = (
+    "schedule",
+    "update_from_output",
+    "add_request",
+    "finish_requests",
+    "update_draft_token_ids",
+    "update_draft_token_ids_in_output",
+    "reset_prefix_cache",
+    "reset_encoder_cache",
+    "reset_connector_cache",
+    "set_pause_state",
+)
+
+
+@dataclass(slots=True)
+class _Remembered:
+    """An answered query, waiting for its request's admission."""
+
+    proof: Any
+    proof_keys: list[int]  # the event ids the proof's blocks held
+    num_computed_tokens: int
+    reused: tuple[str, ...]  # encoder-cache entries the answer relied on
+    last_check: tuple[bool, str | None, int] | None = None  # (valid, cause, C at lookup)
+
+
+@dataclass(slots=True)
+class _Counters:
+    answers: int = 0
+    errors: int = 0
+    admitted: int = 0
+    proof_valid: int = 0
+    hit_differs: int = 0
+    valid_hit_shorter: int = 0
+    forgotten: int = 0
+    index_disagrees: int = 0
+    changed: dict[str, int] = field(default_factory=dict)
+
+
+def _ours(vllm_config: Any) -> dict[str, Any]:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    ours = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    return ours if isinstance(ours, dict) else {}
+
+
+class DemandScheduler(Scheduler):
+    """vLLM's scheduler answering demand queries (see the module docstring). Under async
+    scheduling it is vLLM's AsyncScheduler with the same additions."""
+
+    def __new__(cls, vllm_config: Any = None, *args: Any, **kwargs: Any) -> DemandScheduler:
+        if cls is DemandScheduler and getattr(
+            getattr(vllm_config, "scheduler_config", None), "async_scheduling", False
+        ):
+            cls = AsyncDemandScheduler
+        return super().__new__(cls)
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        self._demand_lock = threading.RLock()
+        self._counters = _Counters()
+        self._remembered: cachetools.LRUCache[str, _Remembered] = cachetools.LRUCache(
+            REMEMBERED_ANSWERS
+        )
+        self._pending: dict[str, _Remembered] = {}  # engine request id -> its answer
+        self._lora_by_name: dict[str, Any] = {}
+        self._query_hasher = self._make_query_hasher(vllm_config)
+        self._index, self._index_note = self._make_index()
+        self._server: _DemandServer | None = None
+        endpoint = _ours(vllm_config).get("demand_endpoint")
+        if endpoint:
+            self._server = _DemandServer(str(endpoint), self._handle)
+            self._server.start()
+            logger.info("mmreuse: demand answers on %s (index: %s)", endpoint, self._index_note)
+
+    # ---- construction -------------------------------------------------------------------------
+
+    def _make_query_hasher(self, vllm_config: Any) -> Callable[[Any], list[Any]] | None:
+        cache = vllm_config.cache_config
+        if not cache.enable_prefix_caching:
+            return None
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        from .vllm_hasher import fast_request_block_hasher
+
+        hash_block_size: Any = getattr(self, "hash_block_size", None) or self.block_size
+        return fast_request_block_hasher(
+            hash_block_size,
+            get_hash_fn_by_name(cache.prefix_caching_hash_algo),
+            getattr(vllm_config, "num_hash_lookahead_tokens", 0),
+        )
+
+    def _make_index(self) -> tuple[BlockIndex | None, str]:
+        """P's residency index, on the KV cache's device, hooked into the block pool."""
+        manager = self.kv_cache_manager
+        pool = manager.block_pool
+        if not getattr(manager, "enable_caching", False):
+            return None, "off: prefix caching is disabled"
+        if getattr(self, "hash_block_size", self.block_size) != self.block_size:
+            return None, "off: hash blocks differ from KV blocks"
+        device = "cpu"
+        try:
+            from vllm.platforms import current_platform
+
+            if current_platform.device_type == "cuda":
+                import torch
+
+                if torch.cuda.is_available():
+                    device = f"cuda:{torch.cuda.current_device()}"
+        except Exception:  # the CPU index answers the same; say where it is
+            logger.exception("mmreuse: residency index on the CPU")
+        index = BlockIndex(pool.num_gpu_blocks, device)
+        self._hook_pool(pool, index)
+        return index, device
+
+    def _hook_pool(self, pool: Any, index: BlockIndex) -> None:
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        insert, remove, reset = (
+            pool._insert_block_hash,
+            pool._remove_cached_block_hashes,
+            pool.reset_prefix_cache,
+        )
+
+        def _insert_block_hash(key: Any, block: Any, *args: Any, **kwargs: Any) -> None:
+            primary = block.block_hash is None
+            insert(key, block, *args, **kwargs)
+            if primary and block.block_hash == key and get_group_id(key) == 0:
+                index.store(get_block_hash(key), block.block_id)
+
+        def _remove_cached_block_hashes(block: Any) -> Any:
+            removed = remove(block)
+            if removed and index.hash_of(block.block_id) is not None:
+                index.evict_block(block.block_id)
+            return removed
+
+        def reset_prefix_cache(*args: Any, **kwargs: Any) -> bool:
+            ok = reset(*args, **kwargs)
+            if ok:
+                index.clear()
+            return ok
+
+        pool._insert_block_hash = _insert_block_hash
+        pool._remove_cached_block_hashes = _remove_cached_block_hashes
+        pool.reset_prefix_cache = reset_prefix_cache
+
+    # ---- admission: check the answer's proof -------------------------------------------------
+
+    def add_request(self, request: Any) -> None:
+        with self._demand_lock:
+            super().add_request(request)
+            self._note_request(request)
+
+    def _note_request(self, request: Any) -> None:
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            self._lora_by_name[lora.lora_name] = lora
+        params = getattr(request, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        demand_id = extra.get(DEMAND_ID_KEY) if isinstance(extra, dict) else None
+        if isinstance(demand_id, str):
+            entry = self._remembered.pop(demand_id, None)
+            if entry is None:
+                self._counters.forgotten += 1
+            else:
+                self._pending[request.request_id] = entry
+
+    def _get_local_prefix_cache_hit(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        entry = self._pending.get(request.request_id)
+        valid, cause = (True, None) if entry is None else self._check(entry)
+        result = super()._get_local_prefix_cache_hit(request, *args, **kwargs)
+        if entry is not None:
+            entry.last_check = (valid, cause, int(result[1]))
+        return result
+
+    def _check(self, entry: _Remembered) -> tuple[bool, str | None]:
+        """Whether the answer's state still holds; if not, the first cause found."""
+        index = self._index
+        if index is not None and entry.proof is not None and not index.validate(entry.proof):
+            _, hash_in = index.maps()
+            for block_id, key in zip(entry.proof.block_ids.tolist(), entry.proof_keys, strict=True):
+                now = hash_in[block_id]
+                if now != key:
+                    return False, "eviction" if now is None else "block_reuse"
+            return False, "eviction"  # the same content again, after an eviction
+        cached = getattr(self.encoder_cache_manager, "cached", {})
+        for ident in entry.reused:
+            if ident not in cached:
+                return False, "encoder_eviction"
+        return True, None
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        with self._demand_lock:
+            output = super().schedule(*args, **kwargs)
+            if self._pending:
+                self._count_admissions(output)
+            return output
+
+    def _count_admissions(self, output: Any) -> None:
+        c = self._counters
+        for new in getattr(output, "scheduled_new_reqs", ()):
+            entry = self._pending.pop(new.req_id, None)
+            if entry is None or entry.last_check is None:
+                continue
+            valid, cause, hit = entry.last_check
+            c.admitted += 1
+            if valid:
+                c.proof_valid += 1
+            else:
+                c.changed[cause or "unknown"] = c.changed.get(cause or "unknown", 0) + 1
+            if hit != entry.num_computed_tokens:
+                c.hit_differs += 1
+                c.valid_hit_shorter += valid and hit < entry.num_computed_tokens
+
+    def finish_requests(self, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._demand_lock:
+            out = super().finish_requests(request_ids, *args, **kwargs)
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
+            for rid in ids:
+                self._pending.pop(rid, None)
+            return out
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        super().shutdown()
+
+    # ---- answers (the answer thread) -----------------------------------------------------------
+
+    def _handle(self, payload: bytes) -> bytes:
+        """One query frame -> one answer frame. Never raises."""
+        try:
+            query = decode_query(payload)
+        except MalformedQuery as e:
+            self._counters.errors += 1
+            return encode(DemandError(_id_of(payload), str(e)))
+        t0 = time.perf_counter()
+        try:
+            with self._demand_lock:
+                t1 = time.perf_counter()
+                if isinstance(query, StatsQuery):
+                    return encode(self._stats(query))
+                answer = self._answer(query)
+                t2 = time.perf_counter()
+        except MalformedQuery as e:
+            self._counters.errors += 1
+            return encode(DemandError(query.id, str(e)))
+        except Exception as e:  # a bug here costs this answer, never P's engine
+            logger.exception("mmreuse: demand query not answered")
+            self._counters.errors += 1
+            return encode(DemandError(query.id, f"{type(e).__name__}: {e}"))
+        answer.lock_wait_us = (t1 - t0) * 1e6
+        answer.answer_us = (t2 - t1) * 1e6
+        self._counters.answers += 1
+        return encode(answer)
+
+    def _request_for(self, query: DemandQuery) -> Any:
+        """The query as the `Request` vLLM would build for it (its block hashes included)."""
+        import torch
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        max_len = self.max_model_len if hasattr(self, "max_model_len") else None
+        if max_len is not None and len(query.token_ids) > max_len:
+            raise MalformedQuery(
+                f"token_ids has {len(query.token_ids)} tokens, more than P's max_model_len "
+                f"{max_len}"
+            )
+        lora = None
+        if query.lora_name is not None:
+            lora = self._lora_by_name.get(query.lora_name)
+            if lora is None:
+                raise MalformedQuery(
+                    f"lora_name {query.lora_name!r} is not an adapter P has served (its hashes "
+                    "need the adapter's path)"
+                )
+        features = []
+        for occ in occurrences_of(query):
+            mask = None if occ.is_embed is None else torch.tensor(occ.is_embed, dtype=torch.bool)
+            features.append(
+                MultiModalFeatureSpec(
+                    data=None,
+                    modality=occ.modality,
+                    identifier=occ.identifier,
+                    mm_position=PlaceholderRange(occ.offset, occ.length, is_embed=mask),
+                )
+            )
+        return Request(
+            request_id=f"mmreuse-demand-{query.id}",
+            prompt_token_ids=list(query.token_ids),
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            mm_features=features or None,
+            lora_request=lora,
+            cache_salt=query.cache_salt,
+            block_hasher=self._query_hasher,
+        )
+
+    def _answer(self, query: DemandQuery) -> DemandAnswer:
+        request = self._request_for(query)
+        manager = self.kv_cache_manager
+        hit_tokens, hit_blocks = 0, list[Any]()
+        if self._query_hasher is not None and manager.prefix_cache_lookup_enabled(request):
+            found = manager.coordinator.find_longest_cache_hit(
+                request.block_hashes, request.num_tokens - 1
+            )
+            hit_tokens, hit_blocks = int(found[1]), found[0][0] if found[0] else []
+        occs = occurrences_from_request(request)
+        avail = availability_from_engine(
+            self.encoder_cache_manager,
+            self.ec_connector,
+            {m.identifier for m in occs},
+            e_cached=query.e_cached,
+        )
+        enc_dec = bool(getattr(self, "is_encoder_decoder", False))
+        n = request.num_tokens
+        demand = compute_demand(occs, n, hit_tokens, avail, is_encoder_decoder=enc_dec)
+        self_evicted, short = self._self_evictions(occs, demand)
+        if self_evicted:  # P's own allocations for this request evict them first
+            avail = Availability(
+                p_local={k: v for k, v in avail.p_local.items() if k not in self_evicted},
+                p_local_freeable=avail.p_local_freeable - self_evicted,
+                p_external=avail.p_external,
+                e_cached=avail.e_cached,
+            )
+            demand = compute_demand(occs, n, hit_tokens, avail, is_encoder_decoder=enc_dec)
+        proof, keys = None, []
+        if self._index is not None:
+            nblocks = hit_tokens // self.block_size
+            found_blocks, proof = self._index.lookup_prefix(request.block_hashes[:nblocks])
+            if found_blocks != nblocks:
+                self._counters.index_disagrees += 1
+            _, hash_in = self._index.maps()
+            keys = [hash_in[b] for b in proof.block_ids.tolist()]
+        reused = demand.p_local_reuse
+        if query.remember:
+            self._remembered[query.id] = _Remembered(proof, keys, hit_tokens, reused)
+        classes, dedup = [], []
+        for d in demand.decisions:
+            classes.append("duplicate" if d.dedup_of is not None else d.klass.value)
+            dedup.append(d.dedup_of)
+        return DemandAnswer(
+            id=query.id,
+            num_computed_tokens=hit_tokens,
+            classes=classes,
+            dedup_of=dedup,
+            e_demand=[(ident, bool(fwd)) for ident, fwd in demand.e_demand],
+            p_local_reuse=list(reused),
+            p_loads=list(demand.p_loads),
+            p_local_self_evicted=sorted(self_evicted),
+            encoder_cache_short=short,
+            proof_blocks=[] if proof is None else proof.block_ids.tolist(),
+            proof_generations=[] if proof is None else proof.generations.tolist(),
+            trust_kv_blocks=self._trust_kv(hit_blocks),
+            trust_encoder_embeds=self._trust_encoder(reused),
+            external_kv="none" if self.connector is None else "not_consulted",
+            step=int(getattr(self, "current_step", 0)),
+        )
+
+    def _self_evictions(self, occs: list[Any], demand: Any) -> tuple[frozenset[str], bool]:
+        """Freeable encoder-cache entries this request's own admission evicts: vLLM's
+        `_try_schedule_encoder_inputs` walks the items in order; a cached one is referenced (no
+        longer evictable), an uncached one reserves space, evicting the oldest freeable entries
+        when the free space is short, possibly ones a later item of the request would reuse.
+        Also whether the cache cannot hold all of them at once (P spreads them over steps)."""
+        ecm = self.encoder_cache_manager
+        freeable = getattr(ecm, "freeable", None)
+        free = int(getattr(ecm, "num_free_slots", 0))
+        freeable = freeable or {}
+        queue = dict(freeable)  # insertion order: oldest first, as vLLM evicts
+        cached = set(getattr(ecm, "cached", {}))
+        scheduled: set[str] = set()
+        to_schedule = 0
+        evicted: set[str] = set()
+        for occ, d in zip(occs, demand.decisions, strict=True):
+            if d.klass in (Klass.KV_COVERED, Klass.NO_EMBEDS) or occ.identifier in scheduled:
+                continue
+            ident = occ.identifier
+            if ident in cached:
+                queue.pop(ident, None)  # referenced now
+                continue
+            need = occ.num_embeds + to_schedule
+            if need > free + sum(queue.values()):
+                return frozenset(evicted), True  # vLLM stops this step's encoder inputs here
+            while need > free:
+                victim = next(iter(queue))
+                free += queue.pop(victim)
+                cached.discard(victim)
+                evicted.add(victim)
+            to_schedule += occ.num_embeds
+            scheduled.add(ident)
+        return frozenset(evicted), False
+
+    def _trust_kv(self, hit_blocks: list[Any]) -> int | None:
+        """New blocks P can allocate before a hit block may be evicted: its place in vLLM's
+        free queue (evicted from the head); None when no hit block is in the queue."""
+        free = {b.block_id for b in hit_blocks if b.ref_cnt == 0 and not b.is_null}
+        if not free:
+            return None
+        queue = self.kv_cache_manager.block_pool.free_block_queue
+        node = queue.fake_free_list_head.next_free_block
+        n = 0
+        while node is not None and node is not queue.fake_free_list_tail:
+            if node.block_id in free or n >= MAX_FREE_QUEUE_WALK:
+                return n
+            n += 1
+            node = node.next_free_block
+        return n
+
+    def _trust_encoder(self, reused: tuple[str, ...]) -> int | None:
+        """Encoder-cache space P can allocate before a reused freeable entry may be evicted."""
+        ecm = self.encoder_cache_manager
+        freeable = getattr(ecm, "freeable", None)
+        if not freeable or not any(i in freeable for i in reused):
+            return None
+        room = int(getattr(ecm, "num_free_slots", 0))
+        for ident, n in freeable.items():  # oldest first: vLLM evicts in this order
+            if ident in reused:
+                return room
+            room += int(n)
+        return room
+
+    def _stats(self, query: StatsQuery) -> DemandStats:
+        c = self._counters
+        index = self._index
+        return DemandStats(
+            id=query.id,
+            answers=c.answers,
+            errors=c.errors,
+            admitted=c.admitted,
+            proof_valid=c.proof_valid,
+            changed=dict(c.changed),
+            hit_differs=c.hit_differs,
+            valid_hit_shorter=c.valid_hit_shorter,
+            index_blocks=0 if index is None else sum(1 for k in index.maps()[1] if k is not None),
+            index_mismatches=self._index_mismatches() if query.check_index else None,
+            index_device=self._index_note,
+            forgotten=c.forgotten,
+        )
+
+    def _index_mismatches(self) -> int:
+        """Blocks where the index differs from vLLM's prefix cache (group 0, primary hashes):
+        the hash a block holds, and whether vLLM's map finds that block under it."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        from ..blockhash import to_event_id
+
+        if self._index is None:
+            return 0
+        pool = self.kv_cache_manager.block_pool
+        _, hash_in = self._index.maps()
+        bad = 0
+        for block in pool.blocks:
+            key = block.block_hash
+            want = None
+            if (
+                key is not None
+                and get_group_id(key) == 0
+                and pool.cached_block_hash_to_block.contain(key, block.block_id)
+            ):
+                want = to_event_id(get_block_hash(key))
+            if hash_in[block.block_id] != want:
+                bad += 1
+        return bad
+
+
+def _locked(name: str) -> Callable[..., Any]:
+    def method(self: DemandScheduler, *args: Any, **kwargs: Any) -> Any:
+        with self._demand_lock:
+            return getattr(super(DemandScheduler, self), name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"vLLM's `{name}`, holding the demand lock."
+    return method
+
+
+for _name in _LOCKED:
+    if hasattr(Scheduler, _name) and _name not in DemandScheduler.__dict__:
+        setattr(DemandScheduler, _name, _locked(_name))
+
+
+class AsyncDemandScheduler(DemandScheduler, AsyncScheduler):
+    """`DemandScheduler` over vLLM's AsyncScheduler (picked by DemandScheduler itself)."""
+
+
+def _id_of(payload: bytes) -> str:
+    """The query's id, if a malformed frame still names one (else "")."""
+    try:
+        import msgspec
+
+        raw = msgspec.msgpack.decode(payload)
+        ident = raw.get("id") if isinstance(raw, dict) else None
+        return ident if isinstance(ident, str) and len(ident) <= 128 else ""
+    except Exception:
+        return ""
+
+
+class _DemandServer:
+    """The answer thread: a ZMQ ROUTER, one answer frame per query frame."""
+
+    def __init__(self, endpoint: str, handler: Callable[[bytes], bytes]) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._ctx: Any = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)  # a taken port fails P's start, loudly
+        self._handler = handler
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmreuse-demand", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                frames = self._sock.recv_multipart()
+                if len(frames) != 2:  # a DEALER sends [payload]; anything else is not ours
+                    continue
+                self._sock.send_multipart([frames[0], self._handler(frames[1])])
+        except Exception:
+            logger.exception("mmreuse: demand answer thread stopped")
+        finally:
+            self._sock.close(0)
+
+
+__all__ = ["AsyncDemandScheduler", "DemandScheduler"]

@@ -1,0 +1,292 @@
+"""Run in the vLLM 0.33.0 oracle venv (PYTHONPATH = the mmreuse checkout): `DemandScheduler`
+against vLLM's real `Scheduler`, side by side, on the same multi-turn multimodal stream (real
+`Request`s, a small KV pool and encoder cache so that evictions happen).
+
+Checked, and printed as one JSON line of counts:
+- behaviour: both schedulers produce the same SchedulerOutput every step (requests, tokens,
+  encoder inputs, freed encoder entries);
+- answers are side-effect free: P's block pool (free-queue order, ref counts, cached map),
+  prefix-cache stats and encoder cache are identical before and after every answer;
+- answers are exact: for each request answered just before it is added, P's C at admission and
+  the items P encodes itself equal the answer's;
+- proofs are sound: an admitted request whose proof still held got the answer's C;
+- the residency index equals vLLM's prefix cache after every step (`check_index`);
+- the answer thread: queries over the real ROUTER socket, malformed ones get DemandErrors.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+import zmq
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.structured_output import StructuredOutputManager
+
+from mmreuse.demand_query import (
+    DemandAnswer,
+    DemandError,
+    DemandQuery,
+    QueryItem,
+    StatsQuery,
+    decode_answer,
+    encode,
+)
+from mmreuse.integrations.vllm import DemandScheduler
+from mmreuse.integrations.vllm_demand import _DemandServer
+
+BLOCK = 16
+DEBUG = False
+PAD = 999  # the image placeholder token
+
+
+def tiny_model_dir() -> str:
+    d = Path(tempfile.mkdtemp(prefix="mmreuse-demand-model-"))
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 4096,
+        "torch_dtype": "float32", "rms_norm_eps": 1e-6,
+    }))  # fmt: skip
+    return str(d)
+
+
+def make_scheduler(cls, model: str, num_blocks: int, cache_size: int):
+    model_config = ModelConfig(
+        model=model, dtype="float16", seed=42, skip_tokenizer_init=True, max_model_len=2048
+    )
+    sched = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
+        enable_chunked_prefill=True, async_scheduling=False, is_encoder_decoder=False,
+        watermark=0.0,
+    )  # fmt: skip
+    cache = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
+                        enable_prefix_caching=True)  # fmt: skip
+    vllm_config = VllmConfig(scheduler_config=sched, model_config=model_config, cache_config=cache,
+                             device_config=DeviceConfig(device="cpu"))  # fmt: skip
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])  # fmt: skip
+    cache.num_gpu_blocks = num_blocks
+    s = cls(vllm_config=vllm_config, kv_cache_config=kv, block_size=BLOCK, log_stats=True,
+            structured_output_manager=StructuredOutputManager(vllm_config))  # fmt: skip
+    s.encoder_cache_manager = EncoderCacheManager(cache_size=cache_size)
+    s.max_num_encoder_input_tokens = 2048
+    return s
+
+
+def free_port() -> int:
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+class Stream:
+    """Multi-turn conversations over a pool of images; each turn resends the history."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.images = {f"img-{i}": rng.choice([16, 24, 40]) for i in range(10)}
+        self.convs: list[tuple[list[int], list[tuple[str, int, int]]]] = []
+
+    def next(self) -> tuple[list[int], list[tuple[str, int, int]]]:
+        rng = self.rng
+        if not self.convs or rng.random() < 0.3:
+            self.convs.append(([1, 2, 3] + [rng.randrange(4, 900) for _ in range(20)], []))
+        k = rng.randrange(len(self.convs))
+        tokens, items = self.convs[k]
+        tokens, items = list(tokens), list(items)
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            ident = rng.choice(list(self.images))
+            n = self.images[ident]
+            items.append((ident, len(tokens), n))
+            tokens += [PAD] * n
+        tokens += [rng.randrange(4, 900) for _ in range(rng.randrange(5, 30))]
+        self.convs[k] = (tokens, items)
+        return tokens, items
+
+
+def request(rid: str, tokens, items, hasher, demand_id: str | None = None):
+    params = SamplingParams(max_tokens=2, ignore_eos=True,
+                            extra_args={"mmreuse_demand_id": demand_id} if demand_id else None)  # fmt: skip
+    # Each identifier a str object of its own, as a request decoded from the front end has
+    # (vLLM's pickle-based hash memoizes one object named twice: another hash).
+    feats = [
+        MultiModalFeatureSpec(
+            data=MultiModalKwargsItem.dummy(),
+            modality="image",
+            identifier=ident.encode().decode(),
+            mm_position=PlaceholderRange(off, n),
+        )
+        for ident, off, n in items
+    ]
+    from vllm.v1.request import Request
+
+    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=params,
+                   pooling_params=None, mm_features=feats or None, block_hasher=hasher)  # fmt: skip
+
+
+def query(qid: str, tokens, items) -> DemandQuery:
+    return DemandQuery(qid, list(tokens), [QueryItem(i, o, n) for i, o, n in items])
+
+
+def pool_state(s) -> tuple:
+    pool = s.kv_cache_manager.block_pool
+    q, order = pool.free_block_queue, []
+    node = q.fake_free_list_head.next_free_block
+    while node is not None and node is not q.fake_free_list_tail:
+        order.append(node.block_id)
+        node = node.next_free_block
+    cached = sorted((bytes(k), b.block_id) for k, b in _map_items(pool.cached_block_hash_to_block))
+    stats = s.kv_cache_manager.prefix_cache_stats
+    ecm = s.encoder_cache_manager
+    return (
+        order, [b.ref_cnt for b in pool.blocks], [b.block_hash for b in pool.blocks], cached,
+        (stats.requests, stats.queries, stats.hits) if stats else None,
+        {k: sorted(v) for k, v in ecm.cached.items()}, list(ecm.freeable.items()),
+        ecm.num_free_slots, ecm.num_freeable_slots, list(ecm.freed), len(pool.kv_event_queue),
+    )  # fmt: skip
+
+
+def _map_items(m):
+    for key, v in m._cache.items():
+        if isinstance(v, dict):
+            for b in v.values():
+                yield key, b
+        else:
+            yield key, v
+
+
+def output_key(out) -> tuple:
+    return (
+        [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs],
+        sorted(out.num_scheduled_tokens.items()),
+        sorted((k, sorted(v)) for k, v in out.scheduled_encoder_inputs.items()),
+        sorted(out.free_encoder_mm_hashes),
+        out.total_num_scheduled_tokens,
+    )
+
+
+def runner_output(out) -> ModelRunnerOutput:
+    ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=[[7] for _ in ids], logprobs=None,
+                             prompt_logprobs_dict={}, pooler_output=[])  # fmt: skip
+
+
+def main(seed: int = 0, turns: int = 160) -> dict:
+    rng = random.Random(seed)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    model = tiny_model_dir()
+    ours = make_scheduler(DemandScheduler, model, num_blocks=40, cache_size=96)
+    ref = make_scheduler(Scheduler, model, num_blocks=40, cache_size=96)
+    stream = Stream(rng)
+    c = {"steps": 0, "answers": 0, "exact_checked": 0, "exact_mismatch": 0, "side_effects": 0,
+         "output_mismatch": 0, "index_mismatch": 0, "unsound": 0, "kv_hits": 0, "reused": 0,
+         "e_compute": 0, "socket_answers": 0, "socket_errors": 0}  # fmt: skip
+    rid = 0
+    admitted: dict[str, int] = {}  # request -> C when first scheduled
+    encoded: dict[str, set[int]] = {}  # request -> items P encoded itself, over all steps
+    checked: list[tuple[str, DemandAnswer]] = []  # answered while P was idle, added first
+
+    def step() -> None:
+        a, b = ours.schedule(), ref.schedule()
+        if output_key(a) != output_key(b):
+            c["output_mismatch"] += 1
+        for r in a.scheduled_new_reqs:
+            admitted.setdefault(r.req_id, r.num_computed_tokens)
+        for r, inputs in a.scheduled_encoder_inputs.items():
+            encoded.setdefault(r, set()).update(inputs)
+        ours.update_from_output(a, runner_output(a))
+        ref.update_from_output(b, runner_output(b))
+        c["steps"] += 1
+        st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
+        c["index_mismatch"] += st["index_mismatches"]
+
+    for turn in range(turns):
+        batch = [stream.next() for _ in range(rng.choice([1, 1, 2, 3]))]
+        idle = not ours.has_requests()
+        answers = []
+        for tokens, items in batch:
+            qid = f"q{turn}-{len(answers)}"
+            before = pool_state(ours)
+            raw = ours._handle(encode(query(qid, tokens, items)))
+            if pool_state(ours) != before:
+                c["side_effects"] += 1
+            ans = decode_answer(raw, query(qid, tokens, items))
+            assert isinstance(ans, DemandAnswer), ans
+            c["answers"] += 1
+            c["kv_hits"] += ans.num_computed_tokens > 0
+            c["reused"] += len(ans.p_local_reuse)
+            c["e_compute"] += sum(1 for x in ans.classes if x == "e_compute")
+            answers.append((qid, ans))
+        for k, ((tokens, items), (qid, ans)) in enumerate(zip(batch, answers, strict=True)):
+            name = f"r{rid}"
+            rid += 1
+            ours.add_request(request(name, tokens, items, hasher, qid))
+            ref.add_request(request(name, tokens, items, hasher))
+            if idle and k == 0:  # nothing can change P between its answer and its admission
+                checked.append((name, ans))
+        for _ in range(4):
+            step()
+    for _ in range(50):  # drain (a prompt longer than the whole KV pool waits for ever)
+        if not ours.has_requests():
+            break
+        step()
+    for name, ans in checked:
+        if ans.encoder_cache_short:  # spread over steps: the answer holds for the first only
+            c["exact_skipped_short"] = c.get("exact_skipped_short", 0) + 1
+            continue
+        expect = {i for i, x in enumerate(ans.classes) if x in ("e_compute", "e_cached")}
+        c["exact_checked"] += 1
+        if admitted.get(name) != ans.num_computed_tokens or encoded.get(name, set()) != expect:
+            c["exact_mismatch"] += 1
+            if DEBUG:
+                print("MISMATCH", name, admitted.get(name), ans.num_computed_tokens,
+                      encoded.get(name), expect, ans.classes, file=sys.stderr)  # fmt: skip
+    st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
+    c["stats"] = st
+    # soundness, counted at admission inside the scheduler: a proof that held, another C
+    c["unsound"] = st.get("valid_hit_shorter", 0)
+
+    # the answer thread, over the real socket
+    port = free_port()
+    server = _DemandServer(f"tcp://127.0.0.1:{port}", ours._handle)
+    server.start()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    tokens, items = stream.next()
+    frames = [encode(query("sock-1", tokens, items)), b"\x00garbage", encode(StatsQuery("sock-2"))]
+    for f in frames:
+        dealer.send(f)
+    poller = zmq.Poller()
+    poller.register(dealer, zmq.POLLIN)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and c["socket_answers"] + c["socket_errors"] < 3:
+        if poller.poll(200):
+            msg = decode_answer(dealer.recv())
+            c["socket_errors" if isinstance(msg, DemandError) else "socket_answers"] += 1
+    server.stop()
+    dealer.close(0)
+    return c
+
+
+if __name__ == "__main__":
+    args = [int(a) for a in sys.argv[1:]]
+    print(json.dumps(main(*args)))
