@@ -114,7 +114,7 @@ def test_missing_url_flags_refused(capsys, argv):
         (["--e-cache-items", "0"], "--e-cache-items"),
         (["--e-cache-ttl", "0"], "--e-cache-ttl"),
         (["--e-cache-ttl", "nan"], "--e-cache-ttl"),
-        (["--policy", "demand"], "--policy"),
+        (["--policy", "lazy"], "--policy"),
         (["--routing", "sticky"], "--routing"),
         (["--hash-algo", "md5"], "--hash-algo"),
         (["--render-url", "pd0:8002"], "--render-url"),
@@ -195,6 +195,67 @@ def test_demand_aware_flags():
     assert parse_args(BASE, env={}).hash_seed is None  # unset, as vLLM without PYTHONHASHSEED
 
 
+@pytest.mark.parametrize("policy", ["demand", "opportunistic"])
+def test_demand_policies_flags(policy):
+    two = ["--encode-servers-urls", E, "--decode-servers-urls", "http://d0:1,http://d1:2"]
+    cfg = parse_args(
+        [*two, "--policy", policy, "--demand-endpoints", "tcp://d0:7000, ipc:///tmp/d1"],
+        env={},
+    )
+    assert cfg.policy == policy
+    assert cfg.demand_endpoints == ("tcp://d0:7000", "ipc:///tmp/d1")
+    assert cfg.demand_timeout_s == 1.0  # the default
+    cfg = parse_args(
+        [*BASE, "--policy", policy, "--demand-endpoints", "tcp://pd0:7000",
+         "--demand-timeout", "0.25", "--routing", "affine"],
+        env={},
+    )  # fmt: skip
+    assert (cfg.demand_timeout_s, cfg.routing) == (0.25, "affine")
+    # E + P + D: aligned with the P URLs.
+    epd = [*two, "--prefill-servers-urls", "http://p0:3", "--policy", policy]
+    cfg = parse_args([*epd, "--demand-endpoints", "tcp://p0:7000"], env={})
+    assert cfg.demand_endpoints == ("tcp://p0:7000",)
+    assert parse_args(BASE, env={}).demand_endpoints == ()
+
+
+@pytest.mark.parametrize("policy", ["demand", "opportunistic"])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ([], "--policy {policy} needs --demand-endpoints"),
+        (["--demand-endpoints", ""], "--demand-endpoints: entry 0 (for http://pd0:8002) is empty"),
+        (["--demand-endpoints", "tcp://a:1,tcp://b:2"], "--demand-endpoints has 2 entries but "
+         "--decode-servers-urls has 1"),
+        (["--demand-endpoints", "tcp://a:1,"], "--demand-endpoints has 2 entries"),
+        (["--demand-endpoints", "127.0.0.1:7000"], "--demand-endpoints: '127.0.0.1:7000' is not"),
+        (["--demand-endpoints", "tcp://a:1", "--demand-timeout", "0"], "--demand-timeout=0.0"),
+        (["--demand-endpoints", "tcp://a:1", "--demand-timeout", "-1"], "--demand-timeout"),
+        (["--demand-endpoints", "tcp://a:1", "--demand-timeout", "nan"], "--demand-timeout"),
+        (["--demand-endpoints", "tcp://a:1", "--demand-timeout", "inf"], "--demand-timeout"),
+        (["--demand-endpoints", "tcp://a:1", "--no-rewrite"], "--no-rewrite with --policy"),
+    ],
+)  # fmt: skip
+def test_demand_policies_refused(capsys, policy, extra, words):
+    err = usage_error(capsys, [*BASE, "--policy", policy, *extra])
+    assert words.format(policy=policy) in err
+
+
+def test_demand_endpoint_slots_must_all_be_given(capsys):
+    two = ["--encode-servers-urls", E, "--decode-servers-urls", "http://d0:1,http://d1:2"]
+    err = usage_error(capsys, [*two, "--policy", "demand", "--demand-endpoints", "tcp://d0:1,"])
+    assert "--demand-endpoints: entry 1 (for http://d1:2) is empty" in err
+
+
+@pytest.mark.parametrize("policy", ["eager", "index"])
+def test_demand_endpoints_accepted_and_unused_without_a_demand_policy(capsys, policy):
+    # one flag set serves every policy (mmreuse.cluster's proxy_args); checked all the same
+    two = ["--encode-servers-urls", E, "--decode-servers-urls", "http://d0:1,http://d1:2"]
+    cfg = parse_args([*two, "--policy", policy, "--demand-endpoints", "tcp://a:1,"], env={})
+    assert cfg.demand_endpoints == ()
+    err = usage_error(capsys, [*BASE, "--policy", policy, "--demand-endpoints", "a:1"])
+    assert "--demand-endpoints: 'a:1' is not a ZMQ endpoint" in err
+
+
 def test_mmreuse_proxy_help(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["proxy", "--help"])
@@ -204,7 +265,8 @@ def test_mmreuse_proxy_help(capsys):
     for flag in (
         "--host", "--port", "--encode-servers-urls", "--prefill-servers-urls",
         "--decode-servers-urls", "--decode-retries", "--no-rewrite", "--log-requests",
-        "--policy", "--kv-events-endpoints", "--hash-seed",
+        "--policy", "--kv-events-endpoints", "--hash-seed", "--demand-endpoints",
+        "--demand-timeout",
     ):  # fmt: skip
         assert flag in out
 

@@ -1,6 +1,7 @@
 """`mmreuse proxy`: a demand-aware EPD proxy, a drop-in for vLLM's reference
 `disagg_epd_proxy.py` (static mode), with `--policy index` (send E only what the chosen P/PD
-still needs) and Prometheus metrics. Torch-free: aiohttp, msgspec, pyzmq (`mmreuse[proxy]`).
+still needs, from its live KV view), `demand` (ask P first, from its `DemandScheduler`) and
+`opportunistic` (E at once, abandoned where P's answer rules it out), and Prometheus metrics. Torch-free: aiohttp, msgspec, pyzmq (`mmreuse[proxy]`).
 
     from mmreuse.proxy import build_app, parse_args
     app = build_app(parse_args(["--encode-servers-urls", E, "--decode-servers-urls", PD]))

@@ -4,15 +4,18 @@ Routes: POST /v1/chat/completions (streaming or not), GET /v1/models, GET /healt
 POST /start_profile, POST /stop_profile (as the reference), and GET /metrics (Prometheus).
 Per request: decide (policy.Planner) -> encode what E must (encoder.EncoderFanout) -> rewrite
 (media.rewrite_for_decode) -> prefill (E + P + D) -> decode, retrying a decode 500 by
-re-encoding everything. Unlike the reference, a streaming client gets its status line only
-once the decode instance has accepted the request, so an E, P or D failure is an HTTP error,
-not a broken 200 stream.
+re-encoding everything. Under `opportunistic` E gets everything at once while the decision is
+made, and the sub-requests P's answer rules out are abandoned if still in flight. Unlike the
+reference, a streaming client gets its status line only once the decode instance has accepted
+the request, so an E, P or D failure is an HTTP error, not a broken 200 stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import os
 import random
@@ -29,8 +32,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..availability import EmbeddingAvailability
 from ..events.metrics import Metrics as EventMetrics
-from .config import ProxyConfig
-from .encoder import EncodeResult, EncoderFanout, chat_url, new_hex
+from .config import DEMAND_POLICIES, ProxyConfig
+from .demand import DemandClient
+from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
 from .media import extract_mm_items, item_uuid, rewrite_for_decode
 from .metrics import ProxyMetrics
@@ -45,6 +49,7 @@ _JSON = {"Content-Type": "application/json"}
 
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
 AfterDecide = Callable[[Decision], Awaitable[None]]
+DEMAND_ID_KEY = "mmreuse_demand_id"  # P reads it from vllm_xargs (SamplingParams.extra_args)
 
 
 def _kv_params() -> dict[str, Any]:
@@ -93,7 +98,22 @@ class Proxy:
             for i, url in enumerate(instances)
         ]
         self.rng = random.Random(config.seed)
-        self.planner = Planner(config, self.views, self.availability, self._post_json, self.rng)
+        self.demand = (
+            [
+                DemandClient(
+                    endpoint,
+                    name=view.name,
+                    observe=functools.partial(self.metrics.demand_outcome, view.name),
+                    drop=functools.partial(self.metrics.demand_drop, view.name),
+                )
+                for view, endpoint in zip(self.views, config.demand_endpoints, strict=True)
+            ]
+            if config.policy in DEMAND_POLICIES
+            else []
+        )
+        self.planner = Planner(
+            config, self.views, self.availability, self._post_json, self.rng, self.demand
+        )
         self.encoders = EncoderFanout(
             config.encode_urls,
             self._session,
@@ -101,6 +121,7 @@ class Proxy:
             no_rewrite=config.no_rewrite,
         )
         self.after_decide = after_decide
+        self._warned_client_demand_id = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -119,8 +140,12 @@ class Proxy:
         )
         for view in self.views:
             await asyncio.to_thread(view.start)
+        for client in self.demand:
+            client.start()
 
     async def stop(self, _app: web.Application | None = None) -> None:
+        for client in self.demand:
+            await client.close()
         for view in self.views:
             await asyncio.to_thread(view.stop)
         if self.session is not None:
@@ -172,7 +197,11 @@ class Proxy:
         cfg, m = self.config, self.metrics
         items = extract_mm_items(req)
         uuids = [item_uuid(item) for item in items]  # once: E, the rewrite and render use them
-        decision = await self.planner.decide(req, items, uuids)
+        encoded: EncodeResult | None = None  # E's answers, when already in (opportunistic)
+        if cfg.policy == "opportunistic" and items:
+            decision, encoded = await self._opportunistic(req, items, uuids, req_id)
+        else:
+            decision = await self.planner.decide(req, items, uuids)
         if decision.render_s:
             m.stage["render"].observe(decision.render_s)
         if decision.decide_s:
@@ -195,7 +224,9 @@ class Proxy:
         stream = bool(req.get("stream", False))
         for attempt in range(cfg.decode_retries + 1):
             current = decision if attempt == 0 else self.planner.eager(items, decision.instance)
-            body = await self._prepare(req, items, uuids, current, req_id, p_url)
+            body = await self._prepare(
+                req, items, uuids, current, req_id, p_url, encoded if attempt == 0 else None
+            )
             td = time.perf_counter()
             resp = await self._session().post(
                 chat_url(d_url),
@@ -219,7 +250,7 @@ class Proxy:
                     return await self._stream(request, resp, td)
                 out = await resp.read()
                 m.stage["decode"].observe(time.perf_counter() - td)
-                if current.raw_with_uuid and current.plan is not None:
+                if current.raw_with_uuid and (current.plan or current.answer) is not None:
                     self._observe_fallback(out, current, view)
                 return web.Response(
                     body=out,
@@ -238,22 +269,13 @@ class Proxy:
         decision: Decision,
         req_id: str,
         p_url: str | None,
+        encoded: EncodeResult | None = None,
     ) -> Mapping[str, Any]:
-        """Encode, rewrite and prefill: the body for decode. `req` is never mutated, so a
-        retry starts from the original media."""
-        m = self.metrics
-        te = time.perf_counter()
-        result = EncodeResult({}, {}, 0)
-        if decision.e_indices:
-            result = await self.encoders.encode(req, items, decision.e_indices, req_id, uuids)
-            m.stage["encode"].observe(time.perf_counter() - te)
-            m.e_subrequests.inc(result.subrequests)
-            self.planner.record_e(decision)
-        if decision.e_indices:
-            m.e_sent.inc(len(decision.e_indices))
-        skipped = len(items) - len(decision.e_indices)
-        if skipped:
-            m.e_skipped.inc(skipped)
+        """Encode (unless `encoded` holds E's answers already), rewrite and prefill: the body
+        for decode. `req` is never mutated, so a retry starts from the original media."""
+        result = encoded
+        if result is None:
+            result = await self._encode(req, items, uuids, decision, req_id)
         item_meta = result.item_meta
         if decision.dup_of:
             item_meta = dict(item_meta)
@@ -269,13 +291,135 @@ class Proxy:
             handles.update(result.ec_params)
             prepared = {**prepared, "ec_transfer_params": handles}
         if p_url is None:
-            return prepared
-        return await self._prefill(prepared, p_url, req_id)
+            return self._with_demand_id(prepared, decision.demand_id)
+        return await self._prefill(prepared, p_url, req_id, decision.demand_id)
 
-    async def _prefill(self, req: Mapping[str, Any], p_url: str, req_id: str) -> Mapping[str, Any]:
-        """E + P + D: P prefills (max_tokens 1, remote decode); D gets P's kv_transfer_params."""
+    async def _encode(
+        self,
+        req: dict[str, Any],
+        items: list[dict[str, Any]],
+        uuids: list[str],
+        decision: Decision,
+        req_id: str,
+    ) -> EncodeResult:
+        """E encodes decision.e_indices (the counts: sent, skipped, sub-requests)."""
+        m = self.metrics
+        te = time.perf_counter()
+        result = EncodeResult({}, {}, 0)
+        if decision.e_indices:
+            result = await self.encoders.encode(req, items, decision.e_indices, req_id, uuids)
+            m.stage["encode"].observe(time.perf_counter() - te)
+            m.e_subrequests.inc(result.subrequests)
+            self.planner.record_e(decision)
+        if decision.e_indices:
+            m.e_sent.inc(len(decision.e_indices))
+        skipped = len(items) - len(decision.e_indices)
+        if skipped:
+            m.e_skipped.inc(skipped)
+        return result
+
+    async def _opportunistic(
+        self, req: dict[str, Any], items: list[dict[str, Any]], uuids: list[str], req_id: str
+    ) -> tuple[Decision, EncodeResult]:
+        """E gets every item at once, as under eager, while the planner renders and asks P.
+        An answer that comes while sub-requests are in flight abandons each one all of whose
+        items the answer rules out (they go to P raw with their uuid); one that fails, or comes
+        once E is done, changes nothing (eager)."""
+        m, planner = self.metrics, self.planner
+        n = len(items)
+        loop = asyncio.get_running_loop()
+        te = time.perf_counter()
+        encoding = self.encoders.start(req, items, range(n), req_id, uuids)
+        routed: asyncio.Future[int] = loop.create_future()
+        first = planner.random_instance()
+        deciding = asyncio.ensure_future(
+            planner.decide(
+                req,
+                items,
+                uuids,
+                instance=first,
+                on_routed=lambda i: None if routed.done() else routed.set_result(i),
+            )
+        )
+        try:
+            pending: list[asyncio.Future[Any]] = list(encoding.tasks)
+            while pending and not deciding.done():
+                await asyncio.wait([*pending, deciding], return_when=asyncio.FIRST_COMPLETED)
+                pending = [t for t in pending if not t.done()]
+            if not deciding.done():  # E is done first: as eager, where routing sends it
+                either: list[asyncio.Future[Any]] = [routed, deciding]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                instance = routed.result() if routed.done() else first
+                deciding.cancel()
+                outcome = "answer_late"
+                decision = planner.eager(items, instance)
+            else:
+                try:
+                    decision = deciding.result()
+                except Exception as e:  # decide handles its failures: a bug costs the plan only
+                    logger.exception("[%s] opportunistic decision failed", req_id)
+                    decision = dataclasses.replace(
+                        planner.eager(items, first), no_plan=f"plan: {type(e).__name__}: {e}"
+                    )
+                outcome, decision = self._abandon(encoding, decision)
+            result = await encoding.finish()
+        except BaseException:
+            encoding.cancel()
+            deciding.cancel()
+            raise
+        m.opportunistic(outcome).inc()
+        m.stage["encode"].observe(time.perf_counter() - te)
+        m.e_subrequests.inc(result.subrequests)
+        m.e_sent.inc(n)
+        abandoned = len(decision.raw_with_uuid)
+        if abandoned:
+            m.e_abandoned.inc(abandoned)
+        planner.record_e(decision)
+        return decision, result
+
+    def _abandon(self, encoding: Encoding, decision: Decision) -> tuple[str, Decision]:
+        """Abandon the in-flight sub-requests `decision`'s answer rules out entirely; the
+        outcome, and the decision as it now stands (E: what was not abandoned)."""
+        answer = decision.answer
+        if answer is None:
+            return "answer_failed", decision
+        wanted = {ident for ident, _ in answer.e_demand}
+        ids = decision.identifiers
+        dropped: list[int] = []
+        for g, (_, batch) in enumerate(encoding.groups):
+            if all(ids[i] not in wanted for i in batch) and encoding.abandon(g):
+                dropped.extend(batch)
+        gone = frozenset(dropped)
+        kept = tuple(i for i in range(len(ids)) if i not in gone)
+        decision = dataclasses.replace(decision, e_indices=kept, raw_with_uuid=gone, dup_of=None)
+        return ("answer_won" if dropped else "answer_no_gain"), decision
+
+    def _with_demand_id(self, body: Mapping[str, Any], demand_id: str | None) -> Mapping[str, Any]:
+        """The P (or PD) body carrying `vllm_xargs.mmreuse_demand_id`, merged with the
+        client's vllm_xargs (the proxy's id wins)."""
+        if demand_id is None:
+            return body
+        xargs = body.get("vllm_xargs")
+        if xargs is None:
+            xargs = {}
+        elif not isinstance(xargs, dict):  # vLLM refuses it: let P say so, unchanged
+            return body
+        elif DEMAND_ID_KEY in xargs and not self._warned_client_demand_id:
+            self._warned_client_demand_id = True
+            logger.warning(
+                "a client request carries vllm_xargs.%s: replaced by the proxy's query id "
+                "(logged once)",
+                DEMAND_ID_KEY,
+            )
+        return {**body, "vllm_xargs": {**xargs, DEMAND_ID_KEY: demand_id}}
+
+    async def _prefill(
+        self, req: Mapping[str, Any], p_url: str, req_id: str, demand_id: str | None = None
+    ) -> Mapping[str, Any]:
+        """E + P + D: P prefills (max_tokens 1, remote decode); D gets P's kv_transfer_params
+        (and never the demand id: only P checks the answer)."""
         tp = time.perf_counter()
-        body = dict(req)
+        body = dict(self._with_demand_id(req, demand_id))
         body["kv_transfer_params"] = _kv_params()
         body["stream"] = False
         body["max_tokens"] = 1
@@ -352,14 +496,15 @@ class Proxy:
 
     def _observe_fallback(self, out: bytes, decision: Decision, view: InstanceView) -> None:
         """P's own count of cached prompt tokens (vLLM: --enable-prompt-tokens-details) below
-        the plan's means a skipped item was served by P's cache, connector or encoder."""
+        the plan's (or P's answer's) means a skipped item was served by P's cache, connector or
+        encoder."""
         try:
             usage = _decode.decode(out).get("usage") or {}
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         except Exception:
             return
-        plan = decision.plan
-        if isinstance(cached, int) and plan is not None and cached < plan.num_computed_tokens:
+        known = decision.plan or decision.answer  # the C the decision counted on
+        if isinstance(cached, int) and known is not None and cached < known.num_computed_tokens:
             self.metrics.fallbacks.labels(view.name, "kv_short").inc()
 
     # ---- the other routes ---------------------------------------------------------------------
@@ -390,8 +535,16 @@ class Proxy:
         ok = all(s != "unhealthy" for s in (e, p, d))
         views = {v.name: v.health() for v in self.views}
         problems = [f"{name}: {p}" for name, h in views.items() for p in h["problems"]]  # type: ignore[attr-defined]
-        if cfg.policy == "eager" and cfg.routing == "random":
+        if cfg.policy in ("eager", *DEMAND_POLICIES) and cfg.routing == "random":
             problems = [p for p in problems if not p.endswith("no KV events endpoint")]
+        demand = {c.name: c.health() for c in self.demand}
+        for name, h in demand.items():
+            if not h["running"]:
+                problems.append(f"{name}: demand client not running ({h['endpoint']})")
+            elif h["last_outcome"] not in (None, "ok"):
+                problems.append(
+                    f"{name}: last demand query {h['last_outcome']}: {h['last_detail']}"
+                )
         body = {
             "proxy": "healthy",
             "encode_cluster": e,
@@ -403,6 +556,7 @@ class Proxy:
                 "status": "degraded" if problems else "ok",
                 "problems": problems,
                 "views": views,
+                **({"demand": demand} if demand else {}),
             },
         }
         return web.json_response(body, status=200 if ok else 503)

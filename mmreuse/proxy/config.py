@@ -4,6 +4,7 @@ meaning) plus the demand-aware ones. One frozen `ProxyConfig` is what the app ru
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ from typing import NoReturn
 from ..errors import InvalidArgument
 from ..hashing.functions import HASH_FUNCTIONS
 
-POLICIES = ("eager", "index")
+POLICIES = ("eager", "index", "demand", "opportunistic")
+DEMAND_POLICIES = ("demand", "opportunistic")  # those that ask each P (--demand-endpoints)
 ROUTINGS = ("random", "affine")
 _NO_PREFILL = ("disable", "none", "")
 _UNSUPPORTED = {
@@ -61,6 +63,10 @@ class ProxyConfig:
     e_cache_items: int = 4096
     e_cache_ttl_s: float = 3600.0
     seed: int | None = None  # the routing RNG's seed (tests); None = system entropy
+    # Aligned the same way, one per instance: its DemandScheduler's ZMQ endpoint (demand and
+    # opportunistic); a query not answered within demand_timeout_s costs the plan.
+    demand_endpoints: tuple[str, ...] = ()
+    demand_timeout_s: float = 1.0
 
     @property
     def prefill_instances(self) -> tuple[str, ...]:
@@ -84,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mmreuse proxy",
         description=(
             "A demand-aware EPD proxy, a drop-in for vLLM's reference disagg_epd_proxy.py "
-            "(static mode): the same flags, routes and wire behaviour, plus --policy index "
-            "(send E only what the chosen P/PD still needs) and Prometheus /metrics."
+            "(static mode): the same flags, routes and wire behaviour, plus --policy index, demand "
+            "and opportunistic (send E only what the chosen P/PD still needs) and Prometheus "
+            "/metrics."
         ),
     )
     p.add_argument("--host", default="0.0.0.0")
@@ -133,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=POLICIES,
         default="eager",
         help="eager: every item to E (the reference); index: E gets only what the chosen "
-        "P/PD still needs, from its live KV view",
+        "P/PD still needs, from its live KV view; demand: E gets only what the chosen P/PD "
+        "says it needs (asked over --demand-endpoints); opportunistic: E gets everything at "
+        "once, and what P's answer rules out is abandoned while still in flight",
     )
     g.add_argument(
         "--routing",
@@ -175,6 +184,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--encoder-cache-events-replay-endpoints",
         default=None,
         help="their replay endpoints, aligned the same way (optional)",
+    )
+    g.add_argument(
+        "--demand-endpoints",
+        default=None,
+        help="comma-separated ZMQ endpoints of the P (or PD) instances' DemandScheduler "
+        "(additional_config mmreuse.demand_endpoint), aligned with their URLs, one for each; "
+        "required by --policy demand and opportunistic",
+    )
+    g.add_argument(
+        "--demand-timeout",
+        type=float,
+        default=1.0,
+        help="seconds P may take to answer a demand query; past it the request is served as "
+        "under eager",
     )
     g.add_argument(
         "--hash-algo",
@@ -285,6 +308,28 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         for ep in eps:
             if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
                 raise InvalidArgument(f"{flag}: {ep!r} is not a ZMQ endpoint")
+    demand = _aligned(args.demand_endpoints)
+    if args.policy in DEMAND_POLICIES and not demand:
+        raise InvalidArgument(
+            f"--policy {args.policy} needs --demand-endpoints (each P/PD's DemandScheduler "
+            "endpoint, aligned with " + which + ")"
+        )
+    if demand and len(demand) != len(instances):
+        raise InvalidArgument(
+            f"--demand-endpoints has {len(demand)} entries but {which} has "
+            f"{len(instances)}: give one for each"
+        )
+    for i, ep in enumerate(demand):  # given under any policy (one flag set for a cluster)
+        if ep is None:
+            if args.policy in DEMAND_POLICIES:
+                raise InvalidArgument(
+                    f"--demand-endpoints: entry {i} (for {instances[i]}) is empty: --policy "
+                    f"{args.policy} asks every P/PD"
+                )
+        elif not ep.startswith(("tcp://", "ipc://", "inproc://")):
+            raise InvalidArgument(f"--demand-endpoints: {ep!r} is not a ZMQ endpoint")
+    if not (math.isfinite(args.demand_timeout) and args.demand_timeout > 0):
+        raise InvalidArgument(f"--demand-timeout={args.demand_timeout} must be a finite number > 0")
     if replay and not kv:
         raise InvalidArgument("--kv-events-replay-endpoints needs --kv-events-endpoints")
     if ec_replay and not ec:
@@ -334,4 +379,9 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         block_size=args.block_size,
         e_cache_items=args.e_cache_items,
         e_cache_ttl_s=args.e_cache_ttl,
+        # asked only under demand / opportunistic (where every slot is given)
+        demand_endpoints=tuple(ep for ep in demand if ep is not None)
+        if args.policy in DEMAND_POLICIES
+        else (),
+        demand_timeout_s=args.demand_timeout,
     )

@@ -3,9 +3,10 @@
 The reference proxy's `fanout_encoder_primer`, wire for wire: images assigned to the same
 encoder share one sub-request (up to ENCODER_MAX_BATCH_SIZE), audio and video go one per
 sub-request, the child request id is `<req_id>:<first item index>:<6 hex>`, the round-robin
-cursor carries on across requests, and results are matched by `item_indices`. The one
-addition: `indices` names the items to send, so a demand-aware policy sends E only what P
-still needs.
+cursor carries on across requests, and results are matched by `item_indices`. The additions:
+`indices` names the items to send, so a demand-aware policy sends E only what P still needs;
+`start` sends the same sub-requests as separate tasks, so that `opportunistic` can abandon
+those P's answer rules out while they are in flight.
 """
 
 from __future__ import annotations
@@ -112,12 +113,49 @@ class EncoderFanout:
         `uuids`: the items' uuids when already computed."""
         if not indices:
             return EMPTY
+        subs = self._build(request, items, indices, req_id, uuids)
+        session = self._session()
+        posts = [_post(session, url, body, headers) for url, body, headers in subs.requests]
+        if len(posts) == 1:  # the common case: no gather (a task per sub-request) needed
+            try:
+                results: list[Any] = [await posts[0]]
+            except Exception as e:
+                results = [e]
+        else:
+            results = await asyncio.gather(*posts, return_exceptions=True)
+        return _collect(subs, items, results, req_id)
+
+    def start(
+        self,
+        request: Mapping[str, Any],
+        items: Sequence[Mapping[str, Any]],
+        indices: Sequence[int],
+        req_id: str,
+        uuids: Sequence[str] | None = None,
+    ) -> Encoding:
+        """What `encode` sends (the same groups, ids and bodies), each sub-request as its own
+        task, so that some can be abandoned while in flight (`Encoding`)."""
+        subs = self._build(request, items, indices, req_id, uuids)
+        session = self._session()
+        tasks = [
+            asyncio.ensure_future(_post(session, url, body, headers))
+            for url, body, headers in subs.requests
+        ]
+        return Encoding(subs, items, req_id, tasks)
+
+    def _build(
+        self,
+        request: Mapping[str, Any],
+        items: Sequence[Mapping[str, Any]],
+        indices: Sequence[int],
+        req_id: str,
+        uuids: Sequence[str] | None,
+    ) -> _SubRequests:
         groups = self.groups(items, indices)
         audio_in_video = uses_audio_in_video(request)
         item_uuids: dict[int, str] = {}
         transfer_ids: dict[int, list[str]] = {}
-        posts = []
-        session = self._session()
+        requests = []
         for target, batch in groups:
             headers = {
                 "x-request-id": f"{req_id}:{batch[0]}:{new_hex(24)}",
@@ -146,35 +184,109 @@ class EncoderFanout:
             for key in E_COPIED_KEYS:
                 if key in request:
                     body[key] = request[key]
-            posts.append(_post(session, chat_url(target), body, headers))
-        if len(posts) == 1:  # the common case: no gather (a task per sub-request) needed
-            try:
-                results: list[Any] = [await posts[0]]
-            except Exception as e:
-                results = [e]
-        else:
-            results = await asyncio.gather(*posts, return_exceptions=True)
+            requests.append((chat_url(target), body, headers))
+        return _SubRequests(groups, requests, item_uuids, transfer_ids)
 
-        item_meta: dict[int, list[dict[str, Any]]] = {}
-        ec_params: dict[str, Any] = {}
-        for (_, batch), result in zip(groups, results, strict=True):
-            first = batch[0]
-            if isinstance(result, BaseException):
-                logger.error("[%s] encoder request #%d raised: %s", req_id, first, result)
-                raise ProxyError(502, f"Encoder request failed: {result}", stage="encode")
-            status, payload = result
-            if status != 200:
-                detail = payload.decode("utf-8", "replace")
-                logger.error("[%s] encoder request #%d: %s %s", req_id, first, status, detail)
-                raise ProxyError(status, f"Encoder request failed: {detail}", stage="encode")
-            try:
-                params = _decode.decode(payload).get("ec_transfer_params") or {}
-            except Exception:
-                logger.warning("[%s] could not read encoder metadata #%d", req_id, first)
-                params = {}
-            if params:
-                _match(params, batch, items, item_uuids, transfer_ids, item_meta, ec_params)
-        return EncodeResult(item_meta, ec_params, len(groups))
+
+@dataclass(frozen=True, slots=True)
+class _SubRequests:
+    """One request's E sub-requests: (encoder, item indices) and (url, body, headers) each."""
+
+    groups: list[tuple[str, list[int]]]
+    requests: list[tuple[yarl.URL, dict[str, Any], dict[str, str]]]
+    item_uuids: dict[int, str]
+    transfer_ids: dict[int, list[str]]
+
+
+class Encoding:
+    """E sub-requests in flight, one task each (`EncoderFanout.start`). `abandon(g)` cancels
+    sub-request g while it runs (aiohttp closes its connection; vLLM aborts a request whose
+    client went away); `finish()` waits for the others and reads them as `encode` does."""
+
+    def __init__(
+        self,
+        subs: _SubRequests,
+        items: Sequence[Mapping[str, Any]],
+        req_id: str,
+        tasks: list[asyncio.Task[tuple[int, bytes]]],
+    ) -> None:
+        self._subs, self._items, self._req_id = subs, items, req_id
+        self.tasks = tasks
+        self.abandoned: set[int] = set()
+        for task in tasks:  # an abandoned or unread sub-request's error is not "never retrieved"
+            task.add_done_callback(_retrieve)
+
+    @property
+    def groups(self) -> list[tuple[str, list[int]]]:
+        return self._subs.groups
+
+    def abandon(self, g: int) -> bool:
+        """Cancel sub-request g if it is still in flight; whether it was."""
+        task = self.tasks[g]
+        if task.done():
+            return False
+        task.cancel()
+        self.abandoned.add(g)
+        return True
+
+    def cancel(self) -> None:
+        """Abandon every sub-request still in flight (the request is gone)."""
+        for g in range(len(self.tasks)):
+            self.abandon(g)
+
+    async def finish(self) -> EncodeResult:
+        """The sub-requests not abandoned, read as `encode` reads them (ProxyError if one
+        failed); the abandoned ones have no item_meta."""
+        kept = [t for g, t in enumerate(self.tasks) if g not in self.abandoned]
+        try:
+            if kept:
+                await asyncio.wait(kept)
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        results = [
+            None if g in self.abandoned else (t.exception() or t.result())
+            for g, t in enumerate(self.tasks)
+        ]
+        return _collect(self._subs, self._items, results, self._req_id, self.abandoned)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _collect(
+    subs: _SubRequests,
+    items: Sequence[Mapping[str, Any]],
+    results: Sequence[Any],
+    req_id: str,
+    skip: set[int] | frozenset[int] = frozenset(),
+) -> EncodeResult:
+    """E's answers, matched to their items; raise ProxyError at the first that failed
+    (sub-requests in `skip` were abandoned: not read)."""
+    item_meta: dict[int, list[dict[str, Any]]] = {}
+    ec_params: dict[str, Any] = {}
+    for g, ((_, batch), result) in enumerate(zip(subs.groups, results, strict=True)):
+        if g in skip:
+            continue
+        first = batch[0]
+        if isinstance(result, BaseException):
+            logger.error("[%s] encoder request #%d raised: %s", req_id, first, result)
+            raise ProxyError(502, f"Encoder request failed: {result}", stage="encode")
+        status, payload = result
+        if status != 200:
+            detail = payload.decode("utf-8", "replace")
+            logger.error("[%s] encoder request #%d: %s %s", req_id, first, status, detail)
+            raise ProxyError(status, f"Encoder request failed: {detail}", stage="encode")
+        try:
+            params = _decode.decode(payload).get("ec_transfer_params") or {}
+        except Exception:
+            logger.warning("[%s] could not read encoder metadata #%d", req_id, first)
+            params = {}
+        if params:
+            _match(params, batch, items, subs.item_uuids, subs.transfer_ids, item_meta, ec_params)
+    return EncodeResult(item_meta, ec_params, len(subs.groups))
 
 
 async def _post(

@@ -17,7 +17,8 @@ STAGES = ("render", "decide", "encode", "prefill", "decode", "total")
 
 
 class ProxyMetrics:
-    """Requests, occurrences by class, E traffic, stage latencies, views, fallbacks, errors."""
+    """Requests, occurrences by class, E traffic, stage latencies, views, fallbacks, errors,
+    demand queries and opportunistic outcomes."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
@@ -76,14 +77,51 @@ class ProxyMetrics:
             "mmreuse_proxy_fallbacks_total",
             "fallbacks: kv_short (P's prefix hit was shorter than planned: it used its own "
             "encoder cache, connector or encoder for a skipped item), retry (a decode 500, "
-            "everything re-encoded), no_plan (render or planning failed: E got everything)",
+            "everything re-encoded), no_plan (render, planning or the demand query failed: E "
+            "got everything)",
             ["instance", "kind"],
             registry=r,
         )
         self.errors = Counter(
             "mmreuse_proxy_errors_total",
-            "errors by stage (render, encode, prefill, decode, proxy)",
+            "errors by stage (render, plan, demand, encode, prefill, decode, proxy)",
             ["stage"],
+            registry=r,
+        )
+        self.demand_answers = Counter(
+            "mmreuse_proxy_demand_answers_total",
+            "demand queries (demand, opportunistic) by instance and outcome: ok, timeout, error "
+            "(P's DemandError), malformed (an answer not valid for its query), refused (too "
+            "many in flight, or the client closed)",
+            ["instance", "outcome"],
+            registry=r,
+        )
+        self.demand_rtt = Histogram(
+            "mmreuse_proxy_demand_rtt_seconds",
+            "a demand query's round trip, from sending it to P's answer (answered queries)",
+            ["instance"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.demand_dropped = Counter(
+            "mmreuse_proxy_demand_frames_dropped_total",
+            "frames from P's demand endpoint dropped: unknown_id (no query in flight by that "
+            "id: late, or never asked), malformed (not an answer)",
+            ["instance", "reason"],
+            registry=r,
+        )
+        self.opportunistic_outcomes = Counter(
+            "mmreuse_proxy_opportunistic_total",
+            "opportunistic requests by outcome: answer_won (P's answer abandoned >= 1 E "
+            "sub-request in flight), answer_no_gain (in time, but every sub-request in flight "
+            "was needed), answer_late (E was done first), answer_failed (no usable answer)",
+            ["outcome"],
+            registry=r,
+        )
+        self.e_abandoned = Counter(
+            "mmreuse_proxy_encoder_items_abandoned_total",
+            "media items sent to E whose sub-request was abandoned in flight (opportunistic: "
+            "P's answer ruled them out); also counted as sent",
             registry=r,
         )
         # Children bound once: a `.labels()` lookup per use costs more than the update.
@@ -97,6 +135,18 @@ class ProxyMetrics:
 
     def occurrence(self, klass: str) -> Any:
         return self._child(self.occurrences, klass)
+
+    def opportunistic(self, outcome: str) -> Any:
+        return self._child(self.opportunistic_outcomes, outcome)
+
+    def demand_outcome(self, instance: str, outcome: str, rtt_s: float | None) -> None:
+        """A DemandClient's `observe`: one query's outcome, and its round trip if answered."""
+        self._child(self.demand_answers, instance, outcome).inc()
+        if rtt_s is not None:
+            self._child(self.demand_rtt, instance).observe(rtt_s)
+
+    def demand_drop(self, instance: str, reason: str) -> None:
+        self._child(self.demand_dropped, instance, reason).inc()
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (metric._name, *labels)

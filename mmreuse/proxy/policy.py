@@ -5,7 +5,12 @@
 P's live view, and plans it with `mmreuse.plan.plan_admission`: E gets only `e_demand` (each
 identifier once); every other item goes to P raw, with its uuid, so that if P's state changed
 since the view, vLLM's own order (KV, encoder cache, EC connector, its encoder) still serves
-it. `affine` routing picks the P/PD with the longest live prefix hit.
+it. `demand` renders too, but asks the chosen P's `DemandScheduler` (`mmreuse.demand_query`)
+instead of a view: P's answer, from its true state, gives `e_demand` and the classes, and the
+query id travels to P in `vllm_xargs` so that P checks the answer's proof at admission.
+`opportunistic` makes the same decision while E already encodes everything (the app abandons
+what the answer rules out). No usable answer: every item to E, as eager. `affine` routing picks
+the P/PD with the longest live prefix hit.
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ from typing import Any
 
 from ..availability import EmbeddingAvailability
 from ..demand import Availability, Klass
+from ..demand_query import DemandAnswer, DemandQuery, QueryItem
 from ..errors import InvalidArgument
 from ..integrations.vllm import RenderedPrompt, from_render_json
 from ..plan import AdmissionPlan, plan_admission
-from .config import ProxyConfig
+from .config import DEMAND_POLICIES, ProxyConfig
+from .demand import DemandClient, DemandUnavailable
+from .encoder import new_hex
 from .media import MODALITY, item_uuid, with_uuids
 from .views import InstanceView
 
@@ -45,8 +53,12 @@ class Decision:
         plan: the admission plan (None under eager, or when no plan could be made).
         identifiers: per item, vLLM's identifier (from render), when rendered.
         cache_salt: the request's cache salt, when rendered.
-        render_s, decide_s: seconds spent rendering, and deciding (hash + view + plan).
+        render_s, decide_s: seconds spent rendering, and deciding (hash + view + plan, or the
+            demand query's round trip).
         no_plan: why a demand-aware decision fell back to sending everything (None if it did not).
+        demand_id: the demand query whose answer this follows: P (or PD) gets it as
+            `vllm_xargs.mmreuse_demand_id`, to check the answer's proof at admission.
+        answer: that answer (demand and opportunistic).
     """
 
     instance: int
@@ -60,10 +72,13 @@ class Decision:
     render_s: float = 0.0
     decide_s: float = 0.0
     no_plan: str | None = None
+    demand_id: str | None = None
+    answer: DemandAnswer | None = None
 
 
 class Planner:
-    """Makes each request's Decision from the config, the views and E-side availability."""
+    """Makes each request's Decision from the config, the views, E-side availability and, under
+    demand and opportunistic, each P's answer (`demand`: one DemandClient per instance)."""
 
     def __init__(
         self,
@@ -72,13 +87,21 @@ class Planner:
         availability: EmbeddingAvailability,
         post: Callable[[str, Any], Any],
         rng: random.Random,
+        demand: Sequence[DemandClient] = (),
     ) -> None:
         self.config = config
         self.views = list(views)
         self.availability = availability
         self._post = post  # async (url, body) -> (status, bytes)
         self._rng = rng
-        self._needs_render = config.policy == "index" or config.routing == "affine"
+        self.demand = list(demand)
+        self._asks = config.policy in DEMAND_POLICIES
+        if self._asks and len(self.demand) != len(config.prefill_instances):
+            raise InvalidArgument(
+                f"demand has {len(self.demand)} clients for "
+                f"{len(config.prefill_instances)} P/PD instances"
+            )
+        self._needs_render = config.policy != "eager" or config.routing == "affine"
 
     def random_instance(self) -> int:
         return self._rng.randrange(len(self.config.prefill_instances))
@@ -93,13 +116,42 @@ class Planner:
         request: Mapping[str, Any],
         items: Sequence[Mapping[str, Any]],
         uuids: Sequence[str] | None = None,
+        *,
+        instance: int | None = None,
+        on_routed: Callable[[int], None] | None = None,
     ) -> Decision:
-        """`uuids`: the items' uuids when the caller has them (else computed here)."""
+        """`uuids`: the items' uuids when the caller has them (else computed here). `instance`:
+        the random draw, when the caller made it. `on_routed(instance)` is called once, as soon
+        as the instance is known (before render under random routing, after it under affine),
+        so that a caller racing this decision can proceed without its answer."""
+        fired = False
+
+        def routed(i: int) -> None:
+            nonlocal fired
+            if on_routed is not None and not fired:
+                fired = True
+                on_routed(i)
+
+        decision = await self._decide(request, items, uuids, instance, routed)
+        routed(decision.instance)
+        return decision
+
+    async def _decide(
+        self,
+        request: Mapping[str, Any],
+        items: Sequence[Mapping[str, Any]],
+        uuids: Sequence[str] | None,
+        instance: int | None,
+        routed: Callable[[int], None],
+    ) -> Decision:
         if not self._needs_render or (not items and self.config.routing == "random"):
-            return self.eager(items)
+            return self.eager(items, instance)
         if uuids is None:
             uuids = [item_uuid(item) for item in items]
-        instance = self.random_instance()
+        if instance is None:
+            instance = self.random_instance()
+        if self.config.routing == "random":
+            routed(instance)
         t0 = time.perf_counter()
         try:
             rendered = await self._render(request, uuids, instance)
@@ -112,7 +164,15 @@ class Planner:
                             render_s=time.perf_counter() - t0)  # fmt: skip
         t1 = time.perf_counter()
         try:
-            decision = self._plan(rendered, items, instance, request, uuids)
+            memo: dict = {}  # the hashes, per block size: affine routing's are the plan's
+            rendered, occ_items, instance = self._route(
+                rendered, items, instance, request, uuids, memo
+            )
+            routed(instance)
+            if self._asks and rendered.occurrences:
+                decision = await self._ask(rendered, occ_items, items, instance)
+            else:
+                decision = self._plan(rendered, occ_items, items, instance, memo)
         except (_NoPlan, InvalidArgument) as e:
             decision = _replace(self.eager(items, instance), no_plan=f"plan: {e}")
         except Exception as e:
@@ -157,20 +217,19 @@ class Planner:
             )
         return memo[key]
 
-    def _plan(
+    def _route(
         self,
         rendered: RenderedPrompt,
         items: Sequence[Mapping[str, Any]],
         instance: int,
-        request: Mapping[str, Any] | None = None,
-        uuids: Sequence[str] | None = None,
-    ) -> Decision:
+        request: Mapping[str, Any],
+        uuids: Sequence[str],
+        memo: dict,
+    ) -> tuple[RenderedPrompt, list[int], int]:
+        """The render, checked against the request; each occurrence's item; the instance (the
+        one with the longest live hit under affine routing)."""
         occ_items = _occurrence_items(rendered, items)
-        if request is not None:
-            if uuids is None:
-                uuids = [item_uuid(item) for item in items]
-            rendered = _checked(rendered, uuids, occ_items, request)
-        memo: dict = {}
+        rendered = _checked(rendered, uuids, occ_items, request)
         if self.config.routing == "affine" and len(self.views) > 1:
             hits = []
             for view in self.views:
@@ -179,6 +238,76 @@ class Planner:
                 hits.append(view.hit_blocks(hashes) * bs)
             best = max(hits)
             instance = self._rng.choice([i for i, h in enumerate(hits) if h == best])
+        return rendered, occ_items, instance
+
+    async def _ask(
+        self,
+        rendered: RenderedPrompt,
+        occ_items: list[int],
+        items: Sequence[Mapping[str, Any]],
+        instance: int,
+    ) -> Decision:
+        """Ask the instance's P what it needs from E; its answer, as a Decision. No usable
+        answer: every item to E (no_plan says why)."""
+        identifiers = _identifiers(rendered, occ_items, len(items))
+        idents = {occ.identifier for occ in rendered.occurrences}
+        e_side = self.availability.availability_for(
+            self.views[instance].name, E_LOCATION, cache_salt=rendered.cache_salt
+        )
+        query = DemandQuery(
+            id=new_hex(128),
+            token_ids=list(rendered.token_ids),
+            items=[
+                QueryItem(
+                    occ.identifier,
+                    occ.offset,
+                    occ.length,
+                    occ.modality,
+                    None if occ.is_embed is None else list(occ.is_embed),
+                )
+                for occ in rendered.occurrences
+            ],
+            cache_salt=rendered.cache_salt,
+            e_cached=sorted(e_side.e_cached & idents),  # what E holds of this request only
+        )
+        try:
+            answer = await self.demand[instance].ask(query, self.config.demand_timeout_s)
+        except DemandUnavailable as e:
+            return _replace(
+                self.eager(items, instance),
+                identifiers=identifiers,
+                cache_salt=rendered.cache_salt,
+                no_plan=f"demand: {e}",
+            )
+        wanted = {ident for ident, _ in answer.e_demand}
+        sent_for: dict[str, int] = {}
+        klasses = ["unclassified"] * len(items)
+        for occ, idx, klass in zip(rendered.occurrences, occ_items, answer.classes, strict=True):
+            klasses[idx] = klass
+            if occ.identifier in wanted:
+                sent_for.setdefault(occ.identifier, idx)
+        dup_of, raw = _shares(rendered, occ_items, sent_for)
+        return Decision(
+            instance,
+            tuple(sorted(sent_for.values())),
+            raw,
+            dup_of,
+            tuple(klasses),
+            None,
+            identifiers,
+            rendered.cache_salt,
+            demand_id=query.id,
+            answer=answer,
+        )
+
+    def _plan(
+        self,
+        rendered: RenderedPrompt,
+        occ_items: list[int],
+        items: Sequence[Mapping[str, Any]],
+        instance: int,
+        memo: dict,
+    ) -> Decision:
         if self.config.policy != "index":
             return _replace(
                 self.eager(items, instance),
@@ -227,19 +356,11 @@ class Planner:
             if d.klass.needs_e and d.dedup_of is None and d.identifier in wanted:
                 sent_for.setdefault(d.identifier, idx)
         e_indices = tuple(sorted(sent_for.values()))
-        dup_of: dict[int, int] = {}
-        raw: set[int] = set()
-        for d in demand.decisions:
-            idx = occ_items[d.index]
-            first = sent_for.get(d.identifier)
-            if first is None:
-                raw.add(idx)
-            elif first != idx:
-                dup_of[idx] = first
+        dup_of, raw = _shares(rendered, occ_items, sent_for)
         return Decision(
             instance,
             e_indices,
-            frozenset(raw),
+            raw,
             dup_of,
             tuple(klasses),
             plan,
@@ -316,6 +437,22 @@ def _checked(
     if salt != rendered.cache_salt:
         rendered = RenderedPrompt(rendered.token_ids, rendered.occurrences, salt)
     return rendered
+
+
+def _shares(
+    rendered: RenderedPrompt, occ_items: list[int], sent_for: Mapping[str, int]
+) -> tuple[dict[int, int], frozenset[int]]:
+    """Given the item sent to E per identifier: each other item of a sent identifier shares
+    its embedding (dup_of); an item whose identifier is not sent goes raw with its uuid."""
+    dup_of: dict[int, int] = {}
+    raw: set[int] = set()
+    for occ, idx in zip(rendered.occurrences, occ_items, strict=True):
+        first = sent_for.get(occ.identifier)
+        if first is None:
+            raw.add(idx)
+        elif first != idx:
+            dup_of[idx] = first
+    return dup_of, frozenset(raw)
 
 
 def _identifiers(rendered: RenderedPrompt, occ_items: list[int], n: int) -> tuple[str, ...]:
