@@ -254,3 +254,25 @@ def test_cluster_runs_mmreuse_encoder_cache_events_per_p(tmp_path):
     assert extra["mmreuse"]["encoder_cache_events_endpoint"] == f"tcp://*:{p0.ec_events_port}"
     with pytest.raises(InvalidArgument, match="ec_events"):
         Cluster(tmp_path, prefills=2, ec_events=(True,))
+
+
+def test_cluster_runs_demand_scheduler_per_p_with_one_additional_config(tmp_path):
+    from mmreuse.cluster import Cluster
+    from mmreuse.cluster.instance import SCHEDULER_CLS
+    from mmreuse.errors import InvalidArgument
+
+    c = Cluster(tmp_path, encoders=1, prefills=2, ec_events=(True, False), demand=(True, False))
+    p0, p1 = (s for s in c.specs() if s.role == "prefill")
+    argv0 = server_argv(p0, Path("python"), tmp_path, tmp_path)
+    argv1 = server_argv(p1, Path("python"), tmp_path, tmp_path)
+    assert argv0[argv0.index("--scheduler-cls") + 1] == SCHEDULER_CLS
+    assert argv0.count("--additional-config") == 1  # both plug-ins in one config
+    ours = json.loads(argv0[argv0.index("--additional-config") + 1])["mmreuse"]
+    assert ours["demand_endpoint"] == f"tcp://*:{p0.demand_port}"
+    assert ours["encoder_cache_events_endpoint"] == f"tcp://*:{p0.ec_events_port}"
+    assert "--scheduler-cls" not in argv1 and "--additional-config" not in argv1
+    assert p0.demand_endpoint == f"tcp://127.0.0.1:{p0.demand_port}" and p1.demand_endpoint is None
+    ports = [p for s in c.specs() for p in (s.port, s.kv_events_port, s.replay_port, s.ec_events_port, s.ec_replay_port, s.demand_port) if p]  # fmt: skip
+    assert len(ports) == len(set(ports))
+    with pytest.raises(InvalidArgument, match="demand"):
+        Cluster(tmp_path, prefills=2, demand=(True,))

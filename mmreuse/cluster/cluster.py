@@ -117,6 +117,7 @@ class Cluster:
         prefill_extra_args: tuple[tuple[str, ...], ...] = (),
         encoder_extra_args: tuple[str, ...] = (),
         ec_events: tuple[bool, ...] = (),
+        demand: tuple[bool, ...] = (),
     ) -> None:
         self.encoders = check_int("encoders", encoders, 0, MAX_ENCODERS)
         self.prefills = check_int("prefills", prefills, 1, MAX_PREFILLS)
@@ -138,6 +139,12 @@ class Cluster:
                 "per P (whether it runs EventfulEncoderCacheManager)"
             )
         self.ec_events = ec_events or (True,) * self.prefills
+        if demand and len(demand) != self.prefills:
+            raise InvalidArgument(
+                f"demand has {len(demand)} entries for {self.prefills} prefills: one bool per P "
+                "(whether it runs DemandScheduler)"
+            )
+        self.demand = demand or (True,) * self.prefills
         self.instances: dict[str, Instance] = {}
         self.startup_seconds: dict[str, float] = {}
 
@@ -155,13 +162,13 @@ class Cluster:
 
     def specs(self) -> list[InstanceSpec]:
         """The instances' specs, on freshly chosen free ports."""
-        ports = iter(free_ports(self.encoders + 5 * self.prefills))
+        ports = iter(free_ports(self.encoders + 6 * self.prefills))
         specs = [
             InstanceSpec(f"E{i}", "encoder", next(ports), extra_args=self.encoder_extra_args)
             for i in range(self.encoders)
         ]
         for i in range(self.prefills):
-            ec_port, ec_replay = next(ports), next(ports)
+            ec_port, ec_replay, demand_port = next(ports), next(ports), next(ports)
             specs.append(
                 InstanceSpec(
                     f"P{i}",
@@ -172,6 +179,7 @@ class Cluster:
                     kv_events_bind=self.kv_events_bind,
                     ec_events_port=ec_port if self.ec_events[i] else None,
                     ec_replay_port=ec_replay if self.ec_events[i] else None,
+                    demand_port=demand_port if self.demand[i] else None,
                     extra_args=self.extra_args
                     + (self.prefill_extra_args[i] if self.prefill_extra_args else ()),
                 )
@@ -246,6 +254,7 @@ class Cluster:
             "--kv-events-replay-endpoints", ",".join(str(s.replay_endpoint) for s in ps),
             "--encoder-cache-events-endpoints", ",".join(s.ec_events_endpoint or "" for s in ps),
             "--encoder-cache-events-replay-endpoints", ",".join(s.ec_replay_endpoint or "" for s in ps),
+            "--demand-endpoints", ",".join(s.demand_endpoint or "" for s in ps),
             "--hash-algo", "sha256",
             "--hash-seed", SERVER_ENV["PYTHONHASHSEED"],
             "--block-size", str(BLOCK_SIZE),

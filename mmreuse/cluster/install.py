@@ -172,7 +172,7 @@ def _torchvision_meta(py: Path, runner: _Runner) -> Path:
 
 _MMREUSE_CHECK = (
     "import sys, mmreuse, mmreuse.integrations.vllm as v\n"
-    "v.EventfulEncoderCacheManager\n"
+    "v.EventfulEncoderCacheManager, v.DemandScheduler\n"
     "assert mmreuse.__file__.startswith(sys.argv[1]), mmreuse.__file__\n"
 )
 

@@ -44,6 +44,7 @@ ROLES: tuple[Role, ...] = ("encoder", "prefill")
 HOST = "127.0.0.1"
 SERVED_NAME = "tiny"
 EC_MANAGER_CLS = "mmreuse.integrations.vllm.EventfulEncoderCacheManager"
+SCHEDULER_CLS = "mmreuse.integrations.vllm.DemandScheduler"
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32; its default 128 is too coarse
 SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per instance
@@ -74,6 +75,8 @@ class InstanceSpec:
     # mmreuse's EventfulEncoderCacheManager in P: its encoder-cache events and their replay.
     ec_events_port: int | None = None
     ec_replay_port: int | None = None
+    # mmreuse's DemandScheduler in P: where it answers demand queries.
+    demand_port: int | None = None
 
     def __post_init__(self) -> None:
         check_str("name", self.name)
@@ -88,7 +91,7 @@ class InstanceSpec:
                 check_int(fld, value, 1, 65535)
             elif value is not None:
                 fail_value(fld, "None for an encoder (it publishes no KV events)", value)
-        for fld in ("ec_events_port", "ec_replay_port"):
+        for fld in ("ec_events_port", "ec_replay_port", "demand_port"):
             value = getattr(self, fld)
             if value is not None:
                 if self.role != "prefill":
@@ -125,6 +128,11 @@ class InstanceSpec:
     @property
     def ec_replay_endpoint(self) -> str | None:
         return None if self.ec_replay_port is None else f"tcp://{HOST}:{self.ec_replay_port}"
+
+    @property
+    def demand_endpoint(self) -> str | None:
+        """Where a DEALER reaches P's demand answers (P binds `tcp://*:PORT`)."""
+        return None if self.demand_port is None else f"tcp://{HOST}:{self.demand_port}"
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -208,18 +216,16 @@ def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path)
             "--enable-scale-out",
             "--enable-prompt-tokens-details",  # usage.cached_tokens: the proxy sees fallbacks
         ]  # fmt: skip
+        ours: dict[str, str] = {}
         if spec.ec_events_port is not None:
-            extra = {"mmreuse": {
-                "encoder_cache_events_endpoint": f"tcp://*:{spec.ec_events_port}",
-                "encoder_cache_events_replay_endpoint": f"tcp://*:{spec.ec_replay_port}",
-            }}  # fmt: skip
-            manager = {"encoder_cache_manager_cls": EC_MANAGER_CLS}
-            argv += [
-                "--ec-manager-config",
-                json.dumps(manager),
-                "--additional-config",
-                json.dumps(extra),
-            ]
+            ours["encoder_cache_events_endpoint"] = f"tcp://*:{spec.ec_events_port}"
+            ours["encoder_cache_events_replay_endpoint"] = f"tcp://*:{spec.ec_replay_port}"
+            argv += ["--ec-manager-config", json.dumps({"encoder_cache_manager_cls": EC_MANAGER_CLS})]  # fmt: skip
+        if spec.demand_port is not None:
+            ours["demand_endpoint"] = f"tcp://*:{spec.demand_port}"
+            argv += ["--scheduler-cls", SCHEDULER_CLS]
+        if ours:
+            argv += ["--additional-config", json.dumps({"mmreuse": ours})]
     return argv + list(spec.extra_args)
 
 

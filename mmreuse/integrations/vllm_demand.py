@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 CONFIG_KEY = "mmreuse"
 DEMAND_ID_KEY = "mmreuse_demand_id"  # in vllm_xargs (SamplingParams.extra_args)
 REMEMBERED_ANSWERS = 4096  # answers whose proofs wait for their request (LRU beyond)
-MAX_FREE_QUEUE_WALK = 65536  # trust_kv_blocks is "at least" this many beyond it
+MAX_FREE_QUEUE_WALK = 2048  # trust_kv_blocks is counted up to this: that value means "at least"
 
 # Scheduler methods that change state: each runs holding the demand lock.
 _LOCKED = (

@@ -19,6 +19,7 @@ it puts this function where vLLM's engine core looks it up.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -65,9 +66,15 @@ def fast_request_block_hasher(
     """vLLM's `get_request_block_hasher`, hashed by mmreuse (see the module docstring)."""
     from vllm.v1.core import kv_cache_utils  # inside vLLM's process only
 
-    vllm_hasher = _vllm_original(kv_cache_utils)(
-        hash_block_size, caching_hash_fn, num_hash_lookahead_tokens
-    )
+    original = _vllm_original(kv_cache_utils)
+    if "num_hash_lookahead_tokens" in inspect.signature(original).parameters:
+        vllm_hasher = original(hash_block_size, caching_hash_fn, num_hash_lookahead_tokens)
+    elif num_hash_lookahead_tokens:  # vLLM before 0.33 hashes no lookahead tokens
+        fail_value(
+            "num_hash_lookahead_tokens", "0 with this vLLM (it has none)", num_hash_lookahead_tokens
+        )
+    else:
+        vllm_hasher = original(hash_block_size, caching_hash_fn)
     name = _mmreuse_hash_fn(caching_hash_fn)
     check_int("hash_block_size", hash_block_size, 1)
     if not isinstance(num_hash_lookahead_tokens, int):  # a bool is an int here, as in vLLM

@@ -49,6 +49,7 @@ def proxy_args(cluster, prefills):
             "--kv-events-replay-endpoints",
             "--encoder-cache-events-endpoints",
             "--encoder-cache-events-replay-endpoints",
+            "--demand-endpoints",
         ):
             parts = value.split(",")
             value = ",".join(parts[k] for k in keep)
