@@ -19,15 +19,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("seed", [0, 5])
-def test_demand_scheduler_against_vllms_scheduler(seed):
+@pytest.mark.parametrize("seed, async_", [(0, 0), (5, 0), (0, 1)], ids=["s0", "s5", "async-s0"])
+def test_demand_scheduler_against_vllms_scheduler(seed, async_):
+    """Under async scheduling DemandScheduler is itself an AsyncScheduler (vLLM's base then)."""
     py, _ = require_oracle()
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
-        [str(py), str(REPO / "tools/oracle/demand_scheduler_check.py"), str(seed), "120"],
+        [str(py), str(REPO / "tools/oracle/demand_scheduler_check.py"), str(seed), "120", str(async_)],
         capture_output=True, text=True, check=True, timeout=600, env=env,
     )  # fmt: skip
     c = json.loads(out.stdout.strip().splitlines()[-1])
+    assert c["scheduler"] == ("AsyncDemandScheduler" if async_ else "DemandScheduler")
     assert c["output_mismatch"] == 0, c  # behaves exactly as vLLM's scheduler
     assert c["side_effects"] == 0, c  # answering changes nothing in P
     assert c["index_mismatch"] == 0 and c["stats"]["index_mismatches"] == 0, c

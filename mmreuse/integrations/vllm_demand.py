@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 CONFIG_KEY = "mmreuse"
 DEMAND_ID_KEY = "mmreuse_demand_id"  # in vllm_xargs (SamplingParams.extra_args)
 REMEMBERED_ANSWERS = 4096  # answers whose proofs wait for their request (LRU beyond)
+SYNC_INDEX_AFTER = 512  # pending block-pool changes that make a step apply them (bounded memory)
 MAX_FREE_QUEUE_WALK = 2048  # trust_kv_blocks is counted up to this: that value means "at least"
 
 # Scheduler methods that change state: each runs holding the demand lock.
@@ -128,6 +129,9 @@ class DemandScheduler(Scheduler):
         self._pending: dict[str, _Remembered] = {}  # engine request id -> its answer
         self._lora_by_name: dict[str, Any] = {}
         self._query_hasher = self._make_query_hasher(vllm_config)
+        # the block pool's stores (hash, block) and removals (None, block), in order, applied to
+        # the index in batches before it is read (one residency update per run of a kind)
+        self._index_ops: list[tuple[bytes | None, int]] = []
         self._index, self._index_note = self._make_index()
         self._server: _DemandServer | None = None
         endpoint = _ours(vllm_config).get("demand_endpoint")
@@ -185,27 +189,56 @@ class DemandScheduler(Scheduler):
             pool.reset_prefix_cache,
         )
 
+        ops = self._index_ops
+
         def _insert_block_hash(key: Any, block: Any, *args: Any, **kwargs: Any) -> None:
             primary = block.block_hash is None
             insert(key, block, *args, **kwargs)
             if primary and block.block_hash == key and get_group_id(key) == 0:
-                index.store(get_block_hash(key), block.block_id)
+                ops.append((get_block_hash(key), block.block_id))
 
         def _remove_cached_block_hashes(block: Any) -> Any:
             removed = remove(block)
-            if removed and index.hash_of(block.block_id) is not None:
-                index.evict_block(block.block_id)
+            if removed:
+                ops.append((None, block.block_id))
             return removed
 
         def reset_prefix_cache(*args: Any, **kwargs: Any) -> bool:
             ok = reset(*args, **kwargs)
             if ok:
+                ops.clear()
                 index.clear()
             return ok
 
         pool._insert_block_hash = _insert_block_hash
         pool._remove_cached_block_hashes = _remove_cached_block_hashes
         pool.reset_prefix_cache = reset_prefix_cache
+
+    def _sync_index(self) -> BlockIndex | None:
+        """The index, with the block pool's changes since the last read applied in order."""
+        index, ops = self._index, self._index_ops
+        if index is None or not ops:
+            return index
+        _, hash_in = index.maps()
+        i = 0
+        while i < len(ops):
+            j, blocks, hashes = i, [], list[Any]()
+            if ops[i][0] is None:  # a run of removals
+                while j < len(ops) and ops[j][0] is None:
+                    blocks.append(ops[j][1])
+                    j += 1
+                index.evict_blocks([b for b in dict.fromkeys(blocks) if hash_in[b] is not None])
+            else:  # a run of stores, each block once per call
+                seen: set[int] = set()
+                while j < len(ops) and ops[j][0] is not None and ops[j][1] not in seen:
+                    hashes.append(ops[j][0])
+                    blocks.append(ops[j][1])
+                    seen.add(ops[j][1])
+                    j += 1
+                index.store_many(hashes, blocks)
+            i = j
+        ops.clear()
+        return index
 
     # ---- admission: check the answer's proof -------------------------------------------------
 
@@ -238,7 +271,7 @@ class DemandScheduler(Scheduler):
 
     def _check(self, entry: _Remembered) -> tuple[bool, str | None]:
         """Whether the answer's state still holds; if not, the first cause found."""
-        index = self._index
+        index = self._sync_index()
         if index is not None and entry.proof is not None and not index.validate(entry.proof):
             _, hash_in = index.maps()
             for block_id, key in zip(entry.proof.block_ids.tolist(), entry.proof_keys, strict=True):
@@ -257,6 +290,8 @@ class DemandScheduler(Scheduler):
             output = super().schedule(*args, **kwargs)
             if self._pending:
                 self._count_admissions(output)
+            if len(self._index_ops) > SYNC_INDEX_AFTER:
+                self._sync_index()
             return output
 
     def _count_admissions(self, output: Any) -> None:
@@ -389,12 +424,13 @@ class DemandScheduler(Scheduler):
             )
             demand = compute_demand(occs, n, hit_tokens, avail, is_encoder_decoder=enc_dec)
         proof, keys = None, []
-        if self._index is not None:
+        index = self._sync_index()
+        if index is not None:
             nblocks = hit_tokens // self.block_size
-            found_blocks, proof = self._index.lookup_prefix(request.block_hashes[:nblocks])
+            found_blocks, proof = index.lookup_prefix(request.block_hashes[:nblocks])
             if found_blocks != nblocks:
                 self._counters.index_disagrees += 1
-            _, hash_in = self._index.maps()
+            _, hash_in = index.maps()
             keys = [hash_in[b] for b in proof.block_ids.tolist()]
         reused = demand.p_local_reuse
         if query.remember:
@@ -486,7 +522,7 @@ class DemandScheduler(Scheduler):
 
     def _stats(self, query: StatsQuery) -> DemandStats:
         c = self._counters
-        index = self._index
+        index = self._sync_index()
         return DemandStats(
             id=query.id,
             answers=c.answers,
@@ -509,10 +545,11 @@ class DemandScheduler(Scheduler):
 
         from ..blockhash import to_event_id
 
-        if self._index is None:
+        index = self._sync_index()
+        if index is None:
             return 0
         pool = self.kv_cache_manager.block_pool
-        _, hash_in = self._index.maps()
+        _, hash_in = index.maps()
         bad = 0
         for block in pool.blocks:
             key = block.block_hash

@@ -33,6 +33,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -66,13 +67,13 @@ def tiny_model_dir() -> str:
     return str(d)
 
 
-def make_scheduler(cls, model: str, num_blocks: int, cache_size: int):
+def make_scheduler(cls, model: str, num_blocks: int, cache_size: int, async_: bool = False):
     model_config = ModelConfig(
         model=model, dtype="float16", seed=42, skip_tokenizer_init=True, max_model_len=2048
     )
     sched = SchedulerConfig(
         max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
-        enable_chunked_prefill=True, async_scheduling=False, is_encoder_decoder=False,
+        enable_chunked_prefill=True, async_scheduling=async_, is_encoder_decoder=False,
         watermark=0.0,
     )  # fmt: skip
     cache = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
@@ -189,17 +190,19 @@ def runner_output(out) -> ModelRunnerOutput:
                              prompt_logprobs_dict={}, pooler_output=[])  # fmt: skip
 
 
-def main(seed: int = 0, turns: int = 160) -> dict:
+def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
     rng = random.Random(seed)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
     model = tiny_model_dir()
-    ours = make_scheduler(DemandScheduler, model, num_blocks=40, cache_size=96)
-    ref = make_scheduler(Scheduler, model, num_blocks=40, cache_size=96)
+    ref_cls = AsyncScheduler if async_ else Scheduler
+    ours = make_scheduler(DemandScheduler, model, num_blocks=40, cache_size=96, async_=bool(async_))
+    ref = make_scheduler(ref_cls, model, num_blocks=40, cache_size=96, async_=bool(async_))
     stream = Stream(rng)
     c = {"steps": 0, "answers": 0, "exact_checked": 0, "exact_mismatch": 0, "side_effects": 0,
          "output_mismatch": 0, "index_mismatch": 0, "unsound": 0, "kv_hits": 0, "reused": 0,
          "e_compute": 0, "socket_answers": 0, "socket_errors": 0}  # fmt: skip
+    c["scheduler"] = type(ours).__name__
     rid = 0
     admitted: dict[str, int] = {}  # request -> C when first scheduled
     encoded: dict[str, set[int]] = {}  # request -> items P encoded itself, over all steps
