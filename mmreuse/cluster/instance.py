@@ -55,6 +55,11 @@ SERVER_ENV = {
 }
 
 
+# Every P also runs mmreuse's fast request block hasher (its vllm.general_plugins entry point;
+# `mmreuse cluster install` makes it discoverable): the live tier checks its hashes end to end.
+PREFILL_ENV = {"VLLM_PLUGINS": "mmreuse_fast_hasher"}
+
+
 class StartupError(RuntimeError):
     """A server exited or did not become healthy in time; the message has its log's tail."""
 
@@ -395,7 +400,7 @@ def start_instance(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=server_env(),
+            env={**server_env(), **(PREFILL_ENV if spec.role == "prefill" else {})},
             cwd=str(log_dir),
             start_new_session=True,
             preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,

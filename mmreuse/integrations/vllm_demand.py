@@ -55,7 +55,8 @@ from ..demand_query import (
 from ..residency import BlockIndex
 from .vllm import availability_from_engine, occurrences_from_request
 
-logger = logging.getLogger(__name__)
+# under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
+logger = logging.getLogger(f"vllm.{__name__}")
 
 CONFIG_KEY = "mmreuse"
 DEMAND_ID_KEY = "mmreuse_demand_id"  # in vllm_xargs (SamplingParams.extra_args)
@@ -127,7 +128,7 @@ class DemandScheduler(Scheduler):
             REMEMBERED_ANSWERS
         )
         self._pending: dict[str, _Remembered] = {}  # engine request id -> its answer
-        self._lora_by_name: dict[str, Any] = {}
+        self._lora_by_name: cachetools.LRUCache[str, Any] = cachetools.LRUCache(256)
         self._query_hasher = self._make_query_hasher(vllm_config)
         # the block pool's stores (hash, block) and removals (None, block), in order, applied to
         # the index in batches before it is read (one residency update per run of a kind)

@@ -30,7 +30,8 @@ from ..events.ec_wire import (
     EncoderCacheStored,
 )
 
-logger = logging.getLogger(__name__)
+# under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
+logger = logging.getLogger(f"vllm.{__name__}")
 
 CONFIG_KEY = "mmreuse"
 

@@ -30,7 +30,8 @@ from ..hashing.schemes import get_scheme
 from ..occurrence import MMOccurrence
 from ..validate import check_int, fail_type, fail_value
 
-logger = logging.getLogger(__name__)
+# under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
+logger = logging.getLogger(f"vllm.{__name__}")
 
 # vLLM 0.33.0's hash functions (vllm.utils.hashing), by name: mmreuse reproduces these.
 _VLLM_HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")

@@ -125,6 +125,10 @@ def test_demand_policies_answer_as_eager_with_fewer_e_forwards(cluster, tmp_path
         assert r["ok"] == 8 and r["errors"] == 0, r
     assert _tokens(other) == _tokens(eager)  # temperature 0: what P generates is unchanged
     assert [r[3] for r in other["results"]] == [r[3] for r in eager["results"]]
-    assert other["e_forwards"] < eager["e_forwards"], (other, eager)
+    if policy == "demand":
+        assert other["e_forwards"] < eager["e_forwards"], (other, eager)
+    else:  # E starts what it gets within a step, mostly before P's answer arrives: it can
+        # save only what is still queued at E (BENCHMARKS.md), never cost a forward
+        assert other["e_forwards"] <= eager["e_forwards"], (other, eager)
     # zero requests failed by a skip, and nothing skipped was missing at P
     assert other["p_forwards"]["P0"] == 0, other

@@ -106,3 +106,15 @@ def test_evictions_appear_when_the_encoder_cache_overflows(cluster):
         assert len(state) < len(sent)  # what the events say P still holds: not all it stored
     finally:
         sub.close(0)
+
+
+def test_every_p_runs_the_three_plug_ins_and_says_so(cluster):
+    """vLLM loaded them by their official plug-in points (the fast hasher through its
+    `vllm.general_plugins` entry point, `VLLM_PLUGINS=mmreuse_fast_hasher`): their lines are in
+    P's own log, under vLLM's logger. That the hashes stay vLLM's is checked end to end by the
+    proxy tests (`HashConfigCheck` re-hashes P's BlockStored events: no mismatch)."""
+    for name in ("P0", "P1"):
+        log = cluster.instances[name].log_path.read_text(errors="replace")
+        assert "mmreuse: vLLM's request block hasher is mmreuse's fast path" in log, name
+        assert "mmreuse: demand answers on tcp://*:" in log, name
+        assert "mmreuse: encoder-cache events on tcp://*:" in log, name
