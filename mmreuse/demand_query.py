@@ -12,6 +12,8 @@ order, naming the query's `id`:
 - `StatsQuery {id, check_index}` -> `DemandStats` (P's counters; with `check_index`, the
   residency index compared with vLLM's prefix cache, block by block).
 
+A query's size is bounded (MAX_* below; `max_query_bytes(max_model_len)` for a whole frame,
+which P's ROUTER enforces), so that what any frame costs P is bounded by its max_model_len.
 Everything P puts in an answer was read under one lock that vLLM's scheduler methods also hold,
 so an answer is one consistent state of P. A query that is not well formed gets a
 `DemandError`, never an exception in P's engine; an answer that is not well formed is refused by
@@ -27,11 +29,22 @@ import msgspec
 from .demand import Klass
 from .errors import InvalidArgument
 from .occurrence import MMOccurrence
+from .validate import check_int
 
+# Bounds on a query, so that what one costs P is bounded by P's max_model_len (a hostile client
+# gets a DemandError naming the field, before P does any work for it).
 MAX_ID_CHARS = 128
-MAX_ITEMS = 4096
+MAX_ITEMS = 4096  # items, and e_cached entries (the client sends what E holds of this request)
+# identifiers (vLLM's mm_hash is 64 hex chars; "<lora_name>:<mm_hash>", user uuids), lora_name
+MAX_IDENT_CHARS = 1024
+MAX_MODALITY_CHARS = 64
+MAX_SALT_CHARS = 1024
+# items' placeholders, in all, per token id: vLLM overlaps at most two items (use_audio_in_video:
+# audio and video over one range, each with its is_embed mask); masks cost P per flag
+MAX_OVERLAP = 2
 
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+_Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_IDENT_CHARS)]
 _TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
@@ -39,10 +52,10 @@ _Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 class QueryItem(msgspec.Struct, omit_defaults=True, gc=False):
     """One multimodal item of the query (an `MMOccurrence` on the wire)."""
 
-    identifier: Annotated[str, msgspec.Meta(min_length=1)]
+    identifier: _Ident
     offset: _Count
     length: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
-    modality: Annotated[str, msgspec.Meta(min_length=1)] = "image"
+    modality: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODALITY_CHARS)] = "image"
     is_embed: list[bool] | None = None
 
 
@@ -56,10 +69,10 @@ class DemandQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
     id: _Id
     token_ids: list[_TokenId]
-    items: list[QueryItem] = []
-    cache_salt: str | None = None
-    lora_name: str | None = None
-    e_cached: list[str] = []
+    items: Annotated[list[QueryItem], msgspec.Meta(max_length=MAX_ITEMS)] = []
+    cache_salt: Annotated[str, msgspec.Meta(max_length=MAX_SALT_CHARS)] | None = None
+    lora_name: Annotated[str, msgspec.Meta(max_length=MAX_IDENT_CHARS)] | None = None
+    e_cached: Annotated[list[_Ident], msgspec.Meta(max_length=MAX_ITEMS)] = []
     remember: bool = True
 
 
@@ -172,6 +185,16 @@ def encode(message: Query | Answer) -> bytes:
     return _encoder.encode(message)
 
 
+def max_query_bytes(max_model_len: int) -> int:
+    """The largest well-formed query frame for a P with this max_model_len, rounded up: token
+    ids (9 bytes each at most), MAX_OVERLAP mask flags per token (1 byte each), MAX_ITEMS items
+    and e_cached entries at their longest, the strings. P's ROUTER refuses larger frames."""
+    n = check_int("max_model_len", max_model_len, 1)
+    item = MAX_IDENT_CHARS + MAX_MODALITY_CHARS + 128  # + keys, offset, length, headers
+    strings = MAX_SALT_CHARS + MAX_IDENT_CHARS + MAX_ID_CHARS + 1024  # + the other fields
+    return (9 + MAX_OVERLAP) * n + MAX_ITEMS * (item + MAX_IDENT_CHARS + 8) + strings
+
+
 def _bytes(field: str, payload: Any) -> bytes:
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise InvalidArgument(f"{field} must be bytes, got {type(payload).__name__}")
@@ -199,8 +222,8 @@ def occurrences_of(query: DemandQuery) -> list[MMOccurrence]:
         raise MalformedQuery("token_ids is empty")
     if len(query.items) > MAX_ITEMS:
         raise MalformedQuery(f"items has {len(query.items)} entries, more than {MAX_ITEMS}")
-    out = []
     last = -1
+    total = 0
     for i, item in enumerate(query.items):
         if item.offset + item.length > n:
             raise MalformedQuery(
@@ -209,7 +232,21 @@ def occurrences_of(query: DemandQuery) -> list[MMOccurrence]:
             )
         if item.offset < last:
             raise MalformedQuery(f"items[{i}].offset {item.offset} is before items[{i - 1}]'s")
+        # checked before the mask's flags are: each costs P, and only `length` are used
+        if item.is_embed is not None and len(item.is_embed) != item.length:
+            raise MalformedQuery(
+                f"items[{i}]: is_embed has {len(item.is_embed)} entries but length is {item.length}"
+            )
         last = item.offset
+        total += item.length
+    # what P spends on a query grows with its placeholders: bounded by the token ids
+    if total > MAX_OVERLAP * n:
+        raise MalformedQuery(
+            f"items cover {total} placeholder positions in all, more than {MAX_OVERLAP} per "
+            f"token id ({n}): vLLM overlaps at most {MAX_OVERLAP} items"
+        )
+    out = []
+    for i, item in enumerate(query.items):
         mask = None if item.is_embed is None else tuple(item.is_embed)
         try:
             out.append(MMOccurrence(item.identifier, item.offset, item.length, mask, item.modality))
@@ -275,5 +312,6 @@ __all__ = [
     "decode_answer",
     "decode_query",
     "encode",
+    "max_query_bytes",
     "occurrences_of",
 ]

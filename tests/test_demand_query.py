@@ -12,6 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mmreuse.demand_query import (
+    MAX_ID_CHARS,
+    MAX_IDENT_CHARS,
+    MAX_ITEMS,
+    MAX_MODALITY_CHARS,
+    MAX_OVERLAP,
+    MAX_SALT_CHARS,
     DemandAnswer,
     DemandError,
     DemandQuery,
@@ -23,8 +29,10 @@ from mmreuse.demand_query import (
     decode_answer,
     decode_query,
     encode,
+    max_query_bytes,
     occurrences_of,
 )
+from mmreuse.errors import InvalidArgument
 
 
 def q(**kw):
@@ -108,3 +116,111 @@ def test_no_frame_escapes_as_another_exception(blob):
     for decode in (decode_query, lambda b: decode_answer(b, q())):
         with contextlib.suppress(MalformedQuery, MalformedAnswer):
             decode(blob)
+
+
+# ---- the wire's limits: what one query may cost P is bounded by P's max_model_len ------------
+
+
+def _raw(**kw):
+    """A query frame as a raw map (any field, any value)."""
+    base = {"type": "DemandQuery", "id": "q1", "token_ids": [1, 2, 3, 9, 9, 9, 4],
+            "items": [{"identifier": "img-a", "offset": 3, "length": 3}]}  # fmt: skip
+    base.update(kw)
+    return msgspec.msgpack.encode(base)
+
+
+def _items(**kw):
+    return [{"identifier": "img-a", "offset": 3, "length": 3, **kw}]
+
+
+@pytest.mark.parametrize(
+    "field, at_limit, over_limit",
+    [
+        ("$.items[0].identifier", _items(identifier="i" * MAX_IDENT_CHARS),
+         _items(identifier="i" * (MAX_IDENT_CHARS + 1))),
+        ("$.items[0].modality", _items(modality="m" * MAX_MODALITY_CHARS),
+         _items(modality="m" * (MAX_MODALITY_CHARS + 1))),
+    ],
+)  # fmt: skip
+def test_item_strings_are_bounded(field, at_limit, over_limit):
+    decode_query(_raw(items=at_limit))
+    with pytest.raises(MalformedQuery, match=re.escape(field)):
+        decode_query(_raw(items=over_limit))
+
+
+@pytest.mark.parametrize(
+    "field, limit, make",
+    [
+        ("cache_salt", MAX_SALT_CHARS, lambda k: "s" * k),
+        ("lora_name", MAX_IDENT_CHARS, lambda k: "l" * k),
+        ("e_cached", MAX_ITEMS, lambda k: [f"e{i}" for i in range(k)]),
+        ("e_cached", MAX_IDENT_CHARS, lambda k: ["e" * k]),
+        (
+            "items",
+            MAX_ITEMS,
+            lambda k: [{"identifier": f"i{i}", "offset": 0, "length": 1} for i in range(k)],
+        ),
+        ("id", MAX_ID_CHARS, lambda k: "i" * k),
+    ],
+)
+def test_query_fields_are_bounded(field, limit, make):
+    tokens = [5] * (MAX_ITEMS + 1)
+    decode_query(_raw(token_ids=tokens, **{field: make(limit)}))
+    with pytest.raises(MalformedQuery, match=re.escape(f"$.{field}")):
+        decode_query(_raw(token_ids=tokens, **{field: make(limit + 1)}))
+
+
+def test_e_cached_entries_are_identifiers():
+    with pytest.raises(MalformedQuery, match=re.escape("$.e_cached[0]")):
+        decode_query(_raw(e_cached=[""]))
+
+
+def test_a_mask_of_the_wrong_length_is_refused_before_its_flags_are_read():
+    # a million flags for one placeholder: refused by its length (flags not even bools here)
+    with pytest.raises(MalformedQuery, match=re.escape("items[0]: is_embed has 1000000 entries")):
+        occurrences_of(q(items=[QueryItem("a", 3, 1, is_embed=[0] * 1_000_000)]))  # type: ignore[list-item]
+
+
+def test_placeholders_in_all_are_bounded_by_the_token_ids():
+    """Two items over one range (use_audio_in_video) are vLLM's; a third over it is not."""
+    n = 8
+    tokens = list(range(n))
+    full = [True] * n
+    two = [QueryItem("audio", 0, n, is_embed=full), QueryItem("video", 0, n, is_embed=full)]
+    assert len(occurrences_of(DemandQuery("q", tokens, two))) == 2
+    three = [*two, QueryItem("more", 0, 1)]
+    why = f"items cover {MAX_OVERLAP * n + 1} placeholder positions in all"
+    with pytest.raises(MalformedQuery, match=re.escape(why)):
+        occurrences_of(DemandQuery("q", tokens, three))
+    with pytest.raises(MalformedQuery, match=re.escape(why)):
+        decode_query(encode(DemandQuery("q", tokens, three)))
+
+
+def test_the_largest_well_formed_query_fits_max_query_bytes():
+    """Every field at its limit, every token id at its largest: the frame P's ROUTER accepts."""
+    n = MAX_ITEMS  # MAX_ITEMS items of MAX_OVERLAP placeholders each, all with masks
+    ident = lambda i: f"{i:08d}".ljust(MAX_IDENT_CHARS, "x")  # noqa: E731
+    items = [
+        QueryItem(ident(i), min(i, n - MAX_OVERLAP), MAX_OVERLAP, "m" * MAX_MODALITY_CHARS,
+                  [True] * MAX_OVERLAP)
+        for i in range(MAX_ITEMS)
+    ]  # fmt: skip
+    query = DemandQuery(
+        id="i" * MAX_ID_CHARS,
+        token_ids=[2**63 - 1] * n,
+        items=items,
+        cache_salt="s" * MAX_SALT_CHARS,
+        lora_name="l" * MAX_IDENT_CHARS,
+        e_cached=[ident(i) for i in range(MAX_ITEMS)],
+        remember=False,
+    )
+    frame = encode(query)
+    assert decode_query(frame) == query
+    assert len(frame) <= max_query_bytes(n)
+    assert max_query_bytes(n + 1) > max_query_bytes(n)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2048", None, True])
+def test_max_query_bytes_checks_max_model_len(bad):
+    with pytest.raises(InvalidArgument, match="max_model_len"):
+        max_query_bytes(bad)

@@ -12,7 +12,10 @@ state (`schedule`, `update_from_output`, `add_request`, `finish_requests`, the r
 holding one lock, and an answer is computed holding it too. So an answer sees P between two
 scheduler calls, never in the middle of one (no torn reads); when P is idle the lock is free
 and the answer is immediate; when P is busy it waits at most for the scheduler call in
-progress (the model's forward pass runs outside the lock, and releases the GIL).
+progress (the model's forward pass runs outside the lock, and releases the GIL). What grows with
+the query (decoding it, building its `Request` and block hashes) is done before taking the lock,
+and the wire bounds a query by P's max_model_len (`demand_query.max_query_bytes`), so a hostile
+client costs the answer thread bounded work and the engine one short wait per scheduler call.
 
 What an answer reads, without side effects: the prefix-cache hit of vLLM's own lookup
 (`coordinator.find_longest_cache_hit`: no allocation, no LRU touch, no stats), the encoder
@@ -37,11 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cachetools
+import msgspec
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..demand import Availability, Klass, compute_demand
 from ..demand_query import (
+    MAX_ID_CHARS,
     DemandAnswer,
     DemandError,
     DemandQuery,
@@ -50,10 +55,11 @@ from ..demand_query import (
     StatsQuery,
     decode_query,
     encode,
+    max_query_bytes,
     occurrences_of,
 )
 from ..residency import BlockIndex
-from .vllm import availability_from_engine, occurrences_from_request
+from .vllm import availability_from_engine
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -130,6 +136,8 @@ class DemandScheduler(Scheduler):
         self._pending: dict[str, _Remembered] = {}  # engine request id -> its answer
         self._lora_by_name: cachetools.LRUCache[str, Any] = cachetools.LRUCache(256)
         self._query_hasher = self._make_query_hasher(vllm_config)
+        # a larger frame is no well-formed query for this P: refused unread (and by the ROUTER)
+        self._max_query_bytes = max_query_bytes(self.max_model_len)
         # the block pool's stores (hash, block) and removals (None, block), in order, applied to
         # the index in batches before it is read (one residency update per run of a kind)
         self._index_ops: list[tuple[bytes | None, int]] = []
@@ -137,7 +145,7 @@ class DemandScheduler(Scheduler):
         self._server: _DemandServer | None = None
         endpoint = _ours(vllm_config).get("demand_endpoint")
         if endpoint:
-            self._server = _DemandServer(str(endpoint), self._handle)
+            self._server = _DemandServer(str(endpoint), self._handle, self._max_query_bytes)
             self._server.start()
             logger.info("mmreuse: demand answers on %s (index: %s)", endpoint, self._index_note)
 
@@ -328,54 +336,65 @@ class DemandScheduler(Scheduler):
 
     def _handle(self, payload: bytes) -> bytes:
         """One query frame -> one answer frame. Never raises."""
+        query: DemandQuery | StatsQuery | None = None
         try:
+            # refused before it is decoded: decoding costs the answer thread per byte
+            if isinstance(payload, bytes | bytearray) and len(payload) > self._max_query_bytes:
+                raise MalformedQuery(
+                    f"payload has {len(payload)} bytes, more than {self._max_query_bytes} (the "
+                    "largest well-formed query for this P's max_model_len)"
+                )
             query = decode_query(payload)
-        except MalformedQuery as e:
-            self._counters.errors += 1
-            return encode(DemandError(_id_of(payload), str(e)))
-        t0 = time.perf_counter()
-        try:
+            if isinstance(query, StatsQuery):
+                with self._demand_lock:
+                    return encode(self._stats(query))
+            # the Request and its block hashes (the work that grows with the query) are built
+            # outside the lock: they depend on the query alone, and the engine waits on the lock
+            occs, request = self._request_for(query)
+            t0 = time.perf_counter()
             with self._demand_lock:
                 t1 = time.perf_counter()
-                if isinstance(query, StatsQuery):
-                    return encode(self._stats(query))
-                answer = self._answer(query)
+                answer = self._answer(query, occs, request)
                 t2 = time.perf_counter()
         except MalformedQuery as e:
             self._counters.errors += 1
-            return encode(DemandError(query.id, str(e)))
+            return encode(DemandError(_id_of(payload) if query is None else query.id, str(e)))
         except Exception as e:  # a bug here costs this answer, never P's engine
             logger.exception("mmreuse: demand query not answered")
             self._counters.errors += 1
-            return encode(DemandError(query.id, f"{type(e).__name__}: {e}"))
+            ident = _id_of(payload) if query is None else query.id
+            return encode(DemandError(ident, f"{type(e).__name__}: {e}"))
         answer.lock_wait_us = (t1 - t0) * 1e6
         answer.answer_us = (t2 - t1) * 1e6
         self._counters.answers += 1
         return encode(answer)
 
-    def _request_for(self, query: DemandQuery) -> Any:
-        """The query as the `Request` vLLM would build for it (its block hashes included)."""
+    def _request_for(self, query: DemandQuery) -> tuple[list[Any], Any]:
+        """The query's occurrences, and the query as the `Request` vLLM would build for it (its
+        block hashes included). Called without the lock (it takes it for the adapter only)."""
         import torch
         from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        max_len = self.max_model_len if hasattr(self, "max_model_len") else None
-        if max_len is not None and len(query.token_ids) > max_len:
+        max_len = self.max_model_len
+        if len(query.token_ids) > max_len:
             raise MalformedQuery(
                 f"token_ids has {len(query.token_ids)} tokens, more than P's max_model_len "
                 f"{max_len}"
             )
         lora = None
         if query.lora_name is not None:
-            lora = self._lora_by_name.get(query.lora_name)
+            with self._demand_lock:  # add_request updates the adapters
+                lora = self._lora_by_name.get(query.lora_name)
             if lora is None:
                 raise MalformedQuery(
                     f"lora_name {query.lora_name!r} is not an adapter P has served (its hashes "
                     "need the adapter's path)"
                 )
         features = []
-        for occ in occurrences_of(query):
+        occs = occurrences_of(query)
+        for occ in occs:
             mask = None if occ.is_embed is None else torch.tensor(occ.is_embed, dtype=torch.bool)
             features.append(
                 MultiModalFeatureSpec(
@@ -385,7 +404,7 @@ class DemandScheduler(Scheduler):
                     mm_position=PlaceholderRange(occ.offset, occ.length, is_embed=mask),
                 )
             )
-        return Request(
+        request = Request(
             request_id=f"mmreuse-demand-{query.id}",
             prompt_token_ids=list(query.token_ids),
             sampling_params=SamplingParams(max_tokens=1),
@@ -395,9 +414,11 @@ class DemandScheduler(Scheduler):
             cache_salt=query.cache_salt,
             block_hasher=self._query_hasher,
         )
+        return occs, request
 
-    def _answer(self, query: DemandQuery) -> DemandAnswer:
-        request = self._request_for(query)
+    def _answer(self, query: DemandQuery, occs: list[Any], request: Any) -> DemandAnswer:
+        """The answer, from P's state now (called holding the lock): `occs` are the request's
+        occurrences (occurrences_of(query): the same as its features, without re-reading them)."""
         manager = self.kv_cache_manager
         hit_tokens, hit_blocks = 0, list[Any]()
         if self._query_hasher is not None and manager.prefix_cache_lookup_enabled(request):
@@ -405,7 +426,6 @@ class DemandScheduler(Scheduler):
                 request.block_hashes, request.num_tokens - 1
             )
             hit_tokens, hit_blocks = int(found[1]), found[0][0] if found[0] else []
-        occs = occurrences_from_request(request)
         avail = availability_from_engine(
             self.encoder_cache_manager,
             self.ec_connector,
@@ -473,19 +493,23 @@ class DemandScheduler(Scheduler):
         scheduled: set[str] = set()
         to_schedule = 0
         evicted: set[str] = set()
+        # the freeable space left in `queue`, kept as it shrinks (a sum per item is quadratic)
+        room = sum(queue.values())
         for occ, d in zip(occs, demand.decisions, strict=True):
             if d.klass in (Klass.KV_COVERED, Klass.NO_EMBEDS) or occ.identifier in scheduled:
                 continue
             ident = occ.identifier
             if ident in cached:
-                queue.pop(ident, None)  # referenced now
+                room -= queue.pop(ident, 0)  # referenced now
                 continue
             need = occ.num_embeds + to_schedule
-            if need > free + sum(queue.values()):
+            if need > free + room:
                 return frozenset(evicted), True  # vLLM stops this step's encoder inputs here
             while need > free:
                 victim = next(iter(queue))
-                free += queue.pop(victim)
+                n = queue.pop(victim)
+                free += n
+                room -= n
                 cached.discard(victim)
                 evicted.add(victim)
             to_schedule += occ.num_embeds
@@ -585,28 +609,40 @@ class AsyncDemandScheduler(DemandScheduler, AsyncScheduler):
     """`DemandScheduler` over vLLM's AsyncScheduler (picked by DemandScheduler itself)."""
 
 
+class _Named(msgspec.Struct):
+    """Any frame's `id`, to name it in a DemandError when the frame is not a query."""
+
+    id: str = ""
+
+
+# only the id: the other fields are skipped, not built (a generic decode of a hostile frame
+# builds every object in it: seconds for a few MB of small maps)
+_named = msgspec.msgpack.Decoder(_Named)
+
+
 def _id_of(payload: bytes) -> str:
     """The query's id, if a malformed frame still names one (else "")."""
     try:
-        import msgspec
-
-        raw = msgspec.msgpack.decode(payload)
-        ident = raw.get("id") if isinstance(raw, dict) else None
-        return ident if isinstance(ident, str) and len(ident) <= 128 else ""
+        ident = _named.decode(payload).id
     except Exception:
         return ""
+    return ident if len(ident) <= MAX_ID_CHARS else ""
 
 
 class _DemandServer:
     """The answer thread: a ZMQ ROUTER, one answer frame per query frame."""
 
-    def __init__(self, endpoint: str, handler: Callable[[bytes], bytes]) -> None:
+    def __init__(
+        self, endpoint: str, handler: Callable[[bytes], bytes], max_bytes: int | None = None
+    ) -> None:
         import zmq
 
         self._zmq = zmq
         self._ctx: Any = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if max_bytes is not None:  # libzmq drops a peer sending a larger frame, unread
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         self._sock.bind(endpoint)  # a taken port fails P's start, loudly
         self._handler = handler
         self._stop = threading.Event()
@@ -630,8 +666,13 @@ class _DemandServer:
                 frames = self._sock.recv_multipart()
                 if len(frames) != 2:  # a DEALER sends [payload]; anything else is not ours
                     continue
-                self._sock.send_multipart([frames[0], self._handler(frames[1])])
-        except Exception:
+                try:
+                    answer = self._handler(frames[1])
+                except Exception:  # a frame the handler fails on costs that frame only
+                    logger.exception("mmreuse: demand frame not answered")
+                    continue
+                self._sock.send_multipart([frames[0], answer])
+        except Exception:  # the socket itself failed
             logger.exception("mmreuse: demand answer thread stopped")
         finally:
             self._sock.close(0)
