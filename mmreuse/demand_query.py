@@ -163,8 +163,47 @@ class DemandStats(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     forgotten: _Count = 0
 
 
-Query = DemandQuery | StatsQuery
-Answer = DemandAnswer | DemandError | DemandStats
+class RecordsQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """P's admission records from seq `since` on (at most `limit`): needs `admission_records`."""
+
+    id: _Id
+    since: _Count = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 4096
+
+
+class AdmissionRecord(msgspec.Struct, omit_defaults=True, gc=False):
+    """What P did with one request when it admitted it, whatever the proxy's policy.
+
+    `classes`: per item (vLLM's order, `identifiers`), `compute_demand` over P's state at
+    admission with the C vLLM admitted it with (the E deliveries already in P's EC connector
+    count as `p_external`); `encoded`: the items P ran its own encoder for, over its prefill;
+    `demand_id`: the demand query it was sent with, if any; `proof_valid`: whether that answer's
+    proof held (None without one).
+    """
+
+    seq: int
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    identifiers: list[str]
+    classes: list[str]
+    encoded: list[int] = []
+    demand_id: str | None = None
+    proof_valid: bool | None = None
+
+
+class AdmissionRecords(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Records `[since, next)` still held (`dropped`: older ones the bounded ring lost)."""
+
+    id: str
+    records: list[AdmissionRecord]
+    next: int
+    dropped: int = 0
+    enabled: bool = True
+
+
+Query = DemandQuery | StatsQuery | RecordsQuery
+Answer = DemandAnswer | DemandError | DemandStats | AdmissionRecords
 
 _query_decoder = msgspec.msgpack.Decoder(Query)
 _answer_decoder = msgspec.msgpack.Decoder(Answer)
@@ -299,6 +338,8 @@ def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
 
 
 __all__ = [
+    "AdmissionRecord",
+    "AdmissionRecords",
     "Answer",
     "DemandAnswer",
     "DemandError",
@@ -308,6 +349,7 @@ __all__ = [
     "MalformedQuery",
     "Query",
     "QueryItem",
+    "RecordsQuery",
     "StatsQuery",
     "decode_answer",
     "decode_query",

@@ -41,3 +41,6 @@ def test_demand_scheduler_against_vllms_scheduler(seed, async_):
     assert st["admitted"] >= 100 and sum(st["changed"].values()) >= 3, st
     assert st["proof_valid"] + sum(st["changed"].values()) == st["admitted"], st
     assert c["socket_answers"] == 2 and c["socket_errors"] == 1, c
+    # admission records: one per admission, its C, the answer's classes, the items P encoded
+    assert c["records"] == st["admitted"] and c["record_c_mismatch"] == 0, c
+    assert c["record_answer_mismatch"] == 0 and c["record_encoded_mismatch"] == 0, c

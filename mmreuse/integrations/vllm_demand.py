@@ -32,6 +32,7 @@ is validated and a change since the answer is counted by cause.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -47,11 +48,14 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from ..demand import Availability, Klass, compute_demand
 from ..demand_query import (
     MAX_ID_CHARS,
+    AdmissionRecord,
+    AdmissionRecords,
     DemandAnswer,
     DemandError,
     DemandQuery,
     DemandStats,
     MalformedQuery,
+    RecordsQuery,
     StatsQuery,
     decode_query,
     encode,
@@ -59,7 +63,7 @@ from ..demand_query import (
     occurrences_of,
 )
 from ..residency import BlockIndex
-from .vllm import availability_from_engine
+from .vllm import availability_from_engine, occurrences_from_request
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -67,6 +71,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 CONFIG_KEY = "mmreuse"
 DEMAND_ID_KEY = "mmreuse_demand_id"  # in vllm_xargs (SamplingParams.extra_args)
 REMEMBERED_ANSWERS = 4096  # answers whose proofs wait for their request (LRU beyond)
+MAX_RECORDS = 65536  # admission records kept (a ring: RecordsQuery says how many were lost)
 SYNC_INDEX_AFTER = 512  # pending block-pool changes that make a step apply them (bounded memory)
 MAX_FREE_QUEUE_WALK = 2048  # trust_kv_blocks is counted up to this: that value means "at least"
 
@@ -136,6 +141,13 @@ class DemandScheduler(Scheduler):
         self._pending: dict[str, _Remembered] = {}  # engine request id -> its answer
         self._lora_by_name: cachetools.LRUCache[str, Any] = cachetools.LRUCache(256)
         self._query_hasher = self._make_query_hasher(vllm_config)
+        # admission records (`"admission_records": true`): what P did with every request
+        self._recording = bool(_ours(vllm_config).get("admission_records", False))
+        self._records: collections.deque[AdmissionRecord] = collections.deque(maxlen=MAX_RECORDS)
+        self._next_record = 0
+        self._admitting: dict[str, tuple[int, list[str], list[str]]] = {}  # at the lookup
+        self._prefilling: dict[str, AdmissionRecord] = {}  # admitted, prefill not done
+        self._checked: dict[str, bool] = {}  # admitted this step: its proof held
         # a larger frame is no well-formed query for this P: refused unread (and by the ROUTER)
         self._max_query_bytes = max_query_bytes(self.max_model_len)
         # the block pool's stores (hash, block) and removals (None, block), in order, applied to
@@ -276,7 +288,55 @@ class DemandScheduler(Scheduler):
         result = super()._get_local_prefix_cache_hit(request, *args, **kwargs)
         if entry is not None:
             entry.last_check = (valid, cause, int(result[1]))
+        if self._recording:
+            self._note_admission(request, int(result[1]))
         return result
+
+    def _note_admission(self, request: Any, hit: int) -> None:
+        """The classes of `request`'s items at this lookup (kept if it is admitted now)."""
+        try:
+            c = min(hit, request.num_tokens - 1)
+            occs = occurrences_from_request(request)
+            demand, _, _ = self._demand_at(occs, request.num_tokens, c)
+        except Exception:  # a record is never worth a scheduling step
+            logger.exception("mmreuse: admission of %s not recorded", request.request_id)
+            return
+        classes = [
+            "duplicate" if d.dedup_of is not None else d.klass.value for d in demand.decisions
+        ]
+        self._admitting[request.request_id] = (c, [d.identifier for d in demand.decisions], classes)
+
+    def _record_admissions(self, output: Any) -> None:
+        for new in getattr(output, "scheduled_new_reqs", ()):
+            noted = self._admitting.pop(new.req_id, None)
+            request = self.requests.get(new.req_id)
+            if noted is None or request is None:
+                continue
+            _, idents, classes = noted
+            entry = self._checked.pop(new.req_id, None)
+            extra = getattr(request.sampling_params, "extra_args", None) or {}
+            demand_id = extra.get(DEMAND_ID_KEY) if isinstance(extra, dict) else None
+            rec = AdmissionRecord(
+                seq=self._next_record,
+                request_id=new.req_id,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_computed_tokens=int(new.num_computed_tokens),
+                identifiers=idents,
+                classes=classes,
+                demand_id=demand_id if isinstance(demand_id, str) else None,
+                proof_valid=entry,
+            )
+            self._next_record += 1
+            self._records.append(rec)
+            self._prefilling[new.req_id] = rec
+        for req_id, inputs in getattr(output, "scheduled_encoder_inputs", {}).items():
+            open_rec = self._prefilling.get(req_id)
+            if open_rec is not None:
+                open_rec.encoded = sorted(set(open_rec.encoded) | set(inputs))
+        for req_id in list(self._prefilling):
+            request = self.requests.get(req_id)
+            if request is None or request.num_computed_tokens >= request.num_prompt_tokens:
+                del self._prefilling[req_id]
 
     def _check(self, entry: _Remembered) -> tuple[bool, str | None]:
         """Whether the answer's state still holds; if not, the first cause found."""
@@ -299,6 +359,8 @@ class DemandScheduler(Scheduler):
             output = super().schedule(*args, **kwargs)
             if self._pending:
                 self._count_admissions(output)
+            if self._recording:
+                self._record_admissions(output)
             if len(self._index_ops) > SYNC_INDEX_AFTER:
                 self._sync_index()
             return output
@@ -310,6 +372,8 @@ class DemandScheduler(Scheduler):
             if entry is None or entry.last_check is None:
                 continue
             valid, cause, hit = entry.last_check
+            if self._recording:
+                self._checked[new.req_id] = valid
             c.admitted += 1
             if valid:
                 c.proof_valid += 1
@@ -325,6 +389,8 @@ class DemandScheduler(Scheduler):
             ids = [request_ids] if isinstance(request_ids, str) else list(request_ids or ())
             for rid in ids:
                 self._pending.pop(rid, None)
+                self._admitting.pop(rid, None)
+                self._prefilling.pop(rid, None)
             return out
 
     def shutdown(self) -> None:
@@ -336,7 +402,7 @@ class DemandScheduler(Scheduler):
 
     def _handle(self, payload: bytes) -> bytes:
         """One query frame -> one answer frame. Never raises."""
-        query: DemandQuery | StatsQuery | None = None
+        query: DemandQuery | StatsQuery | RecordsQuery | None = None
         try:
             # refused before it is decoded: decoding costs the answer thread per byte
             if isinstance(payload, bytes | bytearray) and len(payload) > self._max_query_bytes:
@@ -348,8 +414,12 @@ class DemandScheduler(Scheduler):
             if isinstance(query, StatsQuery):
                 with self._demand_lock:
                     return encode(self._stats(query))
+            if isinstance(query, RecordsQuery):
+                with self._demand_lock:
+                    return encode(self._records_since(query))
             # the Request and its block hashes (the work that grows with the query) are built
             # outside the lock: they depend on the query alone, and the engine waits on the lock
+            assert isinstance(query, DemandQuery)
             occs, request = self._request_for(query)
             t0 = time.perf_counter()
             with self._demand_lock:
@@ -416,6 +486,31 @@ class DemandScheduler(Scheduler):
         )
         return occs, request
 
+    def _demand_at(
+        self, occs: list[Any], n: int, c: int, e_cached: Any = ()
+    ) -> tuple[Any, frozenset[str], bool]:
+        """`compute_demand` over P's encoder cache and EC connector now, at C = `c`, with the
+        entries this request's own admission evicts first counted as gone (see
+        `_self_evictions`); also those entries, and whether the cache is short for it."""
+        avail = availability_from_engine(
+            self.encoder_cache_manager,
+            self.ec_connector,
+            {m.identifier for m in occs},
+            e_cached=e_cached,
+        )
+        enc_dec = bool(getattr(self, "is_encoder_decoder", False))
+        demand = compute_demand(occs, n, c, avail, is_encoder_decoder=enc_dec)
+        self_evicted, short = self._self_evictions(occs, demand)
+        if self_evicted:  # P's own allocations for this request evict them first
+            avail = Availability(
+                p_local={k: v for k, v in avail.p_local.items() if k not in self_evicted},
+                p_local_freeable=avail.p_local_freeable - self_evicted,
+                p_external=avail.p_external,
+                e_cached=avail.e_cached,
+            )
+            demand = compute_demand(occs, n, c, avail, is_encoder_decoder=enc_dec)
+        return demand, self_evicted, short
+
     def _answer(self, query: DemandQuery, occs: list[Any], request: Any) -> DemandAnswer:
         """The answer, from P's state now (called holding the lock): `occs` are the request's
         occurrences (occurrences_of(query): the same as its features, without re-reading them)."""
@@ -426,24 +521,9 @@ class DemandScheduler(Scheduler):
                 request.block_hashes, request.num_tokens - 1
             )
             hit_tokens, hit_blocks = int(found[1]), found[0][0] if found[0] else []
-        avail = availability_from_engine(
-            self.encoder_cache_manager,
-            self.ec_connector,
-            {m.identifier for m in occs},
-            e_cached=query.e_cached,
+        demand, self_evicted, short = self._demand_at(
+            occs, request.num_tokens, hit_tokens, query.e_cached
         )
-        enc_dec = bool(getattr(self, "is_encoder_decoder", False))
-        n = request.num_tokens
-        demand = compute_demand(occs, n, hit_tokens, avail, is_encoder_decoder=enc_dec)
-        self_evicted, short = self._self_evictions(occs, demand)
-        if self_evicted:  # P's own allocations for this request evict them first
-            avail = Availability(
-                p_local={k: v for k, v in avail.p_local.items() if k not in self_evicted},
-                p_local_freeable=avail.p_local_freeable - self_evicted,
-                p_external=avail.p_external,
-                e_cached=avail.e_cached,
-            )
-            demand = compute_demand(occs, n, hit_tokens, avail, is_encoder_decoder=enc_dec)
         proof, keys = None, []
         index = self._sync_index()
         if index is not None:
@@ -562,6 +642,15 @@ class DemandScheduler(Scheduler):
             index_device=self._index_note,
             forgotten=c.forgotten,
         )
+
+    def _records_since(self, query: RecordsQuery) -> AdmissionRecords:
+        held = self._records
+        first = held[0].seq if held else self._next_record
+        start = max(query.since, first)
+        out = [r for r in held if r.seq >= start][: query.limit]
+        nxt = out[-1].seq + 1 if out else max(start, min(query.since, self._next_record))
+        dropped = max(0, first - query.since) if query.since < first else 0
+        return AdmissionRecords(query.id, out, nxt, dropped, self._recording)
 
     def _index_mismatches(self) -> int:
         """Blocks where the index differs from vLLM's prefix cache (group 0, primary hashes):

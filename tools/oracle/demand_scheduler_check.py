@@ -44,6 +44,7 @@ from mmreuse.demand_query import (
     DemandError,
     DemandQuery,
     QueryItem,
+    RecordsQuery,
     StatsQuery,
     decode_answer,
     encode,
@@ -79,6 +80,7 @@ def make_scheduler(cls, model: str, num_blocks: int, cache_size: int, async_: bo
     cache = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
                         enable_prefix_caching=True)  # fmt: skip
     vllm_config = VllmConfig(scheduler_config=sched, model_config=model_config, cache_config=cache,
+                             additional_config={"mmreuse": {"admission_records": True}},
                              device_config=DeviceConfig(device="cpu"))  # fmt: skip
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
@@ -263,6 +265,20 @@ def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
             if DEBUG:
                 print("MISMATCH", name, admitted.get(name), ans.num_computed_tokens,
                       encoded.get(name), expect, ans.classes, file=sys.stderr)  # fmt: skip
+    # admission records: one per admitted request, with the C it was admitted with; for the
+    # requests answered while P was idle, the classes the answer gave
+    recs = decode_answer(ours._handle(encode(RecordsQuery("r", 0, 65536))))
+    by_name = {r.request_id: r for r in recs.records}
+    c["records"] = len(recs.records)
+    c["record_c_mismatch"] = sum(
+        1 for n, a in admitted.items() if n not in by_name or by_name[n].num_computed_tokens != a
+    )
+    c["record_answer_mismatch"] = sum(
+        1 for n, ans in checked if not ans.encoder_cache_short and by_name[n].classes != ans.classes
+    )
+    c["record_encoded_mismatch"] = sum(
+        1 for n, r in by_name.items() if set(r.encoded) != encoded.get(n, set())
+    )
     st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
     c["stats"] = st
     # soundness, counted at admission inside the scheduler: a proof that held, another C
