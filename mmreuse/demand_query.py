@@ -172,7 +172,8 @@ class RecordsQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
 
 class AdmissionRecord(msgspec.Struct, omit_defaults=True, gc=False):
-    """What P did with one request when it admitted it, whatever the proxy's policy.
+    """What P did with one request when it admitted it, whatever the proxy's policy (a
+    preempted request is admitted again when it resumes: another record).
 
     `classes`: per item (vLLM's order, `identifiers`), `compute_demand` over P's state at
     admission with the C vLLM admitted it with (the E deliveries already in P's EC connector
