@@ -675,3 +675,92 @@ def test_trace_loader_matches_the_per_turn_builder(tmp_path):
     for b in builders.values():
         assert sessions[b.session.sid].tokens == b.session.tokens
         assert sessions[b.session.sid].mm == b.session.mm
+
+
+# ---- image_tokens: "fixed576" | "fixed:N" | "qwen2vl" ------------------------------------------
+
+
+def test_image_tokens_fixed_n_sizes_every_image():
+    assert WorkloadConfig(image_tokens="fixed:16").fixed_image_tokens == 16
+    assert WorkloadConfig(image_tokens="fixed:1").fixed_image_tokens == 1
+    assert WorkloadConfig().fixed_image_tokens == 576
+    assert WorkloadConfig(image_tokens="qwen2vl").fixed_image_tokens is None
+    for kind in ("chat", "fanout", "agentic"):
+        requests = generate(WorkloadConfig(kind=kind, requests=100, image_tokens="fixed:16"), 0)
+        assert {m.length for r in requests for m in r.mm} == {16}
+    # a fixed size draws nothing: "fixed:576" is "fixed576", and "fixed:16" changes the images only
+    a, b, c = (
+        generate(WorkloadConfig(requests=200, image_tokens=v), 5)
+        for v in ("fixed576", "fixed:576", "fixed:16")
+    )
+    assert [(r.arrival_ms, r.num_tokens, r.mm) for r in a] == [
+        (r.arrival_ms, r.num_tokens, r.mm) for r in b
+    ]
+    assert a[-1].session.tokens == b[-1].session.tokens
+    assert [(r.arrival_ms, r.session.sid, r.turn) for r in a] == [
+        (r.arrival_ms, r.session.sid, r.turn) for r in c
+    ]
+    assert [(t.text_tokens, t.output_tokens) for t in a[-1].session.turns] == [
+        (t.text_tokens, t.output_tokens) for t in c[-1].session.turns
+    ]
+
+
+BAD_IMAGE_TOKENS = [
+    "fixed:0",
+    "fixed:",
+    "fixed:-1",
+    "fixed:+16",
+    "fixed:016",
+    "fixed: 16",
+    "fixed:1_6",
+    "fixed:1.5",
+    "fixed:١٦",
+    "fixed16",
+    "FIXED:16",
+    "fixed:16:16",
+    "fixed:" + "9" * 5000,
+    "fixed:1048577",
+    "",
+]
+
+
+@pytest.mark.parametrize("value", BAD_IMAGE_TOKENS)
+def test_bad_image_tokens_name_the_field(value):
+    with pytest.raises(InvalidArgument, match=r"^WorkloadConfig\.image_tokens must be .*got"):
+        WorkloadConfig(image_tokens=value)
+    with pytest.raises(InvalidArgument, match=r"^workload\.image_tokens: must be .*got"):
+        SimConfig.from_dict({"workload": {"image_tokens": value}})
+
+
+@pytest.mark.parametrize("value", [16, None, ["fixed:16"]])
+def test_image_tokens_of_another_type_are_refused(value):
+    with pytest.raises(InvalidArgumentType, match=r"^WorkloadConfig\.image_tokens must be"):
+        WorkloadConfig(image_tokens=value)
+    with pytest.raises(InvalidArgumentType, match=r"^workload\.image_tokens: must be"):
+        SimConfig.from_dict({"workload": {"image_tokens": value}})
+
+
+def test_image_tokens_fixed_n_in_config_files_and_the_cli(tmp_path, capsys):
+    conf = tmp_path / "c.json"
+    conf.write_text(json.dumps({"workload": {"image_tokens": "fixed:16"}}))
+    assert SimConfig.from_file(conf).workload.image_tokens == "fixed:16"
+    out_json = tmp_path / "out.json"
+    args = ("--config", str(conf), "--requests", "40", "--policy", "demand")
+    status, _, err = run_cli(capsys, *args, "--json", str(out_json))
+    assert status == 0, err
+    assert json.loads(out_json.read_text())["config"]["workload"]["image_tokens"] == "fixed:16"
+    conf.write_text(json.dumps({"workload": {"image_tokens": "fixed:0"}}))
+    with pytest.raises(InvalidArgument, match=r"c\.json: workload\.image_tokens: must be"):
+        SimConfig.from_file(conf)
+    status, _, err = run_cli(capsys, "--config", str(conf))
+    assert status == 2 and "workload.image_tokens: must be" in err
+
+
+def test_memory_estimate_counts_fixed_image_tokens():
+    def history(value):
+        return estimate(SimConfig(workload=WorkloadConfig(image_tokens=value)))[-1].bytes
+
+    assert history("fixed:16") < history("fixed576") == history("fixed:576") < history("qwen2vl")
+    huge = SimConfig(workload=WorkloadConfig(image_tokens="fixed:1048576"))
+    with pytest.raises(ConfigError, match=r"^workload\.image_tokens: the run would need about"):
+        check_memory(huge, available=8 << 30)

@@ -24,7 +24,8 @@ from ..validate import check_bool, check_float, check_int, check_str, fail_type,
 POLICIES = ("eager", "demand", "opportunistic", "index")
 WORKLOADS = ("chat", "fanout", "agentic", "trace")
 ROUTINGS = ("affine", "random")
-IMAGE_TOKENS = ("fixed576", "qwen2vl")
+IMAGE_TOKENS = ("fixed576", "qwen2vl")  # and "fixed:N" (`parse_image_tokens`)
+MAX_FIXED_IMAGE_TOKENS = 1 << 20  # "fixed:N": far past any model's image, and a bounded int
 MAX_MEAN_TURNS = 500.0
 
 
@@ -60,6 +61,26 @@ def _check_span(obj: Any, name: str) -> None:
         and 0 <= value[0] <= value[1]
     ):
         fail_value(_field(obj, name), "(lo, hi) ints with 0 <= lo <= hi", value)
+
+
+def parse_image_tokens(field: str, value: Any) -> int | None:
+    """The tokens of every image under `WorkloadConfig.image_tokens` = `value`: 576 for
+    "fixed576", N for "fixed:N", None for "qwen2vl" (drawn per image); InvalidArgument naming
+    `field` for anything else."""
+    what = "'fixed576', 'qwen2vl' or 'fixed:N' (N an int >= 1, as in 'fixed:16')"
+    if not isinstance(value, str):
+        fail_type(field, what, value)
+    if value == "qwen2vl":
+        return None
+    if value == "fixed576":
+        return 576
+    digits = value.removeprefix("fixed:")
+    # canonical decimal only: int() would also take "+16", " 16", "1_6", "016" or "١٦"
+    if digits == value or not (digits.isascii() and digits.isdigit()) or digits[0] == "0":
+        fail_value(field, what, value)
+    if len(digits) > len(str(MAX_FIXED_IMAGE_TOKENS)) or int(digits) > MAX_FIXED_IMAGE_TOKENS:
+        fail_value(field, f"'fixed:N' with N <= {MAX_FIXED_IMAGE_TOKENS}", value)
+    return int(digits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +149,17 @@ class ClusterConfig:
 
 @dataclass(frozen=True, slots=True)
 class WorkloadConfig:
-    """The request stream (`mmreuse.sim.workload.generate`)."""
+    """The request stream (`mmreuse.sim.workload.generate`). `image_tokens`, the tokens of each
+    generated image: "fixed576" (576), "fixed:N" (N, an int in [1, MAX_FIXED_IMAGE_TOKENS]
+    written in plain decimal: "fixed:16" fits the CPU cluster's tiny model), or "qwen2vl" (a
+    random resolution per image, 64..2304 tokens). A trace's images carry their own counts."""
 
     kind: str = "chat"
     requests: int = 2000  # turns in total
     sessions_per_s: float = 2.0  # Poisson session arrivals
     mean_turns: float = 9.0  # chat: 1 + Poisson(mean - 1), after MMDU-45k
     images_per_session: tuple[int, int] = (2, 5)  # chat: uniform in [lo, hi]
-    image_tokens: str = "fixed576"  # "fixed576" | "qwen2vl" (resolution-dependent)
+    image_tokens: str = "fixed576"  # "fixed576" | "fixed:N" | "qwen2vl" (see above)
     text_tokens: tuple[int, int] = (30, 150)  # per user turn
     output_tokens: tuple[int, int] = (50, 300)  # per assistant turn, resent in history
     think_time_s: float = 8.0  # mean, exponential
@@ -148,7 +172,7 @@ class WorkloadConfig:
         _check_numbers(self, "sessions_per_s", "think_time_s", positive=True)
         # Knuth's Poisson sampler underflows e^-lam past ~745: larger means would come out wrong
         check_float(_field(self, "mean_turns"), self.mean_turns, 1, MAX_MEAN_TURNS)
-        _check_choice(self, "image_tokens", IMAGE_TOKENS, "'fixed576' or 'qwen2vl'")
+        parse_image_tokens(_field(self, "image_tokens"), self.image_tokens)
         for name in ("images_per_session", "text_tokens", "output_tokens"):
             _check_span(self, name)
         if self.trace_path is not None:
@@ -162,6 +186,11 @@ class WorkloadConfig:
                 )
         if self.kind == "trace" and not self.trace_path:
             raise InvalidArgument("WorkloadConfig.trace_path is required with kind='trace'")
+
+    @property
+    def fixed_image_tokens(self) -> int | None:
+        """Every image's tokens under `image_tokens`; None for "qwen2vl" (drawn per image)."""
+        return parse_image_tokens(_field(self, "image_tokens"), self.image_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,15 +9,18 @@ The estimate (bytes; constants measured on CPython 3.11 / x86-64, rounded up):
   min(blocks, the workload's history blocks) blocks;
 - each E instance: `INSTANCE`;
 - each request: `REQUEST` (its SimRequest, its entry while the stream is sorted, its arrival
-  event) plus `REQUEST_PER_POLICY` per policy (TTFT samples, every policy's result is kept);
-  each session `SESSION`; each multimodal occurrence `OCCURRENCE` (MMOccurrence, identifier);
+  event) and `TURN` (its session's `Turn` record: 56, its list slot, its ints, its images
+  tuple) plus `REQUEST_PER_POLICY` per policy (TTFT samples, every policy's result is kept);
+  each session `SESSION`; each multimodal occurrence `OCCURRENCE` (MMOccurrence, identifier)
+  and `TURN_IMAGE` (its (id, tokens) pair in its Turn: 56, its int, its tuple slot);
 - each token of a session's final history: `TOKEN` (an int64) plus, per full block, its hash
   (`HASH`: a 32-byte bytes object and its list slot).
 History tokens of a generated workload are expected values from the config (means of the spans;
-576 or, for `qwen2vl`, 784 tokens per image; the last session may run past `requests`); a trace's
-are counted exactly while it is read (`Budget`). The interpreter, torch and numpy, already loaded,
-are not counted: "available" below is what is left with them loaded. The estimate is meant to be
-within a factor of about 2: it refuses what cannot fit, not what fits tightly.
+the fixed count of `image_tokens` or, for `qwen2vl`, 784 tokens per image; the last session may
+run past `requests`); a trace's are counted exactly while it is read (`Budget`). The interpreter,
+torch and numpy, already loaded, are not counted: "available" below is what is left with them
+loaded. The estimate is meant to be within a factor of about 2: it refuses what cannot fit, not
+what fits tightly.
 
 Available memory: the least of /proc/meminfo's MemAvailable (else SC_PHYS_PAGES x
 SC_PAGE_SIZE), the cgroup v2 limit less its usage, and RLIMIT_AS less the address space in use.
@@ -36,12 +39,14 @@ INSTANCE = 64 << 10
 BLOCK_FIXED = 72
 BLOCK_FILLED = 320
 REQUEST = 512
+TURN = 128
 REQUEST_PER_POLICY = 64
 SESSION = 512
 OCCURRENCE = 256
+TURN_IMAGE = 96
 TOKEN = 8
 HASH = 96
-IMAGE_TOKENS_MEAN = {"fixed576": 576, "qwen2vl": 784}  # qwen2vl: 28 x 28 patches on average
+QWEN2VL_IMAGE_TOKENS_MEAN = 784  # 28 x 28 patches on average
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +55,9 @@ class Budget:
 
     available: int
     per_token: float
-    per_request: int = REQUEST
+    per_request: int = REQUEST + TURN
     per_session: int = SESSION
-    per_occurrence: int = OCCURRENCE
+    per_occurrence: int = OCCURRENCE + TURN_IMAGE
 
 
 def token_bytes(cluster: ClusterConfig) -> float:
@@ -96,6 +101,12 @@ def _mean(value: int | float | tuple[int, int]) -> float:
     return sum(value) / 2 if isinstance(value, tuple) else float(value)
 
 
+def _image_tokens(w: WorkloadConfig) -> int:
+    """An image's tokens under `w.image_tokens`: the fixed count, or qwen2vl's mean."""
+    fixed = w.fixed_image_tokens
+    return QWEN2VL_IMAGE_TOKENS_MEAN if fixed is None else fixed
+
+
 @dataclass(frozen=True, slots=True)
 class _Part:
     """One term of the estimate, and the config fields it grows with."""
@@ -112,7 +123,7 @@ def _workload_parts(cfg: SimConfig) -> list[_Part]:
     extra = 3 if w.kind == "fanout" else w.mean_turns  # the last session runs past `requests`
     turns = w.requests + extra
     turn_text = _mean(w.text_tokens) + _mean(w.output_tokens)
-    image = IMAGE_TOKENS_MEAN[w.image_tokens]
+    image = _image_tokens(w)
     if w.kind == "chat":
         sessions = turns / w.mean_turns
         occurrences = sessions * _mean(w.images_per_session)
@@ -127,6 +138,7 @@ def _workload_parts(cfg: SimConfig) -> list[_Part]:
         "workload.requests",
         "workload.text_tokens",
         "workload.output_tokens",
+        "workload.image_tokens",
     )
     if w.kind == "chat":
         history += ("workload.images_per_session",)
@@ -135,12 +147,15 @@ def _workload_parts(cfg: SimConfig) -> list[_Part]:
     return [
         _Part(
             f"{turns:.0f} requests",
-            turns * (REQUEST + REQUEST_PER_POLICY * len(cfg.policies)) + sessions * SESSION,
+            turns * (REQUEST + TURN + REQUEST_PER_POLICY * len(cfg.policies)) + sessions * SESSION,
             ("workload.requests",),
         ),
         _Part(
             f"{tokens:.3g} tokens of history",
-            tokens * TOKEN + blocks * HASH + filled * BLOCK_FILLED + occurrences * OCCURRENCE,
+            tokens * TOKEN
+            + blocks * HASH
+            + filled * BLOCK_FILLED
+            + occurrences * (OCCURRENCE + TURN_IMAGE),
             history,
         ),
     ]
@@ -169,6 +184,8 @@ _DEFAULTS = {
 
 def _growth(cfg: SimConfig, name: str) -> float:
     """How far a field is above its default (what an oversized config most likely got wrong)."""
+    if name == "workload.image_tokens":
+        return _image_tokens(cfg.workload) / _image_tokens(WorkloadConfig())
     section, key = name.split(".")
     value, default = _mean(getattr(getattr(cfg, section), key)), _mean(_DEFAULTS[name])
     return value / default if default else 0.0

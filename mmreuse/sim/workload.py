@@ -6,6 +6,7 @@ Trace schema (JSONL, one turn per line, turns of a session in arrival order):
      "images": [{"id": "sha256-of-image", "tokens": 576}], "output_tokens": 200}
 `text_tokens` and `images` are what the user adds this turn (text first, then images);
 `output_tokens` the assistant's answer, appended to the history of the session's next turn.
+Every session, generated or read, records these turns (`Session.turns`, `SimRequest.turns`).
 Image `id`s are engine identifiers: the same id in two sessions is the same image.
 Checked line by line, every error reading `<path>:<line>: <field>: <what is wrong>`: `session`
 and `arrival_s` are required; `session` and image `id`s are non-empty strings (valid Unicode);
@@ -39,13 +40,25 @@ IMAGE_TOKEN = 151655
 VOCAB = 150000
 
 
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """What one turn adds to its session's history, in order: the user's text, the images
+    (id, tokens), then the assistant's answer, which the session's next turn resends."""
+
+    text_tokens: int
+    images: tuple[tuple[str, int], ...]
+    output_tokens: int
+
+
 @dataclass(slots=True)
 class Session:
-    """A conversation: its final history; each turn's request is a prefix of it."""
+    """A conversation: its final history; each turn's request is a prefix of it. `turns` is the
+    same history as turns: request k's prompt is turns[0..k], less turn k's output."""
 
     sid: int
     tokens: array  # int64 token ids, compact: 100k-request streams hold ~50M of them
     mm: list[MMOccurrence]
+    turns: list[Turn]
     hashes: list[bytes] | None = None  # block hashes of the final history (filled by the cluster)
 
 
@@ -62,14 +75,21 @@ class SimRequest:
     def mm(self) -> list[MMOccurrence]:
         return self.session.mm[: self.num_mm]
 
+    @property
+    def turns(self) -> list[Turn]:
+        """The turns its prompt holds: the session's first `turn + 1` (the last one's output
+        is not part of it)."""
+        return self.session.turns[: self.turn + 1]
+
 
 def _image_id(*parts: object) -> str:
     return hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()
 
 
-def _image_tokens(rng: random.Random, kind: str) -> int:
-    if kind == "fixed576":
-        return 576
+def _image_tokens(rng: random.Random, fixed: int | None) -> int:
+    """`fixed` (WorkloadConfig.fixed_image_tokens), else a random Qwen2-VL image's tokens."""
+    if fixed is not None:
+        return fixed
     # Qwen2-VL: one token per 28x28 pixels after 2x2 merging, for a random resolution
     w = rng.randrange(224, 1345, 28)
     h = rng.randrange(224, 1345, 28)
@@ -80,7 +100,7 @@ class _SessionBuilder:
     """Appends a session's turns: random text tokens, and image placeholders."""
 
     def __init__(self, sid: int, rng: random.Random):
-        self.session = Session(sid, array("q"), [])
+        self.session = Session(sid, array("q"), [], [])
         self._token_rng = np.random.default_rng(rng.getrandbits(64))
 
     def text(self, n: int) -> None:
@@ -88,10 +108,12 @@ class _SessionBuilder:
             tokens = self._token_rng.integers(0, VOCAB, n, dtype=np.int64)
             self.session.tokens.frombytes(tokens.tobytes())
 
-    def image(self, ident: str, n: int) -> None:
+    def image(self, ident: str, n: int) -> tuple[str, int]:
+        """Appends the image; returns (ident, n), for the turn's record."""
         session = self.session
         session.mm.append(MMOccurrence(ident, len(session.tokens), n))
         session.tokens.frombytes(np.full(n, IMAGE_TOKEN, dtype=np.int64).tobytes())
+        return ident, n
 
 
 def _poisson(rng: random.Random, lam: float) -> int:
@@ -113,6 +135,7 @@ def generate(cfg: WorkloadConfig, seed: int, budget: Budget | None = None) -> li
     if cfg.kind == "trace":
         return _from_trace(cfg, budget)
     rng = random.Random(f"{seed}-{cfg.kind}")
+    fixed = cfg.fixed_image_tokens
     out: list[tuple[float, int, Session, int, int, int]] = []
     t_session = 0.0
     sid = 0
@@ -137,21 +160,27 @@ def generate(cfg: WorkloadConfig, seed: int, budget: Budget | None = None) -> li
         t = t_session
         session = builder.session
         images_at = Counter(image_turns)  # (not image_turns.count: quadratic in turns)
-        for turn in range(turns):
-            builder.text(rng.randint(*cfg.text_tokens))
+        for turn in range(turns):  # draws in the order tests/test_sim.py's pinned outputs fix
+            text = rng.randint(*cfg.text_tokens)
+            builder.text(text)
+            images = []
             for _ in range(images_at[turn]):
                 if cfg.kind == "fanout":
                     rank = min(int(rng.paretovariate(1.1)), cfg.fanout_pool) - 1
                     ident = _image_id("fanout", seed, rank)
                     rng_img = random.Random(ident)
-                    builder.image(ident, _image_tokens(rng_img, cfg.image_tokens))
+                    images.append(builder.image(ident, _image_tokens(rng_img, fixed)))
                 else:
-                    builder.image(
-                        _image_id(cfg.kind, seed, sid, len(session.mm)),
-                        _image_tokens(rng, cfg.image_tokens),
+                    images.append(
+                        builder.image(
+                            _image_id(cfg.kind, seed, sid, len(session.mm)),
+                            _image_tokens(rng, fixed),
+                        )
                     )
             out.append((t, sid, session, turn, len(session.tokens), len(session.mm)))
-            builder.text(rng.randint(*cfg.output_tokens))  # the answer, resent next turn
+            output = rng.randint(*cfg.output_tokens)
+            builder.text(output)  # the answer, resent next turn
+            session.turns.append(Turn(text, tuple(images), output))
             t += rng.expovariate(1.0 / cfg.think_time_s) * 1000.0
         total += turns
         sid += 1
@@ -292,7 +321,7 @@ def _build_session(
     The text is drawn in one `integers` call per session: numpy draws bounded integers element
     by element from the bit generator's stream, so this is the same tokens as `_SessionBuilder`'s
     one call per piece (the pinned trace output in tests/test_sim.py guards it), 15x fewer calls."""
-    session = Session(sid, array("q"), [])
+    session = Session(sid, array("q"), [], [])
     token_rng = np.random.default_rng(rng.getrandbits(64))  # as _SessionBuilder seeds it
     pending = 0
     total_text = 0
@@ -315,6 +344,7 @@ def _build_session(
             pieces.append(np.full(k, IMAGE_TOKEN, dtype=np.int64))
             length += k
         pending = turn.output
+        session.turns.append(Turn(turn.text, turn.images, turn.output))
         out.append((turn.arrival_ms, sid, session, number, length, len(mm)))
     session.tokens.frombytes(np.concatenate(pieces).tobytes())
 
