@@ -4,6 +4,7 @@ and `mmreuse hash-demo`."""
 from __future__ import annotations
 
 import argparse
+import math
 import hashlib
 import sys
 from collections.abc import Callable
@@ -284,6 +285,91 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_WORKLOAD = {  # the simulator's generators, sized for the tiny CPU model (max_model_len 4096)
+    "mean_turns": 4.0,
+    "images_per_session": (1, 3),
+    "text_tokens": (20, 60),
+    "output_tokens": (10, 40),
+    "think_time_s": 2.0,
+}
+
+
+def bench_cluster(args: argparse.Namespace) -> int:
+    """`mmreuse bench-cluster`: the stream through `mmreuse proxy` on a real vLLM-CPU cluster,
+    once per policy from cold caches (mmreuse/cluster/bench.py); the simulator's table."""
+    import dataclasses
+    import tempfile
+    import time
+
+    from .cluster import Cluster
+    from .cluster.bench import POLICIES as BENCH_POLICIES
+    from .cluster.bench import run_policy
+    from .cluster.simchat import chat_requests
+    from .sim import generate, table
+    from .sim.config import ConfigError, WorkloadConfig
+    from .sim.report import plot, write_json
+
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            _check_output(flag, path)
+    if args.plot is not None:
+        _check_plot(args.plot)
+    if not (math.isfinite(args.rate) and args.rate > 0):
+        raise UsageError(f"--rate: must be a finite number of requests/s > 0, got {args.rate}")
+    kind = "trace" if args.trace else (args.workload or "chat")
+    try:
+        workload = WorkloadConfig(
+            kind=kind,
+            requests=args.requests,
+            image_tokens=args.image_tokens,
+            trace_path=args.trace,
+            **BENCH_WORKLOAD,  # type: ignore[arg-type]
+        )
+    except (ConfigError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    policies = list(dict.fromkeys(args.policy or BENCH_POLICIES))
+    stream = generate(workload, args.seed)
+    if kind == "trace":
+        workload = dataclasses.replace(workload, requests=len(stream))
+    rows, results = [], []
+    progress = None if args.no_progress else _progress
+    with tempfile.TemporaryDirectory(prefix="mmreuse-bench-") as tmp:
+        run_dir = Path(args.run_dir) if args.run_dir else Path(tmp) / "cluster"
+        with Cluster(run_dir, encoders=1, prefills=args.prefills, encoder_extra_args=("--max-num-batched-tokens", "64")) as c:  # fmt: skip
+            for policy in policies:
+                run = f"bench-{policy}-{time.time_ns()}"
+                reqs = chat_requests(stream, run)
+                got = run_policy(c, policy, reqs, rate=args.rate, run=run, progress=progress)
+                if progress is not None:
+                    print(file=sys.stderr)
+                rows.append(got["row"])
+                results.append(got["result"])
+    print(
+        f"mmreuse bench-cluster: workload {kind}, {len(stream)} requests, seed {args.seed}, "
+        f"1 E / {args.prefills} P (vLLM-CPU, tiny random-weight model), open-loop at "
+        f"{args.rate} requests/s; latencies are CPU-scale, the counts are real"
+    )
+    print(table(rows))
+    meta = {
+        "seed": args.seed,
+        "policies": policies,
+        "rate": args.rate,
+        "cluster": {"num_encoders": 1, "num_prefills": args.prefills, "real": "vllm-cpu 0.32.0"},
+        "workload": dataclasses.asdict(workload),
+    }
+    if args.json:
+        write_json(rows, meta, args.json)
+        print(f"wrote {_printable(args.json)}")
+    if args.plot:
+        plot(results, rows, args.plot, f"real cluster: {kind}, {len(stream)} requests (CPU-scale)")
+        print(f"wrote {_printable(args.plot)}")
+    return 0
+
+
+def _progress(done: int, total: int) -> None:
+    print(f"\r  sent {done}/{total}", end="", file=sys.stderr, flush=True)
+
+
 def cluster(args: argparse.Namespace) -> int:
     """`mmreuse cluster install|up|down`: a real vLLM-CPU EPD cluster (mmreuse/cluster/)."""
     from . import cluster as cl
@@ -356,6 +442,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     sim.add_argument("--no-progress", action="store_true")
     sim.set_defaults(func=simulate)
+    bench = sub.add_parser(
+        "bench-cluster",
+        help="the simulator's streams through mmreuse proxy on a real vLLM-CPU cluster, per policy",
+    )
+    bench.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
+    bench.add_argument("--trace", metavar="JSONL", help="a trace in the simulator's schema")
+    bench.add_argument("--policy", choices=("eager", "index", "demand", "opportunistic"), action="append", help="repeatable; default: all")  # fmt: skip
+    bench.add_argument("--requests", type=_int_arg(1), default=40)
+    bench.add_argument("--seed", type=_int_arg(), default=0)
+    bench.add_argument("--rate", type=float, default=2.0, help="requests/s, open loop")
+    bench.add_argument("--image-tokens", default="fixed:16", help="tokens per generated image")
+    bench.add_argument("--prefills", type=_int_arg(1), default=1)
+    bench.add_argument("--run-dir", metavar="DIR", help="the cluster's run dir (default: a temp)")
+    bench.add_argument("--json", metavar="PATH")
+    bench.add_argument("--plot", metavar="PATH")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=bench_cluster)
     demo = sub.add_parser("hash-demo", help="hash an example multimodal request, print each block")
     demo.add_argument("--hash-fn", choices=HASH_FUNCTIONS, default="sha256")
     demo.add_argument("--block-size", type=_int_arg(), default=16)

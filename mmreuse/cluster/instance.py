@@ -52,6 +52,9 @@ SERVER_ENV = {
     "PYTHONHASHSEED": "0",  # vLLM's NONE_HASH seed: hashes reproducible by mmreuse
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
+    # vLLM's dev endpoints (/reset_prefix_cache, /reset_encoder_cache): bench-cluster starts
+    # each policy from cold caches
+    "VLLM_SERVER_DEV_MODE": "1",
 }
 
 
@@ -221,13 +224,14 @@ def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path)
             "--enable-scale-out",
             "--enable-prompt-tokens-details",  # usage.cached_tokens: the proxy sees fallbacks
         ]  # fmt: skip
-        ours: dict[str, str] = {}
+        ours: dict[str, object] = {}
         if spec.ec_events_port is not None:
             ours["encoder_cache_events_endpoint"] = f"tcp://*:{spec.ec_events_port}"
             ours["encoder_cache_events_replay_endpoint"] = f"tcp://*:{spec.ec_replay_port}"
             argv += ["--ec-manager-config", json.dumps({"encoder_cache_manager_cls": EC_MANAGER_CLS})]  # fmt: skip
         if spec.demand_port is not None:
             ours["demand_endpoint"] = f"tcp://*:{spec.demand_port}"
+            ours["admission_records"] = True
             argv += ["--scheduler-cls", SCHEDULER_CLS]
         if ours:
             argv += ["--additional-config", json.dumps({"mmreuse": ours})]

@@ -215,7 +215,7 @@ class Proxy:
             for klass in set(decision.klasses):
                 m.occurrence(klass).inc(decision.klasses.count(klass))
         if self.after_decide is not None:
-            await self.after_decide(decision)
+            await self.after_decide(dataclasses.replace(decision, request_id=req_id))
         if cfg.prefill_urls:
             p_url: str | None = cfg.prefill_urls[decision.instance]
             d_url = cfg.decode_urls[self.rng.randrange(len(cfg.decode_urls))]

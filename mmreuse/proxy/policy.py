@@ -59,6 +59,7 @@ class Decision:
         demand_id: the demand query whose answer this follows: P (or PD) gets it as
             `vllm_xargs.mmreuse_demand_id`, to check the answer's proof at admission.
         answer: that answer (demand and opportunistic).
+        request_id: the request's x-request-id (filled for `after_decide` hooks).
     """
 
     instance: int
@@ -74,6 +75,7 @@ class Decision:
     no_plan: str | None = None
     demand_id: str | None = None
     answer: DemandAnswer | None = None
+    request_id: str = ""
 
 
 class Planner:

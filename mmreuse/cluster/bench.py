@@ -1,0 +1,324 @@
+"""`mmreuse bench-cluster`: the simulator's request streams through `mmreuse proxy` on a real
+vLLM EPD cluster, once per policy, each from cold caches; the simulator's table and JSON schema,
+from what the real cluster did.
+
+Per policy: the caches are reset (P's prefix and encoder caches, E's encoder cache, through
+vLLM's dev endpoints; E's EC store emptied) and every image uuid and the cache salt are scoped
+to the policy's run, so nothing carries over. The stream (`mmreuse.cluster.simchat`) is sent
+open-loop: request i leaves at i / rate seconds, whether or not earlier ones are done.
+
+Where each occurrence's embedding came from, per request (the simulator's buckets and rules,
+`mmreuse.sim.accounting`): P's admission record (`DemandScheduler` with `admission_records`:
+each item's class at admission, with the C vLLM admitted it with, whatever the policy) joined
+with the proxy's decision (which items E got; the proxy runs in this process, its
+`after_decide` hook records it). A delivery wins:
+- `forward`: E got the identifier for the first time in the run (E's store is empty at the
+  start and keeps what it wrote), or P encoded the item itself;
+- `e_cache`: E got it again (its store or encoder cache serves it, no forward);
+- otherwise P's class: `kv` (`kv_covered`, `no_embeds`), `p_embedding` (`p_local`),
+  `external` (P loaded it from the store), `dedup` (`duplicate`).
+`redundant_forwards`: E forwards of items P then found `kv_covered` or `p_local`;
+`late_fallbacks`: items P encoded itself that the policy had kept from E; `wrong_skips`: failed
+requests with skipped items (0 when P's own order serves what was skipped). E's real forwards
+(its iteration log, `e_forwards_probe`) are reported next to the attributed ones. Latencies are
+CPU-scale on the tiny local model: the counts are real, the milliseconds are not a GPU's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..sim.accounting import Bucket, PolicyResult
+from ..sim.report import summarize
+from ..validate import check_float, check_str, fail_value
+from .simchat import ChatRequest
+
+POLICIES = ("eager", "index", "demand", "opportunistic")
+COVERED = ("kv_covered", "no_embeds")
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """One request as the client and the cluster saw it."""
+
+    rid: int
+    status: int = 0
+    ttft_ms: float | None = None
+    decision: Any = None
+    records: list[Any] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, timeout: float = 30.0) -> int:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return int(r.status)
+
+
+def reset_caches(cluster: Any) -> None:
+    """P's prefix and encoder caches, E's encoder cache (vLLM's dev endpoints: the harness
+    starts every server with VLLM_SERVER_DEV_MODE=1) and E's EC store, emptied."""
+    for inst in cluster.instances.values():
+        spec = inst.spec
+        if spec.role == "prefill":
+            for _ in range(50):  # refused while a request still holds blocks: retry
+                with urllib.request.urlopen(
+                    urllib.request.Request(f"{spec.url}/reset_prefix_cache", b"", method="POST"),
+                    timeout=30,
+                ) as r:
+                    if json.loads(r.read()).get("success"):
+                        break
+                time.sleep(0.2)
+            else:
+                raise RuntimeError(f"{spec.name}: its prefix cache could not be reset")
+        _post(f"{spec.url}/reset_encoder_cache")
+    for child in cluster.ec_dir.iterdir():
+        shutil.rmtree(child, ignore_errors=True)
+
+
+def _records_since(endpoints: Sequence[str], since: Sequence[int]) -> list[list[Any]]:
+    """Every P's admission records from `since` on (DemandScheduler's RecordsQuery)."""
+    import zmq
+
+    from ..demand_query import AdmissionRecords, RecordsQuery, decode_answer, encode
+
+    out = []
+    ctx: Any = zmq.Context.instance()
+    for ep, start in zip(endpoints, since, strict=True):
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(ep)
+        got: list[Any] = []
+        nxt = start
+        try:
+            while True:
+                dealer.send(encode(RecordsQuery(f"bench-{nxt}", nxt, 4096)))
+                if not dealer.poll(30_000):
+                    raise RuntimeError(f"{ep}: no admission records within 30 s")
+                ans = decode_answer(dealer.recv())
+                if not isinstance(ans, AdmissionRecords) or not ans.enabled:
+                    raise RuntimeError(f"{ep}: P keeps no admission records ({ans})")
+                got += ans.records
+                if not ans.records or ans.next == nxt:
+                    break
+                nxt = ans.next
+        finally:
+            dealer.close(0)
+        out.append(got)
+    return out
+
+
+def record_heads(endpoints: Sequence[str]) -> list[int]:
+    """Where each P's admission records stand now (the next seq)."""
+    heads = []
+    for recs in _records_since(endpoints, [0] * len(endpoints)):
+        heads.append(recs[-1].seq + 1 if recs else 0)
+    return heads
+
+
+def attribute(
+    policy: str, requests: Sequence[ChatRequest], outcomes: Sequence[RequestOutcome]
+) -> PolicyResult:
+    """The simulator's accounting from what the real cluster did (the module docstring)."""
+    r = PolicyResult(policy)
+    sent_before: set[str] = set()
+    for req, out in zip(requests, outcomes, strict=True):
+        r.requests += 1
+        decision = out.decision
+        sent = set()  # the items' uuids are vLLM's identifiers (no processor kwargs here)
+        if decision is not None:
+            sent = {req.uuids[i] for i in decision.e_indices}
+        rec = out.records[0] if out.records else None
+        needs_encoding = False
+        if rec is None:  # no record (a failed request): count its items as unknown forwards
+            r.occurrences += len(req.uuids)
+            r.buckets[Bucket.FORWARD] += len(req.uuids)
+        else:
+            seen: set[str] = set()
+            encoded = {rec.identifiers[i] for i in rec.encoded}
+            for ident, klass in zip(rec.identifiers, rec.classes, strict=True):
+                r.occurrences += 1
+                if klass == "duplicate" or ident in seen:
+                    r.buckets[Bucket.DEDUP] += 1
+                    continue
+                seen.add(ident)
+                if ident in sent:  # a delivery wins (the simulator's rule)
+                    if ident in sent_before:  # E's store (or its encoder cache) serves it
+                        r.buckets[Bucket.E_CACHE] += 1
+                    else:
+                        r.buckets[Bucket.FORWARD] += 1
+                        needs_encoding = needs_encoding or klass not in (*COVERED, "p_local")
+                        if klass in COVERED or klass == "p_local":
+                            r.redundant_forwards += 1  # P did not need it
+                elif ident in encoded:  # P ran its own encoder for it
+                    r.buckets[Bucket.FORWARD] += 1
+                    needs_encoding = True
+                    if decision is not None:
+                        r.late_fallbacks += 1
+                elif klass in COVERED:
+                    r.buckets[Bucket.KV] += 1
+                elif klass == "p_local":
+                    r.buckets[Bucket.P_EMBEDDING] += 1
+                else:
+                    r.buckets[Bucket.EXTERNAL] += 1
+                    r.external_loads += 1
+        sent_before |= sent
+        if out.status != 200 and decision is not None and decision.raw_with_uuid:
+            r.wrong_skips += 1
+        if out.ttft_ms is not None and out.status == 200:
+            r.ttft_ms.append(out.ttft_ms)
+            (r.ttft_encode_ms if needs_encoding else r.ttft_reuse_ms).append(out.ttft_ms)
+    return r
+
+
+async def _send(session: Any, url: str, req: ChatRequest, tag: str, out: RequestOutcome) -> None:
+    body = {**req.body, "stream": True}
+    t0 = time.perf_counter()
+    async with session.post(
+        f"{url}/v1/chat/completions", json=body, headers={"x-request-id": tag}
+    ) as resp:
+        out.status = resp.status
+        async for line in resp.content:
+            if out.ttft_ms is None and line.startswith(b"data: ") and b'"content"' in line:
+                out.ttft_ms = (time.perf_counter() - t0) * 1e3
+
+
+async def _drive(
+    proxy_args: list[str],
+    env: dict[str, str],
+    requests: Sequence[ChatRequest],
+    rate: float,
+    run: str,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[list[RequestOutcome], str]:
+    """Send the stream through an in-process `mmreuse proxy`; the outcomes and its /metrics."""
+    import aiohttp
+    from aiohttp import web
+
+    from ..proxy.app import PROXY_KEY, build_app
+    from ..proxy.config import parse_args
+
+    outcomes = [RequestOutcome(r.rid) for r in requests]
+    by_tag = {f"{run}-{r.rid}": o for r, o in zip(requests, outcomes, strict=True)}
+
+    async def after_decide(decision: Any) -> None:
+        out = by_tag.get(decision.request_id)
+        if out is not None:
+            out.decision = decision
+
+    port = _free_port()
+    config = parse_args([*proxy_args, "--port", str(port), "--host", "127.0.0.1"], env=env)
+    app = build_app(config, after_decide=after_decide)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await asyncio.sleep(1.0)  # the proxy's subscribers connect (slow joiner)
+        t0 = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            tasks = []
+            for i, (req, out) in enumerate(zip(requests, outcomes, strict=True)):
+                delay = t0 + i / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(
+                    asyncio.ensure_future(_send(session, url, req, f"{run}-{req.rid}", out))
+                )
+                if progress is not None:
+                    progress(i + 1, len(requests))
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        for res, out in zip(results, outcomes, strict=True):
+            if isinstance(res, BaseException):
+                out.status = -1
+        proxy = app[PROXY_KEY]
+        from prometheus_client import generate_latest
+
+        metrics = generate_latest(proxy.metrics.registry).decode()
+    finally:
+        await runner.cleanup()
+    return outcomes, metrics
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def run_policy(
+    cluster: Any,
+    policy: str,
+    requests: Sequence[ChatRequest],
+    *,
+    rate: float,
+    run: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """One policy's run on `cluster` (a started `mmreuse.cluster.Cluster`): its summary row
+    (the simulator's keys, plus what only a real run has) and its PolicyResult."""
+    if policy not in POLICIES:
+        fail_value("policy", f"one of {POLICIES}", policy)
+    check_str("run", run, nonempty=True)
+    rate = check_float("rate", rate, 0, lo_open=True)
+    reset_caches(cluster)
+    ps = [i.spec for i in cluster.instances.values() if i.spec.role == "prefill"]
+    endpoints = [str(p.demand_endpoint) for p in ps]
+    heads = record_heads(endpoints)
+    probe = cluster.probe()
+    args = [*cluster.proxy_args(), "--policy", policy]
+    env = {"ENCODER_MAX_BATCH_SIZE": "2"}  # the tiny E's 64-token budget fits 2 images
+    t0 = time.perf_counter()
+    outcomes, metrics = asyncio.run(_drive(args, env, requests, rate, run, progress))
+    wall = time.perf_counter() - t0
+    time.sleep(1.0)  # the last records and log lines land
+    records = [r for recs in _records_since(endpoints, heads) for r in recs]
+    by_tag: dict[str, list[Any]] = {}
+    for rec in records:  # vLLM's id: "chatcmpl-<x-request-id>-<8 random>"
+        tag = rec.request_id.removeprefix("chatcmpl-").rsplit("-", 1)[0]
+        by_tag.setdefault(tag, []).append(rec)
+    for req, out in zip(requests, outcomes, strict=True):
+        out.records = by_tag.get(f"{run}-{req.rid}", [])
+    result = attribute(policy, requests, outcomes)
+    counts = probe.counts()
+    row = summarize(result)
+    row["e_requests"] = int(_metric(metrics, "mmreuse_proxy_encoder_subrequests_total"))
+    row.update(
+        {
+            "e_forwards_probe": sum(c.log_inputs for n, c in counts.items() if n.startswith("E")),
+            "p_forwards_probe": sum(c.log_inputs for n, c in counts.items() if n.startswith("P")),
+            "e_items_sent": int(
+                _metric(metrics, "mmreuse_proxy_encoder_items_total", action="sent")
+            ),
+            "e_items_abandoned": int(
+                _metric(metrics, "mmreuse_proxy_encoder_items_abandoned_total")
+            ),
+            "failed_requests": sum(1 for o in outcomes if o.status != 200),
+            "unrecorded_requests": sum(1 for o in outcomes if not o.records),
+            "wall_s": round(wall, 3),
+            "cpu_scale_latencies": True,
+        }
+    )
+    return {"row": row, "result": result}
+
+
+__all__ = ["POLICIES", "RequestOutcome", "attribute", "reset_caches", "run_policy"]
