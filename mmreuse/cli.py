@@ -4,8 +4,8 @@ and `mmreuse hash-demo`."""
 from __future__ import annotations
 
 import argparse
-import math
 import hashlib
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path

@@ -36,7 +36,7 @@ def test_deliveries_win_then_ps_classes():
             "abcdd",
             ["kv_covered", "p_external", "p_local", "p_external", "duplicate"],
             ttft=5.0,
-        ),  # fmt: skip
+        ),
         # a sent again although covered (E's store: no forward); e skipped, P encodes it
         out(2, [0], "ae", ["kv_covered", "e_compute"], encoded=[1], ttft=40.0, raw=[1]),
     ]

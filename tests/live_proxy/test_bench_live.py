@@ -29,7 +29,7 @@ def test_bench_accounting_adds_up_on_the_real_cluster(cluster):
     for policy in ("eager", "demand"):
         run = f"benchlive-{policy}-{time.time_ns()}"
         rows[policy] = run_policy(cluster, policy, chat_requests(stream, run), rate=2.0, run=run)["row"]  # fmt: skip
-    for policy, row in rows.items():
+    for row in rows.values():
         assert row["requests"] == 14 and row["failed_requests"] == 0, row
         assert row["unrecorded_requests"] == 0 and row["wrong_skips"] == 0, row
         buckets = ["encoder_forwards"] + [f"avoided_by_{b}" for b in BUCKETS if b != "forward"]
