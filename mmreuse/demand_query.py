@@ -146,7 +146,8 @@ class DemandStats(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     `valid_hit_shorter`: a smaller C although the proof held - an unsound proof, always 0).
     `index_blocks`: blocks the residency index
     holds; `index_mismatches`: with `check_index`, blocks where it differs from vLLM's prefix
-    cache (else None); `index_device`: where the index lives.
+    cache (else None); `index_device`: where the index lives. `kv_blocks`, `block_size`,
+    `encoder_cache_embeds`: P's sizes (its KV pool, and vLLM's encoder_cache_size).
     """
 
     id: str
@@ -161,6 +162,9 @@ class DemandStats(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     index_mismatches: _Count | None = None
     index_device: str = "cpu"
     forgotten: _Count = 0
+    kv_blocks: _Count = 0
+    block_size: _Count = 0
+    encoder_cache_embeds: _Count = 0
 
 
 class RecordsQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

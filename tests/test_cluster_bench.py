@@ -71,6 +71,14 @@ def test_a_forward_p_did_not_need_is_redundant_and_a_failed_skip_is_wrong():
         (["--rate", "nan"], "--rate"),
         (["--image-tokens", "fixed:0"], "image_tokens"),
         (["--requests", "0"], "--requests"),
+        (
+            ["--encode-urls", "http://e:1", "--pd-urls", "http://p:1"],
+            "--demand-endpoints: 0 for 1 --pd-urls",
+        ),
+        (
+            ["--pd-urls", "http://p:1", "--demand-endpoints", "tcp://p:2"],
+            "--encode-urls and --pd-urls",
+        ),
     ],
 )
 def test_bench_cluster_refuses_bad_arguments_before_starting(capsys, argv, words):

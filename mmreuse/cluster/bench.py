@@ -85,8 +85,9 @@ def reset_caches(cluster: Any) -> None:
             else:
                 raise RuntimeError(f"{spec.name}: its prefix cache could not be reset")
         _post(f"{spec.url}/reset_encoder_cache")
-    for child in cluster.ec_dir.iterdir():
-        shutil.rmtree(child, ignore_errors=True)
+    if cluster.ec_dir is not None:  # a remote deployment's store is its own to manage
+        for child in cluster.ec_dir.iterdir():
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def _records_since(endpoints: Sequence[str], since: Sequence[int]) -> list[list[Any]]:
@@ -176,6 +177,13 @@ def attribute(
                     r.buckets[Bucket.EXTERNAL] += 1
                     r.external_loads += 1
         sent_before |= sent
+        # E requests and transfers as the simulator counts them: one per client request that
+        # E was asked for something (opportunistic asks for everything), and one per request
+        # E delivered something for
+        if sent or (policy == "opportunistic" and req.uuids):
+            r.e_requests += 1
+        if sent:
+            r.transfers += 1
         if out.status != 200 and decision is not None and decision.raw_with_uuid:
             r.wrong_skips += 1
         if out.ttft_ms is not None and out.status == 200:
@@ -273,9 +281,11 @@ def run_policy(
     rate: float,
     run: str,
     progress: Callable[[int, int], None] | None = None,
+    proxy_args: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """One policy's run on `cluster` (a started `mmreuse.cluster.Cluster`): its summary row
-    (the simulator's keys, plus what only a real run has) and its PolicyResult."""
+    (the simulator's keys, plus what only a real run has) and its PolicyResult. `proxy_args`:
+    the proxy's cluster flags (default `cluster.proxy_args()`, every P/PD)."""
     if policy not in POLICIES:
         fail_value("policy", f"one of {POLICIES}", policy)
     check_str("run", run, nonempty=True)
@@ -285,7 +295,8 @@ def run_policy(
     endpoints = [str(p.demand_endpoint) for p in ps]
     heads = record_heads(endpoints)
     probe = cluster.probe()
-    args = [*cluster.proxy_args(), "--policy", policy]
+    base = list(cluster.proxy_args() if proxy_args is None else proxy_args)
+    args = [*base, "--policy", policy]
     env = {"ENCODER_MAX_BATCH_SIZE": "2"}  # the tiny E's 64-token budget fits 2 images
     t0 = time.perf_counter()
     outcomes, metrics = asyncio.run(_drive(args, env, requests, rate, run, progress))
@@ -299,13 +310,27 @@ def run_policy(
     for req, out in zip(requests, outcomes, strict=True):
         out.records = by_tag.get(f"{run}-{req.rid}", [])
     result = attribute(policy, requests, outcomes)
-    counts = probe.counts()
+    counts = probe.counts() if probe is not None else None
     row = summarize(result)
-    row["e_requests"] = int(_metric(metrics, "mmreuse_proxy_encoder_subrequests_total"))
+    loads = sum(  # P's loads through its EC connector: items it found there at admission
+        1
+        for out in outcomes
+        for rec in out.records[:1]
+        for k, c in enumerate(rec.classes)
+        if c == "p_external" and rec.identifiers[k] not in rec.identifiers[:k]
+    )
     row.update(
         {
-            "e_forwards_probe": sum(c.log_inputs for n, c in counts.items() if n.startswith("E")),
-            "p_forwards_probe": sum(c.log_inputs for n, c in counts.items() if n.startswith("P")),
+            "e_subrequests": int(_metric(metrics, "mmreuse_proxy_encoder_subrequests_total")),
+            "connector_loads": loads,
+            "proxy_fallbacks": int(_metric(metrics, "mmreuse_proxy_fallbacks_total")),
+            # from the servers' iteration logs (None for a remote deployment: no logs here)
+            "e_forwards_probe": None
+            if counts is None
+            else sum(c.log_inputs for n, c in counts.items() if n.startswith("E")),
+            "p_forwards_probe": None
+            if counts is None
+            else sum(c.log_inputs for n, c in counts.items() if n.startswith("P")),
             "e_items_sent": int(
                 _metric(metrics, "mmreuse_proxy_encoder_items_total", action="sent")
             ),
@@ -321,4 +346,208 @@ def run_policy(
     return {"row": row, "result": result}
 
 
-__all__ = ["POLICIES", "RequestOutcome", "attribute", "reset_caches", "run_policy"]
+@dataclass(frozen=True, slots=True)
+class RemoteSpec:
+    name: str
+    role: str
+    url: str
+    demand_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteInstance:
+    spec: RemoteSpec
+
+
+class RemoteCluster:
+    """A deployment given by URLs (`bench-cluster --encode-urls ... --pd-urls ...`), in the
+    shape `run_policy` uses: every PD runs DemandScheduler with admission records and serves
+    vLLM's dev reset endpoints (VLLM_SERVER_DEV_MODE=1); E's store and the servers' logs are
+    not reachable from here, so no store is emptied and the real forwards are not read
+    (`e_forwards_probe` None: the attributed ones stand)."""
+
+    ec_dir = None
+
+    def __init__(
+        self,
+        encode_urls: Sequence[str],
+        pd_urls: Sequence[str],
+        demand_endpoints: Sequence[str],
+        proxy_flags: Sequence[str] = (),
+    ) -> None:
+        if not encode_urls or not pd_urls:
+            raise ValueError("--encode-urls and --pd-urls: at least one URL each")
+        if len(demand_endpoints) != len(pd_urls):
+            raise ValueError(
+                f"--demand-endpoints: {len(demand_endpoints)} for {len(pd_urls)} --pd-urls, "
+                "one each (their DemandScheduler endpoints, aligned)"
+            )
+        self.instances: dict[str, RemoteInstance] = {}
+        for i, url in enumerate(encode_urls):
+            self.instances[f"E{i}"] = RemoteInstance(
+                RemoteSpec(f"E{i}", "encoder", url.rstrip("/"))
+            )
+        for i, (url, ep) in enumerate(zip(pd_urls, demand_endpoints, strict=True)):
+            self.instances[f"P{i}"] = RemoteInstance(
+                RemoteSpec(f"P{i}", "prefill", url.rstrip("/"), ep)
+            )
+        self._flags = list(proxy_flags)
+
+    def proxy_args(self) -> list[str]:
+        es = [i.spec.url for i in self.instances.values() if i.spec.role == "encoder"]
+        ps = [i.spec for i in self.instances.values() if i.spec.role == "prefill"]
+        return [
+            "--encode-servers-urls", ",".join(es),
+            "--decode-servers-urls", ",".join(p.url for p in ps),
+            "--demand-endpoints", ",".join(str(p.demand_endpoint) for p in ps),
+            *self._flags,
+        ]  # fmt: skip
+
+    def probe(self) -> None:
+        return None
+
+
+STORE_EMBEDS = 10**9  # ECExampleConnector's store: unbounded, E skips a forward it holds
+
+
+def p_sizes(endpoints: Sequence[str]) -> list[Any]:
+    """Each P's DemandStats (its KV blocks, block size and encoder cache size)."""
+    import zmq
+
+    from ..demand_query import DemandStats, StatsQuery, decode_answer, encode
+
+    out = []
+    ctx: Any = zmq.Context.instance()
+    for ep in endpoints:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(ep)
+        try:
+            dealer.send(encode(StatsQuery("bench-sizes")))
+            if not dealer.poll(30_000):
+                raise RuntimeError(f"{ep}: no stats within 30 s")
+            ans = decode_answer(dealer.recv())
+            if not isinstance(ans, DemandStats):
+                raise RuntimeError(f"{ep}: not stats: {ans}")
+            out.append(ans)
+        finally:
+            dealer.close(0)
+    return out
+
+
+def simulate_like(
+    stream: Sequence[Any],
+    workload: Any,
+    policies: Sequence[str],
+    *,
+    rate: float,
+    sizes: Sequence[Any],
+    e_cache_embeds: int = STORE_EMBEDS,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """`mmreuse simulate` on the same stream, configured like the real cluster: the same
+    arrivals (request i at i / rate s), P's real KV blocks, block size and encoder cache (its
+    DemandStats), E's store as both E's cache and the external store P loads from (unbounded,
+    shared), random routing as the proxy's default. The simulator's summary rows."""
+    import dataclasses
+
+    from ..sim import run
+    from ..sim.config import ClusterConfig, SimConfig
+
+    timed = [dataclasses.replace(r, arrival_ms=i * 1000.0 / rate) for i, r in enumerate(stream)]
+    p = sizes[0]
+    cluster = ClusterConfig(
+        num_encoders=1,
+        num_prefills=len(sizes),
+        block_size=p.block_size,
+        p_kv_blocks=min(s.kv_blocks for s in sizes),
+        p_encoder_cache_embeds=min(s.encoder_cache_embeds for s in sizes),
+        e_cache_embeds=e_cache_embeds,
+        external_store_embeds=STORE_EMBEDS,
+        routing="random",
+    )
+    cfg = SimConfig(seed=seed, policies=tuple(policies), cluster=cluster, workload=workload)
+    rows, _ = run(cfg, requests=list(timed))
+    return rows
+
+
+COMPARED = (
+    "encoder_forwards",
+    "e_requests",
+    "transfers",
+    "avoided_by_kv",
+    "avoided_by_p_embedding",
+    "avoided_by_external",
+    "avoided_by_e_cache",
+    "avoided_by_dedup",
+    "late_fallbacks",
+    "wrong_skips",
+)
+
+
+def comparison(
+    real: Sequence[dict[str, Any]], sim: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per policy and per bucket: (real, simulated)."""
+    by = {r["policy"]: r for r in sim}
+    return [
+        {"policy": r["policy"], **{k: (r[k], by[r["policy"]][k]) for k in COMPARED}}
+        for r in real
+        if r["policy"] in by
+    ]
+
+
+def rendered_stream(
+    p_url: str, requests: Sequence[ChatRequest], stream: Sequence[Any]
+) -> list[Any]:
+    """The simulator's stream with the real prompts: each request rendered by P
+    (`/v1/chat/completions/render`: vLLM's chat template, placeholders and identifiers), so the
+    simulator sees exactly the token layout P schedules (the template's tokens around every
+    message and image, which move block boundaries). A session's history is its last turn's
+    prompt; every earlier turn's prompt must be a prefix of it (checked)."""
+    from array import array
+
+    from ..integrations.vllm import from_render_json
+    from ..sim.workload import Session, SimRequest
+
+    rendered = []
+    for req in requests:
+        body = json.dumps({**req.body, "mm_payload": "none"}).encode()
+        http = urllib.request.Request(
+            f"{p_url}/v1/chat/completions/render", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(http, timeout=60) as r:
+            rendered.append(from_render_json(r.read()))
+    last: dict[int, Any] = {}
+    for sim, rp in zip(stream, rendered, strict=True):
+        cur = last.get(sim.session.sid)
+        if cur is None or len(rp.token_ids) > len(cur.token_ids):
+            last[sim.session.sid] = rp
+    sessions = {
+        sid: Session(sid, array("q", rp.token_ids), list(rp.occurrences), [])
+        for sid, rp in last.items()
+    }
+    out = []
+    for sim, rp in zip(stream, rendered, strict=True):
+        session = sessions[sim.session.sid]
+        n = len(rp.token_ids)
+        if list(session.tokens[:n]) != list(rp.token_ids) or session.mm[: len(rp.occurrences)] != list(rp.occurrences):  # fmt: skip
+            raise RuntimeError(
+                f"request {sim.rid}: its rendered prompt is not a prefix of its session's last"
+            )
+        out.append(SimRequest(sim.rid, session, sim.turn, sim.arrival_ms, n, len(rp.occurrences)))
+    return out
+
+
+__all__ = [
+    "POLICIES",
+    "RemoteCluster",
+    "RequestOutcome",
+    "attribute",
+    "comparison",
+    "p_sizes",
+    "rendered_stream",
+    "reset_caches",
+    "run_policy",
+    "simulate_like",
+]

@@ -641,6 +641,9 @@ class DemandScheduler(Scheduler):
             index_mismatches=self._index_mismatches() if query.check_index else None,
             index_device=self._index_note,
             forgotten=c.forgotten,
+            kv_blocks=int(self.kv_cache_manager.block_pool.num_gpu_blocks),
+            block_size=int(self.block_size),
+            encoder_cache_embeds=int(getattr(self.encoder_cache_manager, "cache_size", 0)),
         )
 
     def _records_since(self, query: RecordsQuery) -> AdmissionRecords:
