@@ -12,30 +12,20 @@ latency and throughput. CPU-scale figures (tiny random-weight model, 2 cores).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import zmq
 
 from mmreuse.cluster import Cluster
-from mmreuse.cluster.client import image_part, png_data_url, post_json
-from mmreuse.demand_query import DemandAnswer, DemandQuery, QueryItem, decode_answer, encode
-from mmreuse.integrations.vllm import from_render_json
+from mmreuse.cluster.client import image_part, png_data_url, post_json, render
+from mmreuse.demand_query import DemandAnswer, decode_answer, encode, query_for
 
 _STEP = re.compile(r"Iteration\(\d+\):.*?iteration elapsed time: ([0-9.]+) ms")
-
-
-def _render(url: str, body: dict) -> object:
-    data = json.dumps({**body, "mm_payload": "none"}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions/render", data, {"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return from_render_json(r.read())
 
 
 def _body(phase: int, r: int) -> dict:
@@ -62,10 +52,9 @@ def _phase(tmp: Path, phase: int, plugged: bool, n: int) -> tuple[list[float], l
         for r in range(n):
             body = _body(phase, r)
             t0 = time.perf_counter()
-            rendered = _render(spec.url, body)
+            rendered = render(spec.url, body)
             if dealer is not None:
-                items = [QueryItem(o.identifier, o.offset, o.length, o.modality) for o in rendered.occurrences]  # fmt: skip
-                q = DemandQuery(f"cost-{phase}-{r}", list(rendered.token_ids), items, rendered.cache_salt)  # fmt: skip
+                q = query_for(rendered, f"cost-{phase}-{r}")
                 dealer.send(encode(q))
                 if not dealer.poll(30_000):
                     raise RuntimeError("P did not answer within 30 s")

@@ -18,15 +18,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import zmq
 
 from mmreuse.cluster import Cluster
-from mmreuse.cluster.client import image_part, png_data_url, post_json
-from mmreuse.demand_query import DemandAnswer, DemandQuery, QueryItem, decode_answer, encode
-from mmreuse.integrations.vllm import from_render_json
+from mmreuse.cluster.client import image_part, png_data_url, post_json, render
+from mmreuse.demand_query import DemandAnswer, DemandQuery, decode_answer, encode, query_for
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -71,11 +69,8 @@ def main() -> int:
     ):
         p = c.instances["P0"].spec
         body = _body("q", a.images, a.words)
-        req = urllib.request.Request(p.url + "/v1/chat/completions/render", json.dumps({**body, "mm_payload": "none"}).encode(), {"Content-Type": "application/json"})  # fmt: skip
-        with urllib.request.urlopen(req, timeout=60) as r:
-            rendered = from_render_json(r.read())
-        items = [QueryItem(o.identifier, o.offset, o.length, o.modality) for o in rendered.occurrences]  # fmt: skip
-        query = DemandQuery("lat", list(rendered.token_ids), items, rendered.cache_salt)
+        rendered = render(p.url, body)
+        query = query_for(rendered, "lat")
         post_json(p.url + "/v1/chat/completions", body)  # P holds it now: a hit to prove
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.connect(p.demand_endpoint)

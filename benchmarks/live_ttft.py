@@ -22,11 +22,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from mmreuse.cluster import Cluster
 from mmreuse.cluster.proxy import proxy_process
 from mmreuse.cluster.workload import conversations
+from mmreuse.proxy.metrics import sample_sum
 
 
 def _ttft(url: str, body: dict) -> float:
@@ -45,16 +44,6 @@ def _ttft(url: str, body: dict) -> float:
                 ttft = time.perf_counter() - t0
                 r.read()
                 return ttft
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples whose labels include `labels`."""
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 def main() -> int:
@@ -94,10 +83,14 @@ def main() -> int:
                 add = {
                     "e_forwards": probe.count("E0").log_inputs,
                     "p_forwards": probe.count("P0").log_inputs,
-                    "e_items": _metric(text, "mmreuse_proxy_encoder_items_total", action="sent"),
-                    "abandoned": _metric(text, "mmreuse_proxy_encoder_items_abandoned_total"),
-                    "won": _metric(text, "mmreuse_proxy_opportunistic_total", outcome="answer_won"),
-                    "failed": _metric(text, "mmreuse_proxy_requests_total", outcome="server_error"),
+                    "e_items": sample_sum(text, "mmreuse_proxy_encoder_items_total", action="sent"),
+                    "abandoned": sample_sum(text, "mmreuse_proxy_encoder_items_abandoned_total"),
+                    "won": sample_sum(
+                        text, "mmreuse_proxy_opportunistic_total", outcome="answer_won"
+                    ),
+                    "failed": sample_sum(
+                        text, "mmreuse_proxy_requests_total", outcome="server_error"
+                    ),
                 }
                 for k, v in add.items():
                     got[k] = got.get(k, 0) + v

@@ -22,6 +22,7 @@ so an answer is one consistent state of P. A query that is not well formed gets 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -299,6 +300,30 @@ def occurrences_of(query: DemandQuery) -> list[MMOccurrence]:
     return out
 
 
+def query_for(
+    rendered: Any, query_id: str, *, e_cached: Sequence[str] = (), remember: bool = True
+) -> DemandQuery:
+    """The DemandQuery for a rendered request (`integrations.vllm.RenderedPrompt`: token ids,
+    occurrences in vLLM's order, cache salt): what the proxy and the tools send P."""
+    return DemandQuery(
+        id=query_id,
+        token_ids=list(rendered.token_ids),
+        items=[
+            QueryItem(
+                occ.identifier,
+                occ.offset,
+                occ.length,
+                occ.modality,
+                None if occ.is_embed is None else list(occ.is_embed),
+            )
+            for occ in rendered.occurrences
+        ],
+        cache_salt=rendered.cache_salt,
+        e_cached=list(e_cached),
+        remember=remember,
+    )
+
+
 def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
     """An answer frame, checked (against `query` when given: same id, one class per item,
     e_demand naming only the query's identifiers); raises MalformedAnswer."""
@@ -361,4 +386,5 @@ __all__ = [
     "encode",
     "max_query_bytes",
     "occurrences_of",
+    "query_for",
 ]

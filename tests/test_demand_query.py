@@ -31,6 +31,7 @@ from mmreuse.demand_query import (
     encode,
     max_query_bytes,
     occurrences_of,
+    query_for,
 )
 from mmreuse.errors import InvalidArgument
 
@@ -224,3 +225,18 @@ def test_the_largest_well_formed_query_fits_max_query_bytes():
 def test_max_query_bytes_checks_max_model_len(bad):
     with pytest.raises(InvalidArgument, match="max_model_len"):
         max_query_bytes(bad)
+
+
+def test_query_for_a_rendered_request():
+    from mmreuse.integrations.vllm import RenderedPrompt
+    from mmreuse.occurrence import MMOccurrence
+
+    rendered = RenderedPrompt(
+        (1, 2, 9, 9, 9, 4),
+        (MMOccurrence("img-a", 2, 3, (True, False, True), "video"),),
+        "salt",
+    )
+    q = query_for(rendered, "q7", e_cached=["img-a"], remember=False)
+    assert (q.id, q.token_ids, q.cache_salt, q.e_cached, q.remember) == ("q7", [1, 2, 9, 9, 9, 4], "salt", ["img-a"], False)  # fmt: skip
+    assert q.items == [QueryItem("img-a", 2, 3, "video", [True, False, True])]
+    assert decode_query(encode(q)) == q  # a well-formed query

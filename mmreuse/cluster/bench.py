@@ -36,9 +36,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..proxy.metrics import sample_sum
 from ..sim.accounting import Bucket, PolicyResult
 from ..sim.report import summarize
 from ..validate import check_float, check_str, fail_value
+from .client import render
 from .simchat import ChatRequest
 
 POLICIES = ("eager", "index", "demand", "opportunistic")
@@ -262,17 +264,6 @@ async def _drive(
     return outcomes, metrics
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
-
-
 def run_policy(
     cluster: Any,
     policy: str,
@@ -321,9 +312,9 @@ def run_policy(
     )
     row.update(
         {
-            "e_subrequests": int(_metric(metrics, "mmreuse_proxy_encoder_subrequests_total")),
+            "e_subrequests": int(sample_sum(metrics, "mmreuse_proxy_encoder_subrequests_total")),
             "connector_loads": loads,
-            "proxy_fallbacks": int(_metric(metrics, "mmreuse_proxy_fallbacks_total")),
+            "proxy_fallbacks": int(sample_sum(metrics, "mmreuse_proxy_fallbacks_total")),
             # from the servers' iteration logs (None for a remote deployment: no logs here)
             "e_forwards_probe": None
             if counts is None
@@ -332,10 +323,10 @@ def run_policy(
             if counts is None
             else sum(c.log_inputs for n, c in counts.items() if n.startswith("P")),
             "e_items_sent": int(
-                _metric(metrics, "mmreuse_proxy_encoder_items_total", action="sent")
+                sample_sum(metrics, "mmreuse_proxy_encoder_items_total", action="sent")
             ),
             "e_items_abandoned": int(
-                _metric(metrics, "mmreuse_proxy_encoder_items_abandoned_total")
+                sample_sum(metrics, "mmreuse_proxy_encoder_items_abandoned_total")
             ),
             "failed_requests": sum(1 for o in outcomes if o.status != 200),
             "unrecorded_requests": sum(1 for o in outcomes if not o.records),
@@ -507,17 +498,9 @@ def rendered_stream(
     prompt; every earlier turn's prompt must be a prefix of it (checked)."""
     from array import array
 
-    from ..integrations.vllm import from_render_json
     from ..sim.workload import Session, SimRequest
 
-    rendered = []
-    for req in requests:
-        body = json.dumps({**req.body, "mm_payload": "none"}).encode()
-        http = urllib.request.Request(
-            f"{p_url}/v1/chat/completions/render", body, {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(http, timeout=60) as r:
-            rendered.append(from_render_json(r.read()))
+    rendered = [render(p_url, req.body) for req in requests]
     last: dict[int, Any] = {}
     for sim, rp in zip(stream, rendered, strict=True):
         cur = last.get(sim.session.sid)

@@ -67,3 +67,17 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[st
 def get_text(url: str, timeout: float = 30.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return str(r.read().decode())
+
+
+def render(url: str, body: dict[str, Any], timeout: float = 60.0) -> Any:
+    """vLLM's render of a chat request on the server at `url` (`/v1/chat/completions/render`,
+    `"mm_payload": "none"`: token ids, placeholders and identifiers, no encoder), as
+    `mmreuse.integrations.vllm.RenderedPrompt`."""
+    from ..integrations.vllm import from_render_json
+
+    data = json.dumps({**body, "mm_payload": "none"}).encode()
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions/render", data, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return from_render_json(r.read())

@@ -154,3 +154,15 @@ class ProxyMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+
+def sample_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`, in a /metrics exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )

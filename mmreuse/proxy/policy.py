@@ -25,7 +25,7 @@ from typing import Any
 
 from ..availability import EmbeddingAvailability
 from ..demand import Availability, Klass
-from ..demand_query import DemandAnswer, DemandQuery, QueryItem
+from ..demand_query import DemandAnswer, query_for
 from ..errors import InvalidArgument
 from ..integrations.vllm import RenderedPrompt, from_render_json
 from ..plan import AdmissionPlan, plan_admission
@@ -256,22 +256,8 @@ class Planner:
         e_side = self.availability.availability_for(
             self.views[instance].name, E_LOCATION, cache_salt=rendered.cache_salt
         )
-        query = DemandQuery(
-            id=new_hex(128),
-            token_ids=list(rendered.token_ids),
-            items=[
-                QueryItem(
-                    occ.identifier,
-                    occ.offset,
-                    occ.length,
-                    occ.modality,
-                    None if occ.is_embed is None else list(occ.is_embed),
-                )
-                for occ in rendered.occurrences
-            ],
-            cache_salt=rendered.cache_salt,
-            e_cached=sorted(e_side.e_cached & idents),  # what E holds of this request only
-        )
+        # what E holds of this request only
+        query = query_for(rendered, new_hex(128), e_cached=sorted(e_side.e_cached & idents))
         try:
             answer = await self.demand[instance].ask(query, self.config.demand_timeout_s)
         except DemandUnavailable as e:

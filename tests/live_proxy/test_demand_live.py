@@ -9,40 +9,27 @@ with fewer real E forwards. Skipped unless MMREUSE_LIVE=1."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 
 import pytest
 import zmq
 
-from mmreuse.cluster.client import post_json
+from mmreuse.cluster.client import post_json, render
 from mmreuse.cluster.workload import conversations
 from mmreuse.demand_query import (
     DemandAnswer,
     DemandError,
     DemandQuery,
-    QueryItem,
     StatsQuery,
     decode_answer,
     encode,
+    query_for,
 )
 from mmreuse.events.ec_wire import EncoderCacheStored, decode_ec_batch
-from mmreuse.integrations.vllm import from_render_json
 
 from .test_proxy_live import _run_policy, _tokens
 
 pytestmark = pytest.mark.live
-
-
-def _render(url: str, body: dict) -> object:
-    req = urllib.request.Request(
-        url + "/v1/chat/completions/render",
-        data=json.dumps({**body, "mm_payload": "none"}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return from_render_json(r.read())
 
 
 def _ask(dealer, query):
@@ -80,9 +67,9 @@ def test_answers_equal_what_p_then_does(cluster):
                 post_json(e.url + "/v1/chat/completions", {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": [new]}]})  # fmt: skip
                 time.sleep(0.3)
             _stored(sub, 0.2)  # what came before this request
-            rendered = _render(p.url, body)
-            items = [QueryItem(o.identifier, o.offset, o.length, o.modality) for o in rendered.occurrences]  # fmt: skip
-            query = DemandQuery(f"{run}-{n}", list(rendered.token_ids), items, rendered.cache_salt)
+            rendered = render(p.url, body)
+            query = query_for(rendered, f"{run}-{n}")
+            items = query.items
             answer = _ask(dealer, query)
             assert isinstance(answer, DemandAnswer), answer
             p_before = probe.count("P0").log_inputs

@@ -19,27 +19,17 @@ import urllib.request
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from prometheus_client.parser import text_string_to_metric_families
 
 from mmreuse.cluster.client import post_json
 from mmreuse.cluster.proxy import proxy_process
 from mmreuse.cluster.workload import conversations
 from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
+from mmreuse.proxy.metrics import sample_sum
 
 from .conftest import proxy_args
 
 pytestmark = pytest.mark.live
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples whose labels include `labels`."""
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 def _metrics(url: str) -> str:
@@ -85,13 +75,13 @@ def _run_policy(
         "results": results,
         "e_forwards": probe.count("E0").log_inputs - e_before,
         "p_forwards": {p: probe.count(p).log_inputs - p_before[p] for p in prefills},
-        "e_items": _metric(text, "mmreuse_proxy_encoder_items_total", action="sent"),
-        "e_skipped": _metric(text, "mmreuse_proxy_encoder_items_total", action="skipped"),
-        "errors": _metric(text, "mmreuse_proxy_requests_total", outcome="server_error")
-        + _metric(text, "mmreuse_proxy_requests_total", outcome="client_error"),
-        "ok": _metric(text, "mmreuse_proxy_requests_total", outcome="ok"),
-        "mismatches": _metric(text, "mmreuse_proxy_hash_config_mismatches"),
-        "kv_covered": _metric(text, "mmreuse_proxy_occurrences_total", klass="kv_covered"),
+        "e_items": sample_sum(text, "mmreuse_proxy_encoder_items_total", action="sent"),
+        "e_skipped": sample_sum(text, "mmreuse_proxy_encoder_items_total", action="skipped"),
+        "errors": sample_sum(text, "mmreuse_proxy_requests_total", outcome="server_error")
+        + sample_sum(text, "mmreuse_proxy_requests_total", outcome="client_error"),
+        "ok": sample_sum(text, "mmreuse_proxy_requests_total", outcome="ok"),
+        "mismatches": sample_sum(text, "mmreuse_proxy_hash_config_mismatches"),
+        "kv_covered": sample_sum(text, "mmreuse_proxy_occurrences_total", klass="kv_covered"),
     }
 
 
