@@ -31,6 +31,7 @@ import json
 import shutil
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,18 +76,24 @@ def reset_caches(cluster: Any) -> None:
     starts every server with VLLM_SERVER_DEV_MODE=1) and E's EC store, emptied."""
     for inst in cluster.instances.values():
         spec = inst.spec
-        if spec.role == "prefill":
-            for _ in range(50):  # refused while a request still holds blocks: retry
-                with urllib.request.urlopen(
-                    urllib.request.Request(f"{spec.url}/reset_prefix_cache", b"", method="POST"),
-                    timeout=30,
-                ) as r:
-                    if json.loads(r.read()).get("success"):
-                        break
-                time.sleep(0.2)
-            else:
-                raise RuntimeError(f"{spec.name}: its prefix cache could not be reset")
-        _post(f"{spec.url}/reset_encoder_cache")
+        try:
+            if spec.role == "prefill":
+                for _ in range(50):  # refused while a request still holds blocks: retry
+                    req = urllib.request.Request(f"{spec.url}/reset_prefix_cache", b"", method="POST")  # fmt: skip
+                    with urllib.request.urlopen(req, timeout=30) as r:
+                        if json.loads(r.read()).get("success"):
+                            break
+                    time.sleep(0.2)
+                else:
+                    raise RuntimeError(f"{spec.name}: its prefix cache could not be reset")
+            _post(f"{spec.url}/reset_encoder_cache")
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                raise RuntimeError(
+                    f"{spec.name} ({spec.url}) has no /reset_* endpoints: start it with "
+                    "VLLM_SERVER_DEV_MODE=1, so that each policy starts from cold caches"
+                ) from None
+            raise
     if cluster.ec_dir is not None:  # a remote deployment's store is its own to manage
         for child in cluster.ec_dir.iterdir():
             shutil.rmtree(child, ignore_errors=True)
