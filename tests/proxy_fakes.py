@@ -168,6 +168,27 @@ class Fake:
             await self.server.close()
 
 
+class ProxyHandle:
+    """What a test setup holding an in-process proxy (`app`, its aiohttp `client`) offers:
+    the proxy, a metric's value, a chat completion."""
+
+    app: web.Application
+    client: Any
+
+    @property
+    def proxy(self):
+        from mmreuse.proxy.app import PROXY_KEY
+
+        return self.app[PROXY_KEY]
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.proxy.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    async def post(self, body: Any) -> Any:
+        return await self.client.post("/v1/chat/completions", json=body)
+
+
 async def start_fakes(*roles: str) -> list[Fake]:
     return list(await asyncio.gather(*(Fake(r).start() for r in roles)))
 

@@ -34,11 +34,11 @@ from mmreuse.demand_query import (
     occurrences_of,
 )
 from mmreuse.plan import plan_admission
-from mmreuse.proxy.app import PROXY_KEY, build_app
+from mmreuse.proxy.app import build_app
 from mmreuse.proxy.config import parse_args
 from mmreuse.proxy.demand import DemandClient, DemandUnavailable
 
-from .proxy_fakes import Fake, arun, chat, img, sha
+from .proxy_fakes import Fake, ProxyHandle, arun, chat, img, sha
 from .test_proxy_index import TEXT, A, B, C, prompt, render
 
 WAIT_S = 15.0  # a bound on waiting for something to happen (a hang guard, not a timing check)
@@ -142,24 +142,13 @@ class HoldingE(Fake):
 
 
 @dataclass
-class Setup:
+class Setup(ProxyHandle):
     client: TestClient
     app: web.Application
     e: Fake
     pd: list[Fake]
     ps: list[FakeP]
     d: list[Fake] = field(default_factory=list)
-
-    @property
-    def proxy(self):
-        return self.app[PROXY_KEY]
-
-    def sample(self, name: str, **labels: str) -> float:
-        value = self.proxy.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
-
-    async def post(self, body: Any) -> aiohttp.ClientResponse:
-        return await self.client.post("/v1/chat/completions", json=body)
 
 
 @asynccontextmanager

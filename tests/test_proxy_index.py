@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import pytest
 import zmq
 from aiohttp import web
@@ -27,7 +26,7 @@ from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
 
 from .kv_publisher import TestPublisher
-from .proxy_fakes import Fake, arun, chat, img, sha
+from .proxy_fakes import Fake, ProxyHandle, arun, chat, img, sha
 
 BLOCK = 16
 TEXT_TOKENS = list(range(1, 41))  # the rendered prompt: 40 text tokens, then each image
@@ -103,24 +102,13 @@ def stored(
 
 
 @dataclass
-class Setup:
+class Setup(ProxyHandle):
     client: TestClient
     app: web.Application
     e: Fake
     pd: list[Fake]
     pubs: list[TestPublisher]
     d: list[Fake]
-
-    @property
-    def proxy(self):
-        return self.app[PROXY_KEY]
-
-    def sample(self, name: str, **labels: str) -> float:
-        value = self.proxy.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
-
-    async def post(self, body: Any) -> aiohttp.ClientResponse:
-        return await self.client.post("/v1/chat/completions", json=body)
 
     async def publish(self, i: int, events: list[Any], until: Callable[[], bool]) -> None:
         """Publish `events` on PD i's publisher and wait until `until()` holds. Empty batches
