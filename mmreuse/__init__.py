@@ -3,6 +3,7 @@
 Parts: `mmreuse.hashing` (vLLM-exact block hashes), residency, demand and the simulator.
 """
 
+from ._version import __version__
 from .demand import (
     Availability,
     DemandResult,
@@ -14,8 +15,6 @@ from .demand import (
 from .hashing import BlockHasher, to_event_id
 from .occurrence import MMOccurrence
 from .plan import AdmissionPlan, plan_admission
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AdmissionPlan",
