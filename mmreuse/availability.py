@@ -20,7 +20,7 @@ from typing import Any
 import cachetools
 
 from .demand import Availability
-from .events.metrics import Metrics
+from .metrics import Metrics
 from .validate import check_callable, check_float, check_int, check_str, fail_type, fail_value
 
 

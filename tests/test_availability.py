@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry
 from mmreuse import Availability, MMOccurrence, compute_demand
 from mmreuse.availability import EmbeddingAvailability, Tenant
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
-from mmreuse.events import Metrics
+from mmreuse.metrics import Metrics
 
 
 class Clock:

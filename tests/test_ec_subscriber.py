@@ -12,7 +12,6 @@ from prometheus_client import CollectorRegistry
 
 from mmreuse.availability import EmbeddingAvailability
 from mmreuse.errors import InvalidArgumentType
-from mmreuse.events import Metrics
 from mmreuse.events.ec_subscriber import EncoderCacheEventSubscriber
 from mmreuse.events.ec_wire import (
     EncoderCacheCleared,
@@ -23,6 +22,7 @@ from mmreuse.events.ec_wire import (
     EncoderCacheStored,
     encode_ec_batch,
 )
+from mmreuse.metrics import Metrics
 
 from .kv_publisher import TestPublisher
 

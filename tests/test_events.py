@@ -20,13 +20,13 @@ from mmreuse.events import (
     KVEventBatch,
     KVEventSubscriber,
     MalformedBatch,
-    Metrics,
     RemoteKVIndex,
     decode_batch,
     encode_batch,
     to_builtins,
 )
 from mmreuse.hashing import to_event_id
+from mmreuse.metrics import Metrics
 
 from .kv_publisher import TestPublisher
 

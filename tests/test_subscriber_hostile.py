@@ -26,13 +26,13 @@ from mmreuse.events import (
     KVEventBatch,
     KVEventSubscriber,
     MalformedBatch,
-    Metrics,
     RemoteKVIndex,
     decode_batch,
     encode_batch,
 )
 from mmreuse.events.subscriber import SubscriberDied
 from mmreuse.events.wire import MAX_EXTRA_KEY_DEPTH
+from mmreuse.metrics import Metrics
 
 from .kv_publisher import TestPublisher
 

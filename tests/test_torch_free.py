@@ -1,7 +1,9 @@
 """The parts that do not need torch import without it (libtorch costs seconds and hundreds of MB):
-only `mmreuse.residency` / `mmreuse.ops` (the torch ops) may load it."""
+only `mmreuse.residency` / `mmreuse.ops` (the torch ops) may load it. And the layers that must
+not import each other do not: each module imported alone, in a fresh interpreter."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -10,6 +12,9 @@ import pytest
 TORCH_FREE = [
     "mmreuse",
     "mmreuse.events",
+    "mmreuse.events.subscriber",
+    "mmreuse.events.ec_subscriber",
+    "mmreuse.metrics",
     "mmreuse.availability",
     "mmreuse.demand",
     "mmreuse.hashing",
@@ -24,16 +29,23 @@ TORCH_FREE = [
     "mmreuse.events.ec_wire",
     "mmreuse.proxy",
     "mmreuse.proxy.app",
+    "mmreuse.proxy.config",
+    "mmreuse.proxy.metrics",
     "mmreuse.proxy.policy",
     "mmreuse.proxy.reference",
 ]
 
 
-def _imports_torch(module: str) -> bool:
-    code = f"import sys, {module}; print('torch' in sys.modules)"
+def _loaded(module: str) -> set[str]:
+    """The modules that importing `module` alone loads, in a fresh interpreter."""
+    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip() == "True"
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _imports_torch(module: str) -> bool:
+    return "torch" in _loaded(module)
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)
@@ -45,3 +57,23 @@ def test_imports_without_torch(module):
 
 def test_the_check_can_fail():
     assert _imports_torch("mmreuse.residency")
+
+
+# module -> the packages it must not load: the live view's metrics are one home
+# (mmreuse.metrics) that both the subscribers and availability import, so that neither imports
+# the other.
+LAYERS = {
+    "mmreuse.metrics": ("mmreuse.events", "mmreuse.availability", "mmreuse.proxy"),
+    "mmreuse.availability": ("mmreuse.events",),
+    "mmreuse.events": ("mmreuse.availability",),
+    "mmreuse.events.subscriber": ("mmreuse.availability",),
+    "mmreuse.events.ec_subscriber": ("mmreuse.availability",),
+}
+
+
+@pytest.mark.parametrize("module, forbidden", sorted(LAYERS.items()))
+def test_layers_do_not_import_each_other(module, forbidden):
+    loaded = _loaded(module)
+    assert module in loaded
+    bad = sorted(m for m in loaded for f in forbidden if m == f or m.startswith(f + "."))
+    assert not bad, f"importing {module} loads {bad}"

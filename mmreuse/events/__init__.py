@@ -2,9 +2,9 @@
 
 from typing import TYPE_CHECKING
 
+from ..metrics import Metrics
 from .hashcheck import HashCheckStatus, HashConfigCheck
 from .index import RemoteKVIndex
-from .metrics import Metrics
 from .wire import (
     LEGACY_LAYOUT_VERSIONS,
     MEDIUM_CPU,

@@ -6,13 +6,16 @@ with another payload and another view): a batch applies whole or not at all, a g
 cannot fill or a malformed batch forgets everything known of the instance (it then relearns
 from the next events: a false "not cached", never a false "cached"). vLLM's encoder cache is
 not scoped by cache salt, so the entries are recorded without a tenant (`cache_salt=None`).
+
+The view it feeds is anything with `EmbeddingAvailability`'s `update_p` and `forget_instance`
+(`PLocalSink`): `mmreuse.events` does not import `mmreuse.availability` (nor the reverse).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
-from ..availability import EmbeddingAvailability
 from ..validate import check_str, fail_type
 from .ec_wire import (
     EncoderCacheCleared,
@@ -26,6 +29,22 @@ from .index import RemoteKVIndex
 from .subscriber import KVEventSubscriber
 
 
+class PLocalSink(Protocol):
+    """What this subscriber feeds: a P's encoder-cache entries (`EmbeddingAvailability`)."""
+
+    def update_p(
+        self,
+        instance: str,
+        *,
+        added: Mapping[str, int] | None = None,
+        removed: Iterable[str] = (),
+        freeable: Iterable[str] = (),
+        referenced: Iterable[str] = (),
+    ) -> None: ...
+
+    def forget_instance(self, kind: str, name: str) -> None: ...
+
+
 class EncoderCacheEventSubscriber(KVEventSubscriber):
     """SUB on a P's encoder-cache events, DEALER to its replay socket, into `availability`
     (P-local entries of `instance`, with their freeable flag)."""
@@ -35,12 +54,14 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
         endpoint: str,
         replay_endpoint: str | None = None,
         *,
-        availability: EmbeddingAvailability,
+        availability: PLocalSink,
         instance: str,
         topic: str = "",
         **kwargs: Any,
     ) -> None:
-        if not isinstance(availability, EmbeddingAvailability):
+        if not all(
+            callable(getattr(availability, m, None)) for m in ("update_p", "forget_instance")
+        ):
             fail_type("availability", "an EmbeddingAvailability", availability)
         self.availability = availability
         self.instance = check_str("instance", instance, nonempty=True)

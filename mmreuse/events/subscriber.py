@@ -43,6 +43,7 @@ import zmq
 
 from ..errors import InvalidArgument
 from ..kvview import PrefixMatch
+from ..metrics import Metrics
 from ..validate import (
     check_bool,
     check_callable,
@@ -54,7 +55,6 @@ from ..validate import (
     show,
 )
 from .index import RemoteKVIndex
-from .metrics import Metrics
 from .wire import (
     MEDIUM_GPU,
     KVEventBatch,

@@ -31,7 +31,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..availability import EmbeddingAvailability
-from ..events.metrics import Metrics as EventMetrics
 from .config import DEMAND_POLICIES, ProxyConfig
 from .demand import DemandClient
 from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
@@ -69,8 +68,7 @@ class Proxy:
     def __init__(self, config: ProxyConfig, *, after_decide: AfterDecide | None = None) -> None:
         self.config = config
         self.registry = CollectorRegistry()
-        self.metrics = ProxyMetrics(self.registry)
-        self.event_metrics = EventMetrics(self.registry)
+        self.metrics = ProxyMetrics(self.registry)  # its views' metrics too (metrics.views)
         self.session: aiohttp.ClientSession | None = None
         instances = config.prefill_instances
         kv = config.kv_events_endpoints or (None,) * len(instances)
@@ -78,7 +76,7 @@ class Proxy:
         ec = config.ec_events_endpoints or (None,) * len(instances)
         ec_replay = config.ec_events_replay_endpoints or (None,) * len(instances)
         self.availability = EmbeddingAvailability(
-            ttl_s=config.e_cache_ttl_s, max_entries=config.e_cache_items, metrics=self.event_metrics
+            ttl_s=config.e_cache_ttl_s, max_entries=config.e_cache_items, metrics=self.metrics.views
         )
         self.views = [
             InstanceView(
@@ -89,7 +87,6 @@ class Proxy:
                 hash_algo=config.hash_algo,
                 hash_seed=config.hash_seed,
                 block_size=config.block_size,
-                event_metrics=self.event_metrics,
                 metrics=self.metrics,
                 availability=self.availability,
                 ec_endpoint=ec[i],

@@ -1,11 +1,14 @@
-"""The proxy's Prometheus metrics, in one registry per app (GET /metrics serves it, together
-with the KV-event subscribers' metrics)."""
+"""The proxy's Prometheus metrics, in one registry per app (GET /metrics serves it): its own,
+defined here, and its views' (KV-event and encoder-cache subscribers, E-side availability),
+defined once in `mmreuse.metrics` and registered here alongside (`ProxyMetrics.views`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..metrics import Metrics
 
 # Stage latencies span sub-millisecond decisions to multi-second CPU prefills.
 _BUCKETS = (
@@ -18,10 +21,12 @@ STAGES = ("render", "decide", "encode", "prefill", "decode", "total")
 
 class ProxyMetrics:
     """Requests, occurrences by class, E traffic, stage latencies, views, fallbacks, errors,
-    demand queries and opportunistic outcomes."""
+    demand queries and opportunistic outcomes; `views`: the subscribers' and availability's
+    metrics (`mmreuse.metrics.Metrics`) in the same registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.views = Metrics(r)
         self.requests = Counter(
             "mmreuse_proxy_requests_total",
             "chat requests, by policy and outcome (ok, client_error, server_error, stream_broken: "

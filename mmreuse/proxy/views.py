@@ -12,7 +12,6 @@ from typing import Any
 from ..availability import EmbeddingAvailability
 from ..events.hashcheck import HashConfigCheck
 from ..events.index import RemoteKVIndex
-from ..events.metrics import Metrics as EventMetrics
 from ..events.wire import BlockStored, KVEventBatch
 from ..hashing import BlockHasher
 from .metrics import ProxyMetrics
@@ -35,7 +34,6 @@ class InstanceView:
         hash_algo: str,
         hash_seed: str | None,
         block_size: int | None,
-        event_metrics: EventMetrics,
         metrics: ProxyMetrics,
         availability: EmbeddingAvailability | None = None,
         ec_endpoint: str | None = None,
@@ -46,7 +44,7 @@ class InstanceView:
         self.hash_algo, self.hash_seed = hash_algo, hash_seed
         self.configured_block_size = block_size
         self.index = RemoteKVIndex(name)
-        self._event_metrics, self._metrics = event_metrics, metrics
+        self._metrics = metrics
         self._lock = threading.Lock()
         self.hasher: BlockHasher | None = None
         self.check: HashConfigCheck | None = None
@@ -74,7 +72,7 @@ class InstanceView:
                 self.ec_replay_endpoint,
                 availability=self.availability,
                 instance=self.name,
-                metrics=self._event_metrics,
+                metrics=self._metrics.views,
             ).start()
         if self.endpoint is None:
             return
@@ -84,7 +82,7 @@ class InstanceView:
             self.endpoint,
             self.replay_endpoint,
             index=self.index,
-            metrics=self._event_metrics,
+            metrics=self._metrics.views,
             on_batch=self._on_batch,
         ).start()
 

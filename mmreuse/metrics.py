@@ -1,4 +1,9 @@
-"""Prometheus metrics of the KV-event subscriber and the embedding-availability index."""
+"""mmreuse's live-view metrics, in one torch-free home: the KV-event and encoder-cache-event
+subscribers (`mmreuse.events`) and the embedding-availability index (`mmreuse.availability`).
+
+Both sides import this module and neither imports the other. The proxy's own metrics
+(`mmreuse.proxy.metrics.ProxyMetrics`) add to these in the proxy's registry.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class Metrics:
-    """One set of mmreuse metrics, labelled by instance, in one registry.
+    """One set of the live view's metrics, labelled by instance (or location), in one registry.
 
     `Metrics.default()` registers once in prometheus_client's default registry; tests and
     embedders may pass their own registry.
