@@ -4,10 +4,13 @@ meaning (vLLM 0.33.0 `disagg_epd_proxy.py`, its `__main__` block), the environme
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mmreuse import cli
-from mmreuse.proxy.config import ProxyConfig, build_parser, parse_args
+from mmreuse.errors import InvalidArgument
+from mmreuse.proxy.config import PrefillInstance, ProxyConfig, build_parser, parse_args
 
 E = "http://e0:8001"
 PD = "http://pd0:8002"
@@ -134,12 +137,13 @@ def test_bad_url_refused(capsys):
 def test_kv_events_endpoints_aligned_with_the_prefill_instances(capsys):
     two = ["--encode-servers-urls", E, "--decode-servers-urls", "http://d0:1,http://d1:2"]
     cfg = parse_args([*two, "--kv-events-endpoints", "tcp://d0:5557,"], env={})
-    assert cfg.kv_events_endpoints == ("tcp://d0:5557", None)  # an empty slot: no view there
+    assert [i.kv_events for i in cfg.instances] == ["tcp://d0:5557", None]  # empty: no view
     err = usage_error(capsys, [*two, "--kv-events-endpoints", "tcp://d0:5557"])
     assert "--kv-events-endpoints has 1 entries but --decode-servers-urls has 2" in err
     # E + P + D: aligned with the P URLs, not the D ones.
     epd = [*two, "--prefill-servers-urls", "http://p0:3"]
-    assert parse_args([*epd, "--kv-events-endpoints", "tcp://p0:1"], env={}).kv_events_endpoints
+    cfg = parse_args([*epd, "--kv-events-endpoints", "tcp://p0:1"], env={})
+    assert cfg.instances == (PrefillInstance("http://p0:3", kv_events="tcp://p0:1"),)
     err = usage_error(capsys, [*epd, "--kv-events-endpoints", "tcp://p0:1,tcp://p1:1"])
     assert "--prefill-servers-urls has 1" in err
     err = usage_error(capsys, [*epd, "--kv-events-replay-endpoints", "tcp://p0:2"])
@@ -149,6 +153,68 @@ def test_kv_events_endpoints_aligned_with_the_prefill_instances(capsys):
         [*epd, "--kv-events-endpoints", "tcp://p0:1", "--kv-events-replay-endpoints", ","],
     )
     assert "--kv-events-replay-endpoints has 2 entries" in err
+
+
+ALIGNED = {  # flag -> the PrefillInstance field it fills
+    "--kv-events-endpoints": "kv_events",
+    "--kv-events-replay-endpoints": "kv_replay",
+    "--encoder-cache-events-endpoints": "ec_events",
+    "--encoder-cache-events-replay-endpoints": "ec_replay",
+    "--demand-endpoints": "demand",
+}
+
+
+@pytest.mark.parametrize("prefill", [False, True], ids=["E+PD", "E+P+D"])
+def test_one_record_per_instance_from_the_aligned_flags(prefill):
+    urls = ["http://x0:1", "http://x1:2"]
+    argv = ["--encode-servers-urls", E, "--decode-servers-urls", "http://d0:9" if prefill else ",".join(urls)]  # fmt: skip
+    if prefill:
+        argv += ["--prefill-servers-urls", ",".join(urls)]
+    for flag, name in ALIGNED.items():
+        argv += [flag, f"tcp://x0:{name}0,"]  # the second instance: an empty slot each
+    argv += ["--policy", "index"]
+    cfg = parse_args(argv, env={})
+    first = {name: f"tcp://x0:{name}0" for name in ALIGNED.values()}
+    assert cfg.instances == (PrefillInstance(urls[0], **first), PrefillInstance(urls[1]))
+    assert cfg.prefill_instances == tuple(urls)  # what policy.Planner indexes
+    # one frozen record each: nothing to keep in step
+    with pytest.raises(AttributeError):
+        cfg.instances[0].url = "http://elsewhere:1"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("flag", list(ALIGNED))
+@pytest.mark.parametrize("prefill", [False, True], ids=["E+PD", "E+P+D"])
+def test_a_count_that_differs_from_the_instances_is_named(capsys, flag, prefill):
+    argv = ["--encode-servers-urls", E, "--decode-servers-urls", "http://d0:1,http://d1:2"]
+    which, n = "--decode-servers-urls", 2
+    if prefill:
+        argv += ["--prefill-servers-urls", "http://p0:1,http://p1:2,http://p2:3"]
+        which, n = "--prefill-servers-urls", 3
+    if "replay" in flag:  # a replay flag needs its events flag (right-sized here)
+        argv += [flag.replace("-replay", ""), ",".join(["tcp://a:1"] * n)]
+    err = usage_error(capsys, [*argv, flag, "tcp://a:1,tcp://b:2,tcp://c:3,tcp://d:4"])
+    assert f"{flag} has 4 entries but {which} has {n}" in err
+
+
+def test_a_config_built_in_code_gets_one_record_per_url():
+    cfg = ProxyConfig(encode_urls=(E,), decode_urls=("http://d0:1", "http://d1:2"))
+    assert cfg.instances == (PrefillInstance("http://d0:1"), PrefillInstance("http://d1:2"))
+    epd = ProxyConfig(encode_urls=(E,), decode_urls=(PD,), prefill_urls=("http://p0:1",))
+    assert epd.instances == (PrefillInstance("http://p0:1"),)
+    assert epd.prefill_instances == ("http://p0:1",)
+    moved = dataclasses.replace(epd, seed=3)  # derived again, equal
+    assert moved.prefill_instances == epd.prefill_instances and moved.instances == epd.instances
+    with pytest.raises(InvalidArgument, match="instances are for"):
+        ProxyConfig(encode_urls=(E,), decode_urls=(PD,), instances=(PrefillInstance("http://x:1"),))
+    with pytest.raises(InvalidArgument, match="instances are for"):  # one missing
+        dataclasses.replace(cfg, instances=cfg.instances[:1])
+    with pytest.raises(InvalidArgument, match="has no demand endpoint"):
+        ProxyConfig(encode_urls=(E,), decode_urls=(PD,), policy="demand")
+    asks = ProxyConfig(
+        encode_urls=(E,), decode_urls=(PD,), policy="demand",
+        instances=(PrefillInstance(PD, demand="tcp://pd0:7000"),),
+    )  # fmt: skip
+    assert asks.instances[0].demand == "tcp://pd0:7000"
 
 
 @pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
@@ -183,8 +249,9 @@ def test_demand_aware_flags():
             policy="index",
             routing="affine",
             render_url="http://render:1",
-            kv_events_endpoints=("tcp://pd0:5557",),
-            kv_events_replay_endpoints=("tcp://pd0:5558",),
+            instances=(
+                PrefillInstance(PD, kv_events="tcp://pd0:5557", kv_replay="tcp://pd0:5558"),
+            ),
             hash_algo="sha256_cbor",
             hash_seed="42",
             block_size=32,
@@ -203,7 +270,7 @@ def test_demand_policies_flags(policy):
         env={},
     )
     assert cfg.policy == policy
-    assert cfg.demand_endpoints == ("tcp://d0:7000", "ipc:///tmp/d1")
+    assert [i.demand for i in cfg.instances] == ["tcp://d0:7000", "ipc:///tmp/d1"]
     assert cfg.demand_timeout_s == 1.0  # the default
     cfg = parse_args(
         [*BASE, "--policy", policy, "--demand-endpoints", "tcp://pd0:7000",
@@ -214,8 +281,8 @@ def test_demand_policies_flags(policy):
     # E + P + D: aligned with the P URLs.
     epd = [*two, "--prefill-servers-urls", "http://p0:3", "--policy", policy]
     cfg = parse_args([*epd, "--demand-endpoints", "tcp://p0:7000"], env={})
-    assert cfg.demand_endpoints == ("tcp://p0:7000",)
-    assert parse_args(BASE, env={}).demand_endpoints == ()
+    assert cfg.instances == (PrefillInstance("http://p0:3", demand="tcp://p0:7000"),)
+    assert parse_args(BASE, env={}).instances == (PrefillInstance(PD),)
 
 
 @pytest.mark.parametrize("policy", ["demand", "opportunistic"])
@@ -251,7 +318,10 @@ def test_demand_endpoints_accepted_and_unused_without_a_demand_policy(capsys, po
     # one flag set serves every policy (mmreuse.cluster's proxy_args); checked all the same
     two = ["--encode-servers-urls", E, "--decode-servers-urls", "http://d0:1,http://d1:2"]
     cfg = parse_args([*two, "--policy", policy, "--demand-endpoints", "tcp://a:1,"], env={})
-    assert cfg.demand_endpoints == ()
+    assert [i.demand for i in cfg.instances] == ["tcp://a:1", None]  # recorded, never asked
+    from mmreuse.proxy.app import Proxy  # aiohttp: only here
+
+    assert Proxy(cfg).demand == []
     err = usage_error(capsys, [*BASE, "--policy", policy, "--demand-endpoints", "a:1"])
     assert "--demand-endpoints: 'a:1' is not a ZMQ endpoint" in err
 

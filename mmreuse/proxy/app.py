@@ -31,7 +31,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..availability import EmbeddingAvailability
-from .config import DEMAND_POLICIES, ProxyConfig
+from ..errors import InvalidArgument
+from .config import DEMAND_POLICIES, PrefillInstance, ProxyConfig
 from .demand import DemandClient
 from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
@@ -49,6 +50,12 @@ _JSON = {"Content-Type": "application/json"}
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
 AfterDecide = Callable[[Decision], Awaitable[None]]
 DEMAND_ID_KEY = "mmreuse_demand_id"  # P reads it from vllm_xargs (SamplingParams.extra_args)
+
+
+def _demand_endpoint(instance: PrefillInstance) -> str:
+    if instance.demand is None:  # ProxyConfig refuses it under the demand policies
+        raise InvalidArgument(f"{instance.url}: no demand endpoint")
+    return instance.demand
 
 
 def _kv_params() -> dict[str, Any]:
@@ -70,40 +77,33 @@ class Proxy:
         self.registry = CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry)  # its views' metrics too (metrics.views)
         self.session: aiohttp.ClientSession | None = None
-        instances = config.prefill_instances
-        kv = config.kv_events_endpoints or (None,) * len(instances)
-        replay = config.kv_events_replay_endpoints or (None,) * len(instances)
-        ec = config.ec_events_endpoints or (None,) * len(instances)
-        ec_replay = config.ec_events_replay_endpoints or (None,) * len(instances)
         self.availability = EmbeddingAvailability(
             ttl_s=config.e_cache_ttl_s, max_entries=config.e_cache_items, metrics=self.metrics.views
         )
+        prefix = "P" if config.prefill_urls else "PD"
         self.views = [
             InstanceView(
-                f"{'P' if config.prefill_urls else 'PD'}{i}",
-                url,
-                kv[i],
-                replay[i],
+                f"{prefix}{i}",
+                instance,
                 hash_algo=config.hash_algo,
                 hash_seed=config.hash_seed,
                 block_size=config.block_size,
                 metrics=self.metrics,
                 availability=self.availability,
-                ec_endpoint=ec[i],
-                ec_replay_endpoint=ec_replay[i],
             )
-            for i, url in enumerate(instances)
+            for i, instance in enumerate(config.instances)
         ]
         self.rng = random.Random(config.seed)
+        # Asked only under demand / opportunistic (the config holds an endpoint for each then).
         self.demand = (
             [
                 DemandClient(
-                    endpoint,
+                    _demand_endpoint(instance),
                     name=view.name,
                     observe=functools.partial(self.metrics.demand_outcome, view.name),
                     drop=functools.partial(self.metrics.demand_drop, view.name),
                 )
-                for view, endpoint in zip(self.views, config.demand_endpoints, strict=True)
+                for view, instance in zip(self.views, config.instances, strict=True)
             ]
             if config.policy in DEMAND_POLICIES
             else []

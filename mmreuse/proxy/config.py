@@ -7,7 +7,7 @@ import argparse
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from ..errors import InvalidArgument
@@ -28,13 +28,46 @@ _UNSUPPORTED = {
 }
 
 
+_ZMQ = ("tcp://", "ipc://", "inproc://")
+# The flags aligned with the instances that prefill: each fills one PrefillInstance field.
+_ALIGNED = (
+    "--kv-events-endpoints",
+    "--kv-events-replay-endpoints",
+    "--encoder-cache-events-endpoints",
+    "--encoder-cache-events-replay-endpoints",
+    "--demand-endpoints",
+)
+
+
+def _flag_dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
 def _dest(flag: str) -> str:
-    return "unsupported_" + flag.lstrip("-").replace("-", "_")
+    return "unsupported_" + _flag_dest(flag)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInstance:
+    """One instance that prefills (a P, or a PD in E + PD) and its mmreuse endpoints, from the
+    flags aligned with its URL (`--kv-events-endpoints` etc.; None: an empty slot, or the flag
+    not given)."""
+
+    url: str
+    kv_events: str | None = None  # --kv-events-endpoints: its live KV view
+    kv_replay: str | None = None  # --kv-events-replay-endpoints
+    ec_events: str | None = None  # --encoder-cache-events-endpoints: P-local reuse
+    ec_replay: str | None = None  # --encoder-cache-events-replay-endpoints
+    demand: str | None = None  # --demand-endpoints: its DemandScheduler (demand, opportunistic)
 
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
-    """Everything the proxy runs on. `prefill_urls` empty = E + PD (the decode URLs prefill)."""
+    """Everything the proxy runs on. `prefill_urls` empty = E + PD (the decode URLs prefill).
+
+    `instances`: one record per instance that prefills, in the order of its URLs (the P URLs,
+    or the PD URLs in E + PD); left empty, the URLs alone (no view, no demand endpoint).
+    """
 
     encode_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
@@ -51,27 +84,35 @@ class ProxyConfig:
     render_timeout_s: float = (
         10.0  # a slow render costs the plan (E gets everything), not the request
     )
-    # Aligned with the instances that prefill (the P URLs, or the PD URLs in E + PD).
-    kv_events_endpoints: tuple[str | None, ...] = ()
-    kv_events_replay_endpoints: tuple[str | None, ...] = ()
-    # Aligned the same way: EventfulEncoderCacheManager's encoder-cache events (P-local reuse).
-    ec_events_endpoints: tuple[str | None, ...] = ()
-    ec_events_replay_endpoints: tuple[str | None, ...] = ()
+    instances: tuple[PrefillInstance, ...] = ()
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     block_size: int | None = None  # None: learned from each instance's BlockStored events
     e_cache_items: int = 4096
     e_cache_ttl_s: float = 3600.0
     seed: int | None = None  # the routing RNG's seed (tests); None = system entropy
-    # Aligned the same way, one per instance: its DemandScheduler's ZMQ endpoint (demand and
-    # opportunistic); a query not answered within demand_timeout_s costs the plan.
-    demand_endpoints: tuple[str, ...] = ()
+    # a demand query (demand, opportunistic) not answered within it costs the plan
     demand_timeout_s: float = 1.0
+    # The URLs of `instances`, in order (derived: what policy.Planner indexes by instance).
+    prefill_instances: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
-    @property
-    def prefill_instances(self) -> tuple[str, ...]:
-        """The instances that run the prefill (and hold the prefix cache)."""
-        return self.prefill_urls or self.decode_urls
+    def __post_init__(self) -> None:
+        urls = self.prefill_urls or self.decode_urls
+        instances = self.instances or tuple(PrefillInstance(u) for u in urls)
+        if tuple(i.url for i in instances) != urls:
+            raise InvalidArgument(
+                f"instances are for {[i.url for i in instances]} but the instances that "
+                f"prefill are {list(urls)} (the "
+                f"{'prefill' if self.prefill_urls else 'decode'} URLs): one record each, in order"
+            )
+        if self.policy in DEMAND_POLICIES:
+            for i in instances:
+                if i.demand is None:
+                    raise InvalidArgument(
+                        f"policy {self.policy!r} asks every P/PD: {i.url} has no demand endpoint"
+                    )
+        object.__setattr__(self, "instances", instances)
+        object.__setattr__(self, "prefill_instances", urls)
 
 
 def _urls(value: str) -> tuple[str, ...]:
@@ -83,6 +124,29 @@ def _aligned(value: str | None) -> tuple[str | None, ...]:
     if value is None:
         return ()
     return tuple((s.strip() or None) for s in value.split(","))
+
+
+def _instances(
+    urls: Sequence[str], given: Mapping[str, tuple[str | None, ...]]
+) -> tuple[PrefillInstance, ...]:
+    """One record per instance from the aligned flags (already checked: each given flag has
+    one slot per URL)."""
+
+    def slot(flag: str, i: int) -> str | None:
+        eps = given[flag]
+        return eps[i] if eps else None
+
+    return tuple(
+        PrefillInstance(
+            url,
+            kv_events=slot("--kv-events-endpoints", i),
+            kv_replay=slot("--kv-events-replay-endpoints", i),
+            ec_events=slot("--encoder-cache-events-endpoints", i),
+            ec_replay=slot("--encoder-cache-events-replay-endpoints", i),
+            demand=slot("--demand-endpoints", i),
+        )
+        for i, url in enumerate(urls)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -288,54 +352,48 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         raise InvalidArgument(
             "Static routing requires --encode-servers-urls and --decode-servers-urls"
         )
-    instances = prefill or cfg_urls["--decode-servers-urls"]
+    urls = prefill or cfg_urls["--decode-servers-urls"]
     which = "--prefill-servers-urls" if prefill else "--decode-servers-urls"
-    kv = _aligned(args.kv_events_endpoints)
-    replay = _aligned(args.kv_events_replay_endpoints)
-    ec = _aligned(args.encoder_cache_events_endpoints)
-    ec_replay = _aligned(args.encoder_cache_events_replay_endpoints)
-    for flag, eps in (
-        ("--kv-events-endpoints", kv),
-        ("--kv-events-replay-endpoints", replay),
-        ("--encoder-cache-events-endpoints", ec),
-        ("--encoder-cache-events-replay-endpoints", ec_replay),
-    ):
-        if eps and len(eps) != len(instances):
+    given = {flag: _aligned(getattr(args, _flag_dest(flag))) for flag in _ALIGNED}
+    for flag, eps in given.items():
+        if flag == "--demand-endpoints":
+            continue
+        if eps and len(eps) != len(urls):
             raise InvalidArgument(
-                f"{flag} has {len(eps)} entries but {which} has {len(instances)}: align them "
+                f"{flag} has {len(eps)} entries but {which} has {len(urls)}: align them "
                 "(leave a slot empty for an instance without one)"
             )
         for ep in eps:
-            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+            if ep is not None and not ep.startswith(_ZMQ):
                 raise InvalidArgument(f"{flag}: {ep!r} is not a ZMQ endpoint")
-    demand = _aligned(args.demand_endpoints)
+    demand = given["--demand-endpoints"]
     if args.policy in DEMAND_POLICIES and not demand:
         raise InvalidArgument(
             f"--policy {args.policy} needs --demand-endpoints (each P/PD's DemandScheduler "
             "endpoint, aligned with " + which + ")"
         )
-    if demand and len(demand) != len(instances):
+    if demand and len(demand) != len(urls):
         raise InvalidArgument(
             f"--demand-endpoints has {len(demand)} entries but {which} has "
-            f"{len(instances)}: give one for each"
+            f"{len(urls)}: give one for each"
         )
     for i, ep in enumerate(demand):  # given under any policy (one flag set for a cluster)
         if ep is None:
             if args.policy in DEMAND_POLICIES:
                 raise InvalidArgument(
-                    f"--demand-endpoints: entry {i} (for {instances[i]}) is empty: --policy "
+                    f"--demand-endpoints: entry {i} (for {urls[i]}) is empty: --policy "
                     f"{args.policy} asks every P/PD"
                 )
-        elif not ep.startswith(("tcp://", "ipc://", "inproc://")):
+        elif not ep.startswith(_ZMQ):
             raise InvalidArgument(f"--demand-endpoints: {ep!r} is not a ZMQ endpoint")
     if not (math.isfinite(args.demand_timeout) and args.demand_timeout > 0):
         raise InvalidArgument(f"--demand-timeout={args.demand_timeout} must be a finite number > 0")
-    if replay and not kv:
-        raise InvalidArgument("--kv-events-replay-endpoints needs --kv-events-endpoints")
-    if ec_replay and not ec:
-        raise InvalidArgument(
-            "--encoder-cache-events-replay-endpoints needs --encoder-cache-events-endpoints"
-        )
+    for replay, events in (
+        ("--kv-events-replay-endpoints", "--kv-events-endpoints"),
+        ("--encoder-cache-events-replay-endpoints", "--encoder-cache-events-endpoints"),
+    ):
+        if given[replay] and not given[events]:
+            raise InvalidArgument(f"{replay} needs {events}")
     if args.block_size is not None and args.block_size < 1:
         raise InvalidArgument(f"--block-size={args.block_size} must be >= 1")
     if args.hash_algo.startswith("xxhash") and args.hash_seed is None:
@@ -370,18 +428,11 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         routing=args.routing,
         render_url=args.render_url.rstrip("/") if args.render_url else None,
         render_timeout_s=args.render_timeout,
-        kv_events_endpoints=kv,
-        kv_events_replay_endpoints=replay,
-        ec_events_endpoints=ec,
-        ec_events_replay_endpoints=ec_replay,
+        instances=_instances(urls, given),
         hash_algo=args.hash_algo,
         hash_seed=args.hash_seed,
         block_size=args.block_size,
         e_cache_items=args.e_cache_items,
         e_cache_ttl_s=args.e_cache_ttl,
-        # asked only under demand / opportunistic (where every slot is given)
-        demand_endpoints=tuple(ep for ep in demand if ep is not None)
-        if args.policy in DEMAND_POLICIES
-        else (),
         demand_timeout_s=args.demand_timeout,
     )

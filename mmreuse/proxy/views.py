@@ -14,6 +14,7 @@ from ..events.hashcheck import HashConfigCheck
 from ..events.index import RemoteKVIndex
 from ..events.wire import BlockStored, KVEventBatch
 from ..hashing import BlockHasher
+from .config import PrefillInstance
 from .metrics import ProxyMetrics
 
 logger = logging.getLogger("mmreuse.proxy")
@@ -27,20 +28,17 @@ class InstanceView:
     def __init__(
         self,
         name: str,
-        url: str,
-        endpoint: str | None,
-        replay_endpoint: str | None,
+        instance: PrefillInstance,
         *,
         hash_algo: str,
         hash_seed: str | None,
         block_size: int | None,
         metrics: ProxyMetrics,
         availability: EmbeddingAvailability | None = None,
-        ec_endpoint: str | None = None,
-        ec_replay_endpoint: str | None = None,
     ) -> None:
-        self.name, self.url = name, url
-        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        """`instance`: its URL and endpoints (`ProxyConfig.instances`); the encoder-cache events
+        feed `availability` (none given: not followed)."""
+        self.name, self.instance = name, instance
         self.hash_algo, self.hash_seed = hash_algo, hash_seed
         self.configured_block_size = block_size
         self.index = RemoteKVIndex(name)
@@ -51,7 +49,6 @@ class InstanceView:
         self._reported_mismatch = False
         self.subscriber: Any = None  # a KVEventSubscriber once started (pyzmq loads lazily)
         self.availability = availability
-        self.ec_endpoint, self.ec_replay_endpoint = ec_endpoint, ec_replay_endpoint
         self.ec_subscriber: Any = None  # an EncoderCacheEventSubscriber, when configured
         if block_size is not None:
             self._configure(block_size)
@@ -61,26 +58,31 @@ class InstanceView:
         self.check = HashConfigCheck(hasher, instance=self.name)
         self.hasher = hasher
 
+    @property
+    def url(self) -> str:
+        return self.instance.url
+
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.ec_endpoint is not None and self.availability is not None:
+        inst = self.instance
+        if inst.ec_events is not None and self.availability is not None:
             from ..events.ec_subscriber import EncoderCacheEventSubscriber
 
             self.ec_subscriber = EncoderCacheEventSubscriber(
-                self.ec_endpoint,
-                self.ec_replay_endpoint,
+                inst.ec_events,
+                inst.ec_replay,
                 availability=self.availability,
                 instance=self.name,
                 metrics=self._metrics.views,
             ).start()
-        if self.endpoint is None:
+        if inst.kv_events is None:
             return
         from ..events.subscriber import KVEventSubscriber  # pyzmq: only where a view is asked
 
         self.subscriber = KVEventSubscriber(
-            self.endpoint,
-            self.replay_endpoint,
+            inst.kv_events,
+            inst.kv_replay,
             index=self.index,
             metrics=self._metrics.views,
             on_batch=self._on_batch,
@@ -131,12 +133,12 @@ class InstanceView:
     def problems(self) -> list[str]:
         """Why this view cannot be trusted now (empty: it can)."""
         out = []
-        if self.endpoint is None:
+        if self.instance.kv_events is None:
             out.append("no KV events endpoint")
         elif self.subscriber is None or not self.subscriber.is_alive:
             err = getattr(self.subscriber, "error", None)
             out.append(f"KV-event subscriber not running{f': {err}' if err else ''}")
-        if self.ec_endpoint is not None and (
+        if self.instance.ec_events is not None and (
             self.ec_subscriber is None or not self.ec_subscriber.is_alive
         ):
             out.append("encoder-cache event subscriber not running")
@@ -161,9 +163,9 @@ class InstanceView:
     def health(self) -> dict[str, object]:
         status = self.check.status if self.check is not None else None
         return {
-            "url": self.url,
-            "kv_events": self.endpoint,
-            "encoder_cache_events": self.ec_endpoint,
+            "url": self.instance.url,
+            "kv_events": self.instance.kv_events,
+            "encoder_cache_events": self.instance.ec_events,
             "usable": self.usable,
             "block_size": self.hasher.block_size if self.hasher else None,
             "blocks": self.index.size(),
