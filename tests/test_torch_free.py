@@ -24,6 +24,7 @@ TORCH_FREE = [
     "mmreuse._table",
     "mmreuse.cluster",
     "mmreuse.integrations.vllm",
+    "mmreuse.integrations.plugin_config",
     "mmreuse.cli",
     "mmreuse.events.hashcheck",
     "mmreuse.events.ec_wire",
@@ -61,13 +62,14 @@ def test_the_check_can_fail():
 
 # module -> the packages it must not load: the live view's metrics are one home
 # (mmreuse.metrics) that both the subscribers and availability import, so that neither imports
-# the other.
+# the other; the plug-ins' additional_config reader loads neither vLLM nor the rest of mmreuse.
 LAYERS = {
     "mmreuse.metrics": ("mmreuse.events", "mmreuse.availability", "mmreuse.proxy"),
     "mmreuse.availability": ("mmreuse.events",),
     "mmreuse.events": ("mmreuse.availability",),
     "mmreuse.events.subscriber": ("mmreuse.availability",),
     "mmreuse.events.ec_subscriber": ("mmreuse.availability",),
+    "mmreuse.integrations.plugin_config": ("vllm", "torch", "mmreuse.events", "mmreuse.proxy"),
 }
 
 

@@ -47,6 +47,40 @@ def test_events_equal_vllms_real_encoder_cache(seed):
     assert c["flushes"] > 200 and c["evictions"] > 50 and c["hits"] > 50, c
 
 
+_SETTINGS_CHECK = """
+import json
+from types import SimpleNamespace as N
+from mmreuse.integrations.vllm_ec import EventfulEncoderCacheManager as M
+out = [M.create_manager(cache_size=8, vllm_config=N(additional_config=a)).publisher is None
+       for a in ({}, {"other": 1}, {"mmreuse": {}})]
+for bad in ({"mmreuse": None}, {"mmreuse": ["x"]},
+            {"mmreuse": {"encoder_cache_events_endpoint": 5}}):
+    try:
+        M.create_manager(cache_size=8, vllm_config=N(additional_config=bad))
+        out.append("accepted")
+    except ValueError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.oracle
+def test_settings_read_once_and_a_mistyped_one_refused():
+    py, _ = require_oracle()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [str(py), "-c", _SETTINGS_CHECK], capture_output=True, text=True, check=True,
+        timeout=300, env=env,
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got[:3] == [True, True, True]  # nothing of ours: vLLM's manager, publishing nothing
+    assert got[3].startswith("additional_config['mmreuse'] must be a dict")
+    assert got[4].startswith("additional_config['mmreuse'] must be a dict")
+    assert got[5].startswith(
+        "additional_config['mmreuse']['encoder_cache_events_endpoint'] must be a str"
+    )
+
+
 def test_round_trip_and_fold():
     batch = EncoderCacheEventBatch(
         1.5,

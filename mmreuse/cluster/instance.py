@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ..integrations.plugin_config import CONFIG_KEY
 from ..validate import check_int, check_str, fail_value
 from .install import API_SERVER_MODULE
 
@@ -234,7 +235,7 @@ def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path)
             ours["admission_records"] = True
             argv += ["--scheduler-cls", SCHEDULER_CLS]
         if ours:
-            argv += ["--additional-config", json.dumps({"mmreuse": ours})]
+            argv += ["--additional-config", json.dumps({CONFIG_KEY: ours})]
     return argv + list(spec.extra_args)
 
 

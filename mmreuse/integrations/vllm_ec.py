@@ -29,29 +29,32 @@ from ..events.ec_wire import (
     EncoderCacheReferenced,
     EncoderCacheStored,
 )
+from ..validate import check_str
+from .plugin_config import CONFIG_KEY, read_config
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
 
-CONFIG_KEY = "mmreuse"
-
 
 def _publisher_from(vllm_config: Any) -> Any:
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    ours = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
-    if not isinstance(ours, dict) or not ours.get("encoder_cache_events_endpoint"):
+    ours = read_config(vllm_config)
+    field = f"additional_config[{CONFIG_KEY!r}]"
+    endpoint = ours.get("encoder_cache_events_endpoint")
+    if not endpoint:
         return None
+    endpoint = check_str(f"{field}['encoder_cache_events_endpoint']", endpoint)
+    replay = ours.get("encoder_cache_events_replay_endpoint")
+    if replay is not None:
+        replay = check_str(f"{field}['encoder_cache_events_replay_endpoint']", replay)
+    topic = check_str(
+        f"{field}['encoder_cache_events_topic']", ours.get("encoder_cache_events_topic", "ec")
+    )
     from vllm.distributed.kv_events import ZmqEventPublisher
 
     parallel = getattr(vllm_config, "parallel_config", None)
     rank = getattr(parallel, "data_parallel_rank", 0) or 0
-    publisher = ZmqEventPublisher(
-        rank,
-        endpoint=ours["encoder_cache_events_endpoint"],
-        replay_endpoint=ours.get("encoder_cache_events_replay_endpoint"),
-        topic=ours.get("encoder_cache_events_topic", "ec"),
-    )
-    logger.info("mmreuse: encoder-cache events on %s", ours["encoder_cache_events_endpoint"])
+    publisher = ZmqEventPublisher(rank, endpoint=endpoint, replay_endpoint=replay, topic=topic)
+    logger.info("mmreuse: encoder-cache events on %s", endpoint)
     return publisher
 
 

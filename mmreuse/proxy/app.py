@@ -32,6 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..availability import EmbeddingAvailability
 from ..errors import InvalidArgument
+from ..integrations.plugin_config import DEMAND_ID_KEY  # P reads it from vllm_xargs
 from .config import DEMAND_POLICIES, PrefillInstance, ProxyConfig
 from .demand import DemandClient
 from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
@@ -49,7 +50,6 @@ _JSON = {"Content-Type": "application/json"}
 
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
 AfterDecide = Callable[[Decision], Awaitable[None]]
-DEMAND_ID_KEY = "mmreuse_demand_id"  # P reads it from vllm_xargs (SamplingParams.extra_args)
 
 
 def _demand_endpoint(instance: PrefillInstance) -> str:
