@@ -7,6 +7,8 @@ CUDA rows run only where a GPU is visible (benchmarks/gpu_check.sh).
 import hashlib
 
 import pytest
+
+pytest.importorskip("torch")
 import torch
 
 from mmreuse import ops

@@ -10,6 +10,8 @@ import random
 
 import pytest
 
+pytest.importorskip("torch")  # mmreuse.sim needs it
+
 from mmreuse.sim import WorkloadConfig, generate
 
 LINES = 100_000

@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+pytest.importorskip("torch")  # mmreuse.residency (BlockIndex) needs it
+
 from mmreuse import _index
 from mmreuse._table import HashTable
 from mmreuse.blockhash import MIN_DIGEST_BYTES, to_event_id, to_event_ids

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytest.importorskip("torch")  # hash-demo and simulate load mmreuse.residency, which needs it
+
 from mmreuse.cli import main
 
 

@@ -9,6 +9,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+pytest.importorskip("torch")  # mmreuse.cluster.bench loads mmreuse.sim, which needs it
+
 from mmreuse import cli
 from mmreuse.cluster.bench import RequestOutcome, attribute
 from mmreuse.sim.accounting import Bucket

@@ -11,6 +11,8 @@ from collections import defaultdict
 
 import pytest
 
+pytest.importorskip("torch")  # mmreuse.sim needs it
+
 from mmreuse.cluster.model import MAX_PIXELS, MIN_PIXELS, model_files
 from mmreuse.cluster.simchat import ChatRequest, chat_requests, image_size, image_url, text
 from mmreuse.errors import InvalidArgument, InvalidArgumentType

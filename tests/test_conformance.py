@@ -2,6 +2,8 @@
 
 import pytest
 
+pytest.importorskip("torch")  # tests/vectors.py needs it
+
 from mmreuse.hashing import fast_path_available
 
 from .vectors import case_hasher, hash_case, load_vectors, token_writer

@@ -3,6 +3,8 @@
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+pytest.importorskip("torch")  # tests/vectors.py needs it
+
 from .strategies import cases
 from .vectors import hash_case
 

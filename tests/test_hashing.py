@@ -7,6 +7,8 @@ import warnings
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch")
 import torch
 from hypothesis import given
 from hypothesis import strategies as st

@@ -7,6 +7,8 @@ import types
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("torch")
 import torch
 
 from mmreuse import BlockHasher, Klass, MMOccurrence

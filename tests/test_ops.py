@@ -1,6 +1,8 @@
 """The residency torch ops: opcheck, a plain-torch reference, bounds errors that write nothing."""
 
 import pytest
+
+pytest.importorskip("torch")
 import torch
 
 from mmreuse import ops

@@ -10,6 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+pytest.importorskip("torch")  # mmreuse.residency (BlockIndex) needs it
+
 from mmreuse import (
     AdmissionPlan,
     Availability,

@@ -4,6 +4,8 @@ import hashlib
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch")
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("torch")  # tests/vectors.py needs it
+
 from mmreuse.hashing import SCHEMES, BlockHasher, MMOccurrence, get_scheme
 
 from .vectors import DATA, case_hasher, hash_case, load_vectors

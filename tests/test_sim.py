@@ -8,6 +8,8 @@ import random
 import numpy as np
 import pytest
 
+pytest.importorskip("torch")  # mmreuse.sim needs it
+
 from mmreuse.blockhash import to_event_ids
 from mmreuse.cli import main
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
