@@ -7,6 +7,7 @@ from ._version import __version__
 from .demand import (
     Availability,
     DemandResult,
+    EncoderCacheSpace,
     Klass,
     OccurrenceDecision,
     compute_demand,
@@ -21,6 +22,7 @@ __all__ = [
     "Availability",
     "BlockHasher",
     "DemandResult",
+    "EncoderCacheSpace",
     "Klass",
     "MMOccurrence",
     "OccurrenceDecision",

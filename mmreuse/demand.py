@@ -18,7 +18,7 @@ encoder-cache events), connector-specific admission gates (only flagged, see
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Literal, NamedTuple
 
@@ -90,7 +90,48 @@ class Klass(Enum):
     @property
     def needs_e(self) -> bool:
         """Whether E must deliver an embedding for this class."""
-        return self in (Klass.E_CACHED, Klass.E_COMPUTE)
+        return self in _NEEDS_E
+
+    @property
+    def covered(self) -> bool:
+        """Whether P never touches the encoder for it (KV-covered, or no embed positions)."""
+        return self in _COVERED
+
+
+_COVERED = frozenset((Klass.KV_COVERED, Klass.NO_EMBEDS))
+_NEEDS_E = frozenset((Klass.E_CACHED, Klass.E_COMPUTE))
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderCacheSpace:
+    """P's encoder cache as its own admission sees it: free slots, and the freeable
+    (unreferenced) entries in vLLM's eviction order (oldest first), each with its embed count.
+
+    With it, `compute_demand` applies rule S (docs/demand-semantics.md §1.8): an item that
+    needs space evicts the oldest freeable entries, possibly one a later item of the same
+    request would have reused, which then needs an embedding after all.
+    """
+
+    num_free_slots: int
+    freeable: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_int("num_free_slots", self.num_free_slots, 0)
+        if isinstance(self.freeable, (str, bytes)) or not isinstance(self.freeable, Sequence):
+            fail_type("freeable", "a sequence of (identifier, num_embeds)", self.freeable)
+        entries = tuple(self.freeable)
+        seen: set[str] = set()
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                fail_type(f"freeable[{i}]", "an (identifier, num_embeds) pair", entry)
+            ident, n = entry
+            if not isinstance(ident, str):
+                fail_type(f"freeable[{i}] identifier", "str", ident)
+            check_int(f"freeable[{i}] num_embeds", n, 1)
+            if ident in seen:
+                raise InvalidArgument(f"freeable[{i}] names {ident!r} twice")
+            seen.add(ident)
+        object.__setattr__(self, "freeable", entries)
 
 
 class OccurrenceDecision(NamedTuple):
@@ -136,6 +177,12 @@ class DemandResult:
     # Identifiers whose embed counts disagree: vLLM rejects the request
     # (_reject_on_encoder_cache_embed_mismatch).
     conflicts: tuple[str, ...]
+    # Rule S (given an `EncoderCacheSpace`): P-local entries this request's own admission
+    # evicts before it reaches them; they are classified as if absent.
+    self_evicted: tuple[str, ...] = ()
+    # The encoder cache cannot hold this request's new embeddings at once: P spreads them over
+    # steps, and the answer holds for the first one only.
+    encoder_cache_short: bool = False
 
     def needs_media_at_p(self, *, external_store_can_evict: bool = True) -> tuple[int, ...]:
         """Indices whose skip of E races with state P may lose; send P real media for them
@@ -167,6 +214,7 @@ def compute_demand(
     external_kv_tokens: int = 0,
     is_encoder_decoder: bool = False,
     coverage_rule: CoverageRule = "embed",
+    encoder_cache: EncoderCacheSpace | None = None,
 ) -> DemandResult:
     """Classify every occurrence of a request and collect what E must deliver (§6.3).
 
@@ -183,6 +231,9 @@ def compute_demand(
         coverage_rule: "embed" (vLLM's scheduler: covered iff every embed position < C) or
             "placeholder" (covered iff offset + length <= C, what the Mooncake / CPU-NIXL EC
             admission gates use; choose it when P runs ECMooncakeConnector).
+        encoder_cache: P's encoder-cache space (free slots, freeable entries oldest first);
+            given, rule S applies (§1.8): entries the request's own allocations evict before
+            a later item reuses them count as absent. None: capacity is not modelled.
 
     Returns:
         A `DemandResult`; pure and deterministic.
@@ -196,10 +247,73 @@ def compute_demand(
         is_encoder_decoder,
         coverage_rule,
     )
+    placeholder = coverage_rule == "placeholder"
     decisions, conflicts, first_of, need_at = _classify(
-        occurrences, n, c, ext, availability, is_encoder_decoder, coverage_rule == "placeholder"
+        occurrences, n, c, ext, availability, is_encoder_decoder, placeholder
     )
-    return _collect(decisions, conflicts, first_of, need_at)
+    if encoder_cache is None or is_encoder_decoder:
+        return _collect(decisions, conflicts, first_of, need_at)
+    if type(encoder_cache) is not EncoderCacheSpace:
+        fail_type("encoder_cache", "an EncoderCacheSpace", encoder_cache)
+    evicted, short = self_evictions(occurrences, decisions, availability, encoder_cache)
+    if evicted:  # P's own allocations for this request evict them first: classify again
+        left = Availability(
+            p_local={k: v for k, v in availability.p_local.items() if k not in evicted},
+            p_local_freeable=availability.p_local_freeable - evicted,
+            p_external=availability.p_external,
+            e_cached=availability.e_cached,
+        )
+        decisions, conflicts, first_of, need_at = _classify(
+            occurrences, n, c, ext, left, is_encoder_decoder, placeholder
+        )
+    result = _collect(decisions, conflicts, first_of, need_at)
+    if evicted or short:
+        result = replace(result, self_evicted=tuple(sorted(evicted)), encoder_cache_short=short)
+    return result
+
+
+def self_evictions(
+    occurrences: Sequence[MMOccurrence],
+    decisions: Sequence[OccurrenceDecision],
+    availability: Availability,
+    space: EncoderCacheSpace,
+) -> tuple[frozenset[str], bool]:
+    """Rule S: the freeable entries a request's own admission evicts, and whether the cache is
+    short for it (§1.8).
+
+    vLLM's `_try_schedule_encoder_inputs` walks the uncovered items in order: one P holds is
+    referenced (no longer evictable); another reserves its embeds, and `can_allocate` evicts
+    the oldest freeable entries while the free slots are short, possibly one a later item of
+    the request would reuse. When even all freeable entries cannot make room, vLLM stops this
+    step's encoder inputs there (short: the rest waits for a later step).
+    """
+    queue = dict(space.freeable)  # insertion order: oldest first, as vLLM evicts
+    free = space.num_free_slots
+    cached = set(availability.p_local)
+    scheduled: set[str] = set()
+    to_schedule = 0
+    evicted: set[str] = set()
+    room = sum(queue.values())  # the freeable space left in `queue`, kept as it shrinks
+    for occ, d in zip(occurrences, decisions, strict=True):
+        ident = occ.identifier
+        if d.klass in _COVERED or ident in scheduled:
+            continue
+        if ident in cached:
+            room -= queue.pop(ident, 0)  # referenced now
+            continue
+        need = occ.num_embeds + to_schedule
+        if need > free + room:
+            return frozenset(evicted), True
+        while need > free:
+            victim = next(iter(queue))
+            size = queue.pop(victim)
+            free += size
+            room -= size
+            cached.discard(victim)
+            evicted.add(victim)
+        to_schedule += occ.num_embeds
+        scheduled.add(ident)
+    return frozenset(evicted), False
 
 
 def _validate(

@@ -395,3 +395,58 @@ def test_kv_coverage_connector_rule():
     ) == (40, 0)
     assert kv_coverage(100, cached_prefix_tokens=32, block_size=16, external_tokens=20) == (52, 20)
     assert kv_coverage(100, cached_prefix_tokens=96, block_size=16, hash_lookahead=8) == (80, 0)
+
+
+# ---- rule S: the request's own allocations (docs/demand-semantics.md §1.8) ---------------------
+
+
+def test_rule_s_self_evictions():
+    from mmreuse.demand import EncoderCacheSpace
+
+    occ = [MMOccurrence("X", 0, 8), MMOccurrence("C", 10, 8)]
+    avail = Availability(p_local={"C": 8, "D": 8}, p_local_freeable=frozenset({"C", "D"}))
+    plain = compute_demand(occ, 30, 0, avail)
+    assert [d.klass for d in plain.decisions] == [Klass.E_COMPUTE, Klass.P_LOCAL]
+    assert plain.self_evicted == () and not plain.encoder_cache_short
+    # no free slot, C the oldest freeable: X evicts C, C is encoded again (and evicts D)
+    res = compute_demand(
+        occ, 30, 0, avail, encoder_cache=EncoderCacheSpace(0, (("C", 8), ("D", 8)))
+    )
+    assert [d.klass for d in res.decisions] == [Klass.E_COMPUTE, Klass.E_COMPUTE]
+    assert res.e_demand == (("X", True), ("C", True)) and res.self_evicted == ("C", "D")
+    # room enough: nothing evicted, the same as without the rule
+    roomy = compute_demand(occ, 30, 0, avail, encoder_cache=EncoderCacheSpace(8, (("C", 8),)))
+    assert roomy.decisions == plain.decisions and roomy.self_evicted == ()
+    # a KV-covered X allocates nothing
+    covered = compute_demand(occ, 30, 9, avail, encoder_cache=EncoderCacheSpace(0, (("C", 8),)))
+    assert [d.klass for d in covered.decisions] == [Klass.KV_COVERED, Klass.P_LOCAL]
+    # the cache cannot hold X at all: short (P spreads the items over steps)
+    short = compute_demand(occ[:1], 30, 0, Availability(), encoder_cache=EncoderCacheSpace(4))
+    assert short.encoder_cache_short and short.self_evicted == ()
+    # encoder-decoder models keep no reusable cache: the rule does not apply
+    ed = compute_demand(occ, 30, 0, avail, is_encoder_decoder=True,
+                        encoder_cache=EncoderCacheSpace(0, (("C", 8),)))  # fmt: skip
+    assert ed.self_evicted == ()
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((-1,), r"^num_free_slots must be >= 0"),
+        ((0, [("C", 8)]), None),
+        ((0, (("C", 0),)), r"^freeable\[0\] num_embeds must be >= 1"),
+        ((0, (("C", 8), ("C", 8))), r"^freeable\[1\] names 'C' twice"),
+        ((0, ("C",)), r"^freeable\[0\] must be an \(identifier, num_embeds\) pair"),
+        ((0, "C8"), r"^freeable must be a sequence"),
+    ],
+)
+def test_encoder_cache_space_refuses(args, match):
+    from mmreuse.demand import EncoderCacheSpace
+
+    if match is None:
+        assert EncoderCacheSpace(*args).freeable == (("C", 8),)  # a list, kept as a tuple
+        return
+    with pytest.raises(ValueError, match=match):
+        EncoderCacheSpace(*args)
+    with pytest.raises(ValueError, match=r"^encoder_cache must be an EncoderCacheSpace"):
+        compute_demand([], 4, 0, encoder_cache=(0, ()))

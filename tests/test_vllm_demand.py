@@ -45,3 +45,23 @@ def test_demand_scheduler_against_vllms_scheduler(seed, async_):
     # (a preempted request is admitted again when it resumes: one more record)
     assert c["records"] >= st["admitted"] and c["record_c_mismatch"] == 0, c
     assert c["record_answer_mismatch"] == 0 and c["record_encoded_mismatch"] == 0, c
+
+
+@pytest.mark.oracle
+def test_rule_s_is_what_vllms_scheduler_does():
+    """A request's own allocation evicts the freeable entry its later item would reuse: vLLM
+    encodes that item again, and compute_demand says so with the cache's space (rule S)."""
+    py, _ = require_oracle()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [str(py), str(REPO / "tools/oracle/self_eviction_check.py")],
+        capture_output=True, text=True, check=True, timeout=600, env=env,
+    )  # fmt: skip
+    cases = {c["case"]: c for c in map(json.loads, out.stdout.strip().splitlines()[-2:])}
+    evicted, kept = cases["X then C"], cases["X then D"]
+    for c in (evicted, kept):
+        assert c["cache_before"] == {"freeable": ["C", "D"], "free": 0}, c
+        assert c["rule_s"]["needs_encoder"] == c["vllm_encoded"], c  # exact, both ways
+    assert evicted["vllm_encoded"] == [0, 1] and evicted["rule_s"]["self_evicted"] == ["C", "D"]
+    assert evicted["without_rule_s"]["needs_encoder"] == [0]  # what the rule corrects
+    assert kept["vllm_encoded"] == [0] and kept["rule_s"]["classes"] == ["e_compute", "p_local"]
