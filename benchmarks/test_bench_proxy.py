@@ -15,7 +15,7 @@ import pytest
 
 from mmreuse.blockhash import to_event_id
 from mmreuse.events.wire import BlockStored, KVEventBatch
-from mmreuse.integrations.vllm import from_render, from_render_json
+from mmreuse.render import from_render, from_render_json
 from mmreuse.proxy.app import Proxy
 from mmreuse.proxy.config import parse_args
 from mmreuse.proxy.policy import _occurrence_items

@@ -313,8 +313,8 @@ def bench_cluster(args: argparse.Namespace) -> int:
         run_policy,
         simulate_like,
     )
-    from .cluster.bench import POLICIES as BENCH_POLICIES
     from .cluster.simchat import chat_requests
+    from .decision import POLICIES as BENCH_POLICIES
     from .sim import generate, table
     from .sim.config import ConfigError, WorkloadConfig
     from .sim.report import plot, write_json
@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         "(`mmreuse proxy --help`)",
         add_help=False,
     )
-    from .sim.config import POLICIES, ROUTINGS, WORKLOADS
+    from .decision import POLICIES
+    from .sim.config import ROUTINGS, WORKLOADS
 
     sim = sub.add_parser("simulate", help="simulate an EPD cluster under each coordination policy")
     sim.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
@@ -496,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
     bench.add_argument("--trace", metavar="JSONL", help="a trace in the simulator's schema")
-    bench.add_argument("--policy", choices=("eager", "index", "demand", "opportunistic"), action="append", help="repeatable; default: all")  # fmt: skip
+    bench.add_argument("--policy", choices=POLICIES, action="append", help="repeatable; default: all")  # fmt: skip
     bench.add_argument("--requests", type=_int_arg(1), default=40)
     bench.add_argument("--seed", type=_int_arg(), default=0)
     bench.add_argument("--rate", type=float, default=2.0, help="requests/s, open loop")

@@ -27,7 +27,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from .demand import Klass
+from .decision import ANSWER_CLASSES, ItemClass, item_classes
+from .demand import DemandResult
 from .errors import InvalidArgument
 from .occurrence import MMOccurrence
 from .validate import check_int
@@ -215,7 +216,8 @@ _query_decoder = msgspec.msgpack.Decoder(Query)
 _answer_decoder = msgspec.msgpack.Decoder(Answer)
 _encoder = msgspec.msgpack.Encoder()
 
-_CLASSES = frozenset(k.value for k in Klass) | {"duplicate"}
+_CLASSES = ANSWER_CLASSES
+_NEEDS_E = frozenset(c.value for c in ItemClass if c.needs_e)
 
 
 class MalformedQuery(InvalidArgument):
@@ -303,8 +305,9 @@ def occurrences_of(query: DemandQuery) -> list[MMOccurrence]:
 def query_for(
     rendered: Any, query_id: str, *, e_cached: Sequence[str] = (), remember: bool = True
 ) -> DemandQuery:
-    """The DemandQuery for a rendered request (`integrations.vllm.RenderedPrompt`: token ids,
-    occurrences in vLLM's order, cache salt): what the proxy and the tools send P."""
+    """The DemandQuery for a rendered request (`mmreuse.render.RenderedPrompt`: token ids,
+    occurrences in vLLM's order, its identity: cache salt and LoRA adapter): what the proxy and
+    the tools send P."""
     return DemandQuery(
         id=query_id,
         token_ids=list(rendered.token_ids),
@@ -318,9 +321,33 @@ def query_for(
             )
             for occ in rendered.occurrences
         ],
-        cache_salt=rendered.cache_salt,
+        cache_salt=rendered.identity.cache_salt,
+        lora_name=rendered.identity.lora_name,
         e_cached=list(e_cached),
         remember=remember,
+    )
+
+
+def answer_for(
+    query_id: str,
+    num_computed_tokens: int,
+    demand: DemandResult,
+    **p_side: Any,
+) -> DemandAnswer:
+    """P's answer built from its plan at C = `num_computed_tokens`: the classes on the wire
+    (`mmreuse.decision.item_classes`), e_demand, reuse and loads, rule S's self-evictions;
+    `p_side` sets the fields only P knows (proof, trust, external_kv, step)."""
+    return DemandAnswer(
+        id=query_id,
+        num_computed_tokens=num_computed_tokens,
+        classes=[c.value for c in item_classes(demand)],
+        dedup_of=[d.dedup_of for d in demand.decisions],
+        e_demand=[(ident, bool(fwd)) for ident, fwd in demand.e_demand],
+        p_local_reuse=list(demand.p_local_reuse),
+        p_loads=list(demand.p_loads),
+        p_local_self_evicted=list(demand.self_evicted),
+        encoder_cache_short=demand.encoder_cache_short,
+        **p_side,
     )
 
 
@@ -362,6 +389,16 @@ def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
     stray = {ident for ident, _ in answer.e_demand} - idents
     if stray:
         raise MalformedAnswer(f"e_demand names identifiers not in the query: {sorted(stray)}")
+    needing = {
+        item.identifier
+        for item, c in zip(query.items, answer.classes, strict=True)
+        if c in _NEEDS_E
+    }
+    unneeded = {ident for ident, _ in answer.e_demand} - needing
+    if unneeded:
+        raise MalformedAnswer(
+            f"e_demand names identifiers no item of which needs E (classes): {sorted(unneeded)}"
+        )
     if len(answer.proof_blocks) != len(answer.proof_generations):
         raise MalformedAnswer("proof_blocks and proof_generations differ in length")
     return answer
@@ -381,6 +418,7 @@ __all__ = [
     "QueryItem",
     "RecordsQuery",
     "StatsQuery",
+    "answer_for",
     "decode_answer",
     "decode_query",
     "encode",

@@ -16,9 +16,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from .blockhash import ExternalBlockHash, to_event_ids
-from .demand import Availability, CoverageRule, DemandResult, compute_demand, kv_coverage
+from .demand import (
+    Availability,
+    CoverageRule,
+    DemandResult,
+    EncoderCacheSpace,
+    compute_demand,
+    kv_coverage,
+)
 from .errors import InvalidArgument
 from .hashing import BlockHasher
+from .identity import RequestIdentity
 from .kvview import KVView, PrefixMatch
 from .occurrence import MMOccurrence
 from .validate import check_bool, check_int, fail_type, fail_value
@@ -68,35 +76,42 @@ def plan_admission(
     hasher: BlockHasher | None = None,
     token_ids: Sequence[int] | None = None,
     cache_salt: str | None = None,
+    identity: RequestIdentity | None = None,
     block_size: int | None = None,
     coverage: Mapping[str, Any] | None = None,
     num_computed_tokens: int | None = None,
     external_kv_tokens: int = 0,
     coverage_rule: CoverageRule = "embed",
     is_encoder_decoder: bool = False,
+    encoder_cache: EncoderCacheSpace | None = None,
 ) -> AdmissionPlan:
     """Plan a request's admission at P: its C, and what it needs from E at that C.
 
     Either C is looked up: `view` plus the request's hashes, as `block_hashes` (with
-    `block_size`) or computed from `hasher` + `token_ids` (+ `cache_salt`; `block_size`
+    `block_size`) or computed from `hasher` + `token_ids` (+ the request's `identity`, its
+    cache salt and LoRA adapter, or only `cache_salt`; `block_size`
     defaults to `hasher.block_size`, `coverage["hash_lookahead"]` to `hasher.lookahead`); the
     hit, times `block_size`, goes through `kv_coverage(**coverage)`. Or C is given as
     `num_computed_tokens` (+ `external_kv_tokens`), as P's scheduler knows it; then no view,
     hasher, tokens, block size or coverage, and `block_hashes`, if given, are only recorded.
 
     `coverage` takes kv_coverage's keywords but `cached_prefix_tokens`; its `block_size` is the
-    KV block size where it differs from the hash block size (hybrid models). `coverage_rule`
-    and `is_encoder_decoder` go to `compute_demand`. Raises `InvalidArgument` for any other
+    KV block size where it differs from the hash block size (hybrid models). `coverage_rule`,
+    `is_encoder_decoder` and `encoder_cache` (P's encoder-cache space: rule S) go to
+    `compute_demand`. Raises `InvalidArgument` for any other
     mix of arguments, naming them, and for any invalid value.
     """
     n = check_int("num_prompt_tokens", num_prompt_tokens, 1)
     _check_demand_inputs(occurrences, availability, coverage_rule, is_encoder_decoder)
+    given_identity = identity
+    identity = _identity(identity, cache_salt)
     if num_computed_tokens is not None:  # C given: record it, look nothing up
         _refuse_with_given_c(
             view=view,
             hasher=hasher,
             token_ids=token_ids,
             cache_salt=cache_salt,
+            identity=given_identity,
             block_size=block_size,
             coverage=coverage,
         )
@@ -107,7 +122,14 @@ def plan_admission(
     else:  # C looked up: hashes -> the view's hit -> kv_coverage
         view = _check_view(view, external_kv_tokens)
         hashes, bs = _request_hashes(
-            n, occurrences, block_hashes, hasher, token_ids, cache_salt, block_size
+            n,
+            occurrences,
+            block_hashes,
+            hasher,
+            token_ids,
+            identity,
+            block_size,
+            "cache_salt" if cache_salt is not None else "identity",
         )
         args = _coverage_args(coverage, bs, hasher)
         hit, proof = _match(view, hashes)
@@ -120,6 +142,7 @@ def plan_admission(
         external_kv_tokens=ext,
         is_encoder_decoder=is_encoder_decoder,
         coverage_rule=coverage_rule,
+        encoder_cache=encoder_cache,
     )
     return AdmissionPlan(
         block_hashes=hashes,
@@ -129,6 +152,20 @@ def plan_admission(
         external_kv_tokens=ext,
         demand=demand,
     )
+
+
+def _identity(identity: Any, cache_salt: Any) -> RequestIdentity | None:
+    """The request's identity (None: no hashing argument given), from `identity` or the
+    `cache_salt` shorthand; both at once is refused."""
+    if identity is not None:
+        if not isinstance(identity, RequestIdentity):
+            fail_type("identity", "a RequestIdentity", identity)
+        if cache_salt is not None:
+            raise InvalidArgument(
+                "identity with cache_salt: the identity carries the salt; pass one of them"
+            )
+        return identity
+    return None if cache_salt is None else RequestIdentity(cache_salt=cache_salt)
 
 
 def _check_demand_inputs(
@@ -187,20 +224,21 @@ def _request_hashes(
     block_hashes: Any,
     hasher: Any,
     token_ids: Any,
-    cache_salt: Any,
+    identity: RequestIdentity | None,
     block_size: Any,
+    identity_name: str,
 ) -> tuple[tuple[ExternalBlockHash, ...], int]:
     """The request's full-block hashes, given or computed here, and the block size they use."""
     if block_hashes is not None:
         both = [
             k
-            for k, v in (("hasher", hasher), ("token_ids", token_ids), ("cache_salt", cache_salt))
+            for k, v in (("hasher", hasher), ("token_ids", token_ids), (identity_name, identity))
             if v is not None
         ]
         if both:
             raise InvalidArgument(
                 f"block_hashes with {', '.join(both)}: give the hashes, or hasher + token_ids "
-                "(+ cache_salt) to compute them, not both"
+                "(+ identity or cache_salt) to compute them, not both"
             )
         if block_size is None:
             raise InvalidArgument(
@@ -217,13 +255,13 @@ def _request_hashes(
     if hasher is None or token_ids is None:
         have = [
             k
-            for k, v in (("hasher", hasher), ("token_ids", token_ids), ("cache_salt", cache_salt))
+            for k, v in (("hasher", hasher), ("token_ids", token_ids), (identity_name, identity))
             if v is not None
         ]
         got = f" (got only {', '.join(have)})" if have else ""
         raise InvalidArgument(
             f"view without the request's hashes{got}: pass block_hashes (+ block_size), or "
-            "hasher + token_ids (+ cache_salt)"
+            "hasher + token_ids (+ identity or cache_salt)"
         )
     if not isinstance(hasher, BlockHasher):
         fail_type("hasher", "a BlockHasher", hasher)
@@ -239,7 +277,8 @@ def _request_hashes(
             f"token_ids must hold num_prompt_tokens={n} tokens, got {len(token_ids)}"
         )
     tokens = token_ids if type(token_ids) is list else list(token_ids)
-    return tuple(hasher.hash_prompt(tokens, mm=occurrences, cache_salt=cache_salt)), bs
+    keys = {} if identity is None else identity.hash_kwargs()
+    return tuple(hasher.hash_prompt(tokens, mm=occurrences, **keys)), bs
 
 
 def _match(view: KVView, hashes: tuple[ExternalBlockHash, ...]) -> tuple[int, Any]:

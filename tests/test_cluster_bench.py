@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("torch")  # mmreuse.cluster.bench loads mmreuse.sim, which needs it
 
 from mmreuse import cli
+from mmreuse.accounting import Bucket
 from mmreuse.cluster.bench import RequestOutcome, attribute
-from mmreuse.sim.accounting import Bucket
 
 
 def req(rid, *uuids):
@@ -22,7 +22,9 @@ def req(rid, *uuids):
 
 def out(rid, e_indices, idents, classes, encoded=(), status=200, ttft=10.0, raw=()):
     decision = NS(e_indices=tuple(e_indices), raw_with_uuid=frozenset(raw))
-    rec = NS(identifiers=list(idents), classes=list(classes), encoded=list(encoded))
+    rec = NS(
+        request_id=f"r{rid}", identifiers=list(idents), classes=list(classes), encoded=list(encoded)
+    )
     return RequestOutcome(rid, status, ttft, decision, [rec])
 
 
@@ -42,7 +44,7 @@ def test_deliveries_win_then_ps_classes():
         # a sent again although covered (E's store: no forward); e skipped, P encodes it
         out(2, [0], "ae", ["kv_covered", "e_compute"], encoded=[1], ttft=40.0, raw=[1]),
     ]
-    r = attribute("x", reqs, outs)
+    r = attribute("index", reqs, outs)
     b = r.buckets
     assert (r.requests, r.occurrences) == (3, 9)
     assert b[Bucket.FORWARD] == 3  # a, b (E) and e (P itself)
@@ -60,7 +62,7 @@ def test_a_forward_p_did_not_need_is_redundant_and_a_failed_skip_is_wrong():
         out(1, [], "b", ["e_compute"], status=500, raw=[0]),
     ]
     outs[1].records = []  # P never admitted it
-    r = attribute("x", reqs, outs)
+    r = attribute("index", reqs, outs)
     assert r.redundant_forwards == 1 and r.buckets[Bucket.FORWARD] == 2
     assert r.wrong_skips == 1
     assert r.ttft_reuse_ms == [10.0]  # a redundant forward is not a needed encoding
@@ -86,3 +88,22 @@ def test_a_forward_p_did_not_need_is_redundant_and_a_failed_skip_is_wrong():
 def test_bench_cluster_refuses_bad_arguments_before_starting(capsys, argv, words):
     assert cli.main(["bench-cluster", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_an_image_kv_covered_then_repeated_after_c_is_accounted_where_p_consumes_it():
+    """The image at offset 0 is KV-covered, its repeat after C is not: E's forward serves the
+    repeat, which accounts for it (the simulator's rule), so the forward is needed, not
+    redundant (bench-cluster once let the first, covered, occurrence account for it)."""
+    reqs = [req(0, "a", "a")]
+    outs = [out(0, [1], "aa", ["kv_covered", "p_external"])]
+    r = attribute("index", reqs, outs)
+    assert r.buckets[Bucket.FORWARD] == 1 and r.buckets[Bucket.DEDUP] == 1
+    assert r.redundant_forwards == 0 and r.ttft_encode_ms == [10.0]
+
+
+def test_an_unknown_class_in_a_record_is_named():
+    outs = [out(0, [], "a", ["kv_cover"])]
+    with pytest.raises(ValueError, match=r"record r0 classes\[0\] must be one of"):
+        attribute("eager", [req(0, "a")], outs)
+    with pytest.raises(ValueError, match=r"^policy must be one of"):
+        attribute("x", [req(0, "a")], outs)

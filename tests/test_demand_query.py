@@ -228,15 +228,17 @@ def test_max_query_bytes_checks_max_model_len(bad):
 
 
 def test_query_for_a_rendered_request():
-    from mmreuse.integrations.vllm import RenderedPrompt
+    from mmreuse.identity import RequestIdentity
     from mmreuse.occurrence import MMOccurrence
+    from mmreuse.render import RenderedPrompt
 
     rendered = RenderedPrompt(
         (1, 2, 9, 9, 9, 4),
         (MMOccurrence("img-a", 2, 3, (True, False, True), "video"),),
-        "salt",
+        RequestIdentity(cache_salt="salt", lora_name="sql-lora", lora_path="/a"),
     )
     q = query_for(rendered, "q7", e_cached=["img-a"], remember=False)
     assert (q.id, q.token_ids, q.cache_salt, q.e_cached, q.remember) == ("q7", [1, 2, 9, 9, 9, 4], "salt", ["img-a"], False)  # fmt: skip
+    assert q.lora_name == "sql-lora"  # P resolves the adapter's path from those it served
     assert q.items == [QueryItem("img-a", 2, 3, "video", [True, False, True])]
     assert decode_query(encode(q)) == q  # a well-formed query

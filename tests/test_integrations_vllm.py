@@ -11,13 +11,11 @@ import pytest
 pytest.importorskip("torch")
 import torch
 
-from mmreuse import BlockHasher, Klass, MMOccurrence
+from mmreuse import Klass, MMOccurrence
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.integrations.vllm import (
     availability_from_engine,
     demand_for_request,
-    from_render,
-    from_render_json,
     occurrences_from_request,
 )
 
@@ -57,9 +55,35 @@ def test_demand_for_request_stand_ins():
     req = types.SimpleNamespace(
         mm_features=[feature("A", 0, 16), feature("B", 20, 8)], num_tokens=40
     )
-    mgr = types.SimpleNamespace(cached={"B": {"r"}}, num_embeds_by_hash={"B": 8})
+    mgr = types.SimpleNamespace(
+        cached={"B": {"r"}}, num_embeds_by_hash={"B": 8}, num_free_slots=8, freeable={}
+    )
     res = demand_for_request(req, 16, encoder_cache_manager=mgr)
     assert [d.klass for d in res.decisions] == [Klass.KV_COVERED, Klass.P_LOCAL] and res.skip_e
+    with pytest.raises(InvalidArgumentType, match="num_free_slots and the ordered mapping"):
+        demand_for_request(req, 16, encoder_cache_manager=types.SimpleNamespace(
+            cached={}, num_embeds_by_hash={}))  # fmt: skip
+
+
+def test_demand_for_request_applies_rule_s():
+    """C (freeable, oldest) is what X's allocation evicts: the request's later C needs E."""
+    req = types.SimpleNamespace(
+        mm_features=[feature("X", 0, 8), feature("C", 10, 8)], num_tokens=30
+    )
+    mgr = types.SimpleNamespace(
+        cached={"C": set(), "D": set()},
+        num_embeds_by_hash={"C": 8, "D": 8},
+        num_free_slots=0,
+        freeable={"C": 8, "D": 8},  # oldest first
+    )
+    res = demand_for_request(req, 0, encoder_cache_manager=mgr)
+    assert [d.klass for d in res.decisions] == [Klass.E_COMPUTE, Klass.E_COMPUTE]
+    # X evicts C; C, encoded again, then evicts D (space this step counts what it schedules)
+    assert res.self_evicted == ("C", "D") and not res.encoder_cache_short
+    mgr.freeable = {"D": 8, "C": 8}  # D is the oldest: X evicts it, C is reused
+    res = demand_for_request(req, 0, encoder_cache_manager=mgr)
+    assert [d.klass for d in res.decisions] == [Klass.E_COMPUTE, Klass.P_LOCAL]
+    assert res.self_evicted == ("D",)  # evicted, but this request does not need it
 
 
 @pytest.mark.oracle
@@ -143,142 +167,3 @@ def test_identifiers_are_strs():
     with pytest.raises(InvalidArgumentType, match=r"^identifiers must be an iterable"):
         availability_from_engine(None, conn, 7)
     assert availability_from_engine(None, conn, (i for i in ["a"])).p_external == {"a"}
-
-
-# ---- from_render: vLLM's /v1/chat/completions/render body (mm_payload "none") --------------
-
-
-def _render(token_ids, hashes, places, **extra):
-    """The shape vLLM 0.33's render returns (GenerateRequest.features = MultiModalFeatures)."""
-    return {
-        "request_id": "chatcmpl-1",
-        "token_ids": token_ids,
-        "features": {
-            "mm_hashes": hashes,
-            "mm_placeholders": {
-                m: [{"offset": o, "length": n} for o, n in r] for m, r in places.items()
-            },
-            "kwargs_data": None,
-            "mm_metadata": None,
-        },
-        "cache_salt": None,
-        **extra,
-    }
-
-
-PAD, VPAD = 268, 269
-
-
-def test_from_render_gives_vllms_order_and_identifiers():
-    tokens = [1] * 97 + [PAD] * 16 + [2] * 14 + [PAD] * 16 + [3] * 31
-    body = _render(tokens, {"image": ["img-red2", "img-green2"]}, {"image": [(97, 16), (127, 16)]})
-    out = from_render(body)
-    assert out.token_ids == tuple(tokens) and out.cache_salt is None
-    assert [(m.identifier, m.offset, m.length, m.is_embed) for m in out.occurrences] == [
-        ("img-red2", 97, 16, None),
-        ("img-green2", 127, 16, None),
-    ]
-    # the same blocks as hashing the request directly
-    h = BlockHasher("sha256", 32, seed="0")
-    direct = [MMOccurrence("img-red2", 97, 16), MMOccurrence("img-green2", 127, 16)]
-    assert h.hash_prompt(list(out.token_ids), mm=list(out.occurrences)) == h.hash_prompt(
-        tokens, mm=direct
-    )
-
-
-def test_from_render_sorts_across_modalities_by_offset():
-    tokens = [0] * 40
-    body = _render(
-        tokens,
-        {"audio": ["a0"], "image": ["i0", "i1"]},
-        {"audio": [(20, 4)], "image": [(30, 2), (5, 3)]},
-    )
-    out = from_render(body, dense_modalities={"image", "audio"})
-    assert [(m.identifier, m.modality) for m in out.occurrences] == [
-        ("i1", "image"),
-        ("a0", "audio"),
-        ("i0", "image"),
-    ]
-
-
-def test_from_render_sparse_modality_needs_its_embed_token():
-    tokens = [5] * 10 + [VPAD, VPAD, 7, VPAD, VPAD, 8] + [5] * 4
-    body = _render(tokens, {"video": ["v0"]}, {"video": [(10, 6)]}, cache_salt="t")
-    with pytest.raises(InvalidArgument, match="is_embed"):
-        from_render(body)
-    occ = from_render(body, embed_token_ids={"video": VPAD}).occurrences[0]
-    assert occ.is_embed == (True, True, False, True, True, False) and occ.num_embeds == 4
-    assert from_render(body, embed_token_ids={"video": VPAD}).cache_salt == "t"
-
-
-def test_from_render_text_only_and_model_objects():
-    assert from_render({"token_ids": [1, 2, 3], "features": None}).occurrences == ()
-
-    class Model:  # a pydantic GenerateRequest stand-in
-        def model_dump(self):
-            return _render([0] * 8, {"image": ["x"]}, {"image": [(2, 4)]})
-
-    assert from_render(Model()).occurrences[0].identifier == "x"
-
-
-@pytest.mark.parametrize(
-    "body,cls,match",
-    [
-        ("not a body", InvalidArgumentType, "render"),
-        ({"token_ids": "123"}, InvalidArgumentType, "token_ids"),
-        ({"token_ids": [1, -2]}, InvalidArgument, r"token_ids\[1\]"),
-        ({"token_ids": [1, True]}, InvalidArgumentType, r"token_ids\[1\]"),
-        (
-            _render([0] * 8, {"image": ["x", "y"]}, {"image": [(0, 2)]}),
-            InvalidArgument,
-            "2 mm_hashes",
-        ),
-        (_render([0] * 8, {"image": ["x"]}, {"image": [(6, 4)]}), InvalidArgument, "past the 8"),
-        (_render([0] * 8, {"image": [""]}, {"image": [(0, 2)]}), InvalidArgument, "mm_hashes"),
-        (_render([0] * 8, {"image": ["x"]}, {"image": [(0, 0)]}), InvalidArgument, "length"),
-        (_render([0] * 8, {"video": ["x"]}, {"image": [(0, 2)]}), InvalidArgument, "modalities"),
-        ({"token_ids": [1], "cache_salt": 5}, InvalidArgumentType, "cache_salt"),
-    ],
-)
-def test_from_render_refuses(body, cls, match):
-    with pytest.raises(cls, match=match):
-        from_render(body)
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        _render([0] * 8, {"image": ["x"]}, {"image": [(2, 4)]}),
-        _render(
-            list(range(300, 340)),
-            {"image": ["a", "b"], "audio": ["c"]},
-            {"image": [(0, 4), (20, 4)], "audio": [(10, 3)]},
-        ),
-        {"token_ids": [5, 6, 7], "cache_salt": "tenant"},
-        {"token_ids": []},
-    ],
-)
-def test_from_render_json_equals_from_render(body):
-    import json
-
-    assert from_render_json(json.dumps(body).encode()) == from_render(body)
-
-
-@pytest.mark.parametrize(
-    "payload,cls,match",
-    [
-        (b'{"token_ids": [1, -2]}', InvalidArgument, r"token_ids\[1\]"),
-        (b'{"token_ids": [1, true]}', InvalidArgument, r"token_ids\[1\]"),
-        (b'{"token_ids": [1, 2.5]}', InvalidArgument, r"token_ids\[1\]"),
-        (b'{"token_ids": [9223372036854775808]}', InvalidArgument, r"token_ids\[0\]"),
-        (b'{"token_ids": "123"}', InvalidArgument, "token_ids"),
-        (b'{"features": {}}', InvalidArgument, "token_ids"),
-        (b'{"token_ids": [1, 2', InvalidArgument, "not JSON"),
-        (b"[1, 2]", InvalidArgument, "object"),
-        (b'{"token_ids": [1], "cache_salt": 5}', InvalidArgument, "cache_salt"),
-        ("a str", InvalidArgumentType, "payload"),
-    ],
-)
-def test_from_render_json_refuses(payload, cls, match):
-    with pytest.raises(cls, match=match):
-        from_render_json(payload)

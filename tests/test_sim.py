@@ -419,7 +419,8 @@ def pinned_trace(tmp):
 
 
 PINNED = {
-    "chat": ("b1ed84866454b3622040f86f8df81dde690c764998e76b4bf033773626b3d4b3", pinned_chat),
+    # rule S (docs/demand-semantics.md §1.8) moved one occurrence from p_embedding to external
+    "chat": ("af04f55aa514eba785fc4e57b28ee84b5d29a486dc49205dfb631da15460121f", pinned_chat),
     "fanout": ("8c2882e2f618e24926da6383eb96c7adf8284ac480c639163197a7c866e26587", pinned_fanout),
     "trace-dup": ("3fb485411e578b149caf73fc6760b45f2ca4d3ca769d53ab792ea540cdde938e", pinned_trace),
 }

@@ -37,15 +37,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..accounting import Bucket, Delivery, PolicyResult, account_request
+from ..decision import ItemClass, parse_item_class, parse_policy
 from ..proxy.metrics import sample_sum
-from ..sim.accounting import Bucket, PolicyResult
 from ..sim.report import summarize
-from ..validate import check_float, check_str, fail_value
+from ..validate import check_float, check_str
 from .client import render
 from .simchat import ChatRequest
-
-POLICIES = ("eager", "index", "demand", "opportunistic")
-COVERED = ("kv_covered", "no_embeds")
 
 
 @dataclass(slots=True)
@@ -142,8 +140,10 @@ def record_heads(endpoints: Sequence[str]) -> list[int]:
 def attribute(
     policy: str, requests: Sequence[ChatRequest], outcomes: Sequence[RequestOutcome]
 ) -> PolicyResult:
-    """The simulator's accounting from what the real cluster did (the module docstring)."""
-    r = PolicyResult(policy)
+    """The simulator's accounting (`mmreuse.accounting.account_request`, the same function)
+    from what the real cluster did (the module docstring)."""
+    policy = parse_policy(policy)
+    r = PolicyResult(policy.value)
     sent_before: set[str] = set()
     for req, out in zip(requests, outcomes, strict=True):
         r.requests += 1
@@ -157,39 +157,14 @@ def attribute(
             r.occurrences += len(req.uuids)
             r.buckets[Bucket.FORWARD] += len(req.uuids)
         else:
-            seen: set[str] = set()
-            encoded = {rec.identifiers[i] for i in rec.encoded}
-            for ident, klass in zip(rec.identifiers, rec.classes, strict=True):
-                r.occurrences += 1
-                if klass == "duplicate" or ident in seen:
-                    r.buckets[Bucket.DEDUP] += 1
-                    continue
-                seen.add(ident)
-                if ident in sent:  # a delivery wins (the simulator's rule)
-                    if ident in sent_before:  # E's store (or its encoder cache) serves it
-                        r.buckets[Bucket.E_CACHE] += 1
-                    else:
-                        r.buckets[Bucket.FORWARD] += 1
-                        needs_encoding = needs_encoding or klass not in (*COVERED, "p_local")
-                        if klass in COVERED or klass == "p_local":
-                            r.redundant_forwards += 1  # P did not need it
-                elif ident in encoded:  # P ran its own encoder for it
-                    r.buckets[Bucket.FORWARD] += 1
-                    needs_encoding = True
-                    if decision is not None:
-                        r.late_fallbacks += 1
-                elif klass in COVERED:
-                    r.buckets[Bucket.KV] += 1
-                elif klass == "p_local":
-                    r.buckets[Bucket.P_EMBEDDING] += 1
-                else:
-                    r.buckets[Bucket.EXTERNAL] += 1
-                    r.external_loads += 1
+            acct = account_request(**_record_account(rec, sent, sent_before))
+            r.add(acct)
+            needs_encoding = acct.needs_encoding
         sent_before |= sent
         # E requests and transfers as the simulator counts them: one per client request that
         # E was asked for something (opportunistic asks for everything), and one per request
         # E delivered something for
-        if sent or (policy == "opportunistic" and req.uuids):
+        if sent or (policy.e_at_once and req.uuids):
             r.e_requests += 1
         if sent:
             r.transfers += 1
@@ -199,6 +174,40 @@ def attribute(
             r.ttft_ms.append(out.ttft_ms)
             (r.ttft_encode_ms if needs_encoding else r.ttft_reuse_ms).append(out.ttft_ms)
     return r
+
+
+def _record_account(rec: Any, sent: set[str], sent_before: set[str]) -> dict[str, Any]:
+    """`account_request`'s arguments from P's admission record and what E was sent.
+
+    A delivery is a forward the first time E gets an identifier in the run (E's store starts
+    empty and keeps what it wrote), else E's store serves it. `would`: P's class at admission,
+    where a delivered item's `p_external` is the copy E just wrote (the simulator's `would`
+    leaves forwarded items out of the store): an E need. A late fallback is an item P encoded
+    itself that nobody delivered.
+    """
+    occurrences = [
+        (ident, parse_item_class(cls, f"record {rec.request_id} classes[{i}]"))
+        for i, (ident, cls) in enumerate(zip(rec.identifiers, rec.classes, strict=True))
+    ]
+    delivered = {
+        ident: Delivery.E_CACHE if ident in sent_before else Delivery.FORWARD
+        for ident, _ in occurrences
+        if ident in sent
+    }
+    would_need_e = {
+        ident for ident, cls in occurrences if cls.needs_e or cls is ItemClass.P_EXTERNAL
+    }
+    encoded = {rec.identifiers[i] for i in rec.encoded}
+
+    def late(i: int, ident: str, cls: ItemClass) -> Delivery | None:
+        return Delivery.FORWARD if ident in encoded else None
+
+    return {
+        "occurrences": occurrences,
+        "delivered": delivered,
+        "would_need_e": would_need_e,
+        "late": late,
+    }
 
 
 async def _send(session: Any, url: str, req: ChatRequest, tag: str, out: RequestOutcome) -> None:
@@ -284,8 +293,7 @@ def run_policy(
     """One policy's run on `cluster` (a started `mmreuse.cluster.Cluster`): its summary row
     (the simulator's keys, plus what only a real run has) and its PolicyResult. `proxy_args`:
     the proxy's cluster flags (default `cluster.proxy_args()`, every P/PD)."""
-    if policy not in POLICIES:
-        fail_value("policy", f"one of {POLICIES}", policy)
+    policy = parse_policy(policy).value
     check_str("run", run, nonempty=True)
     rate = check_float("rate", rate, 0, lo_open=True)
     reset_caches(cluster)
@@ -530,7 +538,6 @@ def rendered_stream(
 
 
 __all__ = [
-    "POLICIES",
     "RemoteCluster",
     "RequestOutcome",
     "attribute",

@@ -70,14 +70,11 @@ def get_text(url: str, timeout: float = 30.0) -> str:
 
 
 def render(url: str, body: dict[str, Any], timeout: float = 60.0) -> Any:
-    """vLLM's render of a chat request on the server at `url` (`/v1/chat/completions/render`,
-    `"mm_payload": "none"`: token ids, placeholders and identifiers, no encoder), as
-    `mmreuse.integrations.vllm.RenderedPrompt`."""
-    from ..integrations.vllm import from_render_json
+    """vLLM's render of a chat request on the server at `url` (`mmreuse.render.render_body`:
+    token ids, placeholders and identifiers, no encoder), as a `mmreuse.render.RenderedPrompt`."""
+    from ..render import RENDER_PATH, from_render_json, render_body
 
-    data = json.dumps({**body, "mm_payload": "none"}).encode()
-    req = urllib.request.Request(
-        f"{url}/v1/chat/completions/render", data, {"Content-Type": "application/json"}
-    )
+    data = json.dumps(render_body(body)).encode()
+    req = urllib.request.Request(f"{url}{RENDER_PATH}", data, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return from_render_json(r.read())

@@ -9,19 +9,15 @@ Duck-typed against vLLM 0.33.0 (no vLLM import): `Request.mm_features` / `.num_t
                                 encoder_cache_manager=scheduler.encoder_cache_manager,
                                 ec_connector=scheduler.ec_connector)
 
-And on the proxy side, `from_render` turns vLLM's render output (`/v1/chat/completions/render`
-with `"mm_payload": "none"`) into the token ids and occurrences mmreuse hashes and plans.
+vLLM's render output (the proxy side) is read by `mmreuse.render`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
-import msgspec
-
-from ..demand import Availability, CoverageRule, DemandResult
+from ..demand import Availability, CoverageRule, DemandResult, EncoderCacheSpace
 from ..errors import InvalidArgument
 from ..occurrence import MMOccurrence
 from ..plan import plan_admission
@@ -29,13 +25,10 @@ from ..validate import check_int, check_str, fail_type, show
 from .vllm_hasher import fast_request_block_hasher
 
 __all__ = [  # and EventfulEncoderCacheManager, DemandScheduler: loaded on access (__getattr__)
-    "DENSE_MODALITIES",
-    "RenderedPrompt",
     "availability_from_engine",
     "demand_for_request",
+    "encoder_cache_space",
     "fast_request_block_hasher",
-    "from_render",
-    "from_render_json",
     "occurrences_from_request",
 ]
 
@@ -78,6 +71,23 @@ def _encoder_cache(manager: Any) -> tuple[dict[str, int], set[str]]:
         if not refs:  # no referencing request: in `freeable`, evictable
             freeable.add(ident)
     return p_local, freeable
+
+
+def encoder_cache_space(manager: Any) -> EncoderCacheSpace | None:
+    """P's encoder-cache space for rule S (`compute_demand(encoder_cache=...)`): its free
+    slots and its freeable entries, oldest first (vLLM evicts in that order). None without a
+    reusable cache (encoder-decoder models, no manager)."""
+    if manager is None or _no_reusable_cache(manager):
+        return None
+    free = getattr(manager, "num_free_slots", None)
+    freeable = getattr(manager, "freeable", None)
+    if not isinstance(freeable, Mapping) or type(free) is not int:
+        fail_type(
+            "encoder_cache_manager",
+            "vLLM's EncoderCacheManager (with num_free_slots and the ordered mapping freeable)",
+            manager,
+        )
+    return EncoderCacheSpace(free, tuple((ident, n) for ident, n in freeable.items()))
 
 
 def availability_from_engine(
@@ -138,7 +148,8 @@ def demand_for_request(
     coverage_rule: CoverageRule = "embed",
 ) -> DemandResult:
     """The demand of a live vLLM Request at its admission, where P's scheduler knows C
-    (`num_computed_tokens`): `plan_admission` with C given."""
+    (`num_computed_tokens`): `plan_admission` with C given, and rule S over the encoder
+    cache's space when the manager is given."""
     occs = occurrences_from_request(request)
     if not hasattr(request, "num_tokens"):
         fail_type("request", "vLLM's Request (with num_tokens)", request)
@@ -153,161 +164,8 @@ def demand_for_request(
         external_kv_tokens=external_kv_tokens,
         coverage_rule=coverage_rule,
         is_encoder_decoder=is_encoder_decoder,
+        encoder_cache=encoder_cache_space(encoder_cache_manager),
     ).demand
-
-
-# ---- vLLM's render output ---------------------------------------------------------------------
-
-# Modalities whose placeholders vLLM fills densely (every placeholder position gets an embedding)
-# in the models mmreuse is used with. Render drops `is_embed` (vLLM 0.33's TODO in
-# `PlaceholderRangeInfo`): for a sparse modality (Qwen-VL video with interleaved timestamps) the
-# caller must say which token ids receive embeddings, or it is refused.
-DENSE_MODALITIES = frozenset({"image", "audio"})
-
-
-@dataclass(frozen=True, slots=True)
-class RenderedPrompt:
-    """A chat request as vLLM's renderer sees it: what mmreuse hashes and plans.
-
-    Attributes:
-        token_ids: the prompt after placeholder expansion (`prompt_token_ids`).
-        occurrences: the multimodal items in vLLM's order (by offset, as `argsort_mm_positions`),
-            each identified as vLLM's `mm_hashes` does: the content part's `uuid` when given,
-            else vLLM's content hash.
-        cache_salt: the request's `cache_salt`, or None.
-    """
-
-    token_ids: tuple[int, ...]
-    occurrences: tuple[MMOccurrence, ...]
-    cache_salt: str | None = None
-
-
-def from_render(
-    render: Any,
-    *,
-    embed_token_ids: Mapping[str, int] | None = None,
-    dense_modalities: Iterable[str] = DENSE_MODALITIES,
-) -> RenderedPrompt:
-    """Turn the body of `POST /v1/chat/completions/render` (`"mm_payload": "none"`), or a
-    `GenerateRequest`, into a `RenderedPrompt`.
-
-    Render carries no `is_embed` mask. Hashes do not need it (vLLM 0.33 does not hash it), but
-    coverage and embed counts do, so each modality present must be either in `dense_modalities`
-    (every placeholder position is an embed) or in `embed_token_ids` (the positions holding that
-    token id are the embeds, as in Qwen-VL's `<|video_pad|>`); any other modality raises
-    `InvalidArgument` rather than guess. With tower-connector LoRA, vLLM's identifier is
-    "<lora_name>:<mm_hash>": pass such requests' identifiers through yourself.
-    """
-    body = render.model_dump() if hasattr(render, "model_dump") else render
-    if not isinstance(body, Mapping):
-        fail_type("render", "a render response (a mapping or a pydantic model)", render)
-    tokens = body.get("token_ids")
-    if not isinstance(tokens, list | tuple):
-        fail_type("render.token_ids", "a list of token ids", tokens)
-    token_ids = tuple(check_int(f"render.token_ids[{i}]", t, 0) for i, t in enumerate(tokens))
-    return _rendered(body, token_ids, embed_token_ids, dense_modalities)
-
-
-class _RenderBody(msgspec.Struct):
-    """The render answer's fields mmreuse reads; msgspec checks the token ids in C."""
-
-    token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]]
-    features: Any = None
-    cache_salt: str | None = None
-
-
-_render_body = msgspec.json.Decoder(_RenderBody)
-
-
-def from_render_json(
-    payload: bytes,
-    *,
-    embed_token_ids: Mapping[str, int] | None = None,
-    dense_modalities: Iterable[str] = DENSE_MODALITIES,
-) -> RenderedPrompt:
-    """`from_render` on the raw JSON bytes of a render answer, with the same checks and errors,
-    the token ids validated while decoding (the proxy's path: ~10x faster for long prompts)."""
-    if not isinstance(payload, bytes | bytearray | memoryview):
-        fail_type("payload", "the render answer's JSON bytes", payload)
-    try:
-        body = _render_body.decode(payload)
-    except msgspec.ValidationError as e:
-        hint = " (token ids are ints in [0, 2**63-1])" if "token_ids" in str(e) else ""
-        raise InvalidArgument(f"render: {e}{hint}") from None
-    except msgspec.DecodeError as e:
-        raise InvalidArgument(f"render: not JSON: {e}") from None
-    except RecursionError:
-        raise InvalidArgument("render: nested too deeply to be vLLM's render answer") from None
-    as_map = {"token_ids": body.token_ids, "features": body.features, "cache_salt": body.cache_salt}
-    return _rendered(as_map, tuple(body.token_ids), embed_token_ids, dense_modalities)
-
-
-def _rendered(
-    body: Mapping[str, Any],
-    token_ids: tuple[int, ...],
-    embed_token_ids: Mapping[str, int] | None,
-    dense_modalities: Iterable[str],
-) -> RenderedPrompt:
-    salt = body.get("cache_salt")
-    if salt is not None:
-        check_str("render.cache_salt", salt)
-    embed_ids = dict(embed_token_ids or {})
-    for modality, tid in embed_ids.items():
-        check_str("embed_token_ids key", modality, nonempty=True)
-        check_int(f"embed_token_ids[{modality!r}]", tid, 0)
-    dense = frozenset(check_str("dense_modalities[]", m, nonempty=True) for m in dense_modalities)
-    features = body.get("features")
-    if features is None:
-        return RenderedPrompt(token_ids, (), salt)
-    if not isinstance(features, Mapping):
-        fail_type("render.features", "a mapping (vLLM's MultiModalFeatures)", features)
-    hashes, places = features.get("mm_hashes"), features.get("mm_placeholders")
-    if not isinstance(hashes, Mapping) or not isinstance(places, Mapping):
-        fail_type("render.features", "mm_hashes and mm_placeholders mappings", features)
-    if set(hashes) != set(places):
-        raise InvalidArgument(
-            f"render.features: mm_hashes has modalities {sorted(hashes)} but mm_placeholders "
-            f"{sorted(places)}"
-        )
-    items = []  # (offset, modality, index, identifier, length)
-    for modality in places:
-        ids, ranges = hashes[modality], places[modality]
-        where = f"render.features.mm_placeholders[{modality!r}]"
-        if not isinstance(ids, list | tuple) or not isinstance(ranges, list | tuple):
-            fail_type(f"render.features[{modality!r}]", "lists of hashes and ranges", ids)
-        if len(ids) != len(ranges):
-            raise InvalidArgument(
-                f"render.features: {len(ids)} mm_hashes but {len(ranges)} mm_placeholders "
-                f"for {modality!r}"
-            )
-        if ranges and modality not in dense and modality not in embed_ids:
-            raise InvalidArgument(
-                f"{where}: render gives no is_embed mask and {modality!r} is neither in "
-                f"dense_modalities {sorted(dense)} nor in embed_token_ids: say which token id "
-                "receives its embeddings (embed_token_ids), or that it is dense"
-            )
-        for k, (ident, r) in enumerate(zip(ids, ranges, strict=True)):
-            if not isinstance(r, Mapping):
-                fail_type(f"{where}[{k}]", "a mapping with offset and length", r)
-            offset = check_int(f"{where}[{k}].offset", r.get("offset"), 0)
-            length = check_int(f"{where}[{k}].length", r.get("length"), 1)
-            if offset + length > len(token_ids):
-                raise InvalidArgument(
-                    f"{where}[{k}] = [{offset}, {offset + length}) is past the "
-                    f"{len(token_ids)} token ids"
-                )
-            check_str(f"render.features.mm_hashes[{modality!r}][{k}]", ident, nonempty=True)
-            items.append((offset, modality, k, ident, length))
-    items.sort(key=lambda it: it[0])  # vLLM's argsort_mm_positions: a stable sort by offset
-    occs = []
-    for offset, modality, _, ident, length in items:
-        mask = None
-        if modality in embed_ids:
-            tid = embed_ids[modality]
-            flags = tuple(t == tid for t in token_ids[offset : offset + length])
-            mask = None if all(flags) else flags
-        occs.append(MMOccurrence(ident, offset, length, is_embed=mask, modality=modality))
-    return RenderedPrompt(token_ids, tuple(occs), salt)
 
 
 def __getattr__(name: str) -> Any:

@@ -31,9 +31,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..availability import EmbeddingAvailability
+from ..decision import Policy
 from ..errors import InvalidArgument
 from ..integrations.plugin_config import DEMAND_ID_KEY  # P reads it from vllm_xargs
-from .config import DEMAND_POLICIES, PrefillInstance, ProxyConfig
+from .config import PrefillInstance, ProxyConfig
 from .demand import DemandClient
 from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
@@ -105,7 +106,7 @@ class Proxy:
                 )
                 for view, instance in zip(self.views, config.instances, strict=True)
             ]
-            if config.policy in DEMAND_POLICIES
+            if config.policy.asks_p
             else []
         )
         self.planner = Planner(
@@ -195,7 +196,7 @@ class Proxy:
         items = extract_mm_items(req)
         uuids = [item_uuid(item) for item in items]  # once: E, the rewrite and render use them
         encoded: EncodeResult | None = None  # E's answers, when already in (opportunistic)
-        if cfg.policy == "opportunistic" and items:
+        if cfg.policy is Policy.OPPORTUNISTIC and items:
             decision, encoded = await self._opportunistic(req, items, uuids, req_id)
         else:
             decision = await self.planner.decide(req, items, uuids)
@@ -532,7 +533,7 @@ class Proxy:
         ok = all(s != "unhealthy" for s in (e, p, d))
         views = {v.name: v.health() for v in self.views}
         problems = [f"{name}: {p}" for name, h in views.items() for p in h["problems"]]  # type: ignore[attr-defined]
-        if cfg.policy in ("eager", *DEMAND_POLICIES) and cfg.routing == "random":
+        if not cfg.policy.reads_view and cfg.routing == "random":
             problems = [p for p in problems if not p.endswith("no KV events endpoint")]
         demand = {c.name: c.health() for c in self.demand}
         for name, h in demand.items():

@@ -10,11 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from ..decision import POLICIES, Policy, parse_policy
 from ..errors import InvalidArgument
 from ..hashing.functions import HASH_FUNCTIONS
 
-POLICIES = ("eager", "index", "demand", "opportunistic")
-DEMAND_POLICIES = ("demand", "opportunistic")  # those that ask each P (--demand-endpoints)
 ROUTINGS = ("random", "affine")
 _NO_PREFILL = ("disable", "none", "")
 _UNSUPPORTED = {
@@ -78,7 +77,7 @@ class ProxyConfig:
     no_rewrite: bool = False
     log_requests: bool = False
     encoder_max_batch_size: int = 0
-    policy: str = "eager"
+    policy: Policy = Policy.EAGER
     routing: str = "random"
     render_url: str | None = None
     render_timeout_s: float = (
@@ -97,6 +96,7 @@ class ProxyConfig:
     prefill_instances: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", parse_policy(self.policy))
         urls = self.prefill_urls or self.decode_urls
         instances = self.instances or tuple(PrefillInstance(u) for u in urls)
         if tuple(i.url for i in instances) != urls:
@@ -105,7 +105,7 @@ class ProxyConfig:
                 f"prefill are {list(urls)} (the "
                 f"{'prefill' if self.prefill_urls else 'decode'} URLs): one record each, in order"
             )
-        if self.policy in DEMAND_POLICIES:
+        if self.policy.asks_p:
             for i in instances:
                 if i.demand is None:
                     raise InvalidArgument(
@@ -367,7 +367,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
             if ep is not None and not ep.startswith(_ZMQ):
                 raise InvalidArgument(f"{flag}: {ep!r} is not a ZMQ endpoint")
     demand = given["--demand-endpoints"]
-    if args.policy in DEMAND_POLICIES and not demand:
+    if Policy(args.policy).asks_p and not demand:
         raise InvalidArgument(
             f"--policy {args.policy} needs --demand-endpoints (each P/PD's DemandScheduler "
             "endpoint, aligned with " + which + ")"
@@ -379,7 +379,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         )
     for i, ep in enumerate(demand):  # given under any policy (one flag set for a cluster)
         if ep is None:
-            if args.policy in DEMAND_POLICIES:
+            if Policy(args.policy).asks_p:
                 raise InvalidArgument(
                     f"--demand-endpoints: entry {i} (for {urls[i]}) is empty: --policy "
                     f"{args.policy} asks every P/PD"
@@ -401,7 +401,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
             f"--hash-algo {args.hash_algo} needs --hash-seed: without PYTHONHASHSEED vLLM "
             "seeds xxhash randomly per process, so no proxy can reproduce its hashes"
         )
-    if args.no_rewrite and args.policy != "eager":
+    if args.no_rewrite and args.policy != Policy.EAGER:
         raise InvalidArgument(
             f"--no-rewrite with --policy {args.policy}: P would get every item raw without its "
             "uuid, so its keys would not be the ones the plan used; use --policy eager"

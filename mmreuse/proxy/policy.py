@@ -20,16 +20,17 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..availability import EmbeddingAvailability
-from ..demand import Availability, Klass
+from ..decision import Dispatch, ItemClass, Policy, dispatch, dispatch_all, dispatch_demand
+from ..demand import Availability
 from ..demand_query import DemandAnswer, query_for
 from ..errors import InvalidArgument
-from ..integrations.vllm import RenderedPrompt, from_render_json
 from ..plan import AdmissionPlan, plan_admission
-from .config import DEMAND_POLICIES, ProxyConfig
+from ..render import RENDER_PATH, RenderedPrompt, from_render_json, render_body
+from .config import ProxyConfig
 from .demand import DemandClient, DemandUnavailable
 from .encoder import new_hex
 from .media import MODALITY, item_uuid, with_uuids
@@ -49,7 +50,7 @@ class Decision:
         e_indices: media items (request order) sent to E.
         raw_with_uuid: items P receives raw, with their uuid (skipped for E).
         dup_of: item -> the item sent to E for the same identifier (it shares its embedding).
-        klasses: per item, its class (`Klass` value, "duplicate", or "unclassified").
+        klasses: per item, its class (`mmreuse.decision.ItemClass`).
         plan: the admission plan (None under eager, or when no plan could be made).
         identifiers: per item, vLLM's identifier (from render), when rendered.
         cache_salt: the request's cache salt, when rendered.
@@ -66,7 +67,7 @@ class Decision:
     e_indices: tuple[int, ...]
     raw_with_uuid: frozenset[int] = frozenset()
     dup_of: Mapping[int, int] | None = None
-    klasses: tuple[str, ...] = ()
+    klasses: tuple[ItemClass, ...] = ()
     plan: AdmissionPlan | None = None
     identifiers: tuple[str, ...] = ()
     cache_salt: str | None = None
@@ -97,21 +98,21 @@ class Planner:
         self._post = post  # async (url, body) -> (status, bytes)
         self._rng = rng
         self.demand = list(demand)
-        self._asks = config.policy in DEMAND_POLICIES
+        self.policy = Policy(config.policy)
+        self._asks = self.policy.asks_p
         if self._asks and len(self.demand) != len(config.prefill_instances):
             raise InvalidArgument(
                 f"demand has {len(self.demand)} clients for "
                 f"{len(config.prefill_instances)} P/PD instances"
             )
-        self._needs_render = config.policy != "eager" or config.routing == "affine"
+        self._needs_render = self.policy.renders or config.routing == "affine"
 
     def random_instance(self) -> int:
         return self._rng.randrange(len(self.config.prefill_instances))
 
     def eager(self, items: Sequence[Mapping[str, Any]], instance: int | None = None) -> Decision:
         inst = self.random_instance() if instance is None else instance
-        n = len(items)
-        return Decision(inst, tuple(range(n)), klasses=("unclassified",) * n)
+        return _decision(inst, dispatch_all(len(items)))
 
     async def decide(
         self,
@@ -188,14 +189,11 @@ class Planner:
     async def _render(
         self, request: Mapping[str, Any], uuids: Sequence[str], instance: int
     ) -> RenderedPrompt:
-        body = with_uuids(request, uuids)
-        for key in ("stream", "stream_options", "kv_transfer_params", "ec_transfer_params"):
-            body.pop(key, None)
-        body["mm_payload"] = "none"
+        body = render_body(with_uuids(request, uuids))
         base = self.config.render_url or self.config.prefill_instances[instance]
         try:
             status, payload = await asyncio.wait_for(
-                self._post(f"{base}/v1/chat/completions/render", body),
+                self._post(f"{base}{RENDER_PATH}", body),
                 self.config.render_timeout_s,
             )
         except TimeoutError as e:
@@ -215,7 +213,7 @@ class Planner:
             memo[key] = hasher.hash_prompt(
                 list(rendered.token_ids),
                 mm=rendered.occurrences,
-                cache_salt=rendered.cache_salt,
+                **rendered.identity.hash_kwargs(),
             )
         return memo[key]
 
@@ -267,23 +265,21 @@ class Planner:
                 cache_salt=rendered.cache_salt,
                 no_plan=f"demand: {e}",
             )
-        wanted = {ident for ident, _ in answer.e_demand}
-        sent_for: dict[str, int] = {}
-        klasses = ["unclassified"] * len(items)
-        for occ, idx, klass in zip(rendered.occurrences, occ_items, answer.classes, strict=True):
-            klasses[idx] = klass
-            if occ.identifier in wanted:
-                sent_for.setdefault(occ.identifier, idx)
-        dup_of, raw = _shares(rendered, occ_items, sent_for)
-        return Decision(
+        try:
+            plan = dispatch(
+                [occ.identifier for occ in rendered.occurrences],
+                [ItemClass(c) for c in answer.classes],
+                [ident for ident, _ in answer.e_demand],
+                occ_items,
+                len(items),
+            )
+        except (InvalidArgument, ValueError) as e:  # checked by decode_answer: a bug if here
+            raise _NoPlan(f"demand: answer not usable: {e}") from e
+        return _decision(
             instance,
-            tuple(sorted(sent_for.values())),
-            raw,
-            dup_of,
-            tuple(klasses),
-            None,
-            identifiers,
-            rendered.cache_salt,
+            plan,
+            identifiers=identifiers,
+            cache_salt=rendered.cache_salt,
             demand_id=query.id,
             answer=answer,
         )
@@ -296,7 +292,7 @@ class Planner:
         instance: int,
         memo: dict,
     ) -> Decision:
-        if self.config.policy != "index":
+        if not self.policy.reads_view:
             return _replace(
                 self.eager(items, instance),
                 identifiers=_identifiers(rendered, occ_items, len(items)),
@@ -335,25 +331,12 @@ class Planner:
         demand = plan.demand
         if demand.conflicts:  # vLLM rejects it: let P say so, as under eager
             raise _NoPlan(f"embed counts disagree for {list(demand.conflicts)}")
-        wanted = {ident for ident, _ in demand.e_demand}
-        sent_for: dict[str, int] = {}
-        klasses = ["unclassified"] * len(items)
-        for d in demand.decisions:
-            idx = occ_items[d.index]
-            klasses[idx] = "duplicate" if d.dedup_of is not None else d.klass.value
-            if d.klass.needs_e and d.dedup_of is None and d.identifier in wanted:
-                sent_for.setdefault(d.identifier, idx)
-        e_indices = tuple(sorted(sent_for.values()))
-        dup_of, raw = _shares(rendered, occ_items, sent_for)
-        return Decision(
+        return _decision(
             instance,
-            e_indices,
-            raw,
-            dup_of,
-            tuple(klasses),
-            plan,
-            _identifiers(rendered, occ_items, len(items)),
-            rendered.cache_salt,
+            dispatch_demand(demand, occ_items, len(items)),
+            plan=plan,
+            identifiers=_identifiers(rendered, occ_items, len(items)),
+            cache_salt=rendered.cache_salt,
         )
 
     def record_e(self, decision: Decision) -> None:
@@ -368,6 +351,11 @@ class Planner:
 
 class _NoPlan(Exception):
     """Planning is not possible for this request; it is served as under eager."""
+
+
+def _decision(instance: int, d: Dispatch, **fields: Any) -> Decision:
+    """The Decision that sends what `d` says."""
+    return Decision(instance, d.e_items, d.raw_items, d.shares, d.classes, **fields)
 
 
 def _replace(d: Decision, **changes: Any) -> Decision:
@@ -423,24 +411,8 @@ def _checked(
         if by_ident.setdefault(occ.identifier, uid) != uid or by_uuid.setdefault(uid, occ.identifier) != occ.identifier:  # fmt: skip
             raise _NoPlan(f"render's identifier {occ.identifier!r} names two different items")
     if salt != rendered.cache_salt:
-        rendered = RenderedPrompt(rendered.token_ids, rendered.occurrences, salt)
+        rendered = rendered.with_identity(replace(rendered.identity, cache_salt=salt))
     return rendered
-
-
-def _shares(
-    rendered: RenderedPrompt, occ_items: list[int], sent_for: Mapping[str, int]
-) -> tuple[dict[int, int], frozenset[int]]:
-    """Given the item sent to E per identifier: each other item of a sent identifier shares
-    its embedding (dup_of); an item whose identifier is not sent goes raw with its uuid."""
-    dup_of: dict[int, int] = {}
-    raw: set[int] = set()
-    for occ, idx in zip(rendered.occurrences, occ_items, strict=True):
-        first = sent_for.get(occ.identifier)
-        if first is None:
-            raw.add(idx)
-        elif first != idx:
-            dup_of[idx] = first
-    return dup_of, frozenset(raw)
 
 
 def _identifiers(rendered: RenderedPrompt, occ_items: list[int], n: int) -> tuple[str, ...]:
@@ -450,4 +422,4 @@ def _identifiers(rendered: RenderedPrompt, occ_items: list[int], n: int) -> tupl
     return tuple(out)
 
 
-__all__ = ["Decision", "Klass", "Planner"]
+__all__ = ["Decision", "Planner"]

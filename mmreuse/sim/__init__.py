@@ -2,7 +2,7 @@
 
 import gc
 
-from .accounting import BUCKETS, Bucket, Delivery, PolicyResult
+from ..accounting import BUCKETS, Bucket, Delivery, PolicyResult
 from .cluster import Simulation
 from .config import (
     POLICIES,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import cachetools
 
 from ..blockhash import EventBlockId, ExternalBlockHash
+from ..demand import EncoderCacheSpace
 from ..kvview import PrefixMatch
 from ..residency import BlockIndex
 
@@ -136,6 +137,12 @@ class EncoderCache:
         self.used += num_embeds
         self._on_change({ident: num_embeds}, removed)
         return True
+
+    def space(self) -> EncoderCacheSpace:
+        """Its free slots and freeable entries, oldest first: what rule S reads."""
+        return EncoderCacheSpace(
+            self.capacity - self.used, tuple((i, self.entries[i]) for i in self.freeable)
+        )
 
     def release(self, ident: str) -> None:
         """Drop one reference; the last one leaves the entry freeable (still reusable)."""

@@ -5,7 +5,7 @@ Built from the library's parts: block hashes from `mmreuse.hashing`, P's prefix 
 `kv_coverage` -> `compute_demand`), on P's true state at admission or, for the `index` policy,
 on the proxy's lagging view. Requests arrive open-loop (the same stream for every policy); the
 proxy handles them by policy (`mmreuse.sim.policies`), P accounts for every occurrence at
-admission (`mmreuse.sim.accounting`).
+admission (`mmreuse.accounting`, the rules bench-cluster shares).
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, cast
 
-from ..demand import Availability, Klass
+from ..accounting import (
+    Bucket,
+    Delivery,
+    ItemClass,
+    PolicyResult,
+    account_request,
+    needed_from_e,
+    occurrences_of,
+)
+from ..demand import Availability, EncoderCacheSpace
 from ..hashing import BlockHasher
 from ..kvview import KVView
 from ..plan import AdmissionPlan, plan_admission
-from .accounting import (
-    COVERED,
-    NEEDS_E,
-    Bucket,
-    Delivery,
-    PolicyResult,
-    accounting_occurrences,
-    needed_from_e,
-)
 from .caches import EmbeddingLRU, EncoderCache, PrefixCache
 from .config import SimConfig
 from .policies import make_policy
@@ -164,14 +164,17 @@ class Simulation:
         *,
         view: KVView | None = None,
         num_computed_tokens: int | None = None,
+        encoder_cache: EncoderCacheSpace | None = None,
     ) -> AdmissionPlan:
-        """`plan_admission` for `request`: C looked up in `view`, or given."""
+        """`plan_admission` for `request`: C looked up in `view`, or given; rule S over
+        `encoder_cache` (P's encoder-cache space) when given."""
         if num_computed_tokens is not None:
             return plan_admission(
                 num_prompt_tokens=request.num_tokens,
                 occurrences=request.mm,
                 availability=availability,
                 num_computed_tokens=num_computed_tokens,
+                encoder_cache=encoder_cache,
             )
         return plan_admission(
             num_prompt_tokens=request.num_tokens,
@@ -180,6 +183,7 @@ class Simulation:
             view=view,
             block_hashes=self.block_hashes(request),
             block_size=self.block_size,
+            encoder_cache=encoder_cache,
         )
 
     def plan_at_prefill(
@@ -208,7 +212,11 @@ class Simulation:
             p_local={i: local[i] for i in idents if i in local}, p_external=in_store
         )
         return self.plan(
-            request, availability, view=prefill.kv, num_computed_tokens=num_computed_tokens
+            request,
+            availability,
+            view=prefill.kv,
+            num_computed_tokens=num_computed_tokens,
+            encoder_cache=prefill.encoder_cache.space(),
         )
 
     def job(self, request: SimRequest, p: int, idents: set[str] | None = None) -> EncodeJob:
@@ -310,7 +318,7 @@ class Simulation:
             self.at(self.now, self._admit, p)
 
     def _admit(self, p: int) -> None:
-        """P admits its next request: accounts for each occurrence (`mmreuse.sim.accounting`),
+        """P admits its next request: accounts for each occurrence (`mmreuse.accounting`),
         loads or fetches what it lacks, caches the KV, and schedules the prefill's end."""
         prefill = self.prefills[p]
         request, delivered = prefill.queue.popleft()
@@ -323,51 +331,37 @@ class Simulation:
             if not delivered
             else self.plan_at_prefill(request, p, delivered=delivered, num_computed_tokens=c).demand
         )
-        would_need_e = needed_from_e(would.demand.decisions)
-        accounts_for = accounting_occurrences(demand.decisions)
+        decisions = demand.decisions
         delay = 0.0
+
+        def late(i: int, ident: str, cls: ItemClass) -> Delivery:
+            nonlocal delay  # P needs it and nobody sent it: fetch now
+            how, wait = self._fallback(ident, decisions[i].num_embeds)
+            delay = max(delay, wait)
+            return how
+
+        def on_external(i: int, ident: str) -> None:
+            nonlocal delay
+            self.external.hit(ident)
+            delay += self.cost.external_ms(decisions[i].num_embeds)
+
+        acct = account_request(
+            occurrences_of(demand),
+            delivered={ident: how for ident, (how, _) in delivered.items()},
+            would_need_e=needed_from_e(occurrences_of(would.demand)),
+            late=late,
+            on_external=on_external,
+        )
+        result.add(acct)
         acquired: list[str] = []
-        needs_encoding = False
-        for d in demand.decisions:
-            ident = d.identifier
-            if accounts_for[ident] != d.index:
-                result.buckets[Bucket.DEDUP] += 1
-                continue
-            n = d.num_embeds
-            if ident in delivered:
-                how = delivered[ident][0]
-                bucket = how.bucket
-                if how is Delivery.FORWARD:
-                    if ident in would_need_e:
-                        needs_encoding = True
-                    else:
-                        result.redundant_forwards += 1
-            elif d.klass in COVERED:
-                bucket = Bucket.KV
-            elif d.klass is Klass.P_LOCAL:
-                bucket = Bucket.P_EMBEDDING
-            elif d.klass is Klass.P_EXTERNAL:
-                bucket = Bucket.EXTERNAL
-                result.external_loads += 1
-                self.external.hit(ident)
-                delay += self.cost.external_ms(n)
-            else:  # P needs it and nobody sent it: fetch now
-                result.late_fallbacks += 1
-                how, wait = self._fallback(ident, n)
-                bucket = how.bucket
-                delay = max(delay, wait)
-                needs_encoding |= how is Delivery.FORWARD
-            if d.klass not in COVERED:
-                if (
-                    d.klass in NEEDS_E
-                    and ident not in delivered
-                    and bucket not in (Bucket.FORWARD, Bucket.E_CACHE)
-                ):
-                    result.wrong_skips += 1  # consumed without an embedding in hand
-                if prefill.encoder_cache.acquire(ident, n):
-                    acquired.append(ident)
-            result.buckets[bucket] += 1
-        result.occurrences += len(demand.decisions)
+        for d, bucket in zip(decisions, acct.buckets, strict=True):
+            if (
+                bucket is not Bucket.DEDUP
+                and not d.klass.covered
+                and prefill.encoder_cache.acquire(d.identifier, d.num_embeds)
+            ):
+                acquired.append(d.identifier)
+        needs_encoding = acct.needs_encoding
         hit_blocks = would.proof.block_ids.tolist() if would.proof is not None else []
         hashes = cast("tuple[bytes, ...]", would.block_hashes)  # ours, from mmreuse.hashing
         blocks = prefill.kv.admit(hashes, would.hit_blocks, hit_blocks) or []

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..decision import POLICIES
 from ..errors import InvalidArgument, InvalidArgumentType
 from ..validate import check_bool, check_float, check_int, check_str, fail_type, fail_value, show
 
-POLICIES = ("eager", "demand", "opportunistic", "index")
 WORKLOADS = ("chat", "fanout", "agentic", "trace")
 ROUTINGS = ("affine", "random")
 IMAGE_TOKENS = ("fixed576", "qwen2vl")  # and "fixed:N" (`parse_image_tokens`)

@@ -9,15 +9,16 @@
   view missed (a late fallback: E's cache, else an encoder forward).
 
 A policy is chosen once, when the simulation is built (`make_policy`); P's own re-check at
-admission is the same for every policy (`mmreuse.sim.accounting`).
+admission is the same for every policy (`mmreuse.accounting`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from ..decision import Policy as PolicyName
+from ..decision import parse_policy
 from ..demand import DemandResult
-from ..validate import fail_value
 from .view import ClusterView, encoder_name, prefill_name
 from .workload import SimRequest
 
@@ -33,8 +34,12 @@ def _needed(demand: DemandResult) -> set[str]:
 class Policy:
     """How the proxy routes a request with multimodal items (P is already chosen)."""
 
-    name: ClassVar[str]
-    reads_view: ClassVar[bool] = False  # whether the cluster must feed the lagging view
+    name: ClassVar[PolicyName]
+
+    @property
+    def reads_view(self) -> bool:
+        """Whether the cluster must feed the lagging view."""
+        return self.name.reads_view
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
@@ -46,7 +51,7 @@ class Policy:
 class Eager(Policy):
     """The reference E-first proxy: every item to E, then P."""
 
-    name = "eager"
+    name = PolicyName.EAGER
 
     def arrive(self, request: SimRequest, p: int) -> None:
         self.sim.send_to_encoder(self.sim.job(request, p))
@@ -55,7 +60,7 @@ class Eager(Policy):
 class Demand(Policy):
     """Ask P first (half an RTT each way), then send E only what P's answer needs."""
 
-    name = "demand"
+    name = PolicyName.DEMAND
 
     def arrive(self, request: SimRequest, p: int) -> None:
         sim = self.sim
@@ -74,7 +79,7 @@ class Demand(Policy):
 class Opportunistic(Policy):
     """E starts at once; P's answer, once back, lets E skip items whose forward has not started."""
 
-    name = "opportunistic"
+    name = PolicyName.OPPORTUNISTIC
 
     def arrive(self, request: SimRequest, p: int) -> None:
         sim = self.sim
@@ -91,8 +96,7 @@ class Opportunistic(Policy):
 class Index(Policy):
     """Decide at once from the lagging view of P's KV and of every embedding cache."""
 
-    name = "index"
-    reads_view = True
+    name = PolicyName.INDEX
 
     def arrive(self, request: SimRequest, p: int) -> None:
         sim = self.sim
@@ -108,12 +112,11 @@ class Index(Policy):
             sim.send_to_prefill(request, p, {})
 
 
-POLICY_CLASSES: dict[str, type[Policy]] = {c.name: c for c in (Eager, Demand, Opportunistic, Index)}
+POLICY_CLASSES: dict[PolicyName, type[Policy]] = {
+    c.name: c for c in (Eager, Demand, Opportunistic, Index)
+}
 
 
 def make_policy(name: str, sim: Simulation) -> Policy:
-    """The policy called `name` (one of `mmreuse.sim.config.POLICIES`), bound to `sim`."""
-    cls = POLICY_CLASSES.get(name)
-    if cls is None:
-        fail_value("policy", f"one of {tuple(POLICY_CLASSES)}", name)
-    return cls(sim)
+    """The policy called `name` (one of `mmreuse.decision.POLICIES`), bound to `sim`."""
+    return POLICY_CLASSES[parse_policy(name)](sim)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .accounting import Bucket, PolicyResult
+from ..accounting import Bucket, PolicyResult
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -18,7 +18,7 @@ from mmreuse import BlockHasher
 from mmreuse.blockhash import to_event_id
 from mmreuse.cluster.client import image_part, png_data_url, post_json
 from mmreuse.events import BlockStored, decode_batch
-from mmreuse.integrations.vllm import from_render
+from mmreuse.render import from_render
 
 pytestmark = [
     pytest.mark.live,

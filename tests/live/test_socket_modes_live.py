@@ -17,7 +17,7 @@ from mmreuse import BlockHasher
 from mmreuse.cluster import Cluster
 from mmreuse.cluster.client import image_part, png_data_url, post_json
 from mmreuse.events import KVEventSubscriber, Metrics, RemoteKVIndex
-from mmreuse.integrations.vllm import from_render
+from mmreuse.render import from_render
 
 pytestmark = [
     pytest.mark.live,

@@ -19,7 +19,7 @@ from mmreuse import BlockHasher, kv_coverage
 from mmreuse.cluster import Cluster
 from mmreuse.cluster.client import get_text, image_part, png_data_url, post_json
 from mmreuse.events import KVEventSubscriber, Metrics, RemoteKVIndex
-from mmreuse.integrations.vllm import from_render
+from mmreuse.render import from_render
 
 pytestmark = [
     pytest.mark.live,

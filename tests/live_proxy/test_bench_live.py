@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from mmreuse.accounting import BUCKETS
 from mmreuse.cluster.bench import run_policy
 from mmreuse.cluster.simchat import chat_requests
 from mmreuse.sim import generate
-from mmreuse.sim.accounting import BUCKETS
 from mmreuse.sim.config import WorkloadConfig
 
 pytestmark = pytest.mark.live

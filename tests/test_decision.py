@@ -1,0 +1,108 @@
+"""mmreuse.decision: the policies, the item classes on the wire, and dispatch (what E and P get)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mmreuse import Availability, MMOccurrence, compute_demand
+from mmreuse.decision import (
+    ANSWER_CLASSES,
+    POLICIES,
+    ItemClass,
+    Policy,
+    dispatch,
+    dispatch_all,
+    dispatch_demand,
+    item_classes,
+    parse_item_class,
+    parse_policy,
+)
+from mmreuse.demand import Klass
+from mmreuse.errors import InvalidArgument
+
+
+def test_policies_say_what_they_read_and_ask():
+    assert POLICIES == ("eager", "demand", "opportunistic", "index")
+    assert [p for p in Policy if p.renders] == [Policy.DEMAND, Policy.OPPORTUNISTIC, Policy.INDEX]
+    assert [p for p in Policy if p.reads_view] == [Policy.INDEX]
+    assert [p for p in Policy if p.asks_p] == [Policy.DEMAND, Policy.OPPORTUNISTIC]
+    assert [p for p in Policy if p.e_at_once] == [Policy.EAGER, Policy.OPPORTUNISTIC]
+    assert parse_policy("index") is Policy.INDEX and parse_policy(Policy.EAGER) is Policy.EAGER
+    with pytest.raises(InvalidArgument, match=r"^--policy must be one of .*got 'lazy'"):
+        parse_policy("lazy", "--policy")
+
+
+def test_item_classes_name_klass_and_the_wire_only_classes():
+    assert {c.value for c in ItemClass} == {k.value for k in Klass} | {"duplicate", "unclassified"}
+    assert {c.value for c in ItemClass} - {"unclassified"} == ANSWER_CLASSES
+    assert [c for c in ItemClass if c.covered] == [ItemClass.KV_COVERED, ItemClass.NO_EMBEDS]
+    assert [c for c in ItemClass if c.needs_e] == [ItemClass.E_CACHED, ItemClass.E_COMPUTE]
+    assert ItemClass.P_LOCAL.klass is Klass.P_LOCAL and ItemClass.DUPLICATE.klass is None
+    assert parse_item_class("p_local", "x") is ItemClass.P_LOCAL
+    for bad in ("unclassified", "P_LOCAL", 3, None):
+        with pytest.raises(InvalidArgument, match=r"^classes\[2\] must be one of"):
+            parse_item_class(bad, "classes[2]")
+
+
+def test_a_kv_covered_first_occurrence_does_not_carry_the_delivery():
+    """img at offset 0 is covered by KV; its repeat after C needs E: E gets the repeat's item,
+    the covered one shares it (the proxy's index path and P's answers agree on this)."""
+    occ = [MMOccurrence("img", 0, 8), MMOccurrence("txt-img", 10, 4), MMOccurrence("img", 40, 8)]
+    demand = compute_demand(occ, 60, 32, Availability(p_local={"txt-img": 4}))
+    assert item_classes(demand) == (ItemClass.KV_COVERED, ItemClass.KV_COVERED, ItemClass.E_COMPUTE)
+    d = dispatch_demand(demand, [2, 0, 1], 3)  # occurrence i is item occurrence_items[i]
+    assert d.e_items == (1,)  # the third occurrence's item
+    assert d.shares == {2: 1} and d.raw_items == {0}
+    assert d.classes == (ItemClass.KV_COVERED, ItemClass.E_COMPUTE, ItemClass.KV_COVERED)
+
+
+def test_duplicates_share_and_everything_else_goes_raw():
+    occ = [MMOccurrence("a", 0, 4), MMOccurrence("b", 4, 4), MMOccurrence("a", 8, 4)]
+    demand = compute_demand(occ, 20, 0, Availability(p_local={"b": 4}, e_cached={"a"}))
+    d = dispatch_demand(demand, [0, 1, 2], 3)
+    assert d.e_items == (0,) and d.shares == {2: 0} and d.raw_items == {1}
+    assert d.classes == (ItemClass.E_CACHED, ItemClass.P_LOCAL, ItemClass.DUPLICATE)
+    assert dispatch_all(2) == dispatch_all(2)
+    assert dispatch_all(2).e_items == (0, 1)
+    assert dispatch_all(2).classes == (ItemClass.UNCLASSIFIED,) * 2
+
+
+def test_dispatch_refuses_inconsistent_input():
+    with pytest.raises(InvalidArgument, match="aligned"):
+        dispatch(["a"], [], [], [0], 1)
+    with pytest.raises(InvalidArgument, match=r"^e_demand names \['a'\], but no occurrence"):
+        dispatch(["a"], [ItemClass.KV_COVERED], ["a"], [0], 1)
+    with pytest.raises(InvalidArgument, match=r"^occurrence_items\[0\] must be an item index"):
+        dispatch(["a"], [ItemClass.E_COMPUTE], ["a"], [3], 1)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abcd"), st.integers(1, 6), st.integers(0, 3)),
+        min_size=0,
+        max_size=8,
+    ),
+    st.integers(0, 60),
+)
+def test_each_identifier_e_delivers_is_sent_once_where_p_consumes_it(spec, c_hint):
+    occs, offset = [], 0
+    for ident, n, gap in spec:
+        offset += gap
+        occs.append(MMOccurrence(ident, offset, n))
+        offset += n
+    n_tokens = offset + 1
+    sizes: dict[str, int] = {}
+    occs = [o for o in occs if sizes.setdefault(o.identifier, o.length) == o.length]
+    demand = compute_demand(occs, n_tokens, min(c_hint, n_tokens - 1), Availability())
+    d = dispatch_demand(demand, list(range(len(occs))), len(occs))
+    sent = [occs[i].identifier for i in d.e_items]
+    assert sorted(sent) == sorted(ident for ident, _ in demand.e_demand)  # each once
+    for i in d.e_items:  # at its first occurrence that needs E
+        first = next(x.index for x in demand.decisions if x.identifier == occs[i].identifier
+                     and x.klass.needs_e)  # fmt: skip
+        assert first == i
+    # every item is sent, shares a sent one, or goes raw: exactly one of the three
+    for i in range(len(occs)):
+        assert (i in d.e_items) + (i in d.shares) + (i in d.raw_items) == 1
