@@ -51,7 +51,8 @@ def test_only_vllms_own_hash_functions_are_taken_over():
 
 def test_importing_it_loads_neither_vllm_nor_torch():
     code = (
-        "import sys, mmreuse.integrations.vllm_hasher, mmreuse.integrations.vllm; "
+        "import sys, mmreuse.integrations.vllm_hasher, mmreuse.integrations.vllm, "
+        "mmreuse.integrations.vllm_versions; "
         "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

