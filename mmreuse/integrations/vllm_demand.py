@@ -45,7 +45,7 @@ import msgspec
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ..demand import Availability, Klass, compute_demand
+from ..decision import item_classes
 from ..demand_query import (
     MAX_ID_CHARS,
     AdmissionRecord,
@@ -57,25 +57,28 @@ from ..demand_query import (
     MalformedQuery,
     RecordsQuery,
     StatsQuery,
+    answer_for,
     decode_query,
     encode,
     max_query_bytes,
     occurrences_of,
 )
+from ..plan import plan_admission
 from ..residency import BlockIndex
-from .vllm import availability_from_engine, occurrences_from_request
+from .plugin_config import DEMAND_ID_KEY, read_config
+from .vllm import availability_from_engine, encoder_cache_space, occurrences_from_request
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
 
-CONFIG_KEY = "mmreuse"
-DEMAND_ID_KEY = "mmreuse_demand_id"  # in vllm_xargs (SamplingParams.extra_args)
 REMEMBERED_ANSWERS = 4096  # answers whose proofs wait for their request (LRU beyond)
 MAX_RECORDS = 65536  # admission records kept (a ring: RecordsQuery says how many were lost)
 SYNC_INDEX_AFTER = 512  # pending block-pool changes that make a step apply them (bounded memory)
 MAX_FREE_QUEUE_WALK = 2048  # trust_kv_blocks is counted up to this: that value means "at least"
 
-# Scheduler methods that change state: each runs holding the demand lock.
+# Scheduler methods that change state: each runs holding the demand lock. The one list of
+# them: at start-up `_check_vllm` refuses a vLLM whose scheduler has a public method neither
+# here nor in `vllm_versions.UNLOCKED`, or differs from the one verified (`VERIFIED`).
 _LOCKED = (
     "schedule",
     "update_from_output",
@@ -114,12 +117,6 @@ class _Counters:
     changed: dict[str, int] = field(default_factory=dict)
 
 
-def _ours(vllm_config: Any) -> dict[str, Any]:
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    ours = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
-    return ours if isinstance(ours, dict) else {}
-
-
 class DemandScheduler(Scheduler):
     """vLLM's scheduler answering demand queries (see the module docstring). Under async
     scheduling it is vLLM's AsyncScheduler with the same additions."""
@@ -132,6 +129,7 @@ class DemandScheduler(Scheduler):
         return super().__new__(cls)
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        _check_vllm(type(self), vllm_config)  # refuses a vLLM it was not verified with
         super().__init__(vllm_config, *args, **kwargs)
         self._demand_lock = threading.RLock()
         self._counters = _Counters()
@@ -142,7 +140,7 @@ class DemandScheduler(Scheduler):
         self._lora_by_name: cachetools.LRUCache[str, Any] = cachetools.LRUCache(256)
         self._query_hasher = self._make_query_hasher(vllm_config)
         # admission records (`"admission_records": true`): what P did with every request
-        self._recording = bool(_ours(vllm_config).get("admission_records", False))
+        self._recording = bool(read_config(vllm_config).get("admission_records", False))
         self._records: collections.deque[AdmissionRecord] = collections.deque(maxlen=MAX_RECORDS)
         self._next_record = 0
         self._admitting: dict[str, tuple[int, list[str], list[str]]] = {}  # at the lookup
@@ -155,7 +153,7 @@ class DemandScheduler(Scheduler):
         self._index_ops: list[tuple[bytes | None, int]] = []
         self._index, self._index_note = self._make_index()
         self._server: _DemandServer | None = None
-        endpoint = _ours(vllm_config).get("demand_endpoint")
+        endpoint = read_config(vllm_config).get("demand_endpoint")
         if endpoint:
             self._server = _DemandServer(str(endpoint), self._handle, self._max_query_bytes)
             self._server.start()
@@ -297,13 +295,11 @@ class DemandScheduler(Scheduler):
         try:
             c = min(hit, request.num_tokens - 1)
             occs = occurrences_from_request(request)
-            demand, _, _ = self._demand_at(occs, request.num_tokens, c)
+            demand = self._demand_at(occs, request.num_tokens, c)
         except Exception:  # a record is never worth a scheduling step
             logger.exception("mmreuse: admission of %s not recorded", request.request_id)
             return
-        classes = [
-            "duplicate" if d.dedup_of is not None else d.klass.value for d in demand.decisions
-        ]
+        classes = [k.value for k in item_classes(demand)]
         self._admitting[request.request_id] = (c, [d.identifier for d in demand.decisions], classes)
 
     def _record_admissions(self, output: Any) -> None:
@@ -486,30 +482,21 @@ class DemandScheduler(Scheduler):
         )
         return occs, request
 
-    def _demand_at(
-        self, occs: list[Any], n: int, c: int, e_cached: Any = ()
-    ) -> tuple[Any, frozenset[str], bool]:
-        """`compute_demand` over P's encoder cache and EC connector now, at C = `c`, with the
-        entries this request's own admission evicts first counted as gone (see
-        `_self_evictions`); also those entries, and whether the cache is short for it."""
+    def _demand_at(self, occs: list[Any], n: int, c: int, e_cached: Any = ()) -> Any:
+        """P's plan at C = `c` (`plan_admission` with C given) over its encoder cache, its EC
+        connector and `e_cached`, with rule S (its encoder-cache space): the `DemandResult`."""
+        ecm = self.encoder_cache_manager
         avail = availability_from_engine(
-            self.encoder_cache_manager,
-            self.ec_connector,
-            {m.identifier for m in occs},
-            e_cached=e_cached,
+            ecm, self.ec_connector, {m.identifier for m in occs}, e_cached=e_cached
         )
-        enc_dec = bool(getattr(self, "is_encoder_decoder", False))
-        demand = compute_demand(occs, n, c, avail, is_encoder_decoder=enc_dec)
-        self_evicted, short = self._self_evictions(occs, demand)
-        if self_evicted:  # P's own allocations for this request evict them first
-            avail = Availability(
-                p_local={k: v for k, v in avail.p_local.items() if k not in self_evicted},
-                p_local_freeable=avail.p_local_freeable - self_evicted,
-                p_external=avail.p_external,
-                e_cached=avail.e_cached,
-            )
-            demand = compute_demand(occs, n, c, avail, is_encoder_decoder=enc_dec)
-        return demand, self_evicted, short
+        return plan_admission(
+            num_prompt_tokens=n,
+            occurrences=occs,
+            availability=avail,
+            num_computed_tokens=c,
+            is_encoder_decoder=bool(getattr(self, "is_encoder_decoder", False)),
+            encoder_cache=encoder_cache_space(ecm),
+        ).demand
 
     def _answer(self, query: DemandQuery, occs: list[Any], request: Any) -> DemandAnswer:
         """The answer, from P's state now (called holding the lock): `occs` are the request's
@@ -521,9 +508,7 @@ class DemandScheduler(Scheduler):
                 request.block_hashes, request.num_tokens - 1
             )
             hit_tokens, hit_blocks = int(found[1]), found[0][0] if found[0] else []
-        demand, self_evicted, short = self._demand_at(
-            occs, request.num_tokens, hit_tokens, query.e_cached
-        )
+        demand = self._demand_at(occs, request.num_tokens, hit_tokens, query.e_cached)
         proof, keys = None, []
         index = self._sync_index()
         if index is not None:
@@ -536,20 +521,10 @@ class DemandScheduler(Scheduler):
         reused = demand.p_local_reuse
         if query.remember:
             self._remembered[query.id] = _Remembered(proof, keys, hit_tokens, reused)
-        classes, dedup = [], []
-        for d in demand.decisions:
-            classes.append("duplicate" if d.dedup_of is not None else d.klass.value)
-            dedup.append(d.dedup_of)
-        return DemandAnswer(
-            id=query.id,
-            num_computed_tokens=hit_tokens,
-            classes=classes,
-            dedup_of=dedup,
-            e_demand=[(ident, bool(fwd)) for ident, fwd in demand.e_demand],
-            p_local_reuse=list(reused),
-            p_loads=list(demand.p_loads),
-            p_local_self_evicted=sorted(self_evicted),
-            encoder_cache_short=short,
+        return answer_for(
+            query.id,
+            hit_tokens,
+            demand,
             proof_blocks=[] if proof is None else proof.block_ids.tolist(),
             proof_generations=[] if proof is None else proof.generations.tolist(),
             trust_kv_blocks=self._trust_kv(hit_blocks),
@@ -557,44 +532,6 @@ class DemandScheduler(Scheduler):
             external_kv="none" if self.connector is None else "not_consulted",
             step=int(getattr(self, "current_step", 0)),
         )
-
-    def _self_evictions(self, occs: list[Any], demand: Any) -> tuple[frozenset[str], bool]:
-        """Freeable encoder-cache entries this request's own admission evicts: vLLM's
-        `_try_schedule_encoder_inputs` walks the items in order; a cached one is referenced (no
-        longer evictable), an uncached one reserves space, evicting the oldest freeable entries
-        when the free space is short, possibly ones a later item of the request would reuse.
-        Also whether the cache cannot hold all of them at once (P spreads them over steps)."""
-        ecm = self.encoder_cache_manager
-        freeable = getattr(ecm, "freeable", None)
-        free = int(getattr(ecm, "num_free_slots", 0))
-        freeable = freeable or {}
-        queue = dict(freeable)  # insertion order: oldest first, as vLLM evicts
-        cached = set(getattr(ecm, "cached", {}))
-        scheduled: set[str] = set()
-        to_schedule = 0
-        evicted: set[str] = set()
-        # the freeable space left in `queue`, kept as it shrinks (a sum per item is quadratic)
-        room = sum(queue.values())
-        for occ, d in zip(occs, demand.decisions, strict=True):
-            if d.klass in (Klass.KV_COVERED, Klass.NO_EMBEDS) or occ.identifier in scheduled:
-                continue
-            ident = occ.identifier
-            if ident in cached:
-                room -= queue.pop(ident, 0)  # referenced now
-                continue
-            need = occ.num_embeds + to_schedule
-            if need > free + room:
-                return frozenset(evicted), True  # vLLM stops this step's encoder inputs here
-            while need > free:
-                victim = next(iter(queue))
-                n = queue.pop(victim)
-                free += n
-                room -= n
-                cached.discard(victim)
-                evicted.add(victim)
-            to_schedule += occ.num_embeds
-            scheduled.add(ident)
-        return frozenset(evicted), False
 
     def _trust_kv(self, hit_blocks: list[Any]) -> int | None:
         """New blocks P can allocate before a hit block may be evicted: its place in vLLM's
@@ -695,6 +632,15 @@ def _locked(name: str) -> Callable[..., Any]:
 for _name in _LOCKED:
     if hasattr(Scheduler, _name) and _name not in DemandScheduler.__dict__:
         setattr(DemandScheduler, _name, _locked(_name))
+
+
+def _check_vllm(cls: type, vllm_config: Any) -> None:
+    """Before the scheduler serves: the running vLLM's scheduler is one this was verified with
+    (its methods as recorded, each locked or known read-only), or InvalidArgument naming what
+    differs; `allow_unverified_vllm` / MMREUSE_ALLOW_UNVERIFIED_VLLM=1 start anyway, warned."""
+    from .vllm_versions import check_running_scheduler
+
+    check_running_scheduler(cls, read_config(vllm_config), _LOCKED)
 
 
 class AsyncDemandScheduler(DemandScheduler, AsyncScheduler):
