@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from .decision import ItemClass, item_class
-from .demand import DemandResult, Klass
+from .demand import DemandResult
 
 
 class Bucket(StrEnum):
@@ -74,8 +74,6 @@ class Delivery(StrEnum):
 _DELIVERY_BUCKET = {Delivery.FORWARD: Bucket.FORWARD, Delivery.E_CACHE: Bucket.E_CACHE}
 
 BUCKETS: tuple[str, ...] = tuple(b.value for b in Bucket)
-COVERED = (Klass.KV_COVERED, Klass.NO_EMBEDS)  # P never touches the encoder for these
-NEEDS_E = (Klass.E_CACHED, Klass.E_COMPUTE)
 
 Occurrences = Sequence[tuple[str, ItemClass]]  # (identifier, class) per occurrence, vLLM's order
 

@@ -21,12 +21,12 @@ from typing import Any, cast
 from ..accounting import (
     Bucket,
     Delivery,
-    ItemClass,
     PolicyResult,
     account_request,
     needed_from_e,
     occurrences_of,
 )
+from ..decision import ItemClass
 from ..demand import Availability, EncoderCacheSpace
 from ..hashing import BlockHasher
 from ..kvview import KVView
