@@ -108,17 +108,18 @@ class ItemClass(StrEnum):
     @property
     def covered(self) -> bool:
         """P never touches the encoder for it (KV-covered, or no embed positions)."""
-        k = _KLASS_OF.get(self)
-        return k is not None and k.covered
+        return self in _COVERED_ITEMS
 
     @property
     def needs_e(self) -> bool:
         """E must deliver an embedding for it (e_cached, e_compute)."""
-        k = _KLASS_OF.get(self)
-        return k is not None and k.needs_e
+        return self in _NEEDS_E_ITEMS
 
 
 _KLASS_OF: dict[ItemClass, Klass] = {ItemClass(k.value): k for k in Klass}
+_ITEM_OF: dict[Klass, ItemClass] = {k: c for c, k in _KLASS_OF.items()}
+_COVERED_ITEMS = frozenset(c for c, k in _KLASS_OF.items() if k.covered)
+_NEEDS_E_ITEMS = frozenset(c for c, k in _KLASS_OF.items() if k.needs_e)
 ITEM_CLASSES: frozenset[str] = frozenset(c.value for c in ItemClass)
 # what a peer (P) may name: every class but unclassified, which only the proxy uses
 ANSWER_CLASSES: frozenset[str] = ITEM_CLASSES - {ItemClass.UNCLASSIFIED.value}
@@ -128,7 +129,7 @@ def item_class(decision: OccurrenceDecision) -> ItemClass:
     """An occurrence decision's class on the wire."""
     if decision.dedup_of is not None:
         return ItemClass.DUPLICATE
-    return ItemClass(decision.klass.value)
+    return _ITEM_OF[decision.klass]
 
 
 def item_classes(demand: DemandResult) -> tuple[ItemClass, ...]:

@@ -198,7 +198,8 @@ class Simulation:
         """P's true plan now: its KV (unless C is given), its encoder cache plus `delivered`,
         and the external store less `not_external`."""
         prefill = self.prefills[p]
-        local = prefill.encoder_cache.entries
+        cache = prefill.encoder_cache
+        local = cache.entries
         if delivered:
             local = {**local, **{ident: n for ident, (_, n) in delivered.items()}}
         idents = {m.identifier for m in request.mm}
@@ -216,7 +217,8 @@ class Simulation:
             availability,
             view=prefill.kv,
             num_computed_tokens=num_computed_tokens,
-            encoder_cache=prefill.encoder_cache.space(),
+            # rule S can only change a class when one of the request's items is freeable
+            encoder_cache=(cache.space() if any(i in cache.freeable for i in idents) else None),
         )
 
     def job(self, request: SimRequest, p: int, idents: set[str] | None = None) -> EncodeJob:
@@ -345,10 +347,13 @@ class Simulation:
             self.external.hit(ident)
             delay += self.cost.external_ms(decisions[i].num_embeds)
 
+        occurrences = occurrences_of(demand)
         acct = account_request(
-            occurrences_of(demand),
+            occurrences,
             delivered={ident: how for ident, (how, _) in delivered.items()},
-            would_need_e=needed_from_e(occurrences_of(would.demand)),
+            would_need_e=needed_from_e(
+                occurrences if demand is would.demand else occurrences_of(would.demand)
+            ),
             late=late,
             on_external=on_external,
         )
