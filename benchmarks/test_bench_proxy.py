@@ -15,10 +15,10 @@ import pytest
 
 from mmreuse.blockhash import to_event_id
 from mmreuse.events.wire import BlockStored, KVEventBatch
-from mmreuse.render import from_render, from_render_json
 from mmreuse.proxy.app import Proxy
 from mmreuse.proxy.config import parse_args
 from mmreuse.proxy.policy import _occurrence_items
+from mmreuse.render import from_render, from_render_json
 
 N, IMAGES, IMAGE_TOKENS, BLOCK = 32_768, 16, 576, 16
 IMAGE_PAD = 151655

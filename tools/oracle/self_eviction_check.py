@@ -19,7 +19,14 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demand_scheduler_check import BLOCK, PAD, make_scheduler, request, runner_output, tiny_model_dir
+from demand_scheduler_check import (
+    BLOCK,
+    PAD,
+    make_scheduler,
+    request,
+    runner_output,
+    tiny_model_dir,
+)
 
 from mmreuse.integrations.vllm import (
     availability_from_engine,
@@ -37,7 +44,7 @@ def prompt(items: list[str], salt: int) -> tuple[list[int], list[tuple[str, int,
     for ident in items:
         placed.append((ident, len(tokens), IMAGE))
         tokens += [PAD] * IMAGE
-    return tokens + [5, 6, 7], placed
+    return [*tokens, 5, 6, 7], placed
 
 
 def run_to_end(s: Scheduler, req) -> list[int]:
