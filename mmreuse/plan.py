@@ -2,7 +2,7 @@
 
 request -> block hashes -> KV view lookup (`KVView.match_prefix`) -> `kv_coverage` (C) ->
 `compute_demand`. `plan_admission` does it once, top to bottom, and returns an `AdmissionPlan`;
-the simulator, the vLLM adapter and the README's recipe all go through it. C comes one way or
+the simulator, the vLLM adapter and docs/demand.md's recipe all go through it. C comes one way or
 the other: looked up in a view (`BlockIndex`, `RemoteKVIndex`), or given (P's own scheduler).
 
 Torch-free: views are passed in, never imported here.

@@ -39,7 +39,7 @@ from mmreuse.hashing import fast_path_available
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = json.loads((Path(__file__).parent / "data/vllm-0.33.0-kv-events.json").read_text())
 
-P_CONFIG = dict(hash_fn="sha256", block_size=16, seed="0")  # the cluster's P (README)
+P_CONFIG = dict(hash_fn="sha256", block_size=16, seed="0")  # the cluster's P (docs/cluster.md)
 CAUSES = "PYTHONHASHSEED or block size differs"
 
 

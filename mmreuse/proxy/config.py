@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Re-encode and re-send when decode returns 500 (its retryable error). 0 disables.",
     )
     # The reference's dynamic-registration and Mooncake-push flags: recognised, and refused
-    # with the reason (README, "What of the reference is not covered").
+    # with the reason (docs/proxy.md, "Not covered").
     for flag in _UNSUPPORTED:
         p.add_argument(
             flag, dest=_dest(flag), nargs="?", const=True, default=None, help=argparse.SUPPRESS
@@ -318,7 +318,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         if getattr(args, _dest(flag)) is not None:
             raise InvalidArgument(
                 f"{flag}: {what} is not supported by mmreuse proxy (static mode only; see the "
-                "README: the demand-aware policies need each P/PD's KV-event endpoint, which "
+                "docs/proxy.md: the demand-aware policies need each P/PD's KV-event endpoint, which "
                 "registration does not carry, and Mooncake push cannot be tested here)"
             )
     if not args.encode_servers_urls or not args.decode_servers_urls:
