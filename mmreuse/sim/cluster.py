@@ -39,6 +39,17 @@ from .workload import SimRequest
 
 __all__ = ["Deliveries", "EncodeJob", "Encoder", "Prefill", "Simulation"]
 
+
+def _rule_s_can_apply(cache: EncoderCache, request: SimRequest, local: dict[str, int]) -> bool:
+    """Whether rule S can change a class: one of the request's items is freeable, and its items
+    P does not hold may need more than the free slots (else nothing is evicted)."""
+    freeable = cache.freeable
+    if not any(m.identifier in freeable for m in request.mm):
+        return False
+    need = sum(m.num_embeds for m in request.mm if m.identifier not in local)
+    return need > cache.capacity - cache.used
+
+
 # identifier -> (how E produced it, num_embeds): what an E job hands P with the request
 Deliveries = dict[str, tuple[Delivery, int]]
 
@@ -217,8 +228,7 @@ class Simulation:
             availability,
             view=prefill.kv,
             num_computed_tokens=num_computed_tokens,
-            # rule S can only change a class when one of the request's items is freeable
-            encoder_cache=(cache.space() if any(i in cache.freeable for i in idents) else None),
+            encoder_cache=cache.space() if _rule_s_can_apply(cache, request, local) else None,
         )
 
     def job(self, request: SimRequest, p: int, idents: set[str] | None = None) -> EncodeJob:
