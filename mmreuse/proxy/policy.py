@@ -273,7 +273,7 @@ class Planner:
                 occ_items,
                 len(items),
             )
-        except (InvalidArgument, ValueError) as e:  # checked by decode_answer: a bug if here
+        except ValueError as e:  # InvalidArgument too; decode_answer checked it: a bug if here
             raise _NoPlan(f"demand: answer not usable: {e}") from e
         return _decision(
             instance,
