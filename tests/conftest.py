@@ -1,10 +1,16 @@
+"""Fixtures every test tier shares: hypothesis profiles, the vLLM oracle venv, ZMQ and metrics."""
+
 import os
-from pathlib import Path
 
 import pytest
+import zmq
 from hypothesis import settings
+from prometheus_client import CollectorRegistry
 
-from .oracle_client import Oracle, require_oracle
+from mmreuse.metrics import Metrics
+from tests.support.kv_publisher import TestPublisher
+from tests.support.oracle import Oracle, require_oracle
+from tests.support.paths import ORACLE_TOOLS
 
 # Differential tests run thousands of examples in CI; locally fewer unless asked.
 settings.register_profile(
@@ -20,7 +26,15 @@ settings.load_profile(
 
 
 @pytest.fixture(scope="session")
+def oracle_python():
+    """The oracle venv's python (vLLM 0.33.0): skips, or fails under CI, where it is missing."""
+    py, _ = require_oracle()
+    return py
+
+
+@pytest.fixture(scope="session")
 def vllm_oracle():
+    """vLLM's block hashing, one JSON case per line (tools/oracle/hash_oracle.py)."""
     py, script = require_oracle()
     oracle = Oracle(py, script)
     yield oracle
@@ -28,9 +42,37 @@ def vllm_oracle():
 
 
 @pytest.fixture(scope="session")
-def vllm_scheduler():
-    """vLLM's real Scheduler._try_schedule_encoder_inputs (tests/vllm_scheduler_oracle.py)."""
-    py, _ = require_oracle()
-    oracle = Oracle(py, Path(__file__).parent / "vllm_scheduler_oracle.py", args=())
+def vllm_scheduler(oracle_python):
+    """vLLM's real Scheduler._try_schedule_encoder_inputs (tools/oracle/vllm_scheduler_oracle.py)."""
+    oracle = Oracle(oracle_python, ORACLE_TOOLS / "vllm_scheduler_oracle.py", args=())
     yield oracle
     oracle.close()
+
+
+@pytest.fixture
+def ctx():
+    """A ZMQ context; whatever a failed test left open is closed with it."""
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.fixture
+def metrics():
+    """mmreuse's metrics on a registry of their own."""
+    return Metrics(CollectorRegistry())
+
+
+@pytest.fixture
+def publisher(ctx):
+    """A factory of vLLM-wire KV-event publishers on loopback, all closed after the test."""
+    made: list[TestPublisher] = []
+
+    def make(**kw) -> TestPublisher:
+        pub = TestPublisher(ctx, **kw)
+        made.append(pub)
+        return pub
+
+    yield make
+    for pub in made:
+        pub.close()

@@ -15,8 +15,7 @@ from mmreuse.blockhash import MIN_DIGEST_BYTES, to_event_id, to_event_ids
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.events import RemoteKVIndex
 from mmreuse.residency import BlockIndex
-
-from .test_events import batch, stored
+from tests.support.kv_publisher import batch, stored
 
 IN_RANGE = r"an event id in \[0, 2\*\*64\)"
 

@@ -4,8 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mmreuse import Availability, Klass, compute_demand
-
-from .strategies import demand_requests
+from tests.support.strategies import demand_requests
 
 NEEDS = {Klass.P_LOCAL, Klass.P_EXTERNAL, Klass.E_CACHED, Klass.E_COMPUTE}
 

@@ -5,8 +5,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from mmreuse import Availability, Klass, MMOccurrence, compute_demand
-
-from .strategies import demand_requests
+from tests.support.strategies import demand_requests
 
 pytestmark = pytest.mark.oracle
 

@@ -27,8 +27,7 @@ from mmreuse.events import RemoteKVIndex
 from mmreuse.events.wire import BlockStored, KVEventBatch
 from mmreuse.plan import KVView, PrefixMatch
 from mmreuse.residency import BlockIndex
-
-from .strategies import demand_requests
+from tests.support.strategies import demand_requests
 
 HASHERS = {
     "sha256": BlockHasher("sha256", block_size=16),

@@ -52,15 +52,15 @@ EOF
 # throughout skips itself with pytest.importorskip("torch")):
 DESELECT=(
   # `mmreuse cluster ...` on the command line: mmreuse.cli loads mmreuse.sim for it
-  tests/test_cluster_unit.py::test_cli_argument_errors
-  tests/test_cluster_unit.py::test_cli_cluster_too_many_encoders
-  tests/test_cluster_unit.py::test_up_without_venv_names_the_step
+  tests/cluster/test_cluster.py::test_cli_argument_errors
+  tests/cluster/test_cluster.py::test_cli_cluster_too_many_encoders
+  tests/cluster/test_cluster.py::test_up_without_venv_names_the_step
   # it shows that importing mmreuse.residency loads torch
   tests/test_torch_free.py::test_the_check_can_fail
 )
 
 # The oracle venv is a 3.11 venv with torch: its tests belong to tools/test.sh. Under CI its
-# absence fails (tests/oracle_client.py): here it must skip, so CI's variables are not passed.
+# absence fails (tests/support/oracle.py): here it must skip, so CI's variables are not passed.
 env -u CI -u MMREUSE_REQUIRE_ORACLE -u MMREUSE_ORACLE_PYTHON -u MMREUSE_ORACLE_SCRIPT \
   HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
   "$VENV/bin/python" -m pytest -p no:cacheprovider -q -m "not oracle and not live" \

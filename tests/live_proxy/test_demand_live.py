@@ -26,8 +26,7 @@ from mmreuse.demand_query import (
     query_for,
 )
 from mmreuse.events.ec_wire import EncoderCacheStored, decode_ec_batch
-
-from .test_proxy_live import _run_policy, _tokens
+from tests.support.live_proxy import tokens
 
 pytestmark = pytest.mark.live
 
@@ -104,13 +103,15 @@ def test_answers_equal_what_p_then_does(cluster):
 
 
 @pytest.mark.parametrize("policy", ["demand", "opportunistic"])
-def test_demand_policies_answer_as_eager_with_fewer_e_forwards(cluster, tmp_path, policy):
+def test_demand_policies_answer_as_eager_with_fewer_e_forwards(
+    policy_run, cluster, tmp_path, policy
+):
     kw = {"sessions": 2, "turns": 4, "empty_store": True}
-    eager = _run_policy(cluster, tmp_path, "eager", ["P0"], **kw)
-    other = _run_policy(cluster, tmp_path, policy, ["P0"], **kw)
+    eager = policy_run("eager", ["P0"], **kw)
+    other = policy_run(policy, ["P0"], **kw)
     for r in (eager, other):
         assert r["ok"] == 8 and r["errors"] == 0, r
-    assert _tokens(other) == _tokens(eager)  # temperature 0: what P generates is unchanged
+    assert tokens(other) == tokens(eager)  # temperature 0: what P generates is unchanged
     assert [r[3] for r in other["results"]] == [r[3] for r in eager["results"]]
     if policy == "demand":
         assert other["e_forwards"] < eager["e_forwards"], (other, eager)

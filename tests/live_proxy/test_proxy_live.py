@@ -15,89 +15,28 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-import urllib.request
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from mmreuse.cluster.client import post_json
-from mmreuse.cluster.proxy import proxy_process
 from mmreuse.cluster.workload import conversations
 from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
-from mmreuse.proxy.metrics import sample_sum
-
-from .conftest import proxy_args
+from tests.support.live_proxy import tokens
 
 pytestmark = pytest.mark.live
 
 
-def _metrics(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def _drive(url, requests, between_turns=None):
-    """Send each request in order; returns [(session, turn, status, token ids, cached tokens)]."""
-    out, last_turn = [], 0
-    for s, t, body in requests:
-        if t != last_turn and between_turns is not None:
-            between_turns()
-        last_turn = t
-        reply = post_json(url + "/v1/chat/completions", body, timeout=300)
-        details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
-        out.append((s, t, reply["choices"][0]["token_ids"], details.get("cached_tokens")))
-    return out
-
-
-def _run_policy(
-    cluster, tmp_path, policy, prefills, *, sessions, turns, empty_store, routing="random"
-):
-    probe = cluster.probe()
-    e_before = probe.count("E0").log_inputs
-    p_before = {p: probe.count(p).log_inputs for p in prefills}
-    run = f"{policy}{routing}{int(empty_store)}-{time.time_ns()}"
-    args = [*proxy_args(cluster, prefills), "--policy", policy, "--routing", routing]
-
-    def empty():
-        time.sleep(0.5)  # let E and P finish writing / reading
-        for child in cluster.ec_dir.iterdir():
-            shutil.rmtree(child, ignore_errors=True)
-
-    # Two images per E sub-request at most: E's 64-token encoder budget (SMALL_E) fits them.
-    env = {"ENCODER_MAX_BATCH_SIZE": "2"}
-    with proxy_process(args, tmp_path / f"proxy-{run}.log", env=env) as url:
-        time.sleep(1.0)  # the subscribers connect (slow joiner)
-        results = _drive(url, conversations(run, sessions, turns), empty if empty_store else None)
-        text = _metrics(url)
-    time.sleep(1.0)
-    return {
-        "results": results,
-        "e_forwards": probe.count("E0").log_inputs - e_before,
-        "p_forwards": {p: probe.count(p).log_inputs - p_before[p] for p in prefills},
-        "e_items": sample_sum(text, "mmreuse_proxy_encoder_items_total", action="sent"),
-        "e_skipped": sample_sum(text, "mmreuse_proxy_encoder_items_total", action="skipped"),
-        "errors": sample_sum(text, "mmreuse_proxy_requests_total", outcome="server_error")
-        + sample_sum(text, "mmreuse_proxy_requests_total", outcome="client_error"),
-        "ok": sample_sum(text, "mmreuse_proxy_requests_total", outcome="ok"),
-        "mismatches": sample_sum(text, "mmreuse_proxy_hash_config_mismatches"),
-        "kv_covered": sample_sum(text, "mmreuse_proxy_occurrences_total", klass="kv_covered"),
-    }
-
-
-def _tokens(run):
-    return [(s, t, ids) for s, t, ids, _ in run["results"]]
-
-
 @pytest.mark.parametrize("empty_store", [False, True], ids=["store-kept", "store-emptied"])
-def test_index_sends_e_less_with_identical_outputs(cluster, tmp_path, empty_store):
+def test_index_sends_e_less_with_identical_outputs(policy_run, empty_store):
     kw = {"sessions": 2, "turns": 4, "empty_store": empty_store}
-    eager = _run_policy(cluster, tmp_path, "eager", ["P0"], **kw)
-    index = _run_policy(cluster, tmp_path, "index", ["P0"], **kw)
+    eager = policy_run("eager", ["P0"], **kw)
+    index = policy_run("index", ["P0"], **kw)
     n = 2 * 4
     for run in (eager, index):
         assert run["ok"] == n and run["errors"] == 0 and run["mismatches"] == 0
-    assert _tokens(index) == _tokens(eager)  # temperature 0: what P generates is unchanged
+    assert tokens(index) == tokens(eager)  # temperature 0: what P generates is unchanged
     # Both see the same prefix hits (P's cache is per run: cache_salt), request by request.
     assert [r[3] for r in index["results"]] == [r[3] for r in eager["results"]]
     items = 2 * sum((t + 1) + max(0, t - 1) for t in range(4))  # the history resent, 2 sessions
@@ -112,20 +51,20 @@ def test_index_sends_e_less_with_identical_outputs(cluster, tmp_path, empty_stor
     assert index["p_forwards"]["P0"] == 0 and eager["p_forwards"]["P0"] == 0
 
 
-def test_affine_routing_returns_sessions_to_their_prefix(cluster, tmp_path):
+def test_affine_routing_returns_sessions_to_their_prefix(policy_run):
     kw = {"sessions": 3, "turns": 3, "empty_store": True, "routing": "affine"}
-    eager = _run_policy(cluster, tmp_path, "eager", ["P0", "P1"], **kw)
-    index = _run_policy(cluster, tmp_path, "index", ["P0", "P1"], **kw)
+    eager = policy_run("eager", ["P0", "P1"], **kw)
+    index = policy_run("index", ["P0", "P1"], **kw)
     for run in (eager, index):
         assert run["ok"] == 9 and run["errors"] == 0 and run["mismatches"] == 0
         # From turn 1 on, each session reaches the PD that holds its prefix: its own system
         # prompt and history (> 2 blocks of 32), not just the template's shared first block.
         assert all(cached >= 64 for _, t, _, cached in run["results"] if t >= 1), run["results"]
-    assert _tokens(index) == _tokens(eager)
+    assert tokens(index) == tokens(eager)
     assert index["e_items"] < eager["e_items"] and index["e_forwards"] < eager["e_forwards"]
 
 
-def test_forced_eviction_falls_back_and_succeeds(cluster):
+def test_forced_eviction_falls_back_and_succeeds(proxy_flags, cluster):
     """Between the decision and the dispatch, P1's KV cache is flushed (long requests sent to
     it directly) and E's store emptied: the items index skipped are no longer KV-covered, so P1
     falls back along vLLM's own order (its encoder cache, its connector, its encoder) on the raw
@@ -150,7 +89,7 @@ def test_forced_eviction_falls_back_and_succeeds(cluster):
             shutil.rmtree(child, ignore_errors=True)
         flushed.append(decision.plan.hit_blocks)
 
-    args = proxy_args(cluster, ["P1"])
+    args = proxy_flags(["P1"])
     config = parse_args([*args, "--policy", "index"], env={"ENCODER_MAX_BATCH_SIZE": "2"})
 
     async def main():

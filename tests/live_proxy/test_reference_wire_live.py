@@ -19,7 +19,7 @@ import pytest
 
 from mmreuse.cluster.instance import free_ports
 from mmreuse.proxy.reference import fetch_reference, reference_python
-from tests.proxy_fakes import Fake
+from tests.support.proxy_fakes import Fake
 
 pytestmark = pytest.mark.live
 

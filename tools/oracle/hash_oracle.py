@@ -15,7 +15,7 @@ with `get_request_block_hasher` hash the prompt, then `append_output_token_ids` 
 
 Library use (same venv): `sys.path.insert(0, "<repo>/tools/oracle"); import hash_oracle`, then
 `hash_oracle.compute(case)`; `vllm_api()` gives the vLLM classes for scripts that build their own
-requests. tests/strategies.py generates cases; tests/data/vllm-0.33.0-vectors.json holds some.
+requests. tests/support/strategies.py generates cases; tests/data/vllm-0.33.0-vectors.json holds some.
 
 A case (JSON object; defaults after `=`; "id", "description", "tags", "group", "expected" are
 ignored, any other key is an error):

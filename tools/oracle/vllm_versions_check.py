@@ -1,5 +1,5 @@
 """Run in a vLLM venv (PYTHONPATH = the mmreuse checkout): the plug-ins' start-up checks
-against the real vLLM they run in (tests/test_vllm_versions.py runs it in the oracle's 0.33.0).
+against the real vLLM they run in (tests/integrations/test_vllm_versions.py runs it in the oracle's 0.33.0).
 
     python tools/oracle/vllm_versions_check.py SCENARIO
 

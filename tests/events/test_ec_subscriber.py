@@ -1,0 +1,99 @@
+"""EncoderCacheEventSubscriber: a P's encoder-cache events into EmbeddingAvailability's P-local
+entries, over real ZMQ (tests/support/kv_publisher.TestPublisher), with the KV subscriber's gap,
+replay and resync rules."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from mmreuse.availability import EmbeddingAvailability
+from mmreuse.errors import InvalidArgumentType
+from mmreuse.events.ec_subscriber import EncoderCacheEventSubscriber
+from mmreuse.events.ec_wire import (
+    EncoderCacheCleared,
+    EncoderCacheEventBatch,
+    EncoderCacheEvicted,
+    EncoderCacheFreeable,
+    EncoderCacheReferenced,
+    EncoderCacheStored,
+    encode_ec_batch,
+)
+from mmreuse.metrics import Metrics
+from tests.support.kv_publisher import TestPublisher
+
+
+def _batch(*events):
+    return encode_ec_batch(EncoderCacheEventBatch(time.time(), list(events), 0))
+
+
+@pytest.fixture
+def setup():
+    ctx = zmq.Context()
+    pub = TestPublisher(ctx)
+    metrics = Metrics(CollectorRegistry())
+    avail = EmbeddingAvailability(ttl_s=3600, metrics=metrics)
+    sub = EncoderCacheEventSubscriber(
+        pub.endpoint, pub.replay_endpoint, availability=avail, instance="P0", metrics=metrics
+    ).start()
+    time.sleep(0.3)  # the slow joiner
+    yield pub, sub, avail, metrics
+    sub.stop()
+    pub.close()
+    ctx.term()
+
+
+def _until(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "the events never applied"
+        time.sleep(0.01)
+
+
+def _p(avail):
+    a = avail.availability_for("P0")
+    return dict(a.p_local), set(a.p_local_freeable)
+
+
+def test_events_become_p_local_entries(setup):
+    pub, sub, avail, _ = setup
+    pub.publish(_batch(EncoderCacheStored("a", 16), EncoderCacheStored("b", 4)))
+    _until(lambda: _p(avail)[0] == {"a": 16, "b": 4})
+    pub.publish(_batch(EncoderCacheFreeable(["a", "b"]), EncoderCacheReferenced(["b"])))
+    _until(lambda: _p(avail) == ({"a": 16, "b": 4}, {"a"}))
+    pub.publish(_batch(EncoderCacheEvicted(["a"])))
+    _until(lambda: _p(avail) == ({"b": 4}, set()))
+    pub.publish(_batch(EncoderCacheCleared()))
+    _until(lambda: _p(avail) == ({}, set()))
+    assert sub.is_alive
+
+
+def test_a_gap_is_filled_from_the_replay(setup):
+    pub, _sub, avail, metrics = setup
+    pub.publish(_batch(EncoderCacheStored("a", 16)))
+    pub.publish(_batch(EncoderCacheStored("b", 4)), drop=True)  # lost on the PUB stream
+    pub.publish(_batch(EncoderCacheStored("c", 9)))
+    _until(lambda: _p(avail)[0] == {"a": 16, "b": 4, "c": 9})
+    assert metrics.registry.get_sample_value("mmreuse_kv_event_gaps_total", {"instance": "P0"}) == 1
+
+
+def test_a_malformed_batch_forgets_the_instance(setup):
+    pub, sub, avail, _metrics = setup
+    pub.publish(_batch(EncoderCacheStored("a", 16)))
+    _until(lambda: _p(avail)[0] == {"a": 16})
+    pub.publish(b"\x93\xcb garbage")
+    _until(lambda: _p(avail)[0] == {})  # never a stale "cached"
+    pub.publish(_batch(EncoderCacheStored("d", 4)))
+    _until(lambda: _p(avail)[0] == {"d": 4})
+    assert sub.is_alive
+
+
+def test_it_refuses_a_kv_index_and_has_no_kv_view(setup):
+    pub, sub, _avail, _ = setup
+    with pytest.raises(InvalidArgumentType):
+        EncoderCacheEventSubscriber(pub.endpoint, availability=object(), instance="P0")
+    with pytest.raises(TypeError):
+        sub.match_prefix([1])

@@ -1,0 +1,64 @@
+"""DemandScheduler against vLLM 0.33.0's real Scheduler (oracle venv:
+tools/oracle/demand_scheduler_check.py runs both side by side on one multimodal stream with a
+small KV pool and encoder cache): identical scheduling, side-effect-free answers that are exact
+when nothing runs between answer and admission, sound proofs, and a residency index equal to
+vLLM's prefix cache after every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.support.paths import REPO
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("seed, async_", [(0, 0), (5, 0), (0, 1)], ids=["s0", "s5", "async-s0"])
+def test_demand_scheduler_against_vllms_scheduler(oracle_python, seed, async_):
+    """Under async scheduling DemandScheduler is itself an AsyncScheduler (vLLM's base then)."""
+    py = oracle_python
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [str(py), str(REPO / "tools/oracle/demand_scheduler_check.py"), str(seed), "120", str(async_)],
+        capture_output=True, text=True, check=True, timeout=600, env=env,
+    )  # fmt: skip
+    c = json.loads(out.stdout.strip().splitlines()[-1])
+    assert c["scheduler"] == ("AsyncDemandScheduler" if async_ else "DemandScheduler")
+    assert c["output_mismatch"] == 0, c  # behaves exactly as vLLM's scheduler
+    assert c["side_effects"] == 0, c  # answering changes nothing in P
+    assert c["index_mismatch"] == 0 and c["stats"]["index_mismatches"] == 0, c
+    assert c["exact_mismatch"] == 0 and c["exact_checked"] >= 30, c
+    assert c["unsound"] == 0, c
+    # the stream exercises what the answers are about
+    assert c["kv_hits"] >= 20 and c["reused"] >= 20 and c["e_compute"] >= 100, c
+    st = c["stats"]
+    assert st["admitted"] >= 100 and sum(st["changed"].values()) >= 3, st
+    assert st["proof_valid"] + sum(st["changed"].values()) == st["admitted"], st
+    assert c["socket_answers"] == 2 and c["socket_errors"] == 1, c
+    # admission records: one per admission, its C, the answer's classes, the items P encoded
+    # (a preempted request is admitted again when it resumes: one more record)
+    assert c["records"] >= st["admitted"] and c["record_c_mismatch"] == 0, c
+    assert c["record_answer_mismatch"] == 0 and c["record_encoded_mismatch"] == 0, c
+
+
+@pytest.mark.oracle
+def test_rule_s_is_what_vllms_scheduler_does(oracle_python):
+    """A request's own allocation evicts the freeable entry its later item would reuse: vLLM
+    encodes that item again, and compute_demand says so with the cache's space (rule S)."""
+    py = oracle_python
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [str(py), str(REPO / "tools/oracle/self_eviction_check.py")],
+        capture_output=True, text=True, check=True, timeout=600, env=env,
+    )  # fmt: skip
+    cases = {c["case"]: c for c in map(json.loads, out.stdout.strip().splitlines()[-2:])}
+    evicted, kept = cases["X then C"], cases["X then D"]
+    for c in (evicted, kept):
+        assert c["cache_before"] == {"freeable": ["C", "D"], "free": 0}, c
+        assert c["rule_s"]["needs_encoder"] == c["vllm_encoded"], c  # exact, both ways
+    assert evicted["vllm_encoded"] == [0, 1] and evicted["rule_s"]["self_evicted"] == ["C", "D"]
+    assert evicted["without_rule_s"]["needs_encoder"] == [0]  # what the rule corrects
+    assert kept["vllm_encoded"] == [0] and kept["rule_s"]["classes"] == ["e_compute", "p_local"]

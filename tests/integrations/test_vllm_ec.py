@@ -1,0 +1,125 @@
+"""Encoder-cache events: the wire (mmreuse.events.ec_wire) and EventfulEncoderCacheManager,
+whose events must describe vLLM 0.33.0's real encoder cache exactly (oracle venv:
+tools/oracle/ec_events_check.py drives the real manager and checks after every flush, then a
+replay from seq 0)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mmreuse.events.ec_wire import (
+    EncoderCacheCleared,
+    EncoderCacheEventBatch,
+    EncoderCacheEvicted,
+    EncoderCacheFreeable,
+    EncoderCacheReferenced,
+    EncoderCacheStored,
+    apply_ec_batch,
+    decode_ec_batch,
+    encode_ec_batch,
+)
+from mmreuse.events.wire import MalformedBatch
+from tests.support.paths import REPO
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("seed", [0, 3])
+def test_events_equal_vllms_real_encoder_cache(oracle_python, seed):
+    py = oracle_python
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [str(py), str(REPO / "tools/oracle/ec_events_check.py"), str(seed)],
+        capture_output=True, text=True, check=True, timeout=300, env=env,
+    )  # fmt: skip
+    c = json.loads(out.stdout.strip().splitlines()[-1])
+    assert c["mismatch"] == 0 and c["replay_equal"] and c["seq_in_order"], c
+    assert c["flushes"] > 200 and c["evictions"] > 50 and c["hits"] > 50, c
+
+
+_SETTINGS_CHECK = """
+import json
+from types import SimpleNamespace as N
+from mmreuse.integrations.vllm_ec import EventfulEncoderCacheManager as M
+out = [M.create_manager(cache_size=8, vllm_config=N(additional_config=a)).publisher is None
+       for a in ({}, {"other": 1}, {"mmreuse": {}})]
+for bad in ({"mmreuse": None}, {"mmreuse": ["x"]},
+            {"mmreuse": {"encoder_cache_events_endpoint": 5}}):
+    try:
+        M.create_manager(cache_size=8, vllm_config=N(additional_config=bad))
+        out.append("accepted")
+    except ValueError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.oracle
+def test_settings_read_once_and_a_mistyped_one_refused(oracle_python):
+    py = oracle_python
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [str(py), "-c", _SETTINGS_CHECK], capture_output=True, text=True, check=True,
+        timeout=300, env=env,
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got[:3] == [True, True, True]  # nothing of ours: vLLM's manager, publishing nothing
+    assert got[3].startswith("additional_config['mmreuse'] must be a dict")
+    assert got[4].startswith("additional_config['mmreuse'] must be a dict")
+    assert got[5].startswith(
+        "additional_config['mmreuse']['encoder_cache_events_endpoint'] must be a str"
+    )
+
+
+def test_round_trip_and_fold():
+    batch = EncoderCacheEventBatch(
+        1.5,
+        [
+            EncoderCacheStored("a", 16),
+            EncoderCacheStored("b", 4),
+            EncoderCacheFreeable(["a", "b"]),
+            EncoderCacheReferenced(["a"]),
+            EncoderCacheEvicted(["b"]),
+        ],
+        0,
+    )
+    again = decode_ec_batch(encode_ec_batch(batch))
+    assert again == batch
+    state: dict = {}
+    apply_ec_batch(state, again)
+    assert state == {"a": [16, False]}
+    apply_ec_batch(state, EncoderCacheEventBatch(2.0, [EncoderCacheCleared()]))
+    assert state == {}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",
+        msgspec.msgpack.encode([1.0, [{"type": "EncoderCacheStored", "identifier": "a"}], 0]),
+        msgspec.msgpack.encode(
+            [1.0, [{"type": "EncoderCacheStored", "identifier": "a", "num_embeds": 0}], 0]
+        ),
+        msgspec.msgpack.encode([1.0, [{"type": "Nope"}], 0]),
+        msgspec.msgpack.encode([1.0, [{"type": "EncoderCacheEvicted", "identifiers": [3]}], 0]),
+        msgspec.msgpack.encode({"ts": 1}),
+        b"\x91" * 10_000,  # deep nesting
+    ],
+)
+def test_malformed_payloads_raise_malformed_batch(payload):
+    with pytest.raises(MalformedBatch):
+        decode_ec_batch(payload)
+
+
+@given(st.binary(max_size=300))
+def test_any_bytes_decode_or_raise_malformed(data):
+    with contextlib.suppress(MalformedBatch):  # anything else escaping fails the test
+        decode_ec_batch(data)

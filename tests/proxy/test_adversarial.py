@@ -1,0 +1,509 @@
+"""`mmreuse proxy` against hostile peers: a render answer that disagrees with the request, an E
+whose `ec_transfer_params` are garbage, a decode stream that stalls or breaks, clients that
+mint tenants, and concurrent requests sharing the round-robin cursor. The invariant most tests
+check: an item P receives as an embeds reference (no media) is one E was sent, under the same
+uuid (else P can neither find its embedding nor encode it). Tests marked xfail(strict) pin real
+bugs; the rest pin hostile inputs the proxy already survives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mmreuse.proxy.policy import Decision
+from tests.support.epd_proxy import epd
+from tests.support.index_proxy import (
+    TEXT,
+    A,
+    B,
+    C,
+    Setup,
+    e_sent,
+    index_proxy,
+    pd_content,
+    render,
+)
+from tests.support.proxy_fakes import chat, img, sha
+
+HANG_GUARD_S = 3.0  # a bound on a wait that must end at once (a hang guard, not a timing check)
+STREAM = (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n")
+
+
+def orphans(s: Setup) -> list[str]:
+    """uuids P received as embeds references (no media) that E was never sent."""
+    sent = set(e_sent(s))
+    return [
+        part["uuid"]
+        for x in s.pd[0].chats()
+        for part in x.body["messages"][0]["content"]
+        if part.get("type", "").endswith("_embeds") and part.get("uuid") not in sent
+    ]
+
+
+def capture(s: Setup) -> list[Decision]:
+    """The decisions the proxy makes from now on (its after_decide hook)."""
+    out: list[Decision] = []
+
+    async def hook(decision: Decision) -> None:
+        out.append(decision)
+
+    s.proxy.after_decide = hook
+    return out
+
+
+async def until(cond: Any, what: str) -> None:
+    end = time.monotonic() + HANG_GUARD_S
+    while not cond():
+        assert time.monotonic() < end, f"hung: {what}"
+        await asyncio.sleep(0.01)
+
+
+# ---- render's answer disagrees with the request -------------------------------------------------
+
+
+async def test_render_naming_two_different_items_alike_never_orphans_one():
+    def one_identifier(body: dict[str, Any]) -> dict[str, Any]:
+        out = render(body)
+        ids = out["features"]["mm_hashes"]["image"]
+        out["features"]["mm_hashes"]["image"] = [ids[0]] * len(ids)
+        return out
+
+    async with index_proxy() as s:
+        s.pd[0].render = one_identifier
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert orphans(s) == []  # B is sent to E, or reaches P raw
+
+
+async def test_placeholders_out_of_item_order_keep_each_item_its_identifier():
+    # [A, B, A]: render lists the identifiers in item order, but puts item 2's placeholders
+    # (A) before item 1's (B).
+    def reordered(body: dict[str, Any]) -> dict[str, Any]:
+        out = render(body)
+        places = out["features"]["mm_placeholders"]["image"]
+        places[1], places[2] = places[2], places[1]
+        return out
+
+    async with index_proxy() as s:
+        decisions = capture(s)
+        s.pd[0].render = reordered
+        assert (await s.post(chat(TEXT, img(A), img(B), img(A)))).status == 200
+        [d] = decisions
+        assert d.no_plan is not None or d.identifiers == (sha(A), sha(B), sha(A))
+        assert orphans(s) == []
+
+
+async def test_a_deeply_nested_render_answer_costs_the_plan_not_the_request():
+    deep = b'{"token_ids":[1],"features":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    async with index_proxy() as s:
+        s.pd[0].render = lambda body: deep
+        r = await s.post(chat(TEXT, img(A)))
+        assert r.status == 200, await r.text()
+        assert e_sent(s) == [sha(A)]
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 1
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        # one image more than the request
+        {
+            "mm_hashes": {"image": ["x", "y", "z"]},
+            "mm_placeholders": {"image": [{"offset": 40 + 16 * k, "length": 16} for k in range(3)]},
+        },
+        # a modality the request does not have
+        {
+            "mm_hashes": {"image": ["x", "y"], "audio": ["z"]},
+            "mm_placeholders": {
+                "image": [{"offset": 40, "length": 16}, {"offset": 56, "length": 16}],
+                "audio": [{"offset": 72, "length": 8}],
+            },
+        },
+        # overlapping placeholders
+        {
+            "mm_hashes": {"image": ["x", "y"]},
+            "mm_placeholders": {"image": [{"offset": 40, "length": 16}] * 2},
+        },
+        # a modality render cannot say which tokens are embeds of (video)
+        {
+            "mm_hashes": {"video": ["x", "y"]},
+            "mm_placeholders": {"video": [{"offset": 40, "length": 16}] * 2},
+        },
+    ],
+)
+async def test_render_disagreeing_with_the_request_sends_everything(features):
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        return {"token_ids": [1] * 100, "features": features}
+
+    async with index_proxy() as s:
+        s.pd[0].render = answer
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(A), sha(B)]
+        assert orphans(s) == []
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 1
+
+
+async def test_audio_in_video_under_index_sends_everything():
+    # use_audio_in_video: one video item, two features (video and audio) in render: no plan,
+    # E gets the video, as under eager.
+    video = {"type": "video_url", "video_url": {"url": "http://v/1.mp4"}}
+
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        uid = body["messages"][0]["content"][1]["uuid"]
+        return {
+            "token_ids": [1] * 100,
+            "features": {
+                "mm_hashes": {"video": [uid], "audio": [uid]},
+                "mm_placeholders": {
+                    "video": [{"offset": 40, "length": 16}],
+                    "audio": [{"offset": 56, "length": 8}],
+                },
+            },
+        }
+
+    async with index_proxy() as s:
+        s.pd[0].render = answer
+        body = chat(TEXT, video, mm_processor_kwargs={"use_audio_in_video": True})
+        assert (await s.post(body)).status == 200
+        assert e_sent(s) == [sha("http://v/1.mp4")]
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 1
+
+
+async def test_modalities_in_another_order_than_the_request_map_per_modality():
+    # The request is [image A, audio X]; render places X's placeholders first. Occurrences map
+    # per modality, so each item keeps its identifier.
+    x_url = "http://a/x.wav"
+    audio = {"type": "audio_url", "audio_url": {"url": x_url}}
+
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        parts = body["messages"][0]["content"]
+        return {
+            "token_ids": [1] * 100,
+            "features": {
+                "mm_hashes": {"image": [parts[1]["uuid"]], "audio": [parts[2]["uuid"]]},
+                "mm_placeholders": {
+                    "image": [{"offset": 60, "length": 16}],
+                    "audio": [{"offset": 40, "length": 8}],
+                },
+            },
+        }
+
+    async with index_proxy() as s:
+        decisions = capture(s)
+        s.pd[0].render = answer
+        assert (await s.post(chat(TEXT, img(A), audio))).status == 200
+        assert [d.identifiers for d in decisions] == [(sha(A), sha(x_url))]
+        assert sorted(e_sent(s)) == sorted([sha(A), sha(x_url)])
+        assert orphans(s) == []
+
+
+async def test_processor_kwargs_change_identifiers_consistently():
+    # With mm_processor_kwargs vLLM's identifier is a hash of the uuid and the kwargs, not the
+    # uuid. The plan uses render's identifiers (P's KV keys); E and P get the uuid and the same
+    # kwargs, so they derive the same identifier.
+    def kw(uid: str) -> str:
+        return "kw-" + uid
+
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        out = render(body)
+        out["features"]["mm_hashes"]["image"] = [
+            kw(u) for u in out["features"]["mm_hashes"]["image"]
+        ]
+        return out
+
+    kwargs = {"max_pixels": 1000}
+    async with index_proxy() as s:
+        decisions = capture(s)
+        s.pd[0].render = answer
+        await s.hold(0, [kw(sha(A)), kw(sha(B))], 4)
+        assert (await s.post(chat(TEXT, img(A), img(B), mm_processor_kwargs=kwargs))).status == 200
+        assert e_sent(s) == [sha(B)]
+        assert s.e.chats()[0].body["mm_processor_kwargs"] == kwargs
+        body = s.pd[0].chats()[0].body
+        assert body["mm_processor_kwargs"] == kwargs
+        assert pd_content(s)[1] == {**img(A), "uuid": sha(A)}
+        assert decisions[0].identifiers == (kw(sha(A)), kw(sha(B)))
+        assert orphans(s) == []
+
+
+# ---- tenants ------------------------------------------------------------------------------------
+
+
+async def test_the_request_cache_salt_scopes_the_plan_whatever_render_says():
+    def no_salt(body: dict[str, Any]) -> dict[str, Any]:
+        out = render(body)
+        out.pop("cache_salt", None)
+        return out
+
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)  # blocks of the unsalted tenant
+        s.pd[0].render = no_salt
+        assert (await s.post(chat(TEXT, img(A), img(B), cache_salt="tenant-b"))).status == 200
+        assert e_sent(s) == [sha(A), sha(B)]  # tenant-b holds nothing
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="kv_covered") == 0
+
+
+async def test_client_cache_salts_do_not_grow_e_side_memory_past_e_cache_items():
+    async with index_proxy(flags=("--e-cache-items", "2")) as s:
+        for i in range(6):
+            assert (await s.post(chat(TEXT, img(A), cache_salt=f"tenant-{i}"))).status == 200
+        assert e_sent(s) == [sha(A)] * 6
+        assert s.sample("mmreuse_availability_entries", location="e:E") <= 2
+
+
+async def test_salted_e_side_entries_do_not_serve_another_tenant():
+    # E-side availability is per tenant: what tenant a sent E is e_cached for a only.
+    async with index_proxy() as s:
+        assert (await s.post(chat(TEXT, img(A), cache_salt="a"))).status == 200
+        assert (await s.post(chat(TEXT, img(A), cache_salt="b"))).status == 200
+        assert (await s.post(chat(TEXT, img(A)))).status == 200
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="e_cached") == 0
+        assert (await s.post(chat(TEXT, img(A), cache_salt="a"))).status == 200
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="e_cached") == 1
+
+
+# ---- E answers garbage --------------------------------------------------------------------------
+
+
+def _entry(**kw: Any) -> dict[str, Any]:
+    return {"modality": "image", "metadata": {"image_grid_thw": [1, 2, 2]}, **kw}
+
+
+@pytest.mark.parametrize(
+    "answer, statuses",
+    [
+        ({"ec_transfer_params": [1, 2]}, {502}),
+        ({"ec_transfer_params": "abc"}, {502}),
+        ({"ec_transfer_params": {"h": 5}}, {502}),
+        ({"ec_transfer_params": {"h": _entry(item_indices=5)}}, {500, 502}),
+        ({"ec_transfer_params": {"h": _entry(item_indices=[0, 0])}}, {502}),
+        ({"ec_transfer_params": {"h": _entry(item_indices=[True])}}, {502}),
+        ({"ec_transfer_params": {"h": _entry(item_indices=[2**70])}}, {502}),
+        ({"ec_transfer_params": {"h": {**_entry(item_indices=[0, 1]), "metadata": "x"}}}, {500}),
+        ({"ec_transfer_params": {"h": {**_entry(item_indices=[0, 1]), "modality": 5}}}, {500}),
+        ({"ec_transfer_params": {f"h{i}": _entry() for i in range(20_000)}}, {502}),
+        ([1, 2, 3], {200}),  # not an object: no metadata, items stay raw
+        ({"ec_transfer_params": None}, {200}),
+    ],
+)
+async def test_hostile_encoder_metadata_is_an_error_or_raw_never_a_hang(answer, statuses):
+    # The reference does the same (its fanout_encoder_primer, line for line); what matters is
+    # that the proxy answers, never orphans an item, and serves the next request.
+    async with epd() as s:
+        s.e[0].answer = lambda body: answer
+        r = await asyncio.wait_for(s.post(chat(TEXT, img(A), img(B))), HANG_GUARD_S)
+        assert r.status in statuses, await r.text()
+        for x in s.pd.chats():
+            assert all(p.get("type") != "image_embeds" for p in x.body["messages"][0]["content"])
+        s.e[0].answer = None
+        assert (await s.post(chat(TEXT, img(C)))).status == 200
+
+
+# ---- concurrency --------------------------------------------------------------------------------
+
+
+async def test_concurrent_requests_keep_their_own_embeddings_and_a_fair_rotation():
+    # 16 requests x 3 images over 2 encoders answering in random order: each item's metadata
+    # at P is the one E computed for its own uuid, and the shared cursor splits the items evenly.
+    rng = random.Random(7)
+
+    def grid(uid: str) -> list[int]:
+        return [1, 2 + int(uid[:2], 16), 2 + int(uid[2:4], 16)]
+
+    def e_answer(body: dict[str, Any]) -> dict[str, Any]:
+        params = {
+            p["uuid"]: {
+                "modality": "image",
+                "item_indices": [i],
+                "metadata": {"image_grid_thw": grid(p["uuid"])},
+            }
+            for i, p in enumerate(body["messages"][0]["content"])
+        }
+        return {"ec_transfer_params": params}
+
+    async with epd(n_e=2) as s:
+        for e in s.e:
+            e.answer = e_answer
+            e.delay = lambda body: rng.random() * 0.02
+        urls = [[f"http://img/{r}-{k}.png" for k in range(3)] for r in range(16)]
+        replies = await asyncio.gather(
+            *(s.post(chat(TEXT, *map(img, u)), request_id=f"r{n}") for n, u in enumerate(urls))
+        )
+        assert [r.status for r in replies] == [200] * 16
+        by_id = {x.headers["x-request-id"]: x.body for x in s.pd.chats()}
+        for n, u in enumerate(urls):
+            content = by_id[f"r{n}"]["messages"][0]["content"]
+            assert [p["uuid"] for p in content[1:]] == [sha(x) for x in u]
+            for p in content[1:]:
+                assert p["image_embeds"] == {"image_grid_thw": grid(p["uuid"])}
+        counts = [sum(len(x.body["messages"][0]["content"]) for x in e.chats()) for e in s.e]
+        assert counts == [24, 24]
+
+
+# ---- decode streams -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def served_proxy(*argv: str):
+    """`mmreuse proxy` as run in production (app.run: its own AppRunner), in a subprocess."""
+    port = _free_port()
+    code = "import sys; from mmreuse.cli import main; sys.exit(main())"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "proxy", "--host", "127.0.0.1", "--port", str(port), *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            end = time.monotonic() + 20.0
+            while True:
+                assert proc.poll() is None, "the proxy exited"
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"{base}/metrics") as r:
+                        if r.status == 200:
+                            break
+                assert time.monotonic() < end, "the proxy never came up"
+                await asyncio.sleep(0.05)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+async def test_a_client_hanging_up_releases_a_stalled_decode_stream(fakes):
+    e = await fakes("e")
+    pd = await fakes("pd", chunks=STREAM, stall_after=1)
+    async with served_proxy(
+        "--encode-servers-urls", e.url, "--decode-servers-urls", pd.url
+    ) as base:
+        async with aiohttp.ClientSession() as client:
+            r = await client.post(f"{base}/v1/chat/completions", json=chat(img(A), stream=True))
+            assert r.status == 200
+            assert await asyncio.wait_for(r.content.readany(), HANG_GUARD_S) == STREAM[0]
+            r.close()  # the client hangs up
+        await until(lambda: pd.hung_up == 1, "decode's request outlived its client")
+
+
+async def _metric(session: aiohttp.ClientSession, base: str, name: str, **labels: str) -> float:
+    async with session.get(f"{base}/metrics") as r:
+        text = await r.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
+
+
+async def test_a_client_hanging_up_is_not_a_decode_error(fakes):
+    e = await fakes("e")
+    pd = await fakes("pd", chunks=STREAM, stall_after=1)
+    async with (
+        served_proxy("--encode-servers-urls", e.url, "--decode-servers-urls", pd.url) as base,
+        aiohttp.ClientSession() as client,
+    ):
+        r = await client.post(f"{base}/v1/chat/completions", json=chat(img(A), stream=True))
+        assert await asyncio.wait_for(r.content.readany(), HANG_GUARD_S) == STREAM[0]
+        r.close()  # the client hangs up
+        pd.release.set()  # decode speaks again (if the proxy still listens)
+        name, ok = "mmreuse_proxy_requests_total", {"policy": "eager", "outcome": "ok"}
+        end = time.monotonic() + HANG_GUARD_S
+        while pd.hung_up == 0 and await _metric(client, base, name, **ok) == 0:
+            assert time.monotonic() < end, "hung: the request never ended"
+            await asyncio.sleep(0.02)
+        assert await _metric(client, base, "mmreuse_proxy_errors_total", stage="decode") == 0
+
+
+async def test_a_broken_decode_stream_is_not_counted_ok():
+    async with epd() as s:
+        s.pd.chunks, s.pd.abort_after = STREAM, 1
+        r = await s.post(chat(img(A), stream=True))
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await asyncio.wait_for(r.read(), HANG_GUARD_S)
+
+        def ended() -> bool:
+            return s.sample("mmreuse_proxy_errors_total", stage="decode") == 1
+
+        await until(ended, "the request never ended")
+        assert s.sample("mmreuse_proxy_requests_total", policy="eager", outcome="ok") == 0
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+
+def _label_sets(text: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items())))
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("mmreuse_")
+        for sample in family.samples
+    }
+
+
+async def test_clients_cannot_mint_metric_label_values():
+    # Salts, uuids, request ids, models, modalities and broken bodies vary per request; the
+    # label sets on /metrics after a second round of fresh values are those of the first.
+    rng = random.Random(3)
+
+    def fresh() -> str:
+        return hashlib.sha256(str(rng.random()).encode()).hexdigest()[:12]
+
+    async def round_() -> set:
+        bodies: list[Any] = [
+            chat(TEXT, img(A), img(A), cache_salt=fresh(), model=fresh()),
+            chat(TEXT, img(f"http://img/{fresh()}", uuid=fresh()), stream=True),
+            chat(
+                TEXT,
+                {"type": "audio_url", "audio_url": {"url": fresh()}},
+                {"type": fresh(), "x": 1},
+            ),
+            chat(TEXT, {"type": "image_url", "image_url": fresh()}),
+            [fresh()],
+        ]
+        for body in bodies:
+            r = await s.client.post(
+                "/v1/chat/completions", json=body, headers={"x-request-id": fresh()}
+            )
+            await r.read()
+        r = await s.client.post("/v1/chat/completions", data=fresh())
+        await r.read()
+        return _label_sets(await (await s.client.get("/metrics")).text())
+
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+        first = await round_()
+        assert await round_() == first
+
+
+# ---- KV events ----------------------------------------------------------------------------------
+
+
+async def test_a_publisher_claiming_blocks_never_orphans_an_item():
+    # Whatever the view believes (here: all of [A, B, C]'s prompt held), a skipped item reaches
+    # P with its media and uuid; only items sent to E become embeds references.
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B), sha(C)], 5)
+        assert (await s.post(chat(TEXT, img(A), img(B), img(C)))).status == 200
+        assert orphans(s) == []
+        for part in pd_content(s)[1:]:
+            assert part["type"] == "image_url" and "uuid" in part

@@ -1,0 +1,416 @@
+"""`mmreuse proxy --policy index`: E gets only what the chosen PD still needs, decided from a
+live KV view. Fake E / PD servers (tests/support/proxy_fakes.py; each PD renders requests as vLLM's
+`/v1/chat/completions/render` would) and a real view: vLLM-shaped KV events (BlockStored with
+token ids and untagged extra keys) from a local ZMQ publisher (tests/support/kv_publisher.py), hashed
+with mmreuse's own BlockHasher, as P would publish them with PYTHONHASHSEED=0."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from mmreuse.proxy.app import PROXY_KEY, build_app
+from mmreuse.proxy.config import parse_args
+from tests.support.index_proxy import (
+    BLOCK,
+    TEXT,
+    A,
+    B,
+    C,
+    e_sent,
+    embeds,
+    index_proxy,
+    pd_content,
+    render,
+    stored,
+)
+from tests.support.proxy_fakes import Fake, chat, img, sha
+
+# ---- tests --------------------------------------------------------------------------------------
+
+
+async def test_covered_image_is_not_sent_to_e():
+    # PD holds the first 4 blocks of [A, B] (tokens 0-63): A at [40, 56) is covered, B at
+    # [56, 72) is not. E gets only B; A reaches PD raw with its uuid (PD keys it as E would).
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+        r = await s.post(chat(TEXT, img(A), img(B)))
+        assert r.status == 200
+        assert e_sent(s) == [sha(B)]
+        content = pd_content(s)
+        assert content[0] == TEXT
+        assert content[1] == {**img(A), "uuid": sha(A)}
+        # B was encoded, but vLLM refuses raw and embeds images in one request: B goes raw
+        # with its uuid too, and PD gets E's embedding by that uuid (the EC connector).
+        assert content[2] == {**img(B), "uuid": sha(B)}
+        params = s.pd[0].chats()[0].body["ec_transfer_params"]
+        assert [x["mm_hash"] for x in params["ec_items"]] == [sha(B)]
+        assert sha(B) in params and sha(A) not in params
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="kv_covered") == 1
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="e_compute") == 1
+        assert s.sample("mmreuse_proxy_encoder_items_total", action="sent") == 1
+        assert s.sample("mmreuse_proxy_encoder_items_total", action="skipped") == 1
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 0
+
+        # Again: A still covered; B is now held by E (sent there once): e_cached, still sent.
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(B), sha(B)]
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="kv_covered") == 2
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="e_cached") == 1
+        assert s.sample("mmreuse_proxy_encoder_items_total", action="sent") == 2
+        assert s.sample("mmreuse_proxy_encoder_items_total", action="skipped") == 2
+
+
+async def test_uncovered_images_are_sent_and_rewritten():
+    # Nothing of [A, C] is held (PD holds [B]'s prefix only): both to E, both rewritten.
+    async with index_proxy() as s:
+        await s.hold(0, [sha(B)], 3)
+        assert (await s.post(chat(TEXT, img(A), img(C)))).status == 200
+        assert e_sent(s) == [sha(A), sha(C)]
+        assert len(s.e.chats()) == 1  # one encoder: the images share one sub-request
+        assert pd_content(s) == [TEXT, embeds(A), embeds(C)]
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="e_compute") == 2
+        assert s.sample("mmreuse_proxy_encoder_items_total", action="sent") == 2
+        assert s.sample("mmreuse_proxy_encoder_items_total", action="skipped") == 0
+
+
+async def test_a_duplicate_identifier_is_sent_once():
+    # [C, C]: one identifier, one E item; both occurrences reference its embedding.
+    async with index_proxy() as s:
+        assert (await s.post(chat(TEXT, img(C), img(C)))).status == 200
+        assert e_sent(s) == [sha(C)]
+        assert pd_content(s) == [TEXT, embeds(C), embeds(C)]
+        items = s.pd[0].chats()[0].body["ec_transfer_params"]["ec_items"]
+        assert [x["mm_hash"] for x in items] == [sha(C)]  # one transfer
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="e_compute") == 1
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="duplicate") == 1
+        assert s.sample("mmreuse_proxy_encoder_items_total", action="sent") == 1
+        assert s.sample("mmreuse_proxy_encoder_items_total", action="skipped") == 1
+
+
+async def test_render_failure_sends_everything_to_e():
+    # Render answers 403 (PD started without --enable-scale-out): no plan, E gets every item,
+    # the request still succeeds, as under eager.
+    async with index_proxy(renders=False) as s:
+        await s.hold(0, [sha(A), sha(B)], 4)  # a view that would have covered A
+        r = await s.post(chat(TEXT, img(A), img(B)))
+        assert r.status == 200
+        assert e_sent(s) == [sha(A), sha(B)]
+        assert pd_content(s) == [TEXT, embeds(A), embeds(B)]
+        assert [x.path for x in s.pd[0].seen][:1] == ["/v1/chat/completions/render"]
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 1
+        assert s.sample("mmreuse_proxy_errors_total", stage="render") == 1
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="unclassified") == 2
+        assert s.sample("mmreuse_proxy_requests_total", policy="index", outcome="ok") == 1
+        text = await (await s.client.get("/metrics")).text()
+        assert 'mmreuse_proxy_fallbacks_total{instance="PD0",kind="no_plan"} 1.0' in text
+
+
+async def test_render_request_carries_the_proxys_uuids():
+    # The render body: the request with every item's uuid (the client's kept, else sha256 of
+    # its URL), "mm_payload": "none", and no stream / stream_options.
+    body = chat(
+        TEXT,
+        img(A, uuid="client-a"),
+        img(B),
+        stream=True,
+        stream_options={"include_usage": True},
+        max_tokens=9,
+    )
+    async with index_proxy() as s:
+        r = await s.post(body)
+        assert r.status == 200
+        await r.read()
+        [req] = [x for x in s.pd[0].seen if x.path == "/v1/chat/completions/render"]
+        sent = req.body
+        assert sent["mm_payload"] == "none"
+        assert "stream" not in sent and "stream_options" not in sent
+        assert sent["messages"][0]["content"] == [
+            TEXT,
+            img(A, uuid="client-a"),
+            img(B, uuid=sha(B)),
+        ]
+        assert (sent["model"], sent["max_tokens"]) == ("tiny", 9)
+        assert e_sent(s) == ["client-a", sha(B)]
+        assert s.pd[0].chats()[0].body["stream"] is True  # decode still streams
+
+
+async def test_hash_configuration_mismatch_disables_the_view():
+    # P publishes hashes the proxy cannot reproduce (another PYTHONHASHSEED): /health names
+    # the mismatch, the gauge counts it, and the view is not used, even for blocks it holds.
+    async with index_proxy() as s:
+        view = s.proxy.views[0]
+        events = [stored([sha(C)], 3, seed="1"), stored([sha(A), sha(B)], 4)]
+        await s.publish(
+            0,
+            events,
+            lambda: (
+                view.index.size() == 7
+                and view.check is not None
+                and view.check.status.mismatches > 0
+            ),
+        )
+        assert not view.usable
+        r = await s.client.get("/health")
+        assert r.status == 200  # the clusters are healthy; the view is degraded
+        health = (await r.json())["mmreuse"]
+        assert health["status"] == "degraded"
+        assert any(p.startswith("PD0: hash configuration mismatch") for p in health["problems"])
+        assert health["views"]["PD0"]["usable"] is False
+        assert health["views"]["PD0"]["hash_check"]["mismatches"] > 0
+        assert s.sample("mmreuse_proxy_hash_config_mismatches", instance="PD0") > 0
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(A), sha(B)]  # A would be covered by the view's blocks
+        assert pd_content(s) == [TEXT, embeds(A), embeds(B)]
+
+
+async def test_a_matching_configuration_verifies():
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+        health = (await (await s.client.get("/health")).json())["mmreuse"]
+        assert (health["status"], health["problems"]) == ("ok", [])
+        view = health["views"]["PD0"]
+        assert (view["usable"], view["blocks"], view["block_size"]) == (True, 4, BLOCK)
+        assert view["hash_check"]["verified"] == 4 and view["hash_check"]["mismatches"] == 0
+        assert s.sample("mmreuse_proxy_hash_blocks_verified", instance="PD0") == 4
+        assert s.sample("mmreuse_proxy_hash_config_mismatches", instance="PD0") == 0
+
+
+async def test_affine_routing_picks_the_pd_holding_the_prefix():
+    # Two PDs; only PD1's view holds [A, B]'s prefix. Every request goes to PD1, although the
+    # routing RNG (which picks where to render) lands on PD0 for some of them.
+    async with index_proxy(2, flags=("--routing", "affine"), seed=3) as s:
+        await s.hold(1, [sha(A), sha(B)], 4)
+        for _ in range(6):
+            assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert len(s.pd[1].chats()) == 6 and s.pd[0].chats() == []
+        renders = [f for f in s.pd for x in f.seen if x.path.endswith("/render")]
+        assert s.pd[0] in renders and len(renders) == 6
+        assert e_sent(s) == [sha(B)] * 6  # A is covered at PD1
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="kv_covered") == 6
+
+
+async def test_random_routing_ignores_the_views():
+    # The control for the test above: with the same RNG seed and --routing random, PD0 serves
+    # some of the requests (and E then gets A too, PD0 holding nothing).
+    async with index_proxy(2, seed=3) as s:
+        await s.hold(1, [sha(A), sha(B)], 4)
+        for _ in range(6):
+            assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert s.pd[0].chats() and s.pd[1].chats()
+        assert e_sent(s).count(sha(A)) == len(s.pd[0].chats())
+
+
+async def test_decode_500_retry_re_encodes_everything():
+    # A decode 500 re-runs the request as under eager: E gets every item, each rewritten.
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+        s.pd[0].fail["/v1/chat/completions"] = [500]
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(B), sha(A), sha(B)]
+        assert pd_content(s, k=0)[1] == {**img(A), "uuid": sha(A)}
+        assert pd_content(s, k=1) == [TEXT, embeds(A), embeds(B)]
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="retry") == 1
+
+
+@pytest.mark.parametrize("cached, short", [(0, 1), (64, 0)])
+async def test_kv_short_fallback_from_the_usage(cached, short):
+    # PD reports fewer cached prompt tokens than the plan counted on (64): a skipped item was
+    # served by PD's own cache, connector or encoder.
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+        s.pd[0].usage = {"prompt_tokens": 72, "prompt_tokens_details": {"cached_tokens": cached}}
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="kv_short") == short
+
+
+async def test_index_without_kv_events_sends_everything():
+    # No view at all: every item is uncovered (E gets it), and /health says why.
+    async with index_proxy(events=False) as s:
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(A), sha(B)]
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="e_compute") == 2
+        health = (await (await s.client.get("/health")).json())["mmreuse"]
+        assert health["status"] == "degraded"
+        assert health["problems"] == ["PD0: no KV events endpoint"]
+
+
+async def test_text_only_request_under_index():
+    async with index_proxy() as s:
+        body = chat(TEXT, max_tokens=3)
+        assert (await s.post(body)).status == 200
+        assert s.e.chats() == []
+        assert s.pd[0].chats()[0].body == body
+
+
+async def test_e_p_d_under_index():
+    # E + P + D: the view is P's; render goes to P; P gets the covered item raw with its uuid,
+    # D gets P's kv_transfer_params.
+    async with index_proxy(prefill=True) as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+        assert s.proxy.views[0].name == "P0"
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(B)]
+        assert [x.path for x in s.pd[0].seen] == [
+            "/v1/chat/completions/render",
+            "/v1/chat/completions",
+        ]
+        p_body = s.pd[0].chats()[0].body
+        assert p_body["messages"][0]["content"][1] == {**img(A), "uuid": sha(A)}
+        assert p_body["max_tokens"] == 1
+        [d] = s.d[0].chats()
+        assert d.body["kv_transfer_params"]["remote_engine_id"] == "p-engine"
+        assert [x.path for x in s.d[0].seen] == ["/v1/chat/completions"]  # no render at D
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="kv_covered") == 1
+
+
+async def test_cache_salt_is_part_of_the_key():
+    # P's blocks were made under cache_salt "tenant-a": only a request with that salt hits.
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4, cache_salt="tenant-a")
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(A), sha(B)]
+        assert (await s.post(chat(TEXT, img(A), img(B), cache_salt="tenant-b"))).status == 200
+        assert e_sent(s)[2:] == [sha(A), sha(B)]
+        assert (await s.post(chat(TEXT, img(A), img(B), cache_salt="tenant-a"))).status == 200
+        assert e_sent(s)[4:] == [sha(B)]
+        assert s.pd[0].chats()[-1].body["cache_salt"] == "tenant-a"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda body: [1, 2],
+        lambda body: None,
+        lambda body: {"token_ids": "abc"},
+        lambda body: {"token_ids": [1] * 50, "features": None},  # fewer images than sent
+        lambda body: {
+            "token_ids": [1] * 50,
+            "features": {
+                "mm_hashes": {"image": ["x", "y"]},
+                "mm_placeholders": {"image": [{"offset": 40, "length": 16}] * 2},  # past the end
+            },
+        },
+    ],
+)
+async def test_a_garbled_render_costs_the_plan_not_the_request(answer):
+    async with index_proxy() as s:
+        s.pd[0].render = answer
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(A), sha(B)]
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 1
+
+
+async def test_render_url_is_used_and_its_failure_costs_the_plan(fakes):
+    renderer = await fakes("pd", render=render)
+    async with index_proxy(renders=False, flags=("--render-url", renderer.url)) as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(B)]
+        assert [x.path for x in renderer.seen] == ["/v1/chat/completions/render"]
+        assert [x.path for x in s.pd[0].seen] == ["/v1/chat/completions"]
+        await renderer.close()  # unreachable now
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s)[1:] == [sha(A), sha(B)]
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 1
+
+
+async def test_a_covered_occurrence_shares_the_embedding_sent_for_a_later_one():
+    # [A, B, A] with [A, B]'s first 4 blocks held: A#0 is covered, A#2 ([72, 88)) is not and
+    # needs E. A is sent once (for A#2); A#0 references that embedding; one transfer per item
+    # sent.
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+        assert (await s.post(chat(TEXT, img(A), img(B), img(A)))).status == 200
+        assert e_sent(s) == [sha(B), sha(A)]
+        assert pd_content(s) == [TEXT, embeds(A), embeds(B), embeds(A)]
+        items = s.pd[0].chats()[0].body["ec_transfer_params"]["ec_items"]
+        assert [x["mm_hash"] for x in items] == [sha(B), sha(A)]
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="kv_covered") == 1
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="e_compute") == 2
+
+
+async def test_affine_routing_under_eager():
+    # --routing affine without --policy index: routed by the views, every item still to E.
+    async with index_proxy(2, flags=("--routing", "affine", "--policy", "eager"), seed=3) as s:
+        await s.hold(1, [sha(A), sha(B)], 4)
+        for _ in range(4):
+            assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert len(s.pd[1].chats()) == 4 and s.pd[0].chats() == []
+        assert e_sent(s) == [sha(A), sha(B)] * 4
+        assert s.sample("mmreuse_proxy_occurrences_total", klass="unclassified") == 8
+
+
+async def test_block_size_learned_from_the_events():
+    # Without --block-size the view takes P's from its first BlockStored event.
+    async with index_proxy(block_size=None) as s:
+        view = s.proxy.views[0]
+        assert view.hasher is None and not view.usable
+        await s.hold(0, [sha(A), sha(B)], 4)
+        assert view.hasher is not None and view.hasher.block_size == BLOCK
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(B)]
+
+
+async def test_a_block_size_mismatch_disables_the_view():
+    async with index_proxy(block_size=2 * BLOCK) as s:
+        view = s.proxy.views[0]
+        await s.publish(
+            0,
+            [stored([sha(A), sha(B)], 4)],
+            lambda: view.check is not None and view.check.status.mismatches > 0,
+        )
+        assert not view.usable
+        health = (await (await s.client.get("/health")).json())["mmreuse"]
+        assert any("block size" in p for p in health["problems"])
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(A), sha(B)]
+
+
+async def test_conflicting_embed_counts_fall_back_to_eager():
+    # One identifier rendered with two lengths: vLLM rejects the request, so the proxy makes no
+    # plan and lets P say so, as under eager (E gets every item).
+    def conflicting(body: dict[str, Any]) -> dict[str, Any]:
+        out = render(body)
+        out["features"]["mm_placeholders"]["image"][1]["length"] = 8
+        return out
+
+    async with index_proxy() as s:
+        s.pd[0].render = conflicting
+        assert (await s.post(chat(TEXT, img(C), img(C)))).status == 200
+        assert e_sent(s) == [sha(C), sha(C)]
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 1
+        assert s.sample("mmreuse_proxy_errors_total", stage="plan") == 1
+
+
+class _SlowRender(Fake):
+    """A PD whose render answers only after `delay_s`."""
+
+    delay_s = 5.0
+
+    async def handle(self, request):
+        if request.path == "/v1/chat/completions/render":
+            await asyncio.sleep(self.delay_s)
+        return await super().handle(request)
+
+
+async def test_a_render_past_its_timeout_costs_the_plan_not_the_request(fakes):
+    # A render that does not answer within --render-timeout: E gets everything, as under eager,
+    # and the client is answered once the timeout has passed, not when render would have.
+    e = await fakes("e")
+    pd = await fakes(_SlowRender("pd", render=render))
+    argv = ["--encode-servers-urls", e.url, "--decode-servers-urls", pd.url,
+            "--policy", "index", "--render-timeout", "0.2"]  # fmt: skip
+    app = build_app(parse_args(argv, env={}))
+    async with TestClient(TestServer(app)) as client:
+        t0 = time.monotonic()
+        r = await client.post("/v1/chat/completions", json=chat(TEXT, img(A)))
+        assert r.status == 200 and time.monotonic() - t0 < 3.0
+        assert [p["uuid"] for x in e.chats() for p in x.body["messages"][0]["content"]] == [sha(A)]
+        registry = app[PROXY_KEY].registry
+        labels = {"instance": "PD0", "kind": "no_plan"}
+        assert registry.get_sample_value("mmreuse_proxy_fallbacks_total", labels) == 1

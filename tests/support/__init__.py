@@ -1,0 +1,1 @@
+"""What several test modules share: the oracle client, fake backends, KV-event publishers."""
