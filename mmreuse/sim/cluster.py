@@ -41,13 +41,29 @@ __all__ = ["Deliveries", "EncodeJob", "Encoder", "Prefill", "Simulation"]
 
 
 def _rule_s_can_apply(cache: EncoderCache, request: SimRequest, local: dict[str, int]) -> bool:
-    """Whether rule S can change a class: one of the request's items is freeable, and its items
-    P does not hold may need more than the free slots (else nothing is evicted)."""
+    """Whether rule S can change a class: the embeds the request's items P does not hold need
+    beyond the free slots would evict, oldest first, a freeable entry the request itself uses.
+    An upper bound (each occurrence counted, none referenced first): `compute_demand` with the
+    cache's space then decides exactly."""
     freeable = cache.freeable
-    if not any(m.identifier in freeable for m in request.mm):
+    if not freeable:
         return False
-    need = sum(m.num_embeds for m in request.mm if m.identifier not in local)
-    return need > cache.capacity - cache.used
+    mm = request.mm
+    deficit = cache.used - cache.capacity
+    for m in mm:
+        if m.identifier not in local:
+            deficit += m.num_embeds
+    if deficit <= 0:
+        return False
+    mine = {m.identifier for m in mm}
+    entries = cache.entries
+    for ident in freeable:  # oldest first: the order P's allocations evict in
+        if ident in mine:
+            return True
+        deficit -= entries[ident]
+        if deficit <= 0:
+            return False
+    return False
 
 
 # identifier -> (how E produced it, num_embeds): what an E job hands P with the request
