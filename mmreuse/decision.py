@@ -108,18 +108,19 @@ class ItemClass(StrEnum):
     @property
     def covered(self) -> bool:
         """P never touches the encoder for it (KV-covered, or no embed positions)."""
-        return self in _COVERED_ITEMS
+        return (
+            self is ItemClass.KV_COVERED or self is ItemClass.NO_EMBEDS
+        )  # `is`: enums hash in Python
 
     @property
     def needs_e(self) -> bool:
         """E must deliver an embedding for it (e_cached, e_compute)."""
-        return self in _NEEDS_E_ITEMS
+        return self is ItemClass.E_CACHED or self is ItemClass.E_COMPUTE
 
 
 _KLASS_OF: dict[ItemClass, Klass] = {ItemClass(k.value): k for k in Klass}
-_ITEM_OF: dict[Klass, ItemClass] = {k: c for c, k in _KLASS_OF.items()}
-_COVERED_ITEMS = frozenset(c for c, k in _KLASS_OF.items() if k.covered)
-_NEEDS_E_ITEMS = frozenset(c for c, k in _KLASS_OF.items() if k.needs_e)
+# keyed by the Klass's value: a str hashes in C, an enum member in Python
+_ITEM_OF: dict[str, ItemClass] = {k.value: c for c, k in _KLASS_OF.items()}
 ITEM_CLASSES: frozenset[str] = frozenset(c.value for c in ItemClass)
 # what a peer (P) may name: every class but unclassified, which only the proxy uses
 ANSWER_CLASSES: frozenset[str] = ITEM_CLASSES - {ItemClass.UNCLASSIFIED.value}
@@ -129,7 +130,7 @@ def item_class(decision: OccurrenceDecision) -> ItemClass:
     """An occurrence decision's class on the wire."""
     if decision.dedup_of is not None:
         return ItemClass.DUPLICATE
-    return _ITEM_OF[decision.klass]
+    return _ITEM_OF[decision.klass._value_]
 
 
 def item_classes(demand: DemandResult) -> tuple[ItemClass, ...]:

@@ -90,16 +90,12 @@ class Klass(Enum):
     @property
     def needs_e(self) -> bool:
         """Whether E must deliver an embedding for this class."""
-        return self in _NEEDS_E
+        return self is Klass.E_CACHED or self is Klass.E_COMPUTE  # `is`: an enum hashes in Python
 
     @property
     def covered(self) -> bool:
         """Whether P never touches the encoder for it (KV-covered, or no embed positions)."""
-        return self in _COVERED
-
-
-_COVERED = frozenset((Klass.KV_COVERED, Klass.NO_EMBEDS))
-_NEEDS_E = frozenset((Klass.E_CACHED, Klass.E_COMPUTE))
+        return self is Klass.KV_COVERED or self is Klass.NO_EMBEDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +292,7 @@ def self_evictions(
     room = sum(queue.values())  # the freeable space left in `queue`, kept as it shrinks
     for occ, d in zip(occurrences, decisions, strict=True):
         ident = occ.identifier
-        if d.klass in _COVERED or ident in scheduled:
+        if d.klass.covered or ident in scheduled:
             continue
         if ident in cached:
             room -= queue.pop(ident, 0)  # referenced now

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import cachetools
 
-from ..blockhash import EventBlockId, ExternalBlockHash
+from ..blockhash import EventBlockId, ExternalBlockHash, to_event_ids
 from ..demand import EncoderCacheSpace
 from ..kvview import PrefixMatch
 from ..residency import BlockIndex
@@ -55,36 +55,37 @@ class PrefixCache:
             refs[b] += 1
             evictable.pop(b, None)
         block_of, hash_in = self.index.maps()
-        # this admission's changes, applied to the index at the end in two batched calls
-        removed: list[EventBlockId] = []
-        removed_set: set[EventBlockId] = set()
-        evicted: list[int] = []
+        # New blocks come from the never-used pool first (last in, first out), then from the
+        # head of the LRU queue; this admission's changes reach the index in two batched calls.
+        keys = to_event_ids(block_hashes[num_hit:])  # in one C call
+        fresh = min(len(keys), len(never_used))
+        new_blocks = never_used[len(never_used) - fresh :][::-1]  # as pop() would take them
+        del never_used[len(never_used) - fresh :]
+        evicted = [evictable.popitem(last=False)[0] for _ in range(len(keys) - fresh)]
+        new_blocks += evicted
+        removed: list[EventBlockId] = [hash_in[b] for b in evicted]  # type: ignore[misc]
+        assert None not in removed  # an evictable block always holds content
+        removed_at: dict[EventBlockId, int] = {}  # an old hash -> the new block that evicted it
+        for j, old in enumerate(removed, fresh):
+            removed_at.setdefault(old, j)
         stored: dict[EventBlockId, None] = {}
-        stored_hashes: list[bytes] = []
         stored_blocks: list[int] = []
-        blocks = list(hit_blocks)
-        for block_hash in block_hashes[num_hit:]:
-            if never_used:
-                b = never_used.pop()
-            else:
-                b, _ = evictable.popitem(last=False)
-                old = hash_in[b]
-                assert old is not None  # an evictable block always holds content
-                evicted.append(b)
-                removed.append(old)
-                removed_set.add(old)
-            key = int.from_bytes(block_hash[-8:], "big")  # to_event_id's rule, inlined
-            indexed = key in stored or (key in block_of and key not in removed_set)
-            if not indexed:  # an evicted hash can be re-stored into a fresh block here
-                stored[key] = None
-                stored_hashes.append(block_hash)
-                stored_blocks.append(b)
+        for i, key in enumerate(keys):
+            if key in stored:
+                continue
+            if key in block_of:  # still indexed unless a block up to this one evicted it
+                at = removed_at.get(key)
+                if at is None or at > i:
+                    continue
+            stored[key] = None  # an evicted hash can be re-stored into a fresh block here
+            stored_blocks.append(new_blocks[i])
+        for b in new_blocks:
             refs[b] += 1
-            blocks.append(b)
+        blocks = [*hit_blocks, *new_blocks]
         if evicted:
             self.index.evict_blocks(evicted)
-        if stored_hashes:
-            self.index.store_many(stored_hashes, stored_blocks)
+        if stored:
+            self.index.store_many(list(stored), stored_blocks)  # event ids are block hashes too
         if stored or removed:
             self._on_change(list(stored), removed)
         return blocks
