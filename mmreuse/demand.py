@@ -490,7 +490,12 @@ def _collect(
 ) -> DemandResult:
     """Split the uncovered identifiers by where they come from, in the order P first needs them."""
     e_demand, p_loads, p_local_reuse = [], [], []
-    for ident in sorted(first_of, key=lambda x: (need_at[x], first_of[x][0])):
+    order = (
+        sorted(first_of, key=lambda x: (need_at[x], first_of[x][0]))
+        if len(first_of) > 1
+        else first_of
+    )
+    for ident in order:
         klass = first_of[ident][1]
         if klass is _E_COMPUTE or klass is _E_CACHED:
             e_demand.append((ident, klass is _E_COMPUTE))
