@@ -503,13 +503,13 @@ def _collect(
             p_loads.append(ident)
         else:
             p_local_reuse.append(ident)
-    return DemandResult(
-        decisions=tuple(decisions),
-        e_demand=tuple(e_demand),
-        p_loads=tuple(p_loads),
-        p_local_reuse=tuple(p_local_reuse),
-        skip_e=not e_demand,
-        conflicts=tuple(conflicts),
+    return DemandResult(  # positional: this runs once per plan
+        tuple(decisions),
+        tuple(e_demand),
+        tuple(p_loads),
+        tuple(p_local_reuse),
+        not e_demand,
+        tuple(conflicts),
     )
 
 
