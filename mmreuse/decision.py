@@ -12,6 +12,8 @@ Torch-free and vLLM-free.
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -164,8 +166,16 @@ class Dispatch:
 
 def dispatch_all(num_items: int) -> Dispatch:
     """Every item to E, unclassified: the reference proxy (eager), or no plan."""
-    n = check_int("num_items", num_items, 0)
-    return Dispatch(tuple(range(n)), classes=(ItemClass.UNCLASSIFIED,) * n)
+    return _dispatch_all(check_int("num_items", num_items, 0))
+
+
+@functools.lru_cache(maxsize=256)
+def _dispatch_all(n: int) -> Dispatch:
+    """One immutable Dispatch per count: eager builds one for every request."""
+    return Dispatch(tuple(range(n)), shares=_NO_SHARES, classes=(ItemClass.UNCLASSIFIED,) * n)
+
+
+_NO_SHARES: Mapping[int, int] = types.MappingProxyType({})
 
 
 def dispatch(
