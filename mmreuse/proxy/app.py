@@ -48,6 +48,28 @@ logger = logging.getLogger("mmreuse.proxy")
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
 _JSON = {"Content-Type": "application/json"}
+# The proxy's own channel to P and D: a client's values would reach them verbatim (a connector
+# handle naming a host of its choosing, an embedding cached under an identifier others share).
+CLIENT_FIELDS_STRIPPED = ("ec_transfer_params", "kv_transfer_params")
+_ABSENT = object()
+# How the proxy's HTTP server runs (`run`, and the tests' servers): a client that hangs up
+# cancels its handler, which closes the backend request (as Starlette on uvicorn does for the
+# reference; aiohttp's default keeps it running); request bodies are never inflated.
+SERVER_SETTINGS: dict[str, Any] = {"handler_cancellation": True, "auto_decompress": False}
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body as sent: a compressed one is refused, never inflated (aiohttp's
+    default inflates, and its size limit applies to the inflated bytes: a decompression bomb)."""
+    encoding = request.headers.get("Content-Encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise ProxyError(
+            415,
+            f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
+            stage="proxy",
+        )
+    return await request.read()
+
 
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
 AfterDecide = Callable[[Decision], Awaitable[None]]
@@ -184,11 +206,14 @@ class Proxy:
 
     async def _chat(self, request: web.Request, t0: float) -> web.StreamResponse:
         try:
-            req = _decode.decode(await request.read())
+            req = _decode.decode(await read_body(request))
         except msgspec.DecodeError as e:
             raise ProxyError(400, f"Invalid JSON body: {e}", stage="proxy") from e
         if not isinstance(req, dict):
             raise ProxyError(400, "The body must be a JSON object", stage="proxy")
+        for key in CLIENT_FIELDS_STRIPPED:
+            if req.pop(key, _ABSENT) is not _ABSENT:
+                self.metrics.stripped(key).inc()
         req_id = request.headers.get("x-request-id")
         if req_id is None:  # as the reference: an empty header stays empty
             req_id = str(uuidlib.UUID(new_hex(128), version=4))
@@ -576,7 +601,10 @@ class Proxy:
     async def profile(self, request: web.Request) -> web.Response:
         """POST /start_profile, /stop_profile: to one random E, P and D; 404 = disabled."""
         cmd = request.path.strip("/").removesuffix("_profile")
-        payload = await request.read()
+        try:
+            payload = await read_body(request)
+        except ProxyError as err:
+            return web.json_response({"detail": err.detail}, status=err.status)
         cfg = self.config
         headers = {"Authorization": f"Bearer {os.getenv('OPENAI_API_KEY', '')}"}
 
@@ -651,9 +679,7 @@ def run(config: ProxyConfig) -> None:
 
     async def serve() -> None:
         app = build_app(config)
-        # A client that hangs up cancels its handler, which closes the backend request (as
-        # Starlette on uvicorn does for the reference); aiohttp's default keeps it running.
-        app_runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        app_runner = web.AppRunner(app, access_log=None, **SERVER_SETTINGS)
         await app_runner.setup()
         site = web.TCPSite(app_runner, config.host, config.port, backlog=4096)
         await site.start()

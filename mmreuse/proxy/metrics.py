@@ -87,6 +87,13 @@ class ProxyMetrics:
             ["instance", "kind"],
             registry=r,
         )
+        self.client_fields_stripped = Counter(
+            "mmreuse_proxy_client_fields_stripped_total",
+            "requests whose client-sent field was removed before E, P and D saw it "
+            "(ec_transfer_params, kv_transfer_params: the proxy's own channel to P and D)",
+            ["field"],
+            registry=r,
+        )
         self.errors = Counter(
             "mmreuse_proxy_errors_total",
             "errors by stage (render, plan, demand, encode, prefill, decode, proxy)",
@@ -137,6 +144,9 @@ class ProxyMetrics:
 
     def request(self, policy: str, outcome: str) -> Any:
         return self._child(self.requests, policy, outcome)
+
+    def stripped(self, field: str) -> Any:
+        return self._child(self.client_fields_stripped, field)
 
     def occurrence(self, klass: str) -> Any:
         return self._child(self.occurrences, klass)

@@ -17,13 +17,13 @@ import shutil
 import time
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from mmreuse.cluster.client import post_json
 from mmreuse.cluster.workload import conversations
 from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
 from tests.support.live_proxy import tokens
+from tests.support.proxy_fakes import proxy_client
 
 pytestmark = pytest.mark.live
 
@@ -94,7 +94,7 @@ def test_forced_eviction_falls_back_and_succeeds(proxy_flags, cluster):
 
     async def main():
         app = build_app(config, after_decide=after_decide)
-        async with TestClient(TestServer(app)) as client:
+        async with proxy_client(app) as client:
             await asyncio.sleep(1.0)
             statuses = []
             for _s, _t, body in conversations(run, 1, 3):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import hashlib
+import json
 import os
 import random
 import signal
@@ -17,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from typing import Any
 
 import aiohttp
@@ -507,3 +510,85 @@ async def test_a_publisher_claiming_blocks_never_orphans_an_item():
         assert orphans(s) == []
         for part in pd_content(s)[1:]:
             assert part["type"] == "image_url" and "uuid" in part
+
+
+# ---- compressed bodies and a client's own connector fields (issue: hostile clients) -----------
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "GZIP "])
+async def test_a_compressed_body_is_refused_before_it_is_inflated(encoding):
+    # aiohttp inflates gzip / deflate bodies and applies its size limit after: 64 KiB of gzip
+    # became 64 MiB sent to E. The proxy refuses any Content-Encoding with a 415.
+    payload = json.dumps(chat(img(A), {"type": "text", "text": "x" * (1 << 20)})).encode()
+    squeezed = gzip.compress(payload) if "gzip" in encoding.lower() else zlib.compress(payload)
+    headers = {"Content-Encoding": encoding, "Content-Type": "application/json"}
+    async with epd() as s:
+        r = await s.client.post("/v1/chat/completions", data=squeezed, headers=headers)
+        assert r.status == 415
+        assert "Content-Encoding" in (await r.json())["detail"]
+        assert s.e[0].seen == [] and s.pd.seen == []
+        assert s.sample("mmreuse_proxy_requests_total", policy="eager", outcome="client_error") == 1
+        r = await s.client.post("/start_profile", data=gzip.compress(b"{}"), headers=headers)
+        assert r.status == 415 and s.e[0].seen == []
+
+
+async def test_an_uncompressed_body_is_served_whatever_it_says_it_is():
+    async with epd() as s:
+        for encoding in ("identity", ""):
+            r = await s.client.post(
+                "/v1/chat/completions",
+                data=json.dumps(chat(img(A))).encode(),
+                headers={"Content-Encoding": encoding, "Content-Type": "application/json"},
+            )
+            assert r.status == 200
+
+
+CLIENT_HANDLES = {
+    "ec_transfer_params": {
+        "forged": {"peer_host": "10.9.9.9", "peer_port": 1, "item_indices": [0]}
+    },
+    "kv_transfer_params": {
+        "do_remote_prefill": True,
+        "remote_host": "10.9.9.9",
+        "remote_block_ids": [7],
+    },
+}
+
+
+@pytest.mark.parametrize("n_p", [0, 1], ids=["E+PD", "E+P+D"])
+async def test_a_clients_connector_fields_never_reach_e_p_or_d(n_p):
+    async with epd(n_p=n_p) as s:
+        r = await s.post(chat(img(A), {"type": "text", "text": "hi"}, **CLIENT_HANDLES))
+        assert r.status == 200
+        for backend in (*s.e, *s.p, *s.d):
+            for seen in backend.chats():
+                body = json.dumps(seen.body)
+                assert "10.9.9.9" not in body and "forged" not in body, (backend.role, body)
+        final = s.d[0].chats()[-1].body
+        assert set(final["ec_transfer_params"]) == {sha(A), "ec_items"}  # E's handle only
+        if n_p:  # D gets P's kv_transfer_params, P the proxy's (remote decode)
+            assert s.p[0].chats()[-1].body["kv_transfer_params"]["do_remote_decode"] is True
+            assert final["kv_transfer_params"] == {
+                "remote_engine_id": "p-engine",
+                "remote_block_ids": [1],
+            }
+        else:
+            assert "kv_transfer_params" not in final
+        for field in CLIENT_HANDLES:
+            assert s.sample("mmreuse_proxy_client_fields_stripped_total", field=field) == 1
+
+
+async def test_the_served_proxy_never_inflates_a_body(fakes):
+    # In production (app.run's own AppRunner) the parser must not inflate at all: a gzip bomb
+    # is refused unread, and 'br' (no Brotli here) is a 415 too, not the parser's 400.
+    e, pd = await fakes("e"), await fakes("pd")
+    bomb = gzip.compress(b'{"messages": [' + b" " * (64 << 20) + b"]}")  # 64 MiB -> ~64 KiB
+    async with (
+        served_proxy("--encode-servers-urls", e.url, "--decode-servers-urls", pd.url) as base,
+        aiohttp.ClientSession(auto_decompress=False) as client,
+    ):
+        for encoding, data in (("gzip", bomb), ("br", b"\x0b\x02\x80{}\x03")):
+            headers = {"Content-Encoding": encoding, "Content-Type": "application/json"}
+            async with client.post(f"{base}/v1/chat/completions", data=data, headers=headers) as r:
+                assert r.status == 415, (encoding, r.status, await r.text())
+    assert e.seen == [] and pd.seen == []

@@ -19,7 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from mmreuse.demand import Availability
 from mmreuse.demand_query import (
@@ -38,7 +38,7 @@ from mmreuse.proxy.app import build_app
 from mmreuse.proxy.config import parse_args
 from mmreuse.proxy.demand import DemandClient, DemandUnavailable
 from tests.support.index_proxy import TEXT, A, B, C, prompt, render
-from tests.support.proxy_fakes import Fake, ProxyHandle, chat, img, sha
+from tests.support.proxy_fakes import Fake, ProxyHandle, chat, img, proxy_client, sha
 
 WAIT_S = 15.0  # a bound on waiting for something to happen (a hang guard, not a timing check)
 KEY = "mmreuse_demand_id"
@@ -180,7 +180,7 @@ async def demand_proxy(
         argv += ["--prefill-servers-urls", ",".join(f.url for f in pds)]
     app = build_app(parse_args(argv, env={"ENCODER_MAX_BATCH_SIZE": str(batch)}))
     try:
-        async with TestClient(TestServer(app)) as client:
+        async with proxy_client(app) as client:
             yield Setup(client, app, e, pds, ps, d)
     finally:
         for fake in (e, *pds, *d):
@@ -562,7 +562,7 @@ async def _eager_proxy() -> AsyncIterator[Setup]:
     argv = ["--encode-servers-urls", e.url, "--decode-servers-urls", pd.url]
     app = build_app(parse_args(argv, env={"ENCODER_MAX_BATCH_SIZE": "1"}))
     try:
-        async with TestClient(TestServer(app)) as client:
+        async with proxy_client(app) as client:
             yield Setup(client, app, e, [pd], [])
     finally:
         await e.close()

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from aiohttp.test_utils import TestClient, TestServer
-
 from mmreuse.events.ec_wire import (
     EncoderCacheEventBatch,
     EncoderCacheEvicted,
@@ -18,7 +16,7 @@ from mmreuse.events.ec_wire import (
 from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
 from tests.support.index_proxy import TEXT, A, B, render
-from tests.support.proxy_fakes import chat, img, sha
+from tests.support.proxy_fakes import chat, img, proxy_client, sha
 
 
 async def _wait(cond, timeout=10.0):
@@ -36,7 +34,7 @@ async def test_an_item_in_ps_encoder_cache_is_not_sent_to_e(fakes, publisher):
             "--encoder-cache-events-endpoints", pub.endpoint,
             "--encoder-cache-events-replay-endpoints", pub.replay_endpoint]  # fmt: skip
     app = build_app(parse_args(argv, env={}))
-    async with TestClient(TestServer(app)) as client:
+    async with proxy_client(app) as client:
         proxy = app[PROXY_KEY]
         await asyncio.sleep(0.3)
         pub.publish(encode_ec_batch(EncoderCacheEventBatch(time.time(), [EncoderCacheStored(sha(B), 16)], 0)))  # fmt: skip

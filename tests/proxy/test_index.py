@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
@@ -28,7 +27,7 @@ from tests.support.index_proxy import (
     render,
     stored,
 )
-from tests.support.proxy_fakes import Fake, chat, img, sha
+from tests.support.proxy_fakes import Fake, chat, img, proxy_client, sha
 
 # ---- tests --------------------------------------------------------------------------------------
 
@@ -406,7 +405,7 @@ async def test_a_render_past_its_timeout_costs_the_plan_not_the_request(fakes):
     argv = ["--encode-servers-urls", e.url, "--decode-servers-urls", pd.url,
             "--policy", "index", "--render-timeout", "0.2"]  # fmt: skip
     app = build_app(parse_args(argv, env={}))
-    async with TestClient(TestServer(app)) as client:
+    async with proxy_client(app) as client:
         t0 = time.monotonic()
         r = await client.post("/v1/chat/completions", json=chat(TEXT, img(A)))
         assert r.status == 200 and time.monotonic() - t0 < 3.0

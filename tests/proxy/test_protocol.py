@@ -459,7 +459,8 @@ async def test_matching_a_single_item_by_its_only_entry():
 async def test_rewrite_for_decode():
     # rewrite_for_decode: each item E described becomes {"type": "image_embeds",
     # "image_embeds": <E's metadata, flattened per key>, "uuid": ...}; text untouched; E's
-    # handles and ec_items on ec_transfer_params; the client's own ec_transfer_params kept.
+    # handles and ec_items on ec_transfer_params. The client's own ec_transfer_params is dropped
+    # (a deliberate difference: the reference forwards it, a channel to P a client must not have).
     a, b = img("http://img/a.png"), img("http://img/b.png", uuid="client-b")
     body = chat(text("first"), a, text("second"), b, ec_transfer_params={"client": 1})
     handles = {
@@ -485,8 +486,7 @@ async def test_rewrite_for_decode():
             {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": "client-b"},
         ]  # fmt: skip
         params = final["ec_transfer_params"]
-        assert set(params) == {"client", "ec_items", *handles}
-        assert params["client"] == 1
+        assert set(params) == {"ec_items", *handles}
         for key, handle in handles.items():
             assert params[key] == handle
         items = params["ec_items"]

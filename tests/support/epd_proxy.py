@@ -11,12 +11,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
 
-from .proxy_fakes import Fake
+from .proxy_fakes import Fake, proxy_client
 
 
 @dataclass
@@ -68,7 +68,7 @@ async def epd(
         config = dataclasses.replace(config, seed=seed)
     app = build_app(config)
     try:
-        async with TestClient(TestServer(app)) as client:
+        async with proxy_client(app) as client:
             yield Setup(client, app, e, p, d)
     finally:
         for fake in (*e, *p, *d):

@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from mmreuse.blockhash import to_event_id
 from mmreuse.events import BlockStored, KVEventBatch
@@ -25,7 +25,7 @@ from mmreuse.proxy.app import build_app
 from mmreuse.proxy.config import parse_args
 
 from .kv_publisher import TestPublisher
-from .proxy_fakes import Fake, ProxyHandle, sha
+from .proxy_fakes import Fake, ProxyHandle, proxy_client, sha
 
 BLOCK = 16
 TEXT_TOKENS = list(range(1, 41))  # the rendered prompt: 40 text tokens, then each image
@@ -170,7 +170,7 @@ async def index_proxy(
         config = dataclasses.replace(config, seed=seed)
     app = build_app(config)
     try:
-        async with TestClient(TestServer(app)) as client:
+        async with proxy_client(app) as client:
             yield Setup(client, app, e, pds, pubs, d)
     finally:
         for fake in (e, *pds, *d):

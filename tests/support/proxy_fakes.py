@@ -9,12 +9,13 @@ import asyncio
 import hashlib
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from aiohttp.test_utils import TestServer
+from aiohttp.test_utils import TestClient, TestServer
 
 
 @dataclass
@@ -211,3 +212,17 @@ def img(url: str, **extra: Any) -> dict[str, Any]:
 
 def chat(*content: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"model": "tiny", "messages": [{"role": "user", "content": list(content)}], **extra}
+
+
+@asynccontextmanager
+async def proxy_client(app: web.Application) -> AsyncIterator[TestClient]:
+    """A test client of the proxy's `app`, served as `mmreuse proxy` serves it
+    (`mmreuse.proxy.app.SERVER_SETTINGS`; TestServer sets handler_cancellation itself)."""
+    from mmreuse.proxy.app import SERVER_SETTINGS
+
+    server = TestServer(app)
+    await server.start_server(
+        **{k: v for k, v in SERVER_SETTINGS.items() if k != "handler_cancellation"}
+    )
+    async with TestClient(server) as client:
+        yield client
