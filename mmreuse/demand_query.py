@@ -41,6 +41,9 @@ MAX_ITEMS = 4096  # items, and e_cached entries (the client sends what E holds o
 MAX_IDENT_CHARS = 1024
 MAX_MODALITY_CHARS = 64
 MAX_SALT_CHARS = 1024
+# A whole answer frame: each identifier in at most two of its lists (e_demand, p_loads,
+# p_local_reuse, p_local_self_evicted), a class and a dedup index per item, with room to spare.
+MAX_ANSWER_BYTES = 4 * MAX_ITEMS * (MAX_IDENT_CHARS + 64)
 # items' placeholders, in all, per token id: vLLM overlaps at most two items (use_audio_in_video:
 # audio and video over one range, each with its is_embed mask); masks cost P per flag
 MAX_OVERLAP = 2

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from ..demand_query import (
+    MAX_ANSWER_BYTES,
     Answer,
     DemandAnswer,
     DemandError,
@@ -39,6 +40,7 @@ OUTCOMES = ("ok", "timeout", "error", "malformed", "refused")
 DROPS = ("unknown_id", "malformed")  # frames the reader dropped
 ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 DEFAULT_MAX_IN_FLIGHT = 1024
+READ_BATCH = 32  # frames the reader takes before it yields to the event loop
 
 
 class DemandUnavailable(Exception):
@@ -106,6 +108,10 @@ class DemandClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a P not connected: its queries wait
+        # A hostile or broken P: a frame larger than any answer drops the connection, and past a
+        # few answers per query in flight ZMQ stops reading from P (backpressure), never queues.
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)
+        sock.setsockopt(zmq.RCVHWM, 2 * self.max_in_flight + 16)
         sock.connect(self.endpoint)
         self._sock = sock
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -196,7 +202,11 @@ class DemandClient:
 
     async def _read(self) -> None:
         sock = self._sock
+        read = 0
         while True:
+            read += 1
+            if read % READ_BATCH == 0:  # a queued frame is returned without yielding: let
+                await asyncio.sleep(0)  # the rest of the proxy run between batches
             try:
                 frames = await sock.recv_multipart(copy=True)
             except asyncio.CancelledError:

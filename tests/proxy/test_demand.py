@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -637,3 +638,60 @@ def test_demand_client_validates(kwargs, field_name):
     endpoint = kwargs.pop("endpoint")
     with pytest.raises(InvalidArgument, match=field_name):
         DemandClient(endpoint, **kwargs)
+
+
+async def test_a_flooding_p_never_freezes_the_event_loop():
+    # recv_multipart returns a queued frame without yielding: 503,000 frames from a hostile P
+    # froze every coroutine for seconds. The reader yields every READ_BATCH frames.
+    from mmreuse.proxy.demand import READ_BATCH
+
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.SNDHWM, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = DemandClient(f"tcp://127.0.0.1:{port}").start()
+    asked = asyncio.ensure_future(client.ask(_query("q1"), 30.0))
+    ident, _ = await asyncio.wait_for(router.recv_multipart(), 10.0)
+    flood = 20_000
+    junk = encode(DemandStats(id="never-asked", answers=0))
+    for _ in range(flood):
+        await router.send_multipart([ident, junk])
+    time.sleep(0.5)  # the loop blocked: the frames queue up at the client
+    try:
+        seen = [client.dropped["unknown_id"]]  # frames dropped, each time this coroutine ran
+        end = time.monotonic() + 30.0  # a hang guard, not a timing check
+        while seen[-1] < flood:
+            assert time.monotonic() < end, client.dropped
+            await asyncio.sleep(0)
+            seen.append(client.dropped["unknown_id"])
+        gaps = [b - a for a, b in itertools.pairwise(seen)]
+        assert max(gaps) <= READ_BATCH, max(gaps)  # every coroutine ran between batches
+        assert not asked.done()  # its answer never came; the flood cost nothing else
+    finally:
+        asked.cancel()
+        await client.close()
+        router.close(linger=0)
+        ctx.term()
+
+
+async def test_a_frame_larger_than_any_answer_is_never_read():
+    from mmreuse.demand_query import MAX_ANSWER_BYTES
+
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = DemandClient(f"tcp://127.0.0.1:{port}").start()
+    try:
+        asked = asyncio.ensure_future(client.ask(_query("q1"), 2.0))
+        ident, _ = await asyncio.wait_for(router.recv_multipart(), 10.0)
+        await router.send_multipart([ident, b"\x00" * (MAX_ANSWER_BYTES + 1)])
+        with pytest.raises(DemandUnavailable) as e:
+            await asked
+        assert e.value.outcome == "timeout"  # ZMQ dropped the connection, the frame unread
+        assert client.dropped == {"unknown_id": 0, "malformed": 0}
+    finally:
+        await client.close()
+        router.close(linger=0)
+        ctx.term()
