@@ -26,7 +26,7 @@ from typing import Any
 from ..availability import EmbeddingAvailability
 from ..decision import Dispatch, ItemClass, Policy, dispatch, dispatch_all, dispatch_demand
 from ..demand import Availability
-from ..demand_query import DemandAnswer, query_for
+from ..demand_query import MAX_IDENT_CHARS, MAX_SALT_CHARS, DemandAnswer, query_for
 from ..errors import InvalidArgument
 from ..plan import AdmissionPlan, plan_admission
 from ..render import RENDER_PATH, RenderedPrompt, from_render_json, render_body
@@ -153,6 +153,9 @@ class Planner:
             uuids = [item_uuid(item) for item in items]
         if instance is None:
             instance = self.random_instance()
+        refused = _unplannable(request, uuids)
+        if refused is not None:  # the proxy keeps no record of it: served as under eager
+            return _replace(self.eager(items, instance), no_plan=f"plan: {refused}")
         if self.config.routing == "random":
             routed(instance)
         t0 = time.perf_counter()
@@ -347,6 +350,23 @@ class Planner:
                 added=[decision.identifiers[i] for i in decision.e_indices],
                 cache_salt=decision.cache_salt,
             )
+
+
+def _unplannable(request: Mapping[str, Any], uuids: Sequence[Any]) -> str | None:
+    """Why a request is not planned on, if it is not: the proxy's records (E-side
+    availability, demand queries) take identifiers and salts within the demand wire's bounds,
+    so that a client cannot make them hold megabytes per entry."""
+    for i, uid in enumerate(uuids):
+        if not isinstance(uid, str):
+            return f"item {i}'s uuid is a {type(uid).__name__}, not a string"
+        if len(uid) > MAX_IDENT_CHARS:
+            return f"item {i}'s uuid has {len(uid)} characters (at most {MAX_IDENT_CHARS} are planned on)"
+    salt = request.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        return f"cache_salt is a {type(salt).__name__}, not a string"
+    if salt is not None and len(salt) > MAX_SALT_CHARS:
+        return f"cache_salt has {len(salt)} characters (at most {MAX_SALT_CHARS} are planned on)"
+    return None
 
 
 class _NoPlan(Exception):

@@ -592,3 +592,37 @@ async def test_the_served_proxy_never_inflates_a_body(fakes):
             async with client.post(f"{base}/v1/chat/completions", data=data, headers=headers) as r:
                 assert r.status == 415, (encoding, r.status, await r.text())
     assert e.seen == [] and pd.seen == []
+
+
+def _record_sizes(proxy) -> tuple[int, int]:
+    """The longest identifier and the longest salt the proxy's E-side records hold."""
+    caches = proxy.availability._caches
+    idents = [len(i) for cache in caches.values() for i in cache]
+    salts = [len(t.cache_salt or "") for _, _, t in caches]
+    return max(idents, default=0), max(salts, default=0)
+
+
+@pytest.mark.parametrize(
+    "uuid, salt, reason",
+    [
+        ("u" * 5000, None, "item 1's uuid has 5000 characters"),
+        (None, "s" * 5000, "cache_salt has 5000 characters"),
+        (None, 7, "cache_salt is a int"),
+    ],
+    ids=["long-uuid", "long-salt", "salt-not-a-string"],
+)
+async def test_oversized_identifiers_are_served_but_never_recorded(uuid, salt, reason, caplog):
+    # 40 requests with 4 MiB uuids left +194 MiB in the proxy's E-side records: what the proxy
+    # records is bounded as the demand wire is (1,024 characters); beyond, no plan, as eager.
+    async with index_proxy() as s:
+        extra = {} if salt is None else {"cache_salt": salt}
+        b = img(B) if uuid is None else img(B, uuid=uuid)
+        r = await s.post(chat(TEXT, img(A), b, **extra))
+        assert r.status == 200
+        assert len(e_sent(s)) == 2  # everything to E, as the reference does
+        assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 1
+        assert [x.path for x in s.pd[0].seen] == ["/v1/chat/completions"]  # not even rendered
+        assert any(reason in m for m in caplog.messages)
+        r = await s.post(chat(TEXT, img(A), img(C)))  # an honest one is planned and recorded
+        assert r.status == 200
+        assert _record_sizes(s.proxy)[0] == len(sha(C)) and _record_sizes(s.proxy)[1] == 0
