@@ -307,6 +307,7 @@ def bench_cluster(args: argparse.Namespace) -> int:
     from .cluster.bench import (
         COMPARED,
         RemoteCluster,
+        Unreachable,
         comparison,
         p_sizes,
         rendered_stream,
@@ -355,6 +356,11 @@ def bench_cluster(args: argparse.Namespace) -> int:
                 )
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
+            try:
+                c.check_reachable()
+            except Unreachable as exc:
+                print(f"mmreuse bench-cluster: error: {exc}", file=sys.stderr)
+                return 1
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="mmreuse-bench-"))
             run_dir = Path(args.run_dir) if args.run_dir else Path(tmp) / "cluster"
@@ -453,10 +459,15 @@ def cluster(args: argparse.Namespace) -> int:
 
 def proxy(argv: list[str]) -> int:
     """`mmreuse proxy ARGS`: the reference proxy's flags, parsed by the proxy's own parser."""
-    from .proxy.app import run
+    from .proxy.app import StartupFailed, run
     from .proxy.config import parse_args
 
-    run(parse_args(argv))
+    config = parse_args(argv)  # usage errors exit 2 with one line, as argparse does
+    try:
+        run(config)
+    except StartupFailed as e:
+        print(f"mmreuse proxy: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

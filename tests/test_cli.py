@@ -115,3 +115,67 @@ def test_hash_demo_refuses_text_that_is_not_utf8(capsys):
     assert err.startswith("mmreuse: error: --seed: must be valid UTF-8 text")
     assert main(["hash-demo", "--block-size", "x"]) == 2
     assert "--block-size: must be an int" in capsys.readouterr().err
+
+
+def _proxy(*argv: str) -> subprocess.CompletedProcess:
+    code = "import sys; from mmreuse.cli import main; sys.exit(main())"
+    flags = [
+        "--encode-servers-urls",
+        "http://127.0.0.1:1",
+        "--decode-servers-urls",
+        "http://127.0.0.1:2",
+    ]
+    return subprocess.run(
+        [sys.executable, "-c", code, "proxy", *flags, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _one_error_line(out: subprocess.CompletedProcess, prefix: str) -> str:
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), out.stderr  # no traceback, no
+    return lines[0]  # "Unclosed client session"
+
+
+def test_proxy_on_a_taken_port_is_one_error_line():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _one_error_line(
+            _proxy("--host", "127.0.0.1", "--port", str(port)), "mmreuse proxy: error: "
+        )
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "in use" in line
+
+
+def test_proxy_on_an_unresolvable_host_is_one_error_line():
+    line = _one_error_line(
+        _proxy("--host", "no-such-host.invalid", "--port", "18555"), "mmreuse proxy: error: "
+    )
+    assert "cannot listen on no-such-host.invalid:18555" in line
+
+
+def test_bench_cluster_against_an_unreachable_deployment_names_the_url():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    code = "import sys; from mmreuse.cli import main; sys.exit(main())"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "bench-cluster", "--encode-urls", f"http://127.0.0.1:{port}",
+         "--pd-urls", f"http://127.0.0.1:{port}", "--demand-endpoints", "tcp://127.0.0.1:1",
+         "--policy", "eager", "--requests", "2", "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 1, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(
+        f"mmreuse bench-cluster: error: E0 at http://127.0.0.1:{port} does not answer"
+    )

@@ -365,6 +365,10 @@ class RemoteInstance:
     spec: RemoteSpec
 
 
+class Unreachable(RuntimeError):
+    """A deployment given by URLs does not answer: the message names the server."""
+
+
 class RemoteCluster:
     """A deployment given by URLs (`bench-cluster --encode-urls ... --pd-urls ...`), in the
     shape `run_policy` uses: every PD runs DemandScheduler with admission records and serves
@@ -398,6 +402,26 @@ class RemoteCluster:
                 RemoteSpec(f"P{i}", "prefill", url.rstrip("/"), ep)
             )
         self._flags = list(proxy_flags)
+
+    def check_reachable(self, timeout: float = 10.0) -> None:
+        """Each server answers GET /health; else an Unreachable naming the instance, its URL
+        and what to check, before any policy runs."""
+        for inst in self.instances.values():
+            spec = inst.spec
+            try:
+                with urllib.request.urlopen(f"{spec.url}/health", timeout=timeout) as r:
+                    r.read()
+            except urllib.error.HTTPError as exc:
+                raise Unreachable(
+                    f"{spec.name} at {spec.url}: GET /health answered {exc.code}: is it a vLLM "
+                    "server, and healthy?"
+                ) from None
+            except (urllib.error.URLError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                raise Unreachable(
+                    f"{spec.name} at {spec.url} does not answer (GET /health: {reason}): check "
+                    "the URL, that the server is up and that this machine can reach it"
+                ) from None
 
     def proxy_args(self) -> list[str]:
         es = [i.spec.url for i in self.instances.values() if i.spec.role == "encoder"]

@@ -209,6 +209,8 @@ class Proxy:
             req = _decode.decode(await read_body(request))
         except msgspec.DecodeError as e:
             raise ProxyError(400, f"Invalid JSON body: {e}", stage="proxy") from e
+        except RecursionError:  # msgspec's own depth limit
+            raise ProxyError(400, "Invalid JSON body: nested too deeply", stage="proxy") from None
         if not isinstance(req, dict):
             raise ProxyError(400, "The body must be a JSON object", stage="proxy")
         for key in CLIENT_FIELDS_STRIPPED:
@@ -664,8 +666,14 @@ def build_app(config: ProxyConfig, *, after_decide: AfterDecide | None = None) -
     return app
 
 
+class StartupFailed(Exception):
+    """The proxy could not start (a flag that parsed but cannot be used, a port in use): its
+    message is the one line `mmreuse proxy` prints."""
+
+
 def run(config: ProxyConfig) -> None:
-    """Serve until interrupted (uvloop when installed, as the reference's uvicorn does)."""
+    """Serve until interrupted (uvloop when installed, as the reference's uvicorn does);
+    raises StartupFailed if the proxy cannot start, after stopping what had started."""
     logging.basicConfig(
         level=logging.DEBUG if config.log_requests else logging.INFO,
         format="%(asctime)s %(levelname)s: %(message)s",
@@ -680,18 +688,25 @@ def run(config: ProxyConfig) -> None:
     async def serve() -> None:
         app = build_app(config)
         app_runner = web.AppRunner(app, access_log=None, **SERVER_SETTINGS)
-        await app_runner.setup()
-        site = web.TCPSite(app_runner, config.host, config.port, backlog=4096)
-        await site.start()
-        logger.info(
-            "mmreuse proxy on %s:%d (policy %s, routing %s): E %s, P %s, D %s",
-            config.host, config.port, config.policy, config.routing,
-            list(config.encode_urls), list(config.prefill_urls), list(config.decode_urls),
-        )  # fmt: skip
         try:
+            try:
+                await app_runner.setup()  # the proxy's start: views, subscribers, clients
+                site = web.TCPSite(app_runner, config.host, config.port, backlog=4096)
+                await site.start()
+            except InvalidArgument as e:
+                raise StartupFailed(str(e)) from e
+            except OSError as e:  # the port is taken, the host does not resolve, ...
+                raise StartupFailed(
+                    f"cannot listen on {config.host}:{config.port}: {e.strerror or e}"
+                ) from e
+            logger.info(
+                "mmreuse proxy on %s:%d (policy %s, routing %s): E %s, P %s, D %s",
+                config.host, config.port, config.policy, config.routing,
+                list(config.encode_urls), list(config.prefill_urls), list(config.decode_urls),
+            )  # fmt: skip
             await asyncio.Event().wait()
         finally:
-            await app_runner.cleanup()
+            await app_runner.cleanup()  # what started is stopped, the client session closed
 
     with contextlib.suppress(KeyboardInterrupt):
         runner(serve())

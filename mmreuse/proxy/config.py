@@ -119,6 +119,21 @@ def _urls(value: str) -> tuple[str, ...]:
     return tuple(u.strip().rstrip("/") for u in value.split(",") if u.strip())
 
 
+def _check_endpoint(flag: str, ep: str) -> None:
+    """A ZMQ endpoint the subscribers and the demand client can use: tcp://HOST:PORT (PORT a
+    number, or * to bind any), ipc://PATH or inproc://NAME; refused here, not at start-up."""
+    if not ep.startswith(_ZMQ):
+        raise InvalidArgument(f"{flag}: {ep!r} is not a ZMQ endpoint ({', '.join(_ZMQ)})")
+    scheme, _, rest = ep.partition("://")
+    if scheme != "tcp":
+        if not rest:
+            raise InvalidArgument(f"{flag}: {ep!r} names no {scheme} address")
+        return
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or not (port == "*" or (port.isdigit() and 0 < int(port) < 65536)):
+        raise InvalidArgument(f"{flag}: {ep!r} is not tcp://HOST:PORT with PORT in 1..65535")
+
+
 def _aligned(value: str | None) -> tuple[str | None, ...]:
     """Comma-separated and aligned with the prefill instances; an empty slot = none there."""
     if value is None:
@@ -364,8 +379,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
                 "(leave a slot empty for an instance without one)"
             )
         for ep in eps:
-            if ep is not None and not ep.startswith(_ZMQ):
-                raise InvalidArgument(f"{flag}: {ep!r} is not a ZMQ endpoint")
+            if ep is not None:
+                _check_endpoint(flag, ep)
     demand = given["--demand-endpoints"]
     if Policy(args.policy).asks_p and not demand:
         raise InvalidArgument(
@@ -384,8 +399,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
                     f"--demand-endpoints: entry {i} (for {urls[i]}) is empty: --policy "
                     f"{args.policy} asks every P/PD"
                 )
-        elif not ep.startswith(_ZMQ):
-            raise InvalidArgument(f"--demand-endpoints: {ep!r} is not a ZMQ endpoint")
+        else:
+            _check_endpoint("--demand-endpoints", ep)
     if not (math.isfinite(args.demand_timeout) and args.demand_timeout > 0):
         raise InvalidArgument(f"--demand-timeout={args.demand_timeout} must be a finite number > 0")
     for replay, events in (
@@ -408,8 +423,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         )
     if args.e_cache_items < 1:
         raise InvalidArgument(f"--e-cache-items={args.e_cache_items} must be >= 1")
-    if not args.e_cache_ttl > 0:
-        raise InvalidArgument(f"--e-cache-ttl={args.e_cache_ttl} must be > 0")
+    if not (math.isfinite(args.e_cache_ttl) and args.e_cache_ttl > 0):
+        raise InvalidArgument(f"--e-cache-ttl={args.e_cache_ttl} must be a finite number > 0")
     if not args.render_timeout > 0:
         raise InvalidArgument(f"--render-timeout={args.render_timeout} must be > 0")
     if args.render_url is not None and not args.render_url.startswith(("http://", "https://")):

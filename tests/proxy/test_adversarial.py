@@ -626,3 +626,16 @@ async def test_oversized_identifiers_are_served_but_never_recorded(uuid, salt, r
         r = await s.post(chat(TEXT, img(A), img(C)))  # an honest one is planned and recorded
         assert r.status == 200
         assert _record_sizes(s.proxy)[0] == len(sha(C)) and _record_sizes(s.proxy)[1] == 0
+
+
+@pytest.mark.parametrize(
+    "body", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000]
+)
+async def test_json_nested_past_the_decoders_depth_is_a_400(body):
+    async with epd() as s:
+        r = await s.client.post(
+            "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        assert r.status == 400
+        assert "nested too deeply" in (await r.json())["detail"]
+        assert s.sample("mmreuse_proxy_errors_total", stage="proxy") == 1  # counted, not a crash

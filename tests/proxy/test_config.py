@@ -123,6 +123,14 @@ def test_missing_url_flags_refused(capsys, argv):
         (["--render-url", "pd0:8002"], "--render-url"),
         (["--prefill-servers-urls", "p0:8003"], "--prefill-servers-urls"),
         (["--kv-events-endpoints", "127.0.0.1:5557"], "--kv-events-endpoints"),
+        # parsed before, failed at start-up with a traceback:
+        (["--e-cache-ttl", "inf"], "--e-cache-ttl=inf must be a finite number"),
+        (["--kv-events-endpoints", "tcp://127.0.0.1:notaport"], "PORT in 1..65535"),
+        (["--kv-events-endpoints", "tcp://127.0.0.1:0"], "PORT in 1..65535"),
+        (["--kv-events-endpoints", "tcp://:5557"], "tcp://HOST:PORT"),
+        (["--kv-events-endpoints", "ipc://"], "names no ipc address"),
+        (["--encoder-cache-events-endpoints", "tcp://h:99999"], "--encoder-cache-events-endpoints"),
+        (["--demand-endpoints", "tcp://h:x"], "--demand-endpoints"),
     ],
 )
 def test_bad_values_refused(capsys, argv, words):
@@ -171,10 +179,10 @@ def test_one_record_per_instance_from_the_aligned_flags(prefill):
     if prefill:
         argv += ["--prefill-servers-urls", ",".join(urls)]
     for flag, name in ALIGNED.items():
-        argv += [flag, f"tcp://x0:{name}0,"]  # the second instance: an empty slot each
+        argv += [flag, f"tcp://x0-{name}:5557,"]  # the second instance: an empty slot each
     argv += ["--policy", "index"]
     cfg = parse_args(argv, env={})
-    first = {name: f"tcp://x0:{name}0" for name in ALIGNED.values()}
+    first = {name: f"tcp://x0-{name}:5557" for name in ALIGNED.values()}
     assert cfg.instances == (PrefillInstance(urls[0], **first), PrefillInstance(urls[1]))
     assert cfg.prefill_instances == tuple(urls)  # what policy.Planner indexes
     # one frozen record each: nothing to keep in step
@@ -346,3 +354,19 @@ def test_mmreuse_proxy_usage_error_exits_2(capsys):
         cli.main(["proxy", "--encode-servers-urls", E])
     assert exc.value.code == 2
     assert "Static routing requires" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "tcp://127.0.0.1:5557",
+        "tcp://[::1]:5557",
+        "tcp://*:5557",
+        "tcp://h:*",
+        "ipc:///tmp/kv",
+        "inproc://kv",
+    ],
+)
+def test_zmq_endpoints_of_every_form_accepted(endpoint):
+    cfg = parse_args([*BASE, "--kv-events-endpoints", endpoint], env={})
+    assert cfg.instances[0].kv_events == endpoint
