@@ -32,6 +32,7 @@ TORCH_FREE = [
     "mmreuse.proxy.app",
     "mmreuse.proxy.config",
     "mmreuse.proxy.metrics",
+    "mmreuse.proxy.models",
     "mmreuse.proxy.policy",
     "mmreuse.proxy.reference",
 ]

@@ -40,6 +40,7 @@ from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
 from .media import extract_mm_items, item_uuid, rewrite_for_decode
 from .metrics import ProxyMetrics
+from .models import ModelCatalog
 from .policy import Decision, Planner
 from .views import InstanceView
 
@@ -132,7 +133,13 @@ class Proxy:
             else []
         )
         self.planner = Planner(
-            config, self.views, self.availability, self._post_json, self.rng, self.demand
+            config,
+            self.views,
+            self.availability,
+            self._post_json,
+            self.rng,
+            self.demand,
+            models=ModelCatalog(self._get),
         )
         self.encoders = EncoderFanout(
             config.encode_urls,
@@ -174,6 +181,10 @@ class Proxy:
     def _session(self) -> aiohttp.ClientSession:
         assert self.session is not None, "Proxy.start() first"
         return self.session
+
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            return r.status, await r.read()
 
     async def _post_json(self, url: str, body: Any) -> tuple[int, bytes]:
         async with self._session().post(url, data=_encode.encode(body), headers=_JSON) as r:

@@ -34,6 +34,7 @@ from .config import ProxyConfig
 from .demand import DemandClient, DemandUnavailable
 from .encoder import new_hex
 from .media import MODALITY, item_uuid, with_uuids
+from .models import ModelCatalog
 from .views import InstanceView
 
 logger = logging.getLogger("mmreuse.proxy")
@@ -91,8 +92,13 @@ class Planner:
         post: Callable[[str, Any], Any],
         rng: random.Random,
         demand: Sequence[DemandClient] = (),
+        *,
+        models: ModelCatalog | None = None,
     ) -> None:
+        """`models`: what each P/PD serves, so that a request naming a LoRA adapter is not
+        planned on the base model's blocks (None: every request's model is taken as base)."""
         self.config = config
+        self.models = models
         self.views = list(views)
         self.availability = availability
         self._post = post  # async (url, body) -> (status, bytes)
@@ -153,7 +159,7 @@ class Planner:
             uuids = [item_uuid(item) for item in items]
         if instance is None:
             instance = self.random_instance()
-        refused = _unplannable(request, uuids)
+        refused = _unplannable(request, uuids) or await self._not_base(request, instance)
         if refused is not None:  # the proxy keeps no record of it: served as under eager
             return _replace(self.eager(items, instance), no_plan=f"plan: {refused}")
         if self.config.routing == "random":
@@ -188,6 +194,25 @@ class Planner:
             )
         t2 = time.perf_counter()
         return _replace(decision, render_s=t1 - t0, decide_s=t2 - t1)
+
+    async def _not_base(self, request: Mapping[str, Any], instance: int) -> str | None:
+        """Why the request's `model` cannot be planned on (hashed as the base model), if so:
+        a LoRA adapter keys its blocks with the adapter, so the view's hashes would not be
+        the ones P looks up; a name P does not list is not planned on either."""
+        model = request.get("model")
+        if self.models is None or model is None:
+            return None
+        if not isinstance(model, str):
+            return f"model is a {type(model).__name__}, not a string"
+        server = self.config.render_url or self.config.prefill_instances[instance]
+        kind = await self.models.kind(server, model)
+        if kind == "base":
+            return None
+        if kind == "adapter":
+            return f"model {model[:80]!r} is a LoRA adapter (the view hashes for base models)"
+        why = self.models.errors.get(server)
+        listed = f"its model list could not be read: {why}" if why else "it does not list it"
+        return f"model {model[:80]!r} is not known to {server} ({listed})"
 
     async def _render(
         self, request: Mapping[str, Any], uuids: Sequence[str], instance: int

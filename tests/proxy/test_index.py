@@ -100,7 +100,7 @@ async def test_render_failure_sends_everything_to_e():
         assert r.status == 200
         assert e_sent(s) == [sha(A), sha(B)]
         assert pd_content(s) == [TEXT, embeds(A), embeds(B)]
-        assert [x.path for x in s.pd[0].seen][:1] == ["/v1/chat/completions/render"]
+        assert [x.path for x in s.pd[0].seen][:2] == ["/v1/models", "/v1/chat/completions/render"]
         assert s.sample("mmreuse_proxy_fallbacks_total", instance="PD0", kind="no_plan") == 1
         assert s.sample("mmreuse_proxy_errors_total", stage="render") == 1
         assert s.sample("mmreuse_proxy_occurrences_total", klass="unclassified") == 2
@@ -255,6 +255,7 @@ async def test_e_p_d_under_index():
         assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
         assert e_sent(s) == [sha(B)]
         assert [x.path for x in s.pd[0].seen] == [
+            "/v1/models",  # once: is the request's model a base model (not a LoRA adapter)?
             "/v1/chat/completions/render",
             "/v1/chat/completions",
         ]
@@ -310,7 +311,7 @@ async def test_render_url_is_used_and_its_failure_costs_the_plan(fakes):
         await s.hold(0, [sha(A), sha(B)], 4)
         assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
         assert e_sent(s) == [sha(B)]
-        assert [x.path for x in renderer.seen] == ["/v1/chat/completions/render"]
+        assert [x.path for x in renderer.seen] == ["/v1/models", "/v1/chat/completions/render"]
         assert [x.path for x in s.pd[0].seen] == ["/v1/chat/completions"]
         await renderer.close()  # unreachable now
         assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200

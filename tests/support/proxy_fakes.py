@@ -57,6 +57,7 @@ class Fake:
     stall_after: int | None = None  # streaming: go silent after this many chunks
     release: asyncio.Event = field(default_factory=asyncio.Event)
     hung_up: int = 0  # stalled streams whose client closed the connection
+    models: list[dict[str, Any]] | None = None  # GET /v1/models' entries (None: one base, tiny)
 
     @property
     def url(self) -> str:
@@ -85,7 +86,8 @@ class Fake:
         if request.path == "/health":
             return web.Response(text="")
         if request.path == "/v1/models":
-            return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+            data = self.models if self.models is not None else [{"id": "tiny"}]
+            return web.json_response({"object": "list", "data": data})
         if request.path == "/v1/chat/completions/render":
             if self.render is None:
                 return web.Response(status=403, text="render disabled")
