@@ -38,7 +38,7 @@ from .config import PrefillInstance, ProxyConfig
 from .demand import DemandClient
 from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
-from .media import extract_mm_items, item_uuid, rewrite_for_decode
+from .media import extract_mm_items, item_uuid, namespace_uuids, rewrite_for_decode
 from .metrics import ProxyMetrics
 from .models import ModelCatalog
 from .policy import Decision, Planner
@@ -227,6 +227,8 @@ class Proxy:
         for key in CLIENT_FIELDS_STRIPPED:
             if req.pop(key, _ABSENT) is not _ABSENT:
                 self.metrics.stripped(key).inc()
+        if self.config.uuid_policy == "tenant":
+            namespace_uuids(req)
         req_id = request.headers.get("x-request-id")
         if req_id is None:  # as the reference: an empty header stays empty
             req_id = str(uuidlib.UUID(new_hex(128), version=4))

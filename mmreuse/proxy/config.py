@@ -28,6 +28,8 @@ _UNSUPPORTED = {
 
 
 _ZMQ = ("tcp://", "ipc://", "inproc://")
+# --uuid-policy: reference (the reference proxy's rule) or tenant (namespaced by cache_salt)
+UUID_POLICIES = ("reference", "tenant")
 # The flags aligned with the instances that prefill: each fills one PrefillInstance field.
 _ALIGNED = (
     "--kv-events-endpoints",
@@ -75,6 +77,7 @@ class ProxyConfig:
     port: int = 8000
     decode_retries: int = 1
     no_rewrite: bool = False
+    uuid_policy: str = "reference"  # --uuid-policy: how items are named for E and P
     log_requests: bool = False
     encoder_max_batch_size: int = 0
     policy: Policy = Policy.EAGER
@@ -180,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-requests",
         action="store_true",
         help="Log every request in and out, and raise the log level to DEBUG.",
+    )
+    p.add_argument(
+        "--uuid-policy",
+        choices=UUID_POLICIES,
+        default="reference",
+        help="how items are named for E and P (vLLM keys its encoder cache and EC store by "
+        "uuid, across tenants): reference (the client's uuid, else sha256 of the URL: the "
+        "reference proxy's rule) or tenant (those namespaced by the request's cache_salt, a "
+        "client's *_embeds uuids too: no tenant can reach another's embeddings)",
     )
     p.add_argument(
         "--no-rewrite",
@@ -416,6 +428,11 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
             f"--hash-algo {args.hash_algo} needs --hash-seed: without PYTHONHASHSEED vLLM "
             "seeds xxhash randomly per process, so no proxy can reproduce its hashes"
         )
+    if args.no_rewrite and args.uuid_policy != "reference":
+        raise InvalidArgument(
+            f"--no-rewrite with --uuid-policy {args.uuid_policy}: --no-rewrite sends E no uuid, "
+            "so the tenant's namespace would not reach P"
+        )
     if args.no_rewrite and args.policy != Policy.EAGER:
         raise InvalidArgument(
             f"--no-rewrite with --policy {args.policy}: P would get every item raw without its "
@@ -437,6 +454,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         port=args.port,
         decode_retries=args.decode_retries,
         no_rewrite=args.no_rewrite,
+        uuid_policy=args.uuid_policy,
         log_requests=args.log_requests,
         encoder_max_batch_size=batch,
         policy=args.policy,

@@ -39,6 +39,38 @@ def content_uuid(item: Mapping[str, Any]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+_EMBEDS_PARTS = frozenset(EMBEDS_TYPES.values())
+
+
+def tenant_uuid(part: Mapping[str, Any], cache_salt: Any) -> str:
+    """`--uuid-policy tenant`: the part's uuid (the client's, else the reference's content key)
+    namespaced by the request's cache salt, so that no tenant can name, or be served, another
+    tenant's embedding (vLLM keys P's encoder cache and the EC store by uuid, unscoped)."""
+    client = part.get("uuid")
+    key = ["uuid", client] if client else ["content", content_uuid(part)]
+    scoped = json.dumps(["mmreuse-tenant-v1", cache_salt, *key], separators=(",", ":"))
+    return hashlib.sha256(scoped.encode()).hexdigest()
+
+
+def namespace_uuids(request: dict[str, Any]) -> int:
+    """Give every media part its tenant uuid, and every `*_embeds` part that carries a uuid
+    its namespaced one, in place; returns how many parts changed."""
+    salt = request.get("cache_salt")
+    n = 0
+    for msg in request.get("messages") or ():
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type")
+            if kind in MM_TYPES or (kind in _EMBEDS_PARTS and part.get("uuid")):
+                part["uuid"] = tenant_uuid(part, salt)
+                n += 1
+    return n
+
+
 def item_uuid(item: Mapping[str, Any]) -> str:
     """The identifier the proxy gives an item: the client's `uuid`, else `content_uuid`."""
     return item.get("uuid") or content_uuid(item)

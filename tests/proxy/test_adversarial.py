@@ -639,3 +639,78 @@ async def test_json_nested_past_the_decoders_depth_is_a_400(body):
         assert r.status == 400
         assert "nested too deeply" in (await r.json())["detail"]
         assert s.sample("mmreuse_proxy_errors_total", stage="proxy") == 1  # counted, not a crash
+
+
+# ---- --uuid-policy tenant: identifiers a tenant cannot forge ------------------------------------
+
+
+def _uuids_at(backend) -> list[str]:
+    return [
+        p["uuid"] for x in backend.chats() for p in x.body["messages"][0]["content"] if "uuid" in p
+    ]
+
+
+async def test_under_tenant_one_tenant_cannot_name_anothers_embedding():
+    # Tenant B sends its own image under the uuid tenant A's image has: under the reference's
+    # rule both reach E and P as "a-photo" (P's encoder cache and the EC store are keyed by
+    # it, across salts); under tenant each is its salt's.
+    forged = img("http://img/b-other.png", uuid="a-photo")
+    async with epd(flags=("--uuid-policy", "reference")) as s:
+        await s.post(chat(img(A, uuid="a-photo"), cache_salt="tenant-a"))
+        await s.post(chat(forged, cache_salt="tenant-b"))
+        assert _uuids_at(s.e[0]) == ["a-photo", "a-photo"]  # the collision
+    async with epd(flags=("--uuid-policy", "tenant")) as s:
+        await s.post(chat(img(A, uuid="a-photo"), cache_salt="tenant-a"))
+        await s.post(chat(forged, cache_salt="tenant-b"))
+        await s.post(chat(img(A, uuid="a-photo"), cache_salt="tenant-a"))  # A again
+        at_e = _uuids_at(s.e[0])
+        assert at_e[0] != at_e[1] and at_e[0] == at_e[2]  # B's is its own; A's reuse is kept
+        assert "a-photo" not in at_e and all(len(u) == 64 for u in at_e)
+        at_p = [p["uuid"] for x in s.pd.chats() for p in x.body["messages"][0]["content"]]
+        assert at_p == at_e  # P keys each as E did
+
+
+async def test_under_tenant_the_same_url_is_two_items_for_two_salts_one_for_none():
+    async with epd(flags=("--uuid-policy", "tenant")) as s:
+        for salt in ("s1", "s2", None, None):
+            await s.post(chat(img(A), **({} if salt is None else {"cache_salt": salt})))
+        u1, u2, n1, n2 = _uuids_at(s.e[0])
+        assert len({u1, u2, n1}) == 3 and n1 == n2 and sha(A) not in (u1, u2, n1)
+
+
+async def test_under_tenant_a_clients_embeds_uuid_is_namespaced():
+    # A client's own *_embeds part is a vLLM input and is forwarded, but the uuid it carries
+    # would cache its embedding under a name other tenants share: it is namespaced too.
+    part = {"type": "image_embeds", "image_embeds": "AAAA", "uuid": "shared-name"}
+    async with epd(flags=("--uuid-policy", "tenant")) as s:
+        assert (
+            await s.post(chat(part, {"type": "text", "text": "x"}, cache_salt="t"))
+        ).status == 200
+        [sent] = [
+            p
+            for p in s.pd.chats()[-1].body["messages"][0]["content"]
+            if p["type"] == "image_embeds"
+        ]
+        assert sent["uuid"] != "shared-name" and len(sent["uuid"]) == 64
+        assert sent["image_embeds"] == "AAAA"  # the input itself is forwarded as is
+
+
+def test_uuid_policy_is_refused_with_no_rewrite(capsys):
+    from mmreuse.proxy.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--encode-servers-urls", "http://e:1", "--decode-servers-urls", "http://d:2",
+                    "--uuid-policy", "tenant", "--no-rewrite"], env={})  # fmt: skip
+    assert "--no-rewrite with --uuid-policy tenant" in capsys.readouterr().err
+
+
+async def test_under_tenant_the_index_plans_on_the_tenants_own_names():
+    from mmreuse.proxy.media import tenant_uuid
+
+    async with index_proxy(flags=("--uuid-policy", "tenant")) as s:
+        a1, b1 = tenant_uuid(img(A), "t1"), tenant_uuid(img(B), "t1")
+        await s.hold(0, [a1, b1], 4, cache_salt="t1")  # P holds tenant t1's prompt
+        assert (await s.post(chat(TEXT, img(A), img(B), cache_salt="t1"))).status == 200
+        assert e_sent(s) == [b1]  # t1's A is KV-covered: reuse within a tenant is kept
+        assert (await s.post(chat(TEXT, img(A), img(B), cache_salt="t2"))).status == 200
+        assert e_sent(s)[1:] == [tenant_uuid(img(A), "t2"), tenant_uuid(img(B), "t2")]
