@@ -559,7 +559,10 @@ class Proxy:
         except aiohttp.ClientError as e:
             return web.json_response({"detail": f"Proxy error: {e}"}, status=502)
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: web.Request, *, detail: bool = True) -> web.Response:
+        """The reference's fields (proxy, encode/prefill/decode cluster) and, with `detail`,
+        mmreuse's: policy, problems, each view's and demand client's state."""
+
         async def cluster(urls: tuple[str, ...]) -> str:
             if not urls:
                 return "empty"
@@ -597,6 +600,8 @@ class Proxy:
                 **({"demand": demand} if demand else {}),
             },
         }
+        if not detail:
+            del body["mmreuse"]
         return web.json_response(body, status=200 if ok else 503)
 
     async def _probe(self, url: str) -> bool:
@@ -672,11 +677,26 @@ def build_app(config: ProxyConfig, *, after_decide: AfterDecide | None = None) -
     app.on_cleanup.append(proxy.stop)
     app.router.add_post("/v1/chat/completions", proxy.chat)
     app.router.add_get("/v1/models", proxy.models)
-    app.router.add_get("/health", proxy.health)
-    app.router.add_get("/metrics", proxy.metrics_route)
+    separate = config.metrics_port is not None  # then the facts are on the metrics app only
+    app.router.add_get("/health", functools.partial(proxy.health, detail=not separate))
+    if not separate:
+        app.router.add_get("/metrics", proxy.metrics_route)
     app.router.add_post("/start_profile", proxy.profile)
     app.router.add_post("/stop_profile", proxy.profile)
     return app
+
+
+def build_metrics_app(proxy: Proxy) -> web.Application:
+    """GET /metrics and the detailed GET /health of `proxy`, for --metrics-port."""
+    app = web.Application()
+    app.router.add_get("/metrics", proxy.metrics_route)
+    app.router.add_get("/health", proxy.health)
+    return app
+
+
+def site_started(runner: web.AppRunner) -> bool:
+    """Whether `runner` has a listening site."""
+    return bool(runner.sites)
 
 
 class StartupFailed(Exception):
@@ -701,17 +721,25 @@ def run(config: ProxyConfig) -> None:
     async def serve() -> None:
         app = build_app(config)
         app_runner = web.AppRunner(app, access_log=None, **SERVER_SETTINGS)
+        metrics_runner = web.AppRunner(build_metrics_app(app[PROXY_KEY]), access_log=None)
         try:
             try:
                 await app_runner.setup()  # the proxy's start: views, subscribers, clients
                 site = web.TCPSite(app_runner, config.host, config.port, backlog=4096)
                 await site.start()
+                if config.metrics_port is not None:
+                    host = config.metrics_host or config.host
+                    await metrics_runner.setup()
+                    await web.TCPSite(metrics_runner, host, config.metrics_port).start()
             except InvalidArgument as e:
                 raise StartupFailed(str(e)) from e
             except OSError as e:  # the port is taken, the host does not resolve, ...
-                raise StartupFailed(
-                    f"cannot listen on {config.host}:{config.port}: {e.strerror or e}"
-                ) from e
+                where = (
+                    f"{config.host}:{config.port}"
+                    if not site_started(app_runner)
+                    else f"{config.metrics_host or config.host}:{config.metrics_port}"
+                )
+                raise StartupFailed(f"cannot listen on {where}: {e.strerror or e}") from e
             logger.info(
                 "mmreuse proxy on %s:%d (policy %s, routing %s): E %s, P %s, D %s",
                 config.host, config.port, config.policy, config.routing,
@@ -719,6 +747,7 @@ def run(config: ProxyConfig) -> None:
             )  # fmt: skip
             await asyncio.Event().wait()
         finally:
+            await metrics_runner.cleanup()
             await app_runner.cleanup()  # what started is stopped, the client session closed
 
     with contextlib.suppress(KeyboardInterrupt):

@@ -75,6 +75,10 @@ class ProxyConfig:
     prefill_urls: tuple[str, ...] = ()
     host: str = "0.0.0.0"
     port: int = 8000
+    # --metrics-port / --metrics-host: /metrics and the detailed /health on their own address
+    # (they expose per-instance cache facts); None: both on --port, as before
+    metrics_port: int | None = None
+    metrics_host: str | None = None
     decode_retries: int = 1
     no_rewrite: bool = False
     uuid_policy: str = "reference"  # --uuid-policy: how items are named for E and P
@@ -179,6 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve GET /metrics and the detailed GET /health (per-instance cache facts) on this "
+        "port only; --port keeps a /health with the reference's fields. Default: both on --port",
+    )
+    p.add_argument(
+        "--metrics-host", default=None, help="the address --metrics-port binds (default --host)"
+    )
     p.add_argument(
         "--log-requests",
         action="store_true",
@@ -363,6 +377,13 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         raise InvalidArgument(f"--decode-retries={args.decode_retries} must be >= 0")
     if not 0 < args.port < 65536:
         raise InvalidArgument(f"--port={args.port} is not a TCP port")
+    if args.metrics_port is not None:
+        if not 0 < args.metrics_port < 65536:
+            raise InvalidArgument(f"--metrics-port={args.metrics_port} is not a TCP port")
+        if args.metrics_port == args.port:
+            raise InvalidArgument(f"--metrics-port={args.metrics_port} is --port's: give another")
+    elif args.metrics_host is not None:
+        raise InvalidArgument("--metrics-host without --metrics-port: give the port too")
     prefill = (
         () if args.prefill_servers_urls.lower() in _NO_PREFILL else _urls(args.prefill_servers_urls)
     )
@@ -451,6 +472,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         decode_urls=cfg_urls["--decode-servers-urls"],
         prefill_urls=prefill,
         host=args.host,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         port=args.port,
         decode_retries=args.decode_retries,
         no_rewrite=args.no_rewrite,

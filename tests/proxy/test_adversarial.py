@@ -39,7 +39,7 @@ from tests.support.index_proxy import (
     pd_content,
     render,
 )
-from tests.support.proxy_fakes import chat, img, sha
+from tests.support.proxy_fakes import chat, img, proxy_client, sha
 
 HANG_GUARD_S = 3.0  # a bound on a wait that must end at once (a hang guard, not a timing check)
 STREAM = (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n")
@@ -714,3 +714,59 @@ async def test_under_tenant_the_index_plans_on_the_tenants_own_names():
         assert e_sent(s) == [b1]  # t1's A is KV-covered: reuse within a tenant is kept
         assert (await s.post(chat(TEXT, img(A), img(B), cache_salt="t2"))).status == 200
         assert e_sent(s)[1:] == [tenant_uuid(img(A), "t2"), tenant_uuid(img(B), "t2")]
+
+
+# ---- /metrics and the detailed /health on their own port --------------------------------------
+
+
+async def test_with_a_metrics_port_the_cache_facts_leave_the_serving_port():
+    from mmreuse.proxy.app import PROXY_KEY, build_metrics_app
+
+    async with epd(flags=("--metrics-port", "9")) as s:
+        assert (await s.client.get("/metrics")).status == 404
+        r = await s.client.get("/health")
+        assert r.status == 200 and "mmreuse" not in await r.json()  # the reference's fields only
+        assert set(await r.json()) == {
+            "proxy",
+            "encode_cluster",
+            "prefill_cluster",
+            "decode_cluster",
+        }
+        assert (await s.post(chat(img(A)))).status == 200
+        async with proxy_client(build_metrics_app(s.app[PROXY_KEY])) as metrics:
+            text = await (await metrics.get("/metrics")).text()
+            assert 'mmreuse_proxy_requests_total{outcome="ok",policy="eager"} 1.0' in text
+            assert "mmreuse" in await (await metrics.get("/health")).json()
+
+
+async def test_the_served_proxy_binds_its_metrics_port():
+    e_port, m_port = _free_port(), _free_port()
+    code = "import sys; from mmreuse.cli import main; sys.exit(main())"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "proxy", "--host", "127.0.0.1", "--port", str(e_port),
+         "--metrics-port", str(m_port), "--encode-servers-urls", "http://127.0.0.1:1",
+         "--decode-servers-urls", "http://127.0.0.1:2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as session:
+            await until_up(session, f"http://127.0.0.1:{m_port}/metrics", proc)
+            async with session.get(f"http://127.0.0.1:{e_port}/metrics") as r:
+                assert r.status == 404
+            async with session.get(f"http://127.0.0.1:{m_port}/health") as r:
+                assert "mmreuse" in await r.json()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+async def until_up(session, url, proc):
+    end = time.monotonic() + 20.0  # a hang guard
+    while True:
+        assert proc.poll() is None, "the proxy exited"
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.get(url) as r:
+                if r.status == 200:
+                    return
+        assert time.monotonic() < end, "the proxy never came up"
+        await asyncio.sleep(0.05)

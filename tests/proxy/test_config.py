@@ -131,6 +131,9 @@ def test_missing_url_flags_refused(capsys, argv):
         (["--kv-events-endpoints", "ipc://"], "names no ipc address"),
         (["--encoder-cache-events-endpoints", "tcp://h:99999"], "--encoder-cache-events-endpoints"),
         (["--demand-endpoints", "tcp://h:x"], "--demand-endpoints"),
+        (["--metrics-port", "0"], "--metrics-port=0 is not a TCP port"),
+        (["--port", "9000", "--metrics-port", "9000"], "--metrics-port=9000 is --port's"),
+        (["--metrics-host", "127.0.0.1"], "--metrics-host without --metrics-port"),
     ],
 )
 def test_bad_values_refused(capsys, argv, words):
