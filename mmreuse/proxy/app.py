@@ -694,11 +694,6 @@ def build_metrics_app(proxy: Proxy) -> web.Application:
     return app
 
 
-def site_started(runner: web.AppRunner) -> bool:
-    """Whether `runner` has a listening site."""
-    return bool(runner.sites)
-
-
 class StartupFailed(Exception):
     """The proxy could not start (a flag that parsed but cannot be used, a port in use): its
     message is the one line `mmreuse proxy` prints."""
@@ -722,11 +717,13 @@ def run(config: ProxyConfig) -> None:
         app = build_app(config)
         app_runner = web.AppRunner(app, access_log=None, **SERVER_SETTINGS)
         metrics_runner = web.AppRunner(build_metrics_app(app[PROXY_KEY]), access_log=None)
+        serving = False  # the serving port is bound
         try:
             try:
                 await app_runner.setup()  # the proxy's start: views, subscribers, clients
                 site = web.TCPSite(app_runner, config.host, config.port, backlog=4096)
                 await site.start()
+                serving = True
                 if config.metrics_port is not None:
                     host = config.metrics_host or config.host
                     await metrics_runner.setup()
@@ -736,7 +733,7 @@ def run(config: ProxyConfig) -> None:
             except OSError as e:  # the port is taken, the host does not resolve, ...
                 where = (
                     f"{config.host}:{config.port}"
-                    if not site_started(app_runner)
+                    if not serving
                     else f"{config.metrics_host or config.host}:{config.metrics_port}"
                 )
                 raise StartupFailed(f"cannot listen on {where}: {e.strerror or e}") from e
