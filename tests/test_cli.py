@@ -179,3 +179,17 @@ def test_bench_cluster_against_an_unreachable_deployment_names_the_url():
     assert lines[0].startswith(
         f"mmreuse bench-cluster: error: E0 at http://127.0.0.1:{port} does not answer"
     )
+
+
+def test_proxy_with_its_metrics_port_taken_names_that_address():
+    import socket
+
+    with socket.socket() as taken, socket.socket() as free:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        free.bind(("127.0.0.1", 0))
+        port, mport = free.getsockname()[1], taken.getsockname()[1]
+        free.close()
+        out = _proxy("--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport))
+        line = _one_error_line(out, "mmreuse proxy: error: ")
+    assert f"cannot listen on 127.0.0.1:{mport}" in line
