@@ -184,6 +184,12 @@ class DemandScheduler(Scheduler):
             return None, "off: prefix caching is disabled"
         if getattr(self, "hash_block_size", self.block_size) != self.block_size:
             return None, "off: hash blocks differ from KV blocks"
+        groups = getattr(getattr(self, "kv_cache_config", None), "kv_cache_groups", None) or ()
+        if len(groups) > 1:  # hybrid attention: a block can leave one group and stay in another
+            return None, (
+                f"off: {len(groups)} KV cache groups (hybrid attention); the index follows "
+                "one group and would prove coverage another group has evicted"
+            )
         device = "cpu"
         try:
             from vllm.platforms import current_platform

@@ -50,6 +50,9 @@ class InstanceView:
         self.subscriber: Any = None  # a KVEventSubscriber once started (pyzmq loads lazily)
         self.availability = availability
         self.ec_subscriber: Any = None  # an EncoderCacheEventSubscriber, when configured
+        # Set once P publishes a second KV cache group (hybrid attention): the view follows
+        # block hashes, not groups, so it would over-estimate hits; it is then off, saying why.
+        self.hybrid: str | None = None
         if block_size is not None:
             self._configure(block_size)
 
@@ -100,6 +103,14 @@ class InstanceView:
         for event in batch.events:
             if not isinstance(event, BlockStored):
                 continue
+            if self.hybrid is None and event.group_idx not in (None, 0):
+                kind = f" ({event.kv_cache_spec_kind})" if event.kv_cache_spec_kind else ""
+                self.hybrid = (
+                    f"P publishes KV cache group {event.group_idx}{kind}: a hybrid-attention "
+                    "model's KV cache is not followed (the view would count a block one group "
+                    "evicted as a hit); this view is off"
+                )
+                logger.error("view %s: %s", self.name, self.hybrid)
             if self.check is None:
                 with self._lock:
                     if (
@@ -144,6 +155,8 @@ class InstanceView:
             out.append("encoder-cache event subscriber not running")
         if self.check is not None and not self.check.status.ok:
             out.append(f"hash configuration mismatch: {self.check.status.first_mismatch}")
+        if self.hybrid is not None:
+            out.append(self.hybrid)
         return out
 
     @property
@@ -154,6 +167,7 @@ class InstanceView:
             and self.subscriber.is_alive
             and self.check is not None
             and self.check.status.ok
+            and self.hybrid is None
         )
 
     def hit_blocks(self, hashes: Sequence[bytes]) -> int:

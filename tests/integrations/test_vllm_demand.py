@@ -62,3 +62,37 @@ def test_rule_s_is_what_vllms_scheduler_does(oracle_python):
     assert evicted["vllm_encoded"] == [0, 1] and evicted["rule_s"]["self_evicted"] == ["C", "D"]
     assert evicted["without_rule_s"]["needs_encoder"] == [0]  # what the rule corrects
     assert kept["vllm_encoded"] == [0] and kept["rule_s"]["classes"] == ["e_compute", "p_local"]
+
+
+_HYBRID_CHECK = """
+import json, types
+from mmreuse.integrations.vllm_demand import DemandScheduler
+ns = lambda **kw: types.SimpleNamespace(**kw)
+out = {}
+for groups in (1, 2):
+    stand_in = ns(
+        kv_cache_manager=ns(enable_caching=True, block_pool=ns(num_gpu_blocks=8)),
+        kv_cache_config=ns(kv_cache_groups=[object()] * groups),
+        block_size=16,
+        _hook_pool=lambda pool, index: None,
+    )
+    index, note = DemandScheduler._make_index(stand_in)
+    out[groups] = [index is not None, note]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.oracle
+def test_a_hybrid_attention_p_turns_its_index_off(oracle_python):
+    """DemandScheduler's residency index follows one KV cache group: with two (hybrid
+    attention) it would prove coverage another group evicted, so it is off, saying why."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [str(oracle_python), "-c", _HYBRID_CHECK], capture_output=True, text=True, check=True,
+        timeout=300, env=env,
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["1"][0] is True
+    assert (
+        got["2"] == [False, got["2"][1]] and "2 KV cache groups (hybrid attention)" in got["2"][1]
+    )

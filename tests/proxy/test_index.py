@@ -414,3 +414,23 @@ async def test_a_render_past_its_timeout_costs_the_plan_not_the_request(fakes):
         registry = app[PROXY_KEY].registry
         labels = {"instance": "PD0", "kind": "no_plan"}
         assert registry.get_sample_value("mmreuse_proxy_fallbacks_total", labels) == 1
+
+
+async def test_a_hybrid_attention_p_turns_its_view_off_saying_why():
+    # The view follows block hashes, not KV cache groups: with a second group (sliding window)
+    # a block one group evicted would still count as a hit. Refused by name instead.
+    import msgspec
+
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+        other = msgspec.structs.replace(
+            stored([sha(A), sha(B)], 4), group_idx=1, kv_cache_spec_kind="sliding_window"
+        )
+        view = s.proxy.views[0]
+        await s.publish(0, [other], lambda: view.hybrid is not None)
+        assert not view.usable
+        assert "KV cache group 1 (sliding_window)" in view.hybrid
+        health = await (await s.client.get("/health")).json()
+        assert any("hybrid-attention" in p for p in health["mmreuse"]["problems"])
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert e_sent(s) == [sha(A), sha(B)]  # no plan on a view that cannot be trusted
