@@ -3,8 +3,11 @@
 
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
+pytest.importorskip("torch")  # the simulator's caches are residency ops
 
 from mmreuse.demand import Availability, compute_demand
 from mmreuse.occurrence import MMOccurrence
