@@ -24,9 +24,10 @@ from mmreuse import (
 )
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.events import RemoteKVIndex
-from mmreuse.events.wire import BlockStored, KVEventBatch
+from mmreuse.events.wire import KVEventBatch
 from mmreuse.plan import KVView, PrefixMatch
 from mmreuse.residency import BlockIndex
+from tests.support.kv_publisher import stored
 from tests.support.strategies import demand_requests
 
 HASHERS = {
@@ -35,18 +36,6 @@ HASHERS = {
     "xxhash-bs8": BlockHasher("xxhash", block_size=8, seed="0"),
     "sha256-la3": BlockHasher("sha256", block_size=8, lookahead=3),
 }
-
-
-def stored(hashes):
-    return BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=16,
-        lora_id=None,
-        medium=None,
-        lora_name=None,
-    )
 
 
 def held_hashes(hashes, rng):
@@ -66,7 +55,9 @@ def block_index_with(hashes, rng):
 def remote_index_with(hashes, rng):
     index = RemoteKVIndex("p0")
     index.apply(
-        KVEventBatch(ts=0.0, events=[stored(to_event_id(h) for h in held_hashes(hashes, rng))])
+        KVEventBatch(
+            ts=0.0, events=[stored([to_event_id(h) for h in held_hashes(hashes, rng)], medium=None)]
+        )
     )
     return index
 
@@ -259,7 +250,7 @@ def test_lookahead_and_hybrid_block_sizes_follow_kv_coverage():
     la = HASHERS["sha256-la3"]
     tokens = list(range(100))
     idx = RemoteKVIndex("p0")
-    idx.apply(KVEventBatch(ts=0.0, events=[stored(la.hash_prompt(tokens))]))
+    idx.apply(KVEventBatch(ts=0.0, events=[stored(la.hash_prompt(tokens), medium=None)]))
     plan = plan_admission(
         num_prompt_tokens=100,
         occurrences=[],
@@ -275,7 +266,7 @@ def test_lookahead_and_hybrid_block_sizes_follow_kv_coverage():
     )
     # hash blocks of 8 inside KV blocks of 16: the hit probes into the next KV block
     fine = BlockHasher("sha256", block_size=8)
-    idx.apply(KVEventBatch(ts=0.0, events=[stored(fine.hash_prompt(tokens)[:5])]))
+    idx.apply(KVEventBatch(ts=0.0, events=[stored(fine.hash_prompt(tokens)[:5], medium=None)]))
     plan = plan_admission(
         num_prompt_tokens=100,
         occurrences=[],

@@ -31,30 +31,13 @@ from mmreuse.events import (
 )
 from mmreuse.events.subscriber import SubscriberDied
 from mmreuse.events.wire import MAX_EXTRA_KEY_DEPTH
-from tests.support.kv_publisher import TestPublisher
+from tests.support.kv_publisher import TestPublisher, batch, stored
 
 STOP_TIMEOUT_S = 5.0
 
 
-def stored(hashes, medium="GPU", **kw):
-    return BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=16,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-        **kw,
-    )
-
-
 def removed(hashes, medium="GPU"):
     return BlockRemoved(block_hashes=list(hashes), medium=medium)
-
-
-def batch(*events):
-    return KVEventBatch(ts=1.0, events=list(events), data_parallel_rank=0)
 
 
 def wait_for(pred, timeout=15.0):
