@@ -195,6 +195,10 @@ class Planner:
         t2 = time.perf_counter()
         return _replace(decision, render_s=t1 - t0, decide_s=t2 - t1)
 
+    def _renderer(self, instance: int) -> str:
+        """The server that renders for `instance` (and whose models the catalog reads)."""
+        return self.config.render_url or self.config.prefill_instances[instance]
+
     async def _not_base(self, request: Mapping[str, Any], instance: int) -> str | None:
         """Why the request's `model` cannot be planned on (hashed as the base model), if so:
         a LoRA adapter keys its blocks with the adapter, so the view's hashes would not be
@@ -204,7 +208,7 @@ class Planner:
             return None
         if not isinstance(model, str):
             return f"model is a {type(model).__name__}, not a string"
-        server = self.config.render_url or self.config.prefill_instances[instance]
+        server = self._renderer(instance)
         kind = await self.models.kind(server, model)
         if kind == "base":
             return None
@@ -218,7 +222,7 @@ class Planner:
         self, request: Mapping[str, Any], uuids: Sequence[str], instance: int
     ) -> RenderedPrompt:
         body = render_body(with_uuids(request, uuids))
-        base = self.config.render_url or self.config.prefill_instances[instance]
+        base = self._renderer(instance)
         try:
             status, payload = await asyncio.wait_for(
                 self._post(f"{base}{RENDER_PATH}", body),
