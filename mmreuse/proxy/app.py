@@ -35,6 +35,7 @@ from ..decision import Policy
 from ..errors import InvalidArgument
 from ..integrations.plugin_config import DEMAND_ID_KEY  # P reads it from vllm_xargs
 from .config import PrefillInstance, ProxyConfig
+from .content import MediaFetcher, name_by_content
 from .demand import DemandClient
 from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
@@ -101,6 +102,8 @@ class Proxy:
         self.registry = CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry)  # its views' metrics too (metrics.views)
         self.session: aiohttp.ClientSession | None = None
+        self.media_session: aiohttp.ClientSession | None = None  # --uuid-policy content's
+        self.media = MediaFetcher(config.media, self._fetch_media)
         self.availability = EmbeddingAvailability(
             ttl_s=config.e_cache_ttl_s, max_entries=config.e_cache_items, metrics=self.metrics.views
         )
@@ -165,6 +168,10 @@ class Proxy:
             timeout=aiohttp.ClientTimeout(),  # none: the reference's 100,000 s, without timers
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
+        if self.config.uuid_policy == "content":
+            self.media_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=64), timeout=aiohttp.ClientTimeout()
+            )
         for view in self.views:
             await asyncio.to_thread(view.start)
         for client in self.demand:
@@ -177,6 +184,8 @@ class Proxy:
             await asyncio.to_thread(view.stop)
         if self.session is not None:
             await self.session.close()
+        if self.media_session is not None:
+            await self.media_session.close()
 
     def _session(self) -> aiohttp.ClientSession:
         assert self.session is not None, "Proxy.start() first"
@@ -185,6 +194,25 @@ class Proxy:
     async def _get(self, url: str) -> tuple[int, bytes]:
         async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
             return r.status, await r.read()
+
+    async def _fetch_media(
+        self, url: str, cap: int, timeout_s: float, charge: Callable[[int], None]
+    ) -> tuple[int, dict[str, str], bytes]:
+        """One hop of a media fetch (`MediaFetcher`): no redirect followed, at most `cap` bytes
+        (decompressed) read, each chunk charged, else OverflowError."""
+        assert self.media_session is not None, "Proxy.start() first"
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self.media_session.get(url, allow_redirects=False, timeout=timeout) as r:
+            if r.content_length is not None and r.content_length > cap:
+                raise OverflowError(r.content_length)
+            body = bytearray()
+            async for chunk in r.content.iter_chunked(1 << 16):
+                body += chunk
+                charge(len(chunk))
+                if len(body) > cap:
+                    raise OverflowError(len(body))
+            headers = {k: r.headers[k] for k in ("Location", "Content-Type") if k in r.headers}
+            return r.status, headers, bytes(body)
 
     async def _post_json(self, url: str, body: Any) -> tuple[int, bytes]:
         async with self._session().post(url, data=_encode.encode(body), headers=_JSON) as r:
@@ -229,6 +257,12 @@ class Proxy:
                 self.metrics.stripped(key).inc()
         if self.config.uuid_policy == "tenant":
             namespace_uuids(req)
+        elif self.config.uuid_policy == "content":
+            tm = time.perf_counter()
+            fetched = await name_by_content(req, self.media)
+            self.metrics.stage["media"].observe(time.perf_counter() - tm)
+            if fetched:
+                self.metrics.media_fetched.inc(fetched)
         req_id = request.headers.get("x-request-id")
         if req_id is None:  # as the reference: an empty header stays empty
             req_id = str(uuidlib.UUID(new_hex(128), version=4))

@@ -4,6 +4,7 @@ meaning) plus the demand-aware ones. One frozen `ProxyConfig` is what the app ru
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -13,6 +14,7 @@ from typing import NoReturn
 from ..decision import POLICIES, Policy, parse_policy
 from ..errors import InvalidArgument
 from ..hashing.functions import HASH_FUNCTIONS
+from .content import MediaLimits
 
 ROUTINGS = ("random", "affine")
 _NO_PREFILL = ("disable", "none", "")
@@ -28,8 +30,11 @@ _UNSUPPORTED = {
 
 
 _ZMQ = ("tcp://", "ipc://", "inproc://")
-# --uuid-policy: reference (the reference proxy's rule) or tenant (namespaced by cache_salt)
-UUID_POLICIES = ("reference", "tenant")
+# --uuid-policy: reference (the reference proxy's rule), tenant (namespaced by cache_salt) or
+# content (named by the media bytes, namespaced by cache_salt)
+UUID_POLICIES = ("reference", "tenant", "content")
+# The flags that bound what --uuid-policy content fetches (refused under the other policies).
+_MEDIA_FLAGS = ("--allowed-media-domains", "--media-max-bytes", "--media-fetch-timeout")
 # The flags aligned with the instances that prefill: each fills one PrefillInstance field.
 _ALIGNED = (
     "--kv-events-endpoints",
@@ -82,6 +87,7 @@ class ProxyConfig:
     decode_retries: int = 1
     no_rewrite: bool = False
     uuid_policy: str = "reference"  # --uuid-policy: how items are named for E and P
+    media: MediaLimits = field(default_factory=MediaLimits)  # what --uuid-policy content fetches
     log_requests: bool = False
     encoder_max_batch_size: int = 0
     policy: Policy = Policy.EAGER
@@ -204,8 +210,30 @@ def build_parser() -> argparse.ArgumentParser:
         default="reference",
         help="how items are named for E and P (vLLM keys its encoder cache and EC store by "
         "uuid, across tenants): reference (the client's uuid, else sha256 of the URL: the "
-        "reference proxy's rule) or tenant (those namespaced by the request's cache_salt, a "
-        "client's *_embeds uuids too: no tenant can reach another's embeddings)",
+        "reference proxy's rule), tenant (those namespaced by the request's cache_salt, a "
+        "client's *_embeds uuids too: no tenant can reach another's embeddings) or content "
+        "(sha256 of the media bytes, namespaced by cache_salt; http(s) media fetched by the "
+        "proxy and forwarded inline, so a URL whose content changed is a new item)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="--uuid-policy content: the only hosts media (and each redirect) may be fetched "
+        "from, as vLLM's flag of that name (default: any)",
+    )
+    p.add_argument(
+        "--media-max-bytes",
+        type=int,
+        default=None,
+        help="--uuid-policy content: the most bytes one fetched item may have (default 32 MiB; "
+        "a request's fetched media in all: 1 GiB, the body limit)",
+    )
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=None,
+        help="--uuid-policy content: seconds one media fetch may take (default 10)",
     )
     p.add_argument(
         "--no-rewrite",
@@ -454,6 +482,30 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
             f"--no-rewrite with --uuid-policy {args.uuid_policy}: --no-rewrite sends E no uuid, "
             "so the tenant's namespace would not reach P"
         )
+    media = MediaLimits()
+    for flag in _MEDIA_FLAGS:
+        if getattr(args, _flag_dest(flag)) is not None and args.uuid_policy != "content":
+            raise InvalidArgument(
+                f"{flag} bounds what --uuid-policy content fetches: it does nothing under "
+                f"--uuid-policy {args.uuid_policy}"
+            )
+    if args.media_max_bytes is not None:
+        if args.media_max_bytes < 1:
+            raise InvalidArgument(f"--media-max-bytes={args.media_max_bytes} must be >= 1")
+        media = dataclasses.replace(media, max_item_bytes=args.media_max_bytes)
+    if args.media_fetch_timeout is not None:
+        t = args.media_fetch_timeout
+        if not (math.isfinite(t) and t > 0):
+            raise InvalidArgument(f"--media-fetch-timeout={t} must be a finite number > 0")
+        media = dataclasses.replace(media, timeout_s=t)
+    if args.allowed_media_domains is not None:
+        domains = frozenset(d.strip().lower() for d in args.allowed_media_domains)
+        if not all(domains) or any("/" in d or ":" in d for d in domains):
+            raise InvalidArgument(
+                f"--allowed-media-domains: {args.allowed_media_domains!r} must be host names "
+                "(no scheme, port or path)"
+            )
+        media = dataclasses.replace(media, allowed_domains=domains)
     if args.no_rewrite and args.policy != Policy.EAGER:
         raise InvalidArgument(
             f"--no-rewrite with --policy {args.policy}: P would get every item raw without its "
@@ -478,6 +530,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         decode_retries=args.decode_retries,
         no_rewrite=args.no_rewrite,
         uuid_policy=args.uuid_policy,
+        media=media,
         log_requests=args.log_requests,
         encoder_max_batch_size=batch,
         policy=args.policy,

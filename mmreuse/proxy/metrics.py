@@ -16,7 +16,7 @@ _BUCKETS = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 
-STAGES = ("render", "decide", "encode", "prefill", "decode", "total")
+STAGES = ("media", "render", "decide", "encode", "prefill", "decode", "total")
 
 
 class ProxyMetrics:
@@ -53,7 +53,7 @@ class ProxyMetrics:
         )
         self.stage_seconds = Histogram(
             "mmreuse_proxy_stage_seconds",
-            "per-stage latency: render, decide, encode, prefill, decode (to the first byte when "
+            "per-stage latency: media (--uuid-policy content: fetch and name), render, decide, encode, prefill, decode (to the first byte when "
             "streaming), total",
             ["stage"],
             buckets=_BUCKETS,
@@ -94,9 +94,15 @@ class ProxyMetrics:
             ["field"],
             registry=r,
         )
+        self.media_fetched = Counter(
+            "mmreuse_proxy_media_fetched_bytes_total",
+            "bytes of http(s) media fetched by the proxy and forwarded inline (--uuid-policy "
+            "content)",
+            registry=r,
+        )
         self.errors = Counter(
             "mmreuse_proxy_errors_total",
-            "errors by stage (render, plan, demand, encode, prefill, decode, proxy)",
+            "errors by stage (media, render, plan, demand, encode, prefill, decode, proxy)",
             ["stage"],
             registry=r,
         )
