@@ -39,7 +39,13 @@ from .content import MediaFetcher, name_by_content
 from .demand import DemandClient
 from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
-from .media import extract_mm_items, item_uuid, namespace_uuids, rewrite_for_decode
+from .media import (
+    extract_mm_items,
+    item_uuid,
+    metadata_only_embeds,
+    namespace_uuids,
+    rewrite_for_decode,
+)
 from .metrics import ProxyMetrics
 from .models import ModelCatalog
 from .policy import Decision, Planner
@@ -255,6 +261,14 @@ class Proxy:
         for key in CLIENT_FIELDS_STRIPPED:
             if req.pop(key, _ABSENT) is not _ABSENT:
                 self.metrics.stripped(key).inc()
+        if (where := metadata_only_embeds(req)) is not None:
+            raise ProxyError(
+                400,
+                f"{where}: an embeds part must carry its embedding (a base64 tensor): one of "
+                "metadata only is the proxy's reference to E's output, and when P does not "
+                "hold that embedding vLLM's engine dies",
+                stage="proxy",
+            )
         if self.config.uuid_policy == "tenant":
             namespace_uuids(req)
         elif self.config.uuid_policy == "content":

@@ -166,6 +166,10 @@ async def name_by_content(request: dict[str, Any], fetcher: MediaFetcher) -> int
     for where, part in media_parts(request):
         kind = part["type"]
         if kind in _EMBEDS_PARTS:
+            if part.get(kind) is None:  # "cached by uuid": nothing to check the name against
+                raise MediaRefused(
+                    where, "the part names no embedding (a uuid alone cannot be checked)"
+                )
             if part.get("uuid"):
                 part["uuid"] = embeds_name(salt, kind, part.get(kind))
             continue

@@ -71,6 +71,28 @@ def namespace_uuids(request: dict[str, Any]) -> int:
     return n
 
 
+def metadata_only_embeds(request: Mapping[str, Any]) -> str | None:
+    """Where the first `*_embeds` part whose payload is metadata only is
+    (`messages[i].content[j]`), or None. Such a part (a dict without a base64 tensor) is the
+    proxy's own reference to what E produced: P takes the embedding from its EC connector, and
+    when it is not there vLLM's engine dies (0.32: "Expected number of multimodal embeddings
+    to match number of input items"), for every tenant. A payload of None (vLLM's "cached
+    by uuid") is not one: P answers it from its processor cache or with a 400."""
+    for i, msg in enumerate(request.get("messages") or ()):
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") not in _EMBEDS_PARTS:
+                continue
+            payload = part.get(part["type"])
+            if isinstance(payload, Mapping) and not any(
+                isinstance(v, str) for v in payload.values()
+            ):
+                return f"messages[{i}].content[{j}]"
+    return None
+
+
 def item_uuid(item: Mapping[str, Any]) -> str:
     """The identifier the proxy gives an item: the client's `uuid`, else `content_uuid`."""
     return item.get("uuid") or content_uuid(item)

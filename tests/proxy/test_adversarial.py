@@ -695,6 +695,29 @@ async def test_under_tenant_a_clients_embeds_uuid_is_namespaced():
         assert sent["image_embeds"] == "AAAA"  # the input itself is forwarded as is
 
 
+@pytest.mark.parametrize("policy", ["reference", "tenant", "content"])
+async def test_a_clients_metadata_only_embeds_part_is_refused(policy):
+    # A *_embeds part of metadata only is the proxy's reference to E's output: P takes the
+    # embedding from its EC connector, and where there is none vLLM's engine dies (seen on the
+    # real cluster: tests/live_proxy/test_tenant_collisions_live.py). Refused before any backend.
+    forged = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]}, "uuid": "u"}
+    async with epd(flags=("--uuid-policy", policy)) as s:
+        r = await s.post(chat(TEXT, forged))
+        assert r.status == 400
+        assert "messages[0].content[1]: an embeds part must carry" in (await r.json())["detail"]
+        assert s.e[0].chats() == [] and s.pd.chats() == []
+
+
+@pytest.mark.parametrize(
+    "payload", ["AAAA", {"image_embeds": "AAAA", "image_grid_thw": "AAAA"}, None]
+)
+async def test_embeds_parts_that_carry_their_tensor_are_forwarded(payload):
+    part = {"type": "image_embeds", "image_embeds": payload, "uuid": "u"}
+    async with epd() as s:
+        assert (await s.post(chat(TEXT, part))).status == 200
+        assert s.pd.chats()[-1].body["messages"][0]["content"][1] == part
+
+
 def test_uuid_policy_is_refused_with_no_rewrite(capsys):
     from mmreuse.proxy.config import parse_args
 

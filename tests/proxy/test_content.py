@@ -240,6 +240,12 @@ async def test_a_slow_origin_costs_the_fetch_timeout_not_more(media):
         assert asyncio.get_running_loop().time() - t0 < 3
 
 
+async def test_an_embeds_part_of_a_uuid_alone_is_refused():
+    async with content_proxy() as s:
+        r = await s.post(chat(TEXT, {"type": "image_embeds", "image_embeds": None, "uuid": "u"}))
+        assert r.status == 400 and "names no embedding" in (await r.json())["detail"]
+
+
 @pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://127.0.0.1/x.png"])
 async def test_the_proxy_fetches_only_http(url):
     async with content_proxy() as s:
