@@ -40,11 +40,10 @@ from .demand import DemandClient
 from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
 from .media import (
-    extract_mm_items,
     item_uuid,
-    metadata_only_embeds,
     namespace_uuids,
     rewrite_for_decode,
+    scan_parts,
 )
 from .metrics import ProxyMetrics
 from .models import ModelCatalog
@@ -261,7 +260,8 @@ class Proxy:
         for key in CLIENT_FIELDS_STRIPPED:
             if req.pop(key, _ABSENT) is not _ABSENT:
                 self.metrics.stripped(key).inc()
-        if (where := metadata_only_embeds(req)) is not None:
+        items, where = scan_parts(req)  # the parts themselves: the naming below is in place
+        if where is not None:
             raise ProxyError(
                 400,
                 f"{where}: an embeds part must carry its embedding (a base64 tensor): one of "
@@ -281,7 +281,6 @@ class Proxy:
         if req_id is None:  # as the reference: an empty header stays empty
             req_id = str(uuidlib.UUID(new_hex(128), version=4))
         cfg, m = self.config, self.metrics
-        items = extract_mm_items(req)
         uuids = [item_uuid(item) for item in items]  # once: E, the rewrite and render use them
         encoded: EncodeResult | None = None  # E's answers, when already in (opportunistic)
         if cfg.policy is Policy.OPPORTUNISTIC and items:
@@ -371,7 +370,7 @@ class Proxy:
         if self.config.no_rewrite:
             prepared: Mapping[str, Any] = req
         else:
-            prepared = rewrite_for_decode(req, item_meta, decision.raw_with_uuid, uuids)
+            prepared = rewrite_for_decode(req, item_meta, decision.raw_with_uuid, uuids, items)
         if result.ec_params:
             handles = dict(prepared.get("ec_transfer_params") or {})
             handles.update(result.ec_params)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import json
 import re
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
+
+import msgspec
 
 from .errors import ProxyError
 from .media import EMBEDS_TYPES, MM_TYPES, MODALITY
@@ -28,6 +29,8 @@ _EMBEDS_PARTS = frozenset(EMBEDS_TYPES.values())
 # fetched item's Content-Type gives, else application/octet-stream.
 _MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_json = msgspec.json.Encoder().encode
+_canonical = msgspec.json.Encoder(order="sorted").encode  # keys sorted, compact
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +62,18 @@ Fetch = Callable[
 
 
 def content_name(salt: Any, modality: str, media: str) -> str:
-    """The uuid of media as forwarded: sha256 over the salt, the modality and the sha256 of
-    `media`, the text that carries the bytes (a data: URL, an `input_audio`'s canonical JSON).
-    That text determines every byte vLLM decodes, so one name is never two contents."""
-    digest = hashlib.sha256(media.encode()).hexdigest()
-    key = json.dumps(["mmreuse-content-v1", salt, modality, digest], separators=(",", ":"))
-    return hashlib.sha256(key.encode()).hexdigest()
+    """The uuid of media as forwarded: sha256 of the salt and the modality (a JSON array, which
+    ends itself), then `media`, the text that carries the bytes (a data: URL, an
+    `input_audio`'s canonical JSON). That text determines every byte vLLM decodes, so one name
+    is never two contents."""
+    h = hashlib.sha256(_json(["mmreuse-content-v1", salt, modality]))
+    h.update(media.encode())
+    return h.hexdigest()
 
 
 def embeds_name(salt: Any, kind: str, value: Any) -> str:
     """The uuid of a client's `*_embeds` part: its payload's canonical JSON, named as media."""
-    return content_name(salt, kind, json.dumps(value, sort_keys=True, separators=(",", ":")))
+    return content_name(salt, kind, _canonical(value).decode())
 
 
 def _url_of(part: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -178,7 +182,7 @@ async def name_by_content(request: dict[str, Any], fetcher: MediaFetcher) -> int
             audio = part.get("input_audio")
             if not isinstance(audio, Mapping) or not isinstance(audio.get("data"), str):
                 raise MediaRefused(where, "input_audio carries no data")
-            text = json.dumps(audio, sort_keys=True, separators=(",", ":"))
+            text = _canonical(audio).decode()
             part["uuid"] = content_name(salt, modality, text)
             continue
         ref, url = _url_of(part)

@@ -12,6 +12,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 MM_TYPES = frozenset({"image_url", "audio_url", "input_audio", "video_url"})
 
 # The content type each media item becomes once E has published its embedding.
@@ -40,6 +42,7 @@ def content_uuid(item: Mapping[str, Any]) -> str:
 
 
 _EMBEDS_PARTS = frozenset(EMBEDS_TYPES.values())
+_json = msgspec.json.Encoder().encode  # compact JSON: an unambiguous key, in C
 
 
 def tenant_uuid(part: Mapping[str, Any], cache_salt: Any) -> str:
@@ -48,8 +51,7 @@ def tenant_uuid(part: Mapping[str, Any], cache_salt: Any) -> str:
     tenant's embedding (vLLM keys P's encoder cache and the EC store by uuid, unscoped)."""
     client = part.get("uuid")
     key = ["uuid", client] if client else ["content", content_uuid(part)]
-    scoped = json.dumps(["mmreuse-tenant-v1", cache_salt, *key], separators=(",", ":"))
-    return hashlib.sha256(scoped.encode()).hexdigest()
+    return hashlib.sha256(_json(["mmreuse-tenant-v1", cache_salt, *key])).hexdigest()
 
 
 def namespace_uuids(request: dict[str, Any]) -> int:
@@ -71,28 +73,6 @@ def namespace_uuids(request: dict[str, Any]) -> int:
     return n
 
 
-def metadata_only_embeds(request: Mapping[str, Any]) -> str | None:
-    """Where the first `*_embeds` part whose payload is metadata only is
-    (`messages[i].content[j]`), or None. Such a part (a dict without a base64 tensor) is the
-    proxy's own reference to what E produced: P takes the embedding from its EC connector, and
-    when it is not there vLLM's engine dies (0.32: "Expected number of multimodal embeddings
-    to match number of input items"), for every tenant. A payload of None (vLLM's "cached
-    by uuid") is not one: P answers it from its processor cache or with a 400."""
-    for i, msg in enumerate(request.get("messages") or ()):
-        content = msg.get("content") if isinstance(msg, Mapping) else None
-        if not isinstance(content, list):
-            continue
-        for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") not in _EMBEDS_PARTS:
-                continue
-            payload = part.get(part["type"])
-            if isinstance(payload, Mapping) and not any(
-                isinstance(v, str) for v in payload.values()
-            ):
-                return f"messages[{i}].content[{j}]"
-    return None
-
-
 def item_uuid(item: Mapping[str, Any]) -> str:
     """The identifier the proxy gives an item: the client's `uuid`, else `content_uuid`."""
     return item.get("uuid") or content_uuid(item)
@@ -100,15 +80,38 @@ def item_uuid(item: Mapping[str, Any]) -> str:
 
 def extract_mm_items(request: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every media part of `messages[*].content[*]`, in order (what E and render see)."""
+    return scan_parts(request)[0]
+
+
+def scan_parts(request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """In one walk of the request: its media parts, in order (`extract_mm_items`), and where
+    the first `*_embeds` part whose payload is metadata only is (`messages[i].content[j]`), or
+    None. Such a part (a dict without a base64 tensor) is the proxy's own reference to what E
+    produced: P takes the embedding from its EC connector, and when it is not there vLLM's
+    engine dies (0.32: "Expected number of multimodal embeddings to match number of input
+    items"), for every tenant. A payload of None (vLLM's "cached by uuid") is not one: P
+    answers it from its processor cache or with a 400."""
     items: list[dict[str, Any]] = []
-    for msg in request.get("messages") or ():
-        content = msg.get("content") if isinstance(msg, Mapping) else None
-        if not isinstance(content, list):
+    where: str | None = None
+    for i, msg in enumerate(request.get("messages") or ()):
+        content = msg.get("content") if _is_mapping(msg) else None
+        if type(content) is not list:
             continue
-        for part in content:
-            if isinstance(part, Mapping) and part.get("type") in MM_TYPES:
-                items.append(part)  # type: ignore[arg-type]
-    return items
+        for j, part in enumerate(content):
+            if not _is_mapping(part):
+                continue
+            kind = part.get("type")
+            if kind in MM_TYPES:
+                items.append(part)
+            elif where is None and kind in _EMBEDS_PARTS:
+                payload = part.get(kind)
+                if _is_mapping(payload) and not any(type(v) is str for v in payload.values()):
+                    where = f"messages[{i}].content[{j}]"
+    return items, where
+
+
+def _is_mapping(x: Any) -> bool:
+    return type(x) is dict or isinstance(x, Mapping)  # decoded JSON: dict, without the ABC's cost
 
 
 def uses_audio_in_video(request: Mapping[str, Any]) -> bool:
@@ -147,6 +150,7 @@ def rewrite_for_decode(
     item_meta: Mapping[int, list[dict[str, Any]]],
     raw_with_uuid: frozenset[int] = frozenset(),
     uuids: Sequence[str] | None = None,
+    items: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any] | Mapping[str, Any]:
     """The body P/PD receives: each item E produced becomes a metadata-only reference
     (`{"type": "image_embeds", "image_embeds": {<E's metadata>}, "uuid": ...}`).
@@ -156,13 +160,14 @@ def rewrite_for_decode(
     stays raw (P preprocesses it), as in the reference; an item in `raw_with_uuid` (skipped for E
     by a demand-aware policy) stays raw *with* its uuid, so P keys it as E would have and vLLM's
     own order applies (KV, encoder cache, EC connector, its own encoder). `uuids`: the items'
-    uuids when already computed (else computed here). Audio requests with an
-    item lacking metadata stay raw entirely (the reference's rule: audio processors may consume
-    other modalities' placeholders). vLLM refuses raw and embeds items of one modality in one
+    uuids when already computed (else computed here), `items` its media parts likewise. Audio
+    requests with an item lacking metadata stay raw entirely (the reference's rule: audio
+    processors may consume other modalities' placeholders). vLLM refuses raw and embeds items of one modality in one
     request, so a modality that would mix goes raw with uuids (the reference sends the mix and
     P answers 400). Returns `request` itself when nothing changes.
     """
-    items = extract_mm_items(request)
+    if items is None:
+        items = extract_mm_items(request)
     if uuids is None:
         uuids = [item_uuid(item) for item in items]
     raw_audio = any(
