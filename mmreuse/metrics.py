@@ -49,6 +49,14 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        self.complete = Gauge(
+            "mmreuse_kv_event_view_complete",
+            "1 when the view holds everything the publisher has said since it started (seq 0 "
+            "applied, or a clear since), 0 when it may miss what was published before it "
+            "subscribed or in a gap replay could not fill (decisions from it are blind)",
+            ["instance"],
+            registry=r,
+        )
         self.restarts = Counter(
             "mmreuse_kv_event_publisher_restarts_total",
             "Publisher restarts detected (sequence going back, or not "

@@ -89,6 +89,9 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
     def _reset_view(self) -> None:
         self.availability.forget_instance("p", self.instance)
 
+    def _clears(self, batch: Any) -> bool:
+        return any(type(e) is EncoderCacheCleared for e in batch.events)
+
     def _update_gauges(self) -> None:
         pass  # EmbeddingAvailability keeps its own gauge (availability_entries)
 

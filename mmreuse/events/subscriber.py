@@ -24,6 +24,13 @@ blocks P holds (a late fallback), never hold a block P removed (a wrong skip). H
   restart whose new seqs overtook the old ones shows only as that); a publisher restart (seq
   going back, or not continuing after a reconnect) is counted: a new process starts empty.
 
+The view is *complete* (`complete`, `mmreuse_kv_event_view_complete`) once it holds everything
+the publisher has said since it started: its seq 0 applied on an empty view, or a batch that
+clears everything (`AllBlocksCleared`) applied. Any reset makes it incomplete again, and a
+subscriber that joined after the publisher's first batch left its replay buffer stays
+incomplete: what was stored before is never published again, so the view may miss blocks P
+holds (never the reverse), and a caller should treat a miss from it as unknown.
+
 Should the loop itself die (its socket failing), the view is reset too, `error` holds the cause,
 `is_alive` is False, `mmreuse_kv_event_subscriber_up` drops to 0, and `check()`,
 `longest_prefix()` and `match_prefix()` on the subscriber raise `SubscriberDied`.
@@ -57,6 +64,7 @@ from ..validate import (
 from .index import RemoteKVIndex
 from .wire import (
     MEDIUM_GPU,
+    AllBlocksCleared,
     KVEventBatch,
     decode_batch,
 )
@@ -173,6 +181,8 @@ class KVEventSubscriber:
         self._label = self.index.instance
         self._gauge_media: set[str] = set()  # media with an index_size label
         self._reconnected = False  # a disconnect since the last frame
+        # Everything published since the publisher started is applied (see the module doc).
+        self.complete = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -304,6 +314,7 @@ class KVEventSubscriber:
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         m.subscriber_up.labels(self._label).set(1)
+        m.complete.labels(self._label).set(int(self.complete))
         self._started.set()
         timeout_ms = _ms(self.poll_interval_s)
         stop = self._stop
@@ -405,6 +416,9 @@ class KVEventSubscriber:
             self.applied_seq = seq
             return
         self.applied_seq = seq
+        if (seq == 0 or self._clears(batch)) and not self.complete:
+            self.complete = True
+            m.complete.labels(self._label).set(1)
         m.batches.labels(self._label).inc()
         counts: dict[str, int] = {}
         for e in batch.events:
@@ -430,6 +444,10 @@ class KVEventSubscriber:
     def _reset_view(self) -> None:
         self.index.clear()
 
+    def _clears(self, batch: Any) -> bool:
+        """Whether an applied batch empties the view whole (it is then exact from there on)."""
+        return any(type(e) is AllBlocksCleared for e in batch.events)
+
     def _update_gauges(self) -> None:
         """index_size per medium held (GPU always); labels of media gone are removed, so the
         label set stays within max_media + 1."""
@@ -445,6 +463,8 @@ class KVEventSubscriber:
     def _resync(self, count: bool = True) -> None:
         if count:
             self.metrics.resyncs.labels(self._label).inc()
+        self.complete = False
+        self.metrics.complete.labels(self._label).set(0)
         self._reset_view()
         self._update_gauges()
 

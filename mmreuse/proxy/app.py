@@ -127,9 +127,16 @@ class Proxy:
         ]
         self.rng = random.Random(config.seed)
         # Asked only under demand / opportunistic (the config holds an endpoint for each then).
-        self.demand = (
+        # Asked under demand / opportunistic (the config holds an endpoint for each then), and
+        # under index while an instance's view is incomplete, where it has one.
+        asks = config.policy.asks_p or (
+            config.policy.reads_view and any(i.demand for i in config.instances)
+        )
+        clients = (
             [
-                DemandClient(
+                None
+                if instance.demand is None
+                else DemandClient(
                     _demand_endpoint(instance),
                     name=view.name,
                     observe=functools.partial(self.metrics.demand_outcome, view.name),
@@ -137,16 +144,17 @@ class Proxy:
                 )
                 for view, instance in zip(self.views, config.instances, strict=True)
             ]
-            if config.policy.asks_p
+            if asks
             else []
         )
+        self.demand = [c for c in clients if c is not None]
         self.planner = Planner(
             config,
             self.views,
             self.availability,
             self._post_json,
             self.rng,
-            self.demand,
+            clients,
             models=ModelCatalog(self._get),
         )
         self.encoders = EncoderFanout(
@@ -296,6 +304,8 @@ class Proxy:
             m.fallbacks.labels(view.name, "no_plan").inc()
             m.errors.labels(decision.no_plan.split(":", 1)[0]).inc()
             logger.warning("[%s] no plan, E gets everything: %s", req_id, decision.no_plan)
+        if decision.blind:
+            m.blind(view.name).inc()
         if decision.klasses:
             for klass in set(decision.klasses):
                 m.occurrence(klass).inc(decision.klasses.count(klass))

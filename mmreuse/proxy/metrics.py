@@ -87,6 +87,13 @@ class ProxyMetrics:
             ["instance", "kind"],
             registry=r,
         )
+        self.blind_decisions = Counter(
+            "mmreuse_proxy_blind_decisions_total",
+            "index decisions planned on a view that was not complete (the proxy joined late or "
+            "lost batches its replay could not fill): what P cached before is unknown to it",
+            ["instance"],
+            registry=r,
+        )
         self.client_fields_stripped = Counter(
             "mmreuse_proxy_client_fields_stripped_total",
             "requests whose client-sent field was removed before E, P and D saw it "
@@ -150,6 +157,9 @@ class ProxyMetrics:
 
     def request(self, policy: str, outcome: str) -> Any:
         return self._child(self.requests, policy, outcome)
+
+    def blind(self, instance: str) -> Any:
+        return self._child(self.blind_decisions, instance)
 
     def stripped(self, field: str) -> Any:
         return self._child(self.client_fields_stripped, field)

@@ -60,7 +60,9 @@ class Decision:
         no_plan: why a demand-aware decision fell back to sending everything (None if it did not).
         demand_id: the demand query whose answer this follows: P (or PD) gets it as
             `vllm_xargs.mmreuse_demand_id`, to check the answer's proof at admission.
-        answer: that answer (demand and opportunistic).
+        answer: that answer (demand and opportunistic; index too while the view is
+            incomplete and the instance has a demand endpoint).
+        blind: planned on a view that was not complete (it may miss what P holds).
         request_id: the request's x-request-id (filled for `after_decide` hooks).
     """
 
@@ -77,12 +79,15 @@ class Decision:
     no_plan: str | None = None
     demand_id: str | None = None
     answer: DemandAnswer | None = None
+    blind: bool = False
     request_id: str = ""
 
 
 class Planner:
     """Makes each request's Decision from the config, the views, E-side availability and, under
-    demand and opportunistic, each P's answer (`demand`: one DemandClient per instance)."""
+    demand and opportunistic, each P's answer (`demand`: one DemandClient per instance; under
+    index, one per instance with a demand endpoint, None for the others: asked while that
+    instance's view is incomplete)."""
 
     def __init__(
         self,
@@ -91,7 +96,7 @@ class Planner:
         availability: EmbeddingAvailability,
         post: Callable[[str, Any], Any],
         rng: random.Random,
-        demand: Sequence[DemandClient] = (),
+        demand: Sequence[DemandClient | None] = (),
         *,
         models: ModelCatalog | None = None,
     ) -> None:
@@ -106,11 +111,13 @@ class Planner:
         self.demand = list(demand)
         self.policy = Policy(config.policy)
         self._asks = self.policy.asks_p
-        if self._asks and len(self.demand) != len(config.prefill_instances):
+        if self.demand and len(self.demand) != len(config.prefill_instances):
             raise InvalidArgument(
                 f"demand has {len(self.demand)} clients for "
                 f"{len(config.prefill_instances)} P/PD instances"
             )
+        if self._asks and any(c is None for c in self.demand):
+            raise InvalidArgument(f"policy {self.policy!r} asks every P/PD: a client is missing")
         self._needs_render = self.policy.renders or config.routing == "affine"
 
     def random_instance(self) -> int:
@@ -181,7 +188,7 @@ class Planner:
                 rendered, items, instance, request, uuids, memo
             )
             routed(instance)
-            if self._asks and rendered.occurrences:
+            if rendered.occurrences and (self._asks or self._ask_instead(instance)):
                 decision = await self._ask(rendered, occ_items, items, instance)
             else:
                 decision = self._plan(rendered, occ_items, items, instance, memo)
@@ -194,6 +201,18 @@ class Planner:
             )
         t2 = time.perf_counter()
         return _replace(decision, render_s=t1 - t0, decide_s=t2 - t1)
+
+    def _ask_instead(self, instance: int) -> bool:
+        """Under index: ask P rather than plan on its view while that view is incomplete (a
+        late join, a gap), where the instance has a demand endpoint."""
+        view = self.views[instance]
+        return (
+            self.policy.reads_view
+            and bool(self.demand)
+            and self.demand[instance] is not None
+            and view.usable
+            and not view.complete
+        )
 
     def _renderer(self, instance: int) -> str:
         """The server that renders for `instance` (and whose models the catalog reads)."""
@@ -288,8 +307,10 @@ class Planner:
         )
         # what E holds of this request only
         query = query_for(rendered, new_hex(128), e_cached=sorted(e_side.e_cached & idents))
+        client = self.demand[instance]
+        assert client is not None  # _ask_instead, or the policy asks every instance
         try:
-            answer = await self.demand[instance].ask(query, self.config.demand_timeout_s)
+            answer = await client.ask(query, self.config.demand_timeout_s)
         except DemandUnavailable as e:
             return _replace(
                 self.eager(items, instance),
@@ -344,7 +365,9 @@ class Planner:
                 p_external=availability.p_external,
                 e_cached=availability.e_cached,
             )
+        blind = False
         if view.usable and view.hasher is not None:
+            blind = not view.complete
             plan = plan_admission(
                 num_prompt_tokens=n,
                 occurrences=rendered.occurrences,
@@ -369,6 +392,7 @@ class Planner:
             plan=plan,
             identifiers=_identifiers(rendered, occ_items, len(items)),
             cache_salt=rendered.cache_salt,
+            blind=blind,
         )
 
     def record_e(self, decision: Decision) -> None:

@@ -157,7 +157,38 @@ class InstanceView:
             out.append(f"hash configuration mismatch: {self.check.status.first_mismatch}")
         if self.hybrid is not None:
             out.append(self.hybrid)
+        if self.usable and not self.complete:
+            out.append(self.incomplete)
         return out
+
+    @property
+    def complete(self) -> bool:
+        """Whether the view holds everything P's publishers said since they started (the KV
+        events, and the encoder-cache events when followed): a late join or a gap the replay
+        could not fill leaves it missing what was stored before, which is never published
+        again, so a miss in it is unknown rather than a miss at P."""
+        kv, ec = self.subscriber, self.ec_subscriber
+        return (
+            kv is not None
+            and bool(getattr(kv, "complete", False))
+            and (self.instance.ec_events is None or bool(getattr(ec, "complete", False)))
+        )
+
+    @property
+    def incomplete(self) -> str:
+        """What an operator is told while the view is not complete."""
+        which = [
+            name
+            for name, sub in (("KV", self.subscriber), ("encoder-cache", self.ec_subscriber))
+            if sub is not None and not sub.complete
+        ]
+        return (
+            f"view incomplete ({' and '.join(which) or 'KV'} events: the proxy joined after P's "
+            "first events left its replay buffer, or lost batches the replay could not fill): "
+            "what P cached before is unknown, so decisions from this view are blind "
+            "(mmreuse_proxy_blind_decisions_total); it is complete again when P clears or "
+            "restarts, and --demand-endpoints makes the proxy ask P meanwhile"
+        )
 
     @property
     def usable(self) -> bool:
@@ -181,6 +212,7 @@ class InstanceView:
             "kv_events": self.instance.kv_events,
             "encoder_cache_events": self.instance.ec_events,
             "usable": self.usable,
+            "complete": self.complete,
             "block_size": self.hasher.block_size if self.hasher else None,
             "blocks": self.index.size(),
             "hash_check": None

@@ -97,3 +97,29 @@ def test_it_refuses_a_kv_index_and_has_no_kv_view(setup):
         EncoderCacheEventSubscriber(pub.endpoint, availability=object(), instance="P0")
     with pytest.raises(TypeError):
         sub.match_prefix([1])
+
+
+def test_a_late_join_is_incomplete_until_p_clears_its_encoder_cache():
+    # Joined after P's first batch left its (tiny) buffer: the entries stored before are never
+    # published again, so the view says it may miss some, until P clears its encoder cache.
+    ctx = zmq.Context()
+    pub = TestPublisher(ctx, buffer_steps=1)
+    metrics = Metrics(CollectorRegistry())
+    avail = EmbeddingAvailability(ttl_s=3600, metrics=metrics)
+    for i in range(3):
+        pub.publish(_batch(EncoderCacheStored(f"old{i}", 16)))
+    sub = EncoderCacheEventSubscriber(
+        pub.endpoint, pub.replay_endpoint, availability=avail, instance="P0", metrics=metrics
+    ).start()
+    try:
+        time.sleep(0.3)
+        pub.publish(_batch(EncoderCacheStored("new", 16)))
+        _until(lambda: sub.applied_seq == 3)
+        assert "new" in _p(avail)[0] and not sub.complete
+        pub.publish(_batch(EncoderCacheCleared(), EncoderCacheStored("after", 16)))
+        _until(lambda: sub.applied_seq == 4)
+        assert sub.complete and _p(avail)[0] == {"after": 16}
+    finally:
+        sub.stop()
+        pub.close()
+        ctx.term()

@@ -265,6 +265,85 @@ def test_publisher_restart_resets_the_view(ctx, publisher, metrics):
         sub.stop()
 
 
+# ---- completeness: a view that knows what it may miss --------------------------------------------
+
+
+def test_a_subscriber_from_the_first_batch_is_complete(ctx, publisher, metrics):
+    pub = publisher()
+    for i in range(5):  # before the subscriber: replayed from seq 0
+        pub.publish(batch(stored([i])))
+    _, sub = run(ctx, metrics, pub)
+    try:
+        assert not sub.complete and value(metrics.complete, "p0") == 0
+        time.sleep(0.2)
+        pub.publish(batch(stored([5])))
+        assert wait_for(lambda: sub.applied_seq == 5)
+        assert sub.complete and value(metrics.complete, "p0") == 1
+    finally:
+        sub.stop()
+
+
+def test_a_late_join_the_buffer_no_longer_covers_is_incomplete_until_a_clear(
+    ctx, publisher, metrics
+):
+    # What P stored before the buffer's oldest batch is never published again: the view holds
+    # what came since, and says it may miss the rest, until P clears its cache.
+    pub = publisher(buffer_steps=2)
+    for i in range(20):
+        pub.publish(batch(stored([i])))
+    idx, sub = run(ctx, metrics, pub)
+    try:
+        time.sleep(0.2)
+        pub.publish(batch(stored([20])))
+        assert wait_for(lambda: sub.applied_seq == 20)
+        assert idx.contains(19) and idx.contains(20) and not idx.contains(0)
+        assert not sub.complete and value(metrics.complete, "p0") == 0
+        pub.publish(batch(AllBlocksCleared(), stored([21])))
+        assert wait_for(lambda: sub.applied_seq == 21)
+        assert sub.complete and value(metrics.complete, "p0") == 1
+        assert not idx.contains(20) and idx.contains(21)
+    finally:
+        sub.stop()
+
+
+def test_a_gap_replay_cannot_fill_makes_the_view_incomplete(ctx, publisher, metrics):
+    pub = publisher()
+    _, sub = run(ctx, metrics, pub, replay=None)
+    try:
+        time.sleep(0.2)
+        pub.publish(batch(stored([1])))
+        assert wait_for(lambda: sub.complete)
+        pub.publish(batch(stored([2])), drop=True)
+        pub.publish(batch(stored([3])))
+        assert wait_for(lambda: sub.applied_seq == 2)
+        assert not sub.complete and value(metrics.complete, "p0") == 0
+    finally:
+        sub.stop()
+
+
+def test_a_restarted_publisher_makes_the_view_complete_from_its_seq_zero(ctx, publisher, metrics):
+    pub = publisher(buffer_steps=2)
+    for i in range(10):
+        pub.publish(batch(stored([i])))
+    idx, sub = run(ctx, metrics, pub)
+    try:
+        time.sleep(0.2)
+        pub.publish(batch(stored([10])))
+        assert wait_for(lambda: sub.applied_seq == 10) and not sub.complete
+        endpoint, replay = pub.endpoint, pub.replay_endpoint
+        pub.close()
+        pub = publisher(pub_endpoint=endpoint, replay_endpoint=replay)
+        pub.publish(batch(stored([50])))  # seq 0 of a new process: its cache started empty
+        for i in range(100):
+            if sub.complete:
+                break
+            pub.publish(batch(stored([51 + i])))
+            time.sleep(0.05)
+        assert wait_for(lambda: sub.complete) and idx.contains(50) and not idx.contains(10)
+    finally:
+        sub.stop()
+
+
 def test_burst_is_applied_in_order(ctx, publisher, metrics):
     pub = publisher()
     idx, sub = run(ctx, metrics, pub)

@@ -324,15 +324,16 @@ def test_demand_endpoint_slots_must_all_be_given(capsys):
     assert "--demand-endpoints: entry 1 (for http://d1:2) is empty" in err
 
 
-@pytest.mark.parametrize("policy", ["eager", "index"])
-def test_demand_endpoints_accepted_and_unused_without_a_demand_policy(capsys, policy):
-    # one flag set serves every policy (mmreuse.cluster's proxy_args); checked all the same
+@pytest.mark.parametrize("policy, asked", [("eager", []), ("index", ["PD0"])])
+def test_demand_endpoints_accepted_under_any_policy(capsys, policy, asked):
+    # one flag set serves every policy (mmreuse.cluster's proxy_args); checked all the same.
+    # eager never asks; index asks an instance that has one while its view is incomplete.
     two = ["--encode-servers-urls", E, "--decode-servers-urls", "http://d0:1,http://d1:2"]
     cfg = parse_args([*two, "--policy", policy, "--demand-endpoints", "tcp://a:1,"], env={})
-    assert [i.demand for i in cfg.instances] == ["tcp://a:1", None]  # recorded, never asked
+    assert [i.demand for i in cfg.instances] == ["tcp://a:1", None]
     from mmreuse.proxy.app import Proxy  # aiohttp: only here
 
-    assert Proxy(cfg).demand == []
+    assert [c.name for c in Proxy(cfg).demand] == asked
     err = usage_error(capsys, [*BASE, "--policy", policy, "--demand-endpoints", "a:1"])
     assert "--demand-endpoints: 'a:1' is not a ZMQ endpoint" in err
 

@@ -7,7 +7,6 @@ P demand endpoint: a real ZMQ ROUTER in the test's event loop, answering each qu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,22 +21,18 @@ import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from mmreuse.demand import Availability
 from mmreuse.demand_query import (
     DemandAnswer,
     DemandError,
     DemandQuery,
     DemandStats,
     QueryItem,
-    StatsQuery,
-    decode_query,
     encode,
-    occurrences_of,
 )
-from mmreuse.plan import plan_admission
 from mmreuse.proxy.app import build_app
 from mmreuse.proxy.config import parse_args
 from mmreuse.proxy.demand import DemandClient, DemandUnavailable
+from tests.support.demand_p import FakeP, planned
 from tests.support.index_proxy import TEXT, A, B, C, prompt, render
 from tests.support.proxy_fakes import Fake, ProxyHandle, chat, img, proxy_client, sha
 
@@ -46,75 +41,6 @@ KEY = "mmreuse_demand_id"
 
 
 # ---- P's demand endpoint ------------------------------------------------------------------------
-
-
-def planned(c: int) -> Callable[[DemandQuery], DemandAnswer]:
-    """P's answer with a prefix hit of `c` tokens: compute_demand's, via plan_admission."""
-
-    def reply(q: DemandQuery) -> DemandAnswer:
-        plan = plan_admission(
-            num_prompt_tokens=len(q.token_ids),
-            occurrences=occurrences_of(q),
-            availability=Availability(e_cached=frozenset(q.e_cached)),
-            num_computed_tokens=c,
-        )
-        d = plan.demand
-        return DemandAnswer(
-            id=q.id,
-            num_computed_tokens=c,
-            classes=["duplicate" if x.dedup_of is not None else x.klass.value for x in d.decisions],
-            dedup_of=[x.dedup_of for x in d.decisions],
-            e_demand=[(ident, fwd) for ident, fwd in d.e_demand],
-        )
-
-    return reply
-
-
-class FakeP:
-    """A DemandScheduler's ROUTER: each query is recorded, then answered with `reply(query)`
-    (an answer, raw bytes, a list of raw frames to send first, or None: no answer) once `gate`
-    is set."""
-
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.queries: list[Any] = []
-        self.reply: Callable[[Any], Any] = planned(0)
-        self.gate = asyncio.Event()
-        self.gate.set()
-        self._tasks: set[asyncio.Task] = set()
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            ident, payload = await self.sock.recv_multipart()
-            query = decode_query(payload)
-            self.queries.append(query)
-            task = asyncio.get_running_loop().create_task(self._answer(ident, query))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _answer(self, ident: bytes, query: Any) -> None:
-        await self.gate.wait()
-        if isinstance(query, StatsQuery):
-            out: Any = DemandStats(id=query.id, answers=len(self.queries))
-        else:
-            out = self.reply(query)
-        if out is None:
-            return
-        for frame in out if isinstance(out, list) else [out]:
-            payload = frame if isinstance(frame, bytes) else encode(frame)
-            await self.sock.send_multipart([ident, payload])
-
-    async def close(self) -> None:
-        for task in (self._task, *self._tasks):
-            task.cancel()
-        for task in (self._task, *self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self.sock.close(linger=0)
 
 
 class HoldingE(Fake):

@@ -434,3 +434,52 @@ async def test_a_hybrid_attention_p_turns_its_view_off_saying_why():
         assert any("hybrid-attention" in p for p in health["mmreuse"]["problems"])
         assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
         assert e_sent(s) == [sha(A), sha(B)]  # no plan on a view that cannot be trusted
+
+
+# ---- a view that knows it is incomplete (a late join) -------------------------------------------
+
+# P cached A and B's prompt, then served five more batches, all before the proxy started; its
+# replay buffer holds 2: the proxy can never learn that P holds A.
+LATE = dict(before=[[stored([sha(A), sha(B)], 4)], *[[] for _ in range(5)]], buffer_steps=2)
+PAIR = chat(TEXT, img(A), img(B))
+
+
+async def _health(s) -> dict:
+    return (await (await s.client.get("/health")).json())["mmreuse"]
+
+
+async def test_a_late_joined_view_is_incomplete_and_its_decisions_are_counted_blind():
+    from mmreuse.events import AllBlocksCleared
+
+    async with index_proxy(**LATE) as s:
+        await s.hold(0, [sha(C)], 3)  # what P stores now is seen: the view is usable
+        view = s.proxy.views[0]
+        assert view.usable and not view.complete
+        health = await _health(s)
+        assert health["views"]["PD0"]["complete"] is False
+        assert any("view incomplete" in p for p in health["problems"])
+        assert (await s.post(PAIR)).status == 200
+        assert e_sent(s) == [sha(A), sha(B)]  # blind: P holds A, the view cannot know
+        assert s.sample("mmreuse_proxy_blind_decisions_total", instance="PD0") == 1
+        assert s.sample("mmreuse_kv_event_view_complete", instance="PD0") == 0
+        # P clears its prefix cache: from then on the view is exact.
+        await s.publish(0, [AllBlocksCleared()], lambda: view.complete)
+        await s.hold(0, [sha(A), sha(B)], 4)
+        assert (await s.post(PAIR)).status == 200
+        assert e_sent(s)[2:] == [sha(B)]
+        assert s.sample("mmreuse_proxy_blind_decisions_total", instance="PD0") == 1
+        assert not any("view incomplete" in p for p in (await _health(s))["problems"])
+
+
+async def test_an_incomplete_view_asks_p_where_it_has_a_demand_endpoint():
+    from tests.support.demand_p import planned
+
+    async with index_proxy(**LATE, demand=True) as s:
+        await s.hold(0, [sha(C)], 3)
+        s.ps[0].reply = planned(64)  # P's truth: its prefix cache covers A
+        assert (await s.post(PAIR)).status == 200
+        assert len(s.ps[0].queries) == 1 and e_sent(s) == [sha(B)]
+        assert pd_content(s)[1]["uuid"] == sha(A)  # raw with its uuid: P finds it in its KV
+        xargs = s.pd[0].chats()[-1].body["vllm_xargs"]
+        assert xargs["mmreuse_demand_id"] == s.ps[0].queries[0].id
+        assert s.sample("mmreuse_proxy_blind_decisions_total", instance="PD0") == 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
@@ -24,6 +25,7 @@ from mmreuse.hashing import BlockHasher, MMOccurrence
 from mmreuse.proxy.app import build_app
 from mmreuse.proxy.config import parse_args
 
+from .demand_p import FakeP
 from .kv_publisher import TestPublisher
 from .proxy_fakes import Fake, ProxyHandle, proxy_client, sha
 
@@ -108,6 +110,7 @@ class Setup(ProxyHandle):
     pd: list[Fake]
     pubs: list[TestPublisher]
     d: list[Fake]
+    ps: list[FakeP] = dataclasses.field(default_factory=list)  # demand endpoints, if asked
 
     async def publish(self, i: int, events: list[Any], until: Callable[[], bool]) -> None:
         """Publish `events` on PD i's publisher and wait until `until()` holds. Empty batches
@@ -142,10 +145,20 @@ async def index_proxy(
     seed: int | None = None,
     prefill: bool = False,
     block_size: int | None = BLOCK,
+    before: Sequence[Sequence[Any]] = (),
+    buffer_steps: int = 10_000,
+    demand: bool = False,
 ) -> AsyncIterator[Setup]:
-    """E + PD (or E + P + D with `prefill`: then `pd` are the P fakes, `d` the decode one)."""
+    """E + PD (or E + P + D with `prefill`: then `pd` are the P fakes, `d` the decode one).
+    `before`: event batches each publisher sent before the proxy started (a late join, with
+    replay buffers of `buffer_steps`); `demand`: each PD has a fake demand endpoint (`ps`)."""
     ctx = zmq.Context()
-    pubs = [TestPublisher(ctx) for _ in range(n_pd)] if events else []
+    pubs = [TestPublisher(ctx, buffer_steps=buffer_steps) for _ in range(n_pd)] if events else []
+    for pub in pubs:
+        for events_ in before:
+            pub.publish(KVEventBatch(ts=time.time(), events=list(events_), data_parallel_rank=0))
+    actx = zmq.asyncio.Context() if demand else None
+    ps = [FakeP(actx) for _ in range(n_pd)] if actx is not None else []
     e = await Fake("e").start()
     role = "p" if prefill else "pd"
     pds = [await Fake(role, render=render if renders else None).start() for _ in range(n_pd)]
@@ -160,6 +173,8 @@ async def index_proxy(
     ]  # fmt: skip
     if prefill:
         argv += ["--prefill-servers-urls", ",".join(f.url for f in pds)]
+    if ps:
+        argv += ["--demand-endpoints", ",".join(p.endpoint for p in ps)]
     if events:
         argv += [
             "--kv-events-endpoints", ",".join(p.endpoint for p in pubs),
@@ -171,13 +186,17 @@ async def index_proxy(
     app = build_app(config)
     try:
         async with proxy_client(app) as client:
-            yield Setup(client, app, e, pds, pubs, d)
+            yield Setup(client, app, e, pds, pubs, d, ps)
     finally:
         for fake in (e, *pds, *d):
             await fake.close()
         for pub in pubs:
             pub.close()
+        for p in ps:
+            await p.close()
         ctx.term()
+        if actx is not None:
+            actx.term()
 
 
 def e_sent(s: Setup) -> list[str]:
