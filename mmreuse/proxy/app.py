@@ -653,6 +653,9 @@ class Proxy:
                 "routing": cfg.routing,
                 "status": "degraded" if problems else "ok",
                 "problems": problems,
+                # What E holds is this process's record of what it sent (no store to ask, no
+                # E events): replicas behind one balancer each know only their own sends.
+                "e_side": "per-replica" if cfg.policy.reads_view else None,
                 "views": views,
                 **({"demand": demand} if demand else {}),
             },

@@ -457,6 +457,7 @@ async def test_a_late_joined_view_is_incomplete_and_its_decisions_are_counted_bl
         assert view.usable and not view.complete
         health = await _health(s)
         assert health["views"]["PD0"]["complete"] is False
+        assert health["e_side"] == "per-replica"  # this process's own sends only
         assert any("view incomplete" in p for p in health["problems"])
         assert (await s.post(PAIR)).status == 200
         assert e_sent(s) == [sha(A), sha(B)]  # blind: P holds A, the view cannot know

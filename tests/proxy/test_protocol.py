@@ -118,6 +118,7 @@ async def test_health_e_pd():
         }
         assert body["decode_cluster"] == "healthy"
         assert body["mmreuse"]["status"] == "ok" and body["mmreuse"]["problems"] == []
+        assert body["mmreuse"]["e_side"] is None  # eager keeps no E-side record
         s.e[1].fail["/health"] = [500]
         r = await s.client.get("/health")
         body = await r.json()
