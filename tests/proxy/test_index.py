@@ -444,6 +444,13 @@ LATE = dict(before=[[stored([sha(A), sha(B)], 4)], *[[] for _ in range(5)]], buf
 PAIR = chat(TEXT, img(A), img(B))
 
 
+async def _joined(s) -> None:
+    """Until the view's subscriber receives live batches (the slow joiner: with a buffer of 2,
+    a batch published before it connects may be lost for good)."""
+    sub = s.proxy.views[0].subscriber
+    await s.publish(0, [], lambda: sub.applied_seq is not None)
+
+
 async def _health(s) -> dict:
     return (await (await s.client.get("/health")).json())["mmreuse"]
 
@@ -452,6 +459,7 @@ async def test_a_late_joined_view_is_incomplete_and_its_decisions_are_counted_bl
     from mmreuse.events import AllBlocksCleared
 
     async with index_proxy(**LATE) as s:
+        await _joined(s)
         await s.hold(0, [sha(C)], 3)  # what P stores now is seen: the view is usable
         view = s.proxy.views[0]
         assert view.usable and not view.complete
@@ -476,6 +484,7 @@ async def test_an_incomplete_view_asks_p_where_it_has_a_demand_endpoint():
     from tests.support.demand_p import planned
 
     async with index_proxy(**LATE, demand=True) as s:
+        await _joined(s)
         await s.hold(0, [sha(C)], 3)
         s.ps[0].reply = planned(64)  # P's truth: its prefix cache covers A
         assert (await s.post(PAIR)).status == 200
