@@ -11,6 +11,10 @@ order, naming the query's `id`:
   vLLM's order (by offset), each `{identifier, offset, length, modality, is_embed}`.
 - `StatsQuery {id, check_index}` -> `DemandStats` (P's counters; with `check_index`, the
   residency index compared with vLLM's prefix cache, block by block).
+- `SnapshotQuery {id, offset}` -> `KVSnapshot` or `DemandError`: P's prefix cache (group 0,
+  GPU) as KV-event block ids with their block counts, as of its KV-event batch `stamp` (every
+  batch before it applied, none from it on), in chunks of at most MAX_SNAPSHOT_BLOCKS from
+  `offset`; one snapshot is taken per `id` (offset 0) and kept for its later chunks.
 
 A query's size is bounded (MAX_* below; `max_query_bytes(max_model_len)` for a whole frame,
 which P's ROUTER enforces), so that what any frame costs P is bounded by its max_model_len.
@@ -212,8 +216,43 @@ class AdmissionRecords(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     enabled: bool = True
 
 
-Query = DemandQuery | StatsQuery | RecordsQuery
-Answer = DemandAnswer | DemandError | DemandStats | AdmissionRecords
+# One KVSnapshot chunk's ids: 9 bytes each at most in msgpack, ~2.4 MB a chunk.
+MAX_SNAPSHOT_BLOCKS = 262_144
+_EventId = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints end below 2**64
+
+
+class SnapshotQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """P's prefix cache as a KV-event view would hold it: chunk `offset` of snapshot `id`."""
+
+    id: _Id
+    offset: _Count = 0
+
+
+class KVSnapshot(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """One chunk of P's prefix cache (group 0, the GPU medium) as of KV-event batch `stamp`.
+
+    Applying the whole snapshot (`total` distinct ids over its chunks), then every KV-event
+    batch from `stamp` on, gives what applying every batch from 0 gives. `block_ids[i]` is a
+    block hash's 64-bit event id and `counts[i]` how many of P's blocks hold it (a hash two
+    blocks hold gets two BlockRemoved). `incarnation` names P's process (another one: another
+    snapshot, never mixed); `blocks` is P's KV cache size, the bound on `total`.
+    """
+
+    id: _Id
+    stamp: _Count
+    incarnation: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+    total: _Count
+    offset: _Count
+    blocks: _Count
+    block_ids: Annotated[list[_EventId], msgspec.Meta(max_length=MAX_SNAPSHOT_BLOCKS)] = []
+    counts: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=1, le=2**31)]],
+        msgspec.Meta(max_length=MAX_SNAPSHOT_BLOCKS),
+    ] = []
+
+
+Query = DemandQuery | StatsQuery | RecordsQuery | SnapshotQuery
+Answer = DemandAnswer | DemandError | DemandStats | AdmissionRecords | KVSnapshot
 
 _query_decoder = msgspec.msgpack.Decoder(Query)
 _answer_decoder = msgspec.msgpack.Decoder(Answer)
@@ -363,6 +402,8 @@ def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
         raise MalformedAnswer(str(e)) from None
     except (msgspec.DecodeError, RecursionError) as e:
         raise MalformedAnswer(f"not a demand answer: {e}") from None
+    if isinstance(answer, KVSnapshot):
+        _check_snapshot(answer)
     if query is None or not isinstance(answer, DemandAnswer):
         return answer
     if answer.id != query.id:
@@ -407,7 +448,22 @@ def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
     return answer
 
 
+def _check_snapshot(chunk: KVSnapshot) -> None:
+    n = len(chunk.block_ids)
+    if len(chunk.counts) != n:
+        raise MalformedAnswer(f"snapshot has {n} block_ids and {len(chunk.counts)} counts")
+    if chunk.total > chunk.blocks:
+        raise MalformedAnswer(f"snapshot total {chunk.total} exceeds P's {chunk.blocks} blocks")
+    if chunk.offset + n > chunk.total:
+        raise MalformedAnswer(
+            f"snapshot chunk [{chunk.offset}, {chunk.offset + n}) runs past its total {chunk.total}"
+        )
+    if n == 0 and chunk.offset < chunk.total:
+        raise MalformedAnswer(f"snapshot chunk at {chunk.offset} of {chunk.total} is empty")
+
+
 __all__ = [
+    "MAX_SNAPSHOT_BLOCKS",
     "AdmissionRecord",
     "AdmissionRecords",
     "Answer",
@@ -415,11 +471,13 @@ __all__ = [
     "DemandError",
     "DemandQuery",
     "DemandStats",
+    "KVSnapshot",
     "MalformedAnswer",
     "MalformedQuery",
     "Query",
     "QueryItem",
     "RecordsQuery",
+    "SnapshotQuery",
     "StatsQuery",
     "answer_for",
     "decode_answer",

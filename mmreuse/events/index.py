@@ -190,6 +190,39 @@ class RemoteKVIndex:
         with self._lock:
             return tuple(sorted(m for m, t in self._media.items() if t.live))
 
+    def load(
+        self, block_ids: Sequence[int], counts: Sequence[int], medium: str = MEDIUM_GPU
+    ) -> None:
+        """Replace everything with a snapshot (`demand_query.KVSnapshot`): `block_ids[i]` (an
+        event id) held by `counts[i]` blocks on `medium`. Refused whole (InvalidArgument) if the
+        lengths differ, an id repeats or is not an event id, or a count is not an int >= 1."""
+        check_str("medium", medium, nonempty=True)
+        if len(medium) > MAX_MEDIUM_CHARS:
+            raise InvalidArgument(f"medium must be at most {MAX_MEDIUM_CHARS} characters")
+        ids = to_event_ids(list(block_ids), "block_ids")
+        values = list(counts)
+        if len(values) != len(ids):
+            raise InvalidArgument(f"{len(ids)} block_ids but {len(values)} counts")
+        for i, n in enumerate(values):
+            if type(n) is not int or n < 1:
+                raise InvalidArgument(f"counts[{i}] must be an int >= 1, got {show(n)}")
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("block_ids repeat an id (a snapshot names each once)")
+        table = HashTable(2 * len(ids))
+        table.put_many(ids, values)
+        with self._lock:
+            self._media = {medium: table} if ids else {}
+
+    def counts(self, medium: str = MEDIUM_GPU) -> dict[int, int]:
+        """Every event id held on `medium` and how many blocks hold it (for checks and tests)."""
+        check_str("medium", medium)
+        with self._lock:
+            table = self._media.get(medium)
+            if table is None:
+                return {}
+            live = table.vals > 0
+            return dict(zip(table.keys[live].tolist(), table.vals[live].tolist(), strict=True))
+
     def clear(self) -> None:
         """Forget everything (AllBlocksCleared, a publisher restart, an unrecoverable gap)."""
         with self._lock:

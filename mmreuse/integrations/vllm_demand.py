@@ -28,12 +28,22 @@ pool's two choke points for prefix-cache entries (`_insert_block_hash`,
 `BlockStored` / `BlockRemoved` / `AllBlocksCleared`. Every answer carries the hit's
 `CoverageProof`; when a request sent with `vllm_xargs.mmreuse_demand_id` is admitted, the proof
 is validated and a change since the answer is counted by cause.
+
+Snapshots. A `SnapshotQuery` gets P's prefix cache as a KV-event view holds it, stamped with the
+KV-event batch it is consistent with, so that a proxy that joined late is complete again
+(`demand_query.KVSnapshot`). vLLM's publisher numbers batches in the order `publish` is called,
+and the scheduler calls it from `update_from_output`, holding the lock: counting the calls gives
+the stamp. The block counts come from the residency index; the block pool's events not yet
+published (queued by `schedule` for the next batch) are undone on the copy, so the snapshot is
+P as of the last batch published.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -48,14 +58,17 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from ..decision import item_classes
 from ..demand_query import (
     MAX_ID_CHARS,
+    MAX_SNAPSHOT_BLOCKS,
     AdmissionRecord,
     AdmissionRecords,
     DemandAnswer,
     DemandError,
     DemandQuery,
     DemandStats,
+    KVSnapshot,
     MalformedQuery,
     RecordsQuery,
+    SnapshotQuery,
     StatsQuery,
     answer_for,
     decode_query,
@@ -72,6 +85,7 @@ from .vllm import availability_from_engine, encoder_cache_space, occurrences_fro
 logger = logging.getLogger(f"vllm.{__name__}")
 
 REMEMBERED_ANSWERS = 4096  # answers whose proofs wait for their request (LRU beyond)
+SNAPSHOTS_KEPT = 2  # snapshots held for their later chunks (a new id beyond: the oldest goes)
 MAX_RECORDS = 65536  # admission records kept (a ring: RecordsQuery says how many were lost)
 SYNC_INDEX_AFTER = 512  # pending block-pool changes that make a step apply them (bounded memory)
 MAX_FREE_QUEUE_WALK = 2048  # trust_kv_blocks is counted up to this: that value means "at least"
@@ -152,6 +166,14 @@ class DemandScheduler(Scheduler):
         # the index in batches before it is read (one residency update per run of a kind)
         self._index_ops: list[tuple[bytes | None, int]] = []
         self._index, self._index_note = self._make_index()
+        # KV-event batches published so far: the stamp of a snapshot (see the module doc)
+        self._kv_published = 0
+        self._incarnation = f"{os.getpid()}-{secrets.token_hex(8)}"
+        self._snapshot_chunk = MAX_SNAPSHOT_BLOCKS  # block ids per KVSnapshot (tests: fewer)
+        self._snapshots: cachetools.LRUCache[str, tuple[int, list[int], list[int]]] = (
+            cachetools.LRUCache(SNAPSHOTS_KEPT)
+        )
+        self._count_published()
         self._server: _DemandServer | None = None
         endpoint = read_config(vllm_config).get("demand_endpoint")
         if endpoint:
@@ -160,6 +182,20 @@ class DemandScheduler(Scheduler):
             logger.info("mmreuse: demand answers on %s (index: %s)", endpoint, self._index_note)
 
     # ---- construction -------------------------------------------------------------------------
+
+    def _count_published(self) -> None:
+        """Count the KV-event batches handed to vLLM's publisher (it numbers them in this order:
+        the n-th call's batch is seq n-1). Called from update_from_output, under the lock."""
+        publisher = getattr(self, "kv_event_publisher", None)
+        if publisher is None:
+            return
+        publish = publisher.publish
+
+        def counted(batch: Any) -> None:
+            publish(batch)
+            self._kv_published += 1
+
+        publisher.publish = counted
 
     def _make_query_hasher(self, vllm_config: Any) -> Callable[[Any], list[Any]] | None:
         cache = vllm_config.cache_config
@@ -404,7 +440,7 @@ class DemandScheduler(Scheduler):
 
     def _handle(self, payload: bytes) -> bytes:
         """One query frame -> one answer frame. Never raises."""
-        query: DemandQuery | StatsQuery | RecordsQuery | None = None
+        query: DemandQuery | StatsQuery | RecordsQuery | SnapshotQuery | None = None
         try:
             # refused before it is decoded: decoding costs the answer thread per byte
             if isinstance(payload, bytes | bytearray) and len(payload) > self._max_query_bytes:
@@ -419,6 +455,8 @@ class DemandScheduler(Scheduler):
             if isinstance(query, RecordsQuery):
                 with self._demand_lock:
                     return encode(self._records_since(query))
+            if isinstance(query, SnapshotQuery):
+                return encode(self._snapshot(query))
             # the Request and its block hashes (the work that grows with the query) are built
             # outside the lock: they depend on the query alone, and the engine waits on the lock
             assert isinstance(query, DemandQuery)
@@ -589,6 +627,73 @@ class DemandScheduler(Scheduler):
             encoder_cache_embeds=int(getattr(self.encoder_cache_manager, "cache_size", 0)),
         )
 
+    def _snapshot(self, query: SnapshotQuery) -> KVSnapshot | DemandError:
+        """Chunk `offset` of snapshot `id` (taken at offset 0, under the lock)."""
+        if query.offset == 0:
+            with self._demand_lock:
+                taken = self._take_snapshot()
+            if isinstance(taken, str):
+                return DemandError(query.id, f"snapshot: {taken}")
+            self._snapshots[query.id] = taken
+        held = self._snapshots.get(query.id)
+        if held is None:
+            return DemandError(query.id, "snapshot: no longer held (ask again from offset 0)")
+        stamp, ids, counts = held
+        if query.offset > len(ids):
+            return DemandError(query.id, f"snapshot: offset {query.offset} > total {len(ids)}")
+        end = query.offset + self._snapshot_chunk
+        return KVSnapshot(
+            id=query.id,
+            stamp=stamp,
+            incarnation=self._incarnation,
+            total=len(ids),
+            offset=query.offset,
+            blocks=int(self.kv_cache_manager.block_pool.num_gpu_blocks),
+            block_ids=ids[query.offset : end],
+            counts=counts[query.offset : end],
+        )
+
+    def _take_snapshot(self) -> tuple[int, list[int], list[int]] | str:
+        """(stamp, event ids, block counts) of the prefix cache as of the last KV-event batch
+        published, or why there is none. Holding the lock."""
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        from ..blockhash import to_event_id
+
+        index = self._sync_index()
+        if index is None:
+            return f"the residency index is {self._index_note}"
+        pool = self.kv_cache_manager.block_pool
+        if not getattr(pool, "enable_kv_cache_events", False):
+            return "P publishes no KV events (--kv-events-config enable_kv_cache_events)"
+        connector = getattr(self, "connector", None)
+        if connector is not None and type(connector).take_events is not _base_take_events():
+            return (
+                f"P's KV connector {type(connector).__name__} publishes events of its own "
+                "(other media), which a snapshot of the prefix cache does not hold"
+            )
+        counts: dict[int, int] = {}
+        for key in index.maps()[1]:
+            if key is not None:
+                counts[key] = counts.get(key, 0) + 1
+        # undo what the next batch will tell: the copy is P as of the last batch published
+        for event in reversed(pool.kv_event_queue):
+            if isinstance(event, AllBlocksCleared):
+                return "a prefix-cache reset is being published; ask again"
+            step = -1 if isinstance(event, BlockStored) else 1
+            if not isinstance(event, BlockStored | BlockRemoved):
+                return f"an unexpected pending event {type(event).__name__}"
+            for h in event.block_hashes:
+                ident = to_event_id(h)
+                n = counts.get(ident, 0) + step
+                if n < 0:
+                    return "the pending events do not match the index (a bug); ask again"
+                if n:
+                    counts[ident] = n
+                else:
+                    counts.pop(ident, None)
+        return self._kv_published, list(counts), list(counts.values())
+
     def _records_since(self, query: RecordsQuery) -> AdmissionRecords:
         held = self._records
         first = held[0].seq if held else self._next_record
@@ -623,6 +728,12 @@ class DemandScheduler(Scheduler):
             if hash_in[block.block_id] != want:
                 bad += 1
         return bad
+
+
+def _base_take_events() -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return KVConnectorBase_V1.take_events
 
 
 def _locked(name: str) -> Callable[..., Any]:

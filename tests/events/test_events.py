@@ -606,3 +606,38 @@ def test_bind_mode_refuses_an_endpoint_it_cannot_bind():
         KVEventSubscriber("ipc:///nonexistent-dir/mmreuse/kv.sock", bind=True).start()
     with pytest.raises(InvalidArgumentType, match="bind"):
         KVEventSubscriber("tcp://127.0.0.1:5557", bind="yes")
+
+
+# ---- RemoteKVIndex.load: a snapshot in place of the history -------------------------------------
+
+
+def test_load_replaces_the_view_with_a_snapshot_and_events_apply_on_top():
+    idx = RemoteKVIndex("p0")
+    idx.apply(batch(stored([1, 2]), stored([3], medium="CPU")))
+    idx.load([2, 5, 7], [1, 2, 1])
+    assert idx.counts() == {2: 1, 5: 2, 7: 1} and idx.media() == ("GPU",)  # CPU gone too
+    idx.apply(batch(BlockRemoved(block_hashes=[5], medium="GPU")))
+    assert idx.contains(5) and idx.counts()[5] == 1  # a second block still holds it
+    idx.apply(batch(BlockRemoved(block_hashes=[5, 7], medium="GPU")))
+    assert idx.counts() == {2: 1}
+    idx.load([], [])
+    assert idx.size() == 0
+
+
+@pytest.mark.parametrize(
+    "ids, counts, why",
+    [
+        ([1, 2], [1], "2 block_ids but 1 counts"),
+        ([1, 1], [1, 1], "repeat an id"),
+        ([1], [0], "counts[0] must be an int >= 1"),
+        ([1], [True], "counts[0] must be an int >= 1"),
+        ([-1], [1], "block_ids[0]"),
+        ([2**64], [1], "block_ids[0]"),
+    ],
+)
+def test_load_refuses_a_malformed_snapshot_whole(ids, counts, why):
+    idx = RemoteKVIndex("p0")
+    idx.apply(batch(stored([9])))
+    with pytest.raises(InvalidArgument, match=why.replace("[", r"\[").replace("]", r"\]")):
+        idx.load(ids, counts)
+    assert idx.counts() == {9: 1}  # unchanged

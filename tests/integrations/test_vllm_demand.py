@@ -96,3 +96,22 @@ def test_a_hybrid_attention_p_turns_its_index_off(oracle_python):
     assert (
         got["2"] == [False, got["2"][1]] and "2 KV cache groups (hybrid attention)" in got["2"][1]
     )
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("seed", [0, 5])
+def test_a_snapshot_and_the_events_after_its_stamp_are_the_whole_stream(oracle_python, seed):
+    """DemandScheduler's KV snapshot, taken after update_from_output and between schedule and
+    update_from_output (the pool's events for the next batch undone), bootstraps a view that
+    equals the view of every batch vLLM published from 0, at every later step."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [str(oracle_python), str(REPO / "tools/oracle/snapshot_check.py"), str(seed), "120"],
+        capture_output=True, text=True, check=True, timeout=600, env=env,
+    )  # fmt: skip
+    c = json.loads(out.stdout.strip().splitlines()[-1])
+    assert c["mismatch"] == 0 and c["stamp_mismatch"] == 0, c
+    # the stream exercises it: many snapshots, some with events pending, over several chunks
+    assert c["snapshots"] >= 50 and c["pending_at_snapshot"] >= 2 and c["chunked"] >= 20, c
+    assert c["batches"] >= 20 and c["max_blocks"] >= 20, c
+    assert "publishes no KV events" in c["no_events_error"], c

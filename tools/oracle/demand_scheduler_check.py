@@ -68,7 +68,9 @@ def tiny_model_dir() -> str:
     return str(d)
 
 
-def make_scheduler(cls, model: str, num_blocks: int, cache_size: int, async_: bool = False):
+def make_scheduler(
+    cls, model: str, num_blocks: int, cache_size: int, async_: bool = False, kv_events=None
+):
     model_config = ModelConfig(
         model=model, dtype="float16", seed=42, skip_tokenizer_init=True, max_model_len=2048
     )
@@ -81,6 +83,7 @@ def make_scheduler(cls, model: str, num_blocks: int, cache_size: int, async_: bo
                         enable_prefix_caching=True)  # fmt: skip
     vllm_config = VllmConfig(scheduler_config=sched, model_config=model_config, cache_config=cache,
                              additional_config={"mmreuse": {"admission_records": True}},
+                             kv_events_config=kv_events,
                              device_config=DeviceConfig(device="cpu"))  # fmt: skip
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
