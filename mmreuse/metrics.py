@@ -57,6 +57,13 @@ class Metrics:
             ["instance"],
             registry=r,
         )
+        self.snapshots = Counter(
+            "mmreuse_kv_event_snapshots_total",
+            "Snapshots of P's prefix cache asked for an incomplete view, by outcome: ok, or why "
+            "not (error: P refused, timeout, malformed, bound, stamp, replay)",
+            ["instance", "outcome"],
+            registry=r,
+        )
         self.restarts = Counter(
             "mmreuse_kv_event_publisher_restarts_total",
             "Publisher restarts detected (sequence going back, or not "

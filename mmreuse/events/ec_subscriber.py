@@ -65,6 +65,8 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
             fail_type("availability", "an EmbeddingAvailability", availability)
         self.availability = availability
         self.instance = check_str("instance", instance, nonempty=True)
+        if kwargs.get("snapshot_endpoint") is not None:
+            fail_type("snapshot_endpoint", "None: P serves no encoder-cache snapshot", kwargs)
         if "index" in kwargs or "max_media" in kwargs:
             fail_type("index", "nothing: this subscriber feeds an EmbeddingAvailability", kwargs)
         # The base class labels its metrics by its index's instance; this index stays empty.

@@ -31,6 +31,16 @@ subscriber that joined after the publisher's first batch left its replay buffer 
 incomplete: what was stored before is never published again, so the view may miss blocks P
 holds (never the reverse), and a caller should treat a miss from it as unknown.
 
+With a `snapshot_endpoint` (P's demand endpoint, where `DemandScheduler` serves its KV
+snapshot), an incomplete view bootstraps itself: it fetches the snapshot (`events.snapshot`),
+puts it in place of the view, and applies the batches from the snapshot's stamp on (replayed
+when it had applied past the stamp, skipped when the snapshot is ahead of the stream); it is
+then complete. A snapshot refused, malformed, past its deadline or its bounds, stamped past
+where the stream is (`max_stamp_ahead`) or never reached by the stream within
+`snapshot_deadline_s`, or whose stamp the replay cannot reach, leaves the view incomplete (reset
+if it had been loaded), counted in `mmreuse_kv_event_snapshots_total{outcome}`, and is asked
+again after `snapshot_retry_s`.
+
 Should the loop itself die (its socket failing), the view is reset too, `error` holds the cause,
 `is_alive` is False, `mmreuse_kv_event_subscriber_up` drops to 0, and `check()`,
 `longest_prefix()` and `match_prefix()` on the subscriber raise `SubscriberDied`.
@@ -62,6 +72,7 @@ from ..validate import (
     show,
 )
 from .index import RemoteKVIndex
+from .snapshot import SnapshotRefused, fetch_snapshot
 from .wire import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -137,6 +148,11 @@ class KVEventSubscriber:
         bind: bool = False,
         context: zmq.Context | None = None,
         on_batch: Callable[[KVEventBatch], None] | None = None,
+        snapshot_endpoint: str | None = None,
+        snapshot_deadline_s: float = 30.0,
+        snapshot_retry_s: float = 5.0,
+        max_snapshot_blocks: int = 1 << 24,
+        max_stamp_ahead: int = 10_000,
     ) -> None:
         self.endpoint = _check_endpoint("endpoint", endpoint)
         self.bind = check_bool("bind", bind)
@@ -170,6 +186,19 @@ class KVEventSubscriber:
         self.max_replay_batches = check_int("max_replay_batches", max_replay_batches, 1)
         self.max_replay_bytes = check_int("max_replay_bytes", max_replay_bytes, 1)
         self.max_message_bytes = check_int("max_message_bytes", max_message_bytes, 1, 2**62)
+        self.snapshot_endpoint = (
+            None
+            if snapshot_endpoint is None
+            else _check_endpoint("snapshot_endpoint", snapshot_endpoint)
+        )
+        self.snapshot_deadline_s = check_float(
+            "snapshot_deadline_s", snapshot_deadline_s, 0, lo_open=True
+        )
+        self.snapshot_retry_s = check_float("snapshot_retry_s", snapshot_retry_s, 0)
+        self.max_snapshot_blocks = check_int("max_snapshot_blocks", max_snapshot_blocks, 0)
+        self.max_stamp_ahead = check_int("max_stamp_ahead", max_stamp_ahead, 0)
+        self._next_snapshot = 0.0  # monotonic time of the next snapshot attempt
+        self._stamp_due: tuple[int, float] | None = None  # (seq the stream must reach, by when)
         self._ctx = context or zmq.Context.instance()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -321,6 +350,8 @@ class KVEventSubscriber:
         try:
             while not stop.is_set():
                 ready = dict(poller.poll(timeout_ms))
+                if self.snapshot_endpoint is not None:
+                    self._snapshot_duties()
                 if not ready:
                     continue
                 if monitor in ready:
@@ -467,6 +498,100 @@ class KVEventSubscriber:
         self.metrics.complete.labels(self._label).set(0)
         self._reset_view()
         self._update_gauges()
+
+    # ---- snapshots ----------------------------------------------------------------------------
+
+    def _snapshot_duties(self) -> None:
+        """Between messages: check a loaded snapshot's stamp is reached; bootstrap an
+        incomplete view when it is time."""
+        now = time.monotonic()
+        due = self._stamp_due
+        if due is not None:
+            if self.live_seq is not None and self.live_seq >= due[0]:
+                self._stamp_due = None
+            elif now >= due[1]:
+                self._stamp_due = None
+                self.applied_seq = self.live_seq  # not the stamp's: the stream never got there
+                self._snapshot_failed(
+                    SnapshotRefused(
+                        "stamp", f"the stream never reached the snapshot's stamp {due[0] + 1}"
+                    ),
+                    reset=True,
+                )
+        if not self.complete and now >= self._next_snapshot:
+            self._bootstrap()
+
+    def _bootstrap(self) -> None:
+        """Fetch P's snapshot, put it in place of the view, apply the batches from its stamp."""
+        assert self.snapshot_endpoint is not None
+        try:
+            snap = fetch_snapshot(
+                self.snapshot_endpoint,
+                context=self._ctx,
+                deadline_s=self.snapshot_deadline_s,
+                quiet_s=self.replay_timeout_s * 2.5,
+                max_blocks=self.max_snapshot_blocks,
+                cancelled=self._stop.is_set,
+            )
+        except SnapshotRefused as e:
+            self._snapshot_failed(e, reset=False)
+            return
+        stamp, applied = snap.stamp, self.applied_seq
+        at = -1 if self.live_seq is None else self.live_seq
+        if stamp > at + 1 + self.max_stamp_ahead:
+            self._snapshot_failed(
+                SnapshotRefused(
+                    "stamp", f"snapshot stamped {stamp}, the stream is at {at} (max_stamp_ahead)"
+                ),
+                reset=False,
+            )
+            return
+        try:
+            self.index.load(snap.block_ids, snap.counts)
+        except ValueError as e:
+            self._snapshot_failed(SnapshotRefused("malformed", f"snapshot: {e}"), reset=False)
+            return
+        self.applied_seq = stamp - 1 if stamp > 0 else None
+        if applied is not None and applied >= stamp:  # the view had gone past the stamp
+            resynced = [False]
+            try:
+                if self.replay_endpoint is None:
+                    raise _ReplayAborted("unavailable", "no replay endpoint")
+                self._replay(stamp, applied + 1, resynced)
+            except _ReplayAborted as e:
+                self.applied_seq = applied
+                self._snapshot_failed(
+                    SnapshotRefused("replay", f"batches {stamp}..{applied} after the stamp: {e}"),
+                    reset=True,
+                )
+                return
+            if resynced[0]:
+                self.applied_seq = applied
+                self._snapshot_failed(
+                    SnapshotRefused("replay", f"the replay buffer no longer holds batch {stamp}"),
+                    reset=True,
+                )
+                return
+        elif stamp - 1 > at:  # ahead of the stream: the batches up to the stamp are skipped
+            self._stamp_due = (stamp - 1, time.monotonic() + self.snapshot_deadline_s)
+        self.complete = True
+        m = self.metrics
+        m.complete.labels(self._label).set(1)
+        m.snapshots.labels(self._label, "ok").inc()
+        self._update_gauges()
+        logger.info(
+            "KV events %s: view bootstrapped from P's snapshot (%d blocks, stamp %d)",
+            self._label,
+            len(snap.block_ids),
+            stamp,
+        )
+
+    def _snapshot_failed(self, e: SnapshotRefused, *, reset: bool) -> None:
+        self.metrics.snapshots.labels(self._label, e.reason).inc()
+        logger.warning("KV events %s: no snapshot (%s): %s", self._label, e.reason, e)
+        if reset:
+            self._resync()
+        self._next_snapshot = time.monotonic() + self.snapshot_retry_s
 
     # ---- gaps ---------------------------------------------------------------------------------
 

@@ -89,6 +89,7 @@ class InstanceView:
             index=self.index,
             metrics=self._metrics.views,
             on_batch=self._on_batch,
+            snapshot_endpoint=inst.demand,  # DemandScheduler's snapshot, where P runs it
         ).start()
 
     def stop(self) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from mmreuse.demand_query import SnapshotQuery
 from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
 from tests.support.index_proxy import (
@@ -488,8 +489,35 @@ async def test_an_incomplete_view_asks_p_where_it_has_a_demand_endpoint():
         await s.hold(0, [sha(C)], 3)
         s.ps[0].reply = planned(64)  # P's truth: its prefix cache covers A
         assert (await s.post(PAIR)).status == 200
-        assert len(s.ps[0].queries) == 1 and e_sent(s) == [sha(B)]
+        asked = [q for q in s.ps[0].queries if not isinstance(q, SnapshotQuery)]
+        assert len(asked) == 1 and e_sent(s) == [sha(B)]
         assert pd_content(s)[1]["uuid"] == sha(A)  # raw with its uuid: P finds it in its KV
         xargs = s.pd[0].chats()[-1].body["vllm_xargs"]
-        assert xargs["mmreuse_demand_id"] == s.ps[0].queries[0].id
+        assert xargs["mmreuse_demand_id"] == asked[0].id
         assert s.sample("mmreuse_proxy_blind_decisions_total", instance="PD0") == 0
+        assert s.sample("mmreuse_kv_event_snapshots_total", instance="PD0", outcome="error") >= 1
+
+
+async def test_a_late_view_bootstraps_from_ps_snapshot_and_plans_on_what_p_held():
+    from mmreuse.blockhash import to_event_id
+    from mmreuse.demand_query import KVSnapshot
+
+    early = LATE["before"][0][0]
+    ids = [to_event_id(h) for h in early.block_hashes]
+
+    async with index_proxy(**LATE, demand=True) as s:
+
+        def snapshot(q):  # P as of its last batch (the later ones are empty): A and B's blocks
+            stamp = s.pubs[0].buffer[-1][0] + 1
+            return KVSnapshot(q.id, stamp, "inc", len(ids), 0, 1000, ids, [1] * len(ids))
+
+        s.ps[0].snapshot = snapshot
+        view = s.proxy.views[0]
+        await _joined(s)
+        await s.publish(0, [], lambda: view.complete)
+        assert view.usable
+        assert (await s.post(PAIR)).status == 200
+        assert e_sent(s) == [sha(B)]  # A is covered: what P cached before the proxy started
+        assert [type(q).__name__ for q in s.ps[0].queries] == ["SnapshotQuery"]  # no asking
+        assert s.sample("mmreuse_proxy_blind_decisions_total", instance="PD0") == 0
+        assert s.sample("mmreuse_kv_event_snapshots_total", instance="PD0", outcome="ok") == 1

@@ -15,8 +15,10 @@ import zmq.asyncio
 from mmreuse.demand import Availability
 from mmreuse.demand_query import (
     DemandAnswer,
+    DemandError,
     DemandQuery,
     DemandStats,
+    SnapshotQuery,
     StatsQuery,
     decode_query,
     encode,
@@ -50,7 +52,8 @@ def planned(c: int) -> Callable[[DemandQuery], DemandAnswer]:
 class FakeP:
     """A DemandScheduler's ROUTER: each query is recorded, then answered with `reply(query)`
     (an answer, raw bytes, a list of raw frames to send first, or None: no answer) once `gate`
-    is set."""
+    is set. A `SnapshotQuery` gets `snapshot(query)` when set, else a DemandError (a P that
+    serves none)."""
 
     def __init__(self, ctx: zmq.asyncio.Context) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
@@ -59,6 +62,7 @@ class FakeP:
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.queries: list[Any] = []
         self.reply: Callable[[Any], Any] = planned(0)
+        self.snapshot: Callable[[SnapshotQuery], Any] | None = None
         self.gate = asyncio.Event()
         self.gate.set()
         self._tasks: set[asyncio.Task] = set()
@@ -77,6 +81,12 @@ class FakeP:
         await self.gate.wait()
         if isinstance(query, StatsQuery):
             out: Any = DemandStats(id=query.id, answers=len(self.queries))
+        elif isinstance(query, SnapshotQuery):
+            out = (
+                DemandError(query.id, "no snapshot")
+                if self.snapshot is None
+                else self.snapshot(query)
+            )
         else:
             out = self.reply(query)
         if out is None:

@@ -1,0 +1,294 @@
+"""An incomplete view bootstrapped from P's KV snapshot (`mmreuse.events.snapshot`, the
+subscriber's `snapshot_endpoint`): a P here is a TestPublisher whose every batch is also applied
+to a true view, and a ROUTER answering `SnapshotQuery` from that truth (as `DemandScheduler`
+does, checked against vLLM in tests/integrations/test_vllm_demand.py), or as scripted by a
+hostile test. The view joins late, past its replay buffer."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from mmreuse.demand_query import DemandError, KVSnapshot, SnapshotQuery, decode_query, encode
+from mmreuse.events import BlockRemoved, KVEventSubscriber, RemoteKVIndex
+from mmreuse.events.snapshot import SnapshotRefused, fetch_snapshot
+from mmreuse.metrics import Metrics
+from tests.support.kv_publisher import TestPublisher, batch, stored
+
+WAIT_S = 10.0
+
+
+def wait_for(pred, timeout=WAIT_S) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+class SnapshotP:
+    """A P's publisher and its demand endpoint's snapshot answers. `script(query, truthful)`,
+    when set, answers instead (a list of answers or raw frames; [] answers nothing)."""
+
+    def __init__(self, ctx: zmq.Context, buffer_steps: int = 2) -> None:
+        self.pub = TestPublisher(ctx, buffer_steps=buffer_steps)
+        self.truth = RemoteKVIndex("truth")
+        self.published = 0
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.script: Callable[[SnapshotQuery, KVSnapshot], list[Any]] | None = None
+        self.chunk = 3
+        self.asked = 0
+        self.lock = threading.Lock()
+        self.running = True
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def publish(self, *events: Any, drop: bool = False) -> int:
+        with self.lock:
+            b = batch(*events)
+            self.truth.apply(b)
+            self.published += 1
+            return self.pub.publish(b, drop=drop)
+
+    def truthful(self, query: SnapshotQuery) -> KVSnapshot:
+        with self.lock:
+            held = sorted(self.truth.counts().items())
+            stamp = self.published
+        part = held[query.offset : query.offset + self.chunk]
+        return KVSnapshot(query.id, stamp, "inc-1", len(held), query.offset, 1000,
+                          [i for i, _ in part], [n for _, n in part])  # fmt: skip
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while self.running:
+            if not dict(poller.poll(50)):
+                continue
+            ident, payload = self.sock.recv_multipart()
+            query = decode_query(payload)
+            assert isinstance(query, SnapshotQuery)
+            self.asked += 1
+            answers = (
+                [self.truthful(query)]
+                if self.script is None
+                else self.script(query, self.truthful(query))
+            )
+            for a in answers:
+                self.sock.send_multipart([ident, a if isinstance(a, bytes) else encode(a)])
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join()
+        self.sock.close(0)
+        self.pub.close()
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+def p(ctx):
+    made = SnapshotP(ctx)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def metrics():
+    return Metrics(CollectorRegistry())
+
+
+def subscribe(ctx, p, metrics, **kw) -> tuple[RemoteKVIndex, KVEventSubscriber]:
+    idx = RemoteKVIndex("p0")
+    kw = {"snapshot_endpoint": p.endpoint, "snapshot_retry_s": 0.2, "snapshot_deadline_s": 2.0,
+          **kw}  # fmt: skip
+    sub = KVEventSubscriber(p.pub.endpoint, p.pub.replay_endpoint, index=idx, metrics=metrics,
+                            context=ctx, **kw)  # fmt: skip
+    return idx, sub.start()
+
+
+def outcome(metrics, name) -> float:
+    return metrics.snapshots.labels("p0", name)._value.get()
+
+
+def served_before(p, n=8) -> None:
+    """P cached blocks 0..n-1 (and dropped block 0 again) before anyone subscribed."""
+    for i in range(n):
+        p.publish(stored([i]))
+    p.publish(BlockRemoved(block_hashes=[0], medium="GPU"))
+
+
+# ---- the bootstrap ------------------------------------------------------------------------------
+
+
+def test_a_late_join_bootstraps_from_the_snapshot_and_follows_the_events(ctx, p, metrics):
+    served_before(p)
+    idx, sub = subscribe(ctx, p, metrics)
+    try:
+        assert wait_for(lambda: sub.complete)
+        assert idx.counts() == p.truth.counts() and idx.contains(7) and not idx.contains(0)
+        assert outcome(metrics, "ok") == 1
+        p.publish(BlockRemoved(block_hashes=[3], medium="GPU"), stored([20]))
+        assert wait_for(lambda: idx.contains(20))
+        assert idx.counts() == p.truth.counts() and sub.complete
+    finally:
+        sub.stop()
+
+
+def test_without_a_snapshot_endpoint_the_late_view_stays_incomplete(ctx, p, metrics):
+    served_before(p)
+    idx, sub = subscribe(ctx, p, metrics, snapshot_endpoint=None)
+    try:
+        time.sleep(0.2)
+        p.publish(stored([20]))
+        assert wait_for(lambda: idx.contains(20))
+        assert not sub.complete and not idx.contains(7)  # what P held before: unknown
+        assert p.asked == 0
+    finally:
+        sub.stop()
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_a_snapshot_stamped_before_batches_the_view_applied_replays_them(ctx, metrics, lag):
+    # The view lost a gap it could not replay (max_replay_batches=1) and applied on; the
+    # snapshot it then gets is stamped `lag` batches before the last it applied: those are
+    # replayed on top of it, from the replay buffer.
+    p = SnapshotP(ctx, buffer_steps=100)
+    armed = threading.Event()
+
+    def stale(q, truth):
+        if not armed.is_set():
+            return [DemandError(q.id, "not yet")]
+        held = {i: 1 for i in range(6 - lag)}  # P as of batch 6 - lag: blocks 0..5-lag
+        return [KVSnapshot(q.id, 6 - lag, "inc-1", len(held), 0, 1000, list(held),
+                           list(held.values()))]  # fmt: skip
+
+    p.script = stale
+    idx, sub = subscribe(ctx, p, metrics, max_replay_batches=1)
+    try:
+        time.sleep(0.2)
+        for i in range(6):
+            p.publish(stored([i]), drop=i in (3, 4))  # a gap of 2: not replayed
+        assert wait_for(lambda: sub.applied_seq == 5) and not sub.complete
+        assert not idx.contains(1)  # reset by the gap
+        armed.set()
+        assert wait_for(lambda: sub.complete)
+        assert idx.counts() == p.truth.counts() == {i: 1 for i in range(6)}
+        assert outcome(metrics, "ok") == 1
+    finally:
+        sub.stop()
+        p.close()
+
+
+def test_a_snapshot_ahead_of_the_stream_skips_the_batches_it_holds(ctx, p, metrics):
+    served_before(p)
+    ahead = p.truthful(SnapshotQuery("x", 0))
+    p.publish(stored([30]), drop=True)  # published, not yet delivered: in the snapshot
+    p.publish(stored([31]), drop=True)
+    idx, sub = subscribe(ctx, p, metrics)
+    try:
+        assert wait_for(lambda: sub.complete) and idx.contains(30) and idx.contains(31)
+        p.publish(stored([32]))  # the next live batch applies; the two before are not re-applied
+        assert wait_for(lambda: idx.contains(32))
+        assert idx.counts() == p.truth.counts() and ahead.stamp < sub.applied_seq
+    finally:
+        sub.stop()
+
+
+# ---- hostile or broken snapshots: refused by name, the view incomplete rather than wrong --------
+
+
+def _chunks(mutate):
+    """A script answering truthfully, then `mutate(query, answer)` (None: no answer)."""
+
+    def script(q, truth):
+        out = mutate(q, truth)
+        return [] if out is None else [out]
+
+    return script
+
+
+def _replace(s: KVSnapshot, **kw) -> KVSnapshot:
+    fields = {f: getattr(s, f) for f in KVSnapshot.__struct_fields__}
+    fields.update(kw)
+    return KVSnapshot(**fields)
+
+
+BAD = [
+    ("truncated", lambda q, t: t if q.offset == 0 else None, "timeout"),
+    ("too large", lambda q, t: _replace(t, total=10**6, blocks=10**7), "bound"),
+    ("out of order", lambda q, t: _replace(t, offset=q.offset + 1) if q.offset else t, "malformed"),
+    ("another incarnation", lambda q, t: _replace(t, incarnation="inc-2") if q.offset else t,
+     "malformed"),
+    ("stamped past the stream", lambda q, t: _replace(t, stamp=t.stamp + 50_000), "stamp"),
+    ("refused by P", lambda q, t: DemandError(q.id, "P publishes no KV events"), "error"),
+    ("not an answer", lambda q, t: b"\x00garbage", "malformed"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, mutate, reason", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_snapshot_is_refused_and_the_view_stays_incomplete(
+    ctx, p, metrics, name, mutate, reason
+):
+    served_before(p)
+    p.script = _chunks(mutate)
+    idx, sub = subscribe(ctx, p, metrics, max_snapshot_blocks=1000)
+    try:
+        assert wait_for(lambda: outcome(metrics, reason) >= 1), name
+        p.publish(stored([20]))
+        assert wait_for(lambda: idx.contains(20))
+        assert not sub.complete and not idx.contains(7), name  # never a view from a bad one
+        assert outcome(metrics, "ok") == 0
+        p.script = None  # P answers truthfully again: the next attempt completes the view
+        assert wait_for(lambda: sub.complete), name
+        assert idx.counts() == p.truth.counts()
+    finally:
+        sub.stop()
+
+
+def test_a_stamp_the_stream_never_reaches_resets_the_view(ctx, p, metrics):
+    served_before(p)
+    p.script = lambda q, t: [_replace(t, stamp=t.stamp + 3)]  # within max_stamp_ahead
+    idx, sub = subscribe(ctx, p, metrics)
+    try:
+        # loaded (within max_stamp_ahead), then reset once snapshot_deadline_s passed
+        assert wait_for(lambda: outcome(metrics, "stamp") >= 1)
+        assert outcome(metrics, "ok") >= 1
+        p.script = None
+        assert wait_for(lambda: outcome(metrics, "ok") >= 2 and sub.complete)
+        assert wait_for(lambda: idx.counts() == p.truth.counts())
+    finally:
+        sub.stop()
+
+
+def test_stop_ends_a_fetch_in_progress(ctx, p, metrics):
+    p.script = lambda q, t: []  # P never answers
+    _, sub = subscribe(ctx, p, metrics, snapshot_deadline_s=60.0)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    sub.stop()
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_fetch_snapshot_validates_its_arguments():
+    from mmreuse.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="deadline_s"):
+        fetch_snapshot("tcp://127.0.0.1:1", deadline_s=0)
+    with pytest.raises(SnapshotRefused) as e:
+        fetch_snapshot("tcp://127.0.0.1:1", deadline_s=0.2, quiet_s=0.1)
+    assert e.value.reason == "timeout"
