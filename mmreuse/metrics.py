@@ -53,8 +53,9 @@ class Metrics:
             "mmreuse_kv_event_view_complete",
             "1 when the view holds everything the publisher has said since it started (seq 0 "
             "applied, or a clear since), 0 when it may miss what was published before it "
-            "subscribed or in a gap replay could not fill (decisions from it are blind)",
-            ["instance"],
+            "subscribed or in a gap replay could not fill (decisions from it are blind); "
+            "events: kv or encoder_cache",
+            ["instance", "events"],
             registry=r,
         )
         self.snapshots = Counter(

@@ -118,6 +118,7 @@ class Cluster:
         encoder_extra_args: tuple[str, ...] = (),
         ec_events: tuple[bool, ...] = (),
         demand: tuple[bool, ...] = (),
+        kv_events_buffer_steps: tuple[int | None, ...] = (),
     ) -> None:
         self.encoders = check_int("encoders", encoders, 0, MAX_ENCODERS)
         self.prefills = check_int("prefills", prefills, 1, MAX_PREFILLS)
@@ -145,6 +146,12 @@ class Cluster:
                 "(whether it runs DemandScheduler)"
             )
         self.demand = demand or (True,) * self.prefills
+        if kv_events_buffer_steps and len(kv_events_buffer_steps) != self.prefills:
+            raise InvalidArgument(
+                f"kv_events_buffer_steps has {len(kv_events_buffer_steps)} entries for "
+                f"{self.prefills} prefills: one per P (None: vLLM's default)"
+            )
+        self.kv_events_buffer_steps = kv_events_buffer_steps or (None,) * self.prefills
         self.instances: dict[str, Instance] = {}
         self.startup_seconds: dict[str, float] = {}
 
@@ -180,6 +187,7 @@ class Cluster:
                     ec_events_port=ec_port if self.ec_events[i] else None,
                     ec_replay_port=ec_replay if self.ec_events[i] else None,
                     demand_port=demand_port if self.demand[i] else None,
+                    kv_events_buffer_steps=self.kv_events_buffer_steps[i],
                     extra_args=self.extra_args
                     + (self.prefill_extra_args[i] if self.prefill_extra_args else ()),
                 )

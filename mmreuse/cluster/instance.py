@@ -86,6 +86,8 @@ class InstanceSpec:
     ec_replay_port: int | None = None
     # mmreuse's DemandScheduler in P: where it answers demand queries.
     demand_port: int | None = None
+    # vLLM's KV-event replay buffer, in batches (None: vLLM's default, 10,000)
+    kv_events_buffer_steps: int | None = None
 
     def __post_init__(self) -> None:
         check_str("name", self.name)
@@ -100,6 +102,12 @@ class InstanceSpec:
                 check_int(fld, value, 1, 65535)
             elif value is not None:
                 fail_value(fld, "None for an encoder (it publishes no KV events)", value)
+        if self.kv_events_buffer_steps is not None:
+            if self.role != "prefill":
+                fail_value(
+                    "kv_events_buffer_steps", "None for an encoder", self.kv_events_buffer_steps
+                )
+            check_int("kv_events_buffer_steps", self.kv_events_buffer_steps, 1)
         for fld in ("ec_events_port", "ec_replay_port", "demand_port"):
             value = getattr(self, fld)
             if value is not None:
@@ -219,6 +227,8 @@ def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path)
             "replay_endpoint": spec.replay_endpoint,
             "topic": "kv",
         }
+        if spec.kv_events_buffer_steps is not None:
+            events["buffer_steps"] = spec.kv_events_buffer_steps
         argv += [
             "--enable-prefix-caching",
             "--kv-events-config", json.dumps(events),

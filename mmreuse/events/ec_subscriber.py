@@ -49,6 +49,8 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
     """SUB on a P's encoder-cache events, DEALER to its replay socket, into `availability`
     (P-local entries of `instance`, with their freeable flag)."""
 
+    EVENTS = "encoder_cache"
+
     def __init__(
         self,
         endpoint: str,

@@ -111,6 +111,7 @@ class _ReplayAborted(Exception):
 
 
 class KVEventSubscriber:
+    EVENTS = "kv"  # the `events` label of the view's completeness gauge
     """A background thread: SUB on `endpoint`, DEALER to `replay_endpoint`, into `index`.
 
     Bounds (each a constructor argument): `replay_timeout_s` is the longest silence within a
@@ -343,8 +344,10 @@ class KVEventSubscriber:
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         m.subscriber_up.labels(self._label).set(1)
-        m.complete.labels(self._label).set(int(self.complete))
+        m.complete.labels(self._label, self.EVENTS).set(int(self.complete))
         self._started.set()
+        if self.replay_endpoint is not None:
+            self._initial_replay()
         timeout_ms = _ms(self.poll_interval_s)
         stop = self._stop
         try:
@@ -449,7 +452,7 @@ class KVEventSubscriber:
         self.applied_seq = seq
         if (seq == 0 or self._clears(batch)) and not self.complete:
             self.complete = True
-            m.complete.labels(self._label).set(1)
+            m.complete.labels(self._label, self.EVENTS).set(1)
         m.batches.labels(self._label).inc()
         counts: dict[str, int] = {}
         for e in batch.events:
@@ -495,9 +498,25 @@ class KVEventSubscriber:
         if count:
             self.metrics.resyncs.labels(self._label).inc()
         self.complete = False
-        self.metrics.complete.labels(self._label).set(0)
+        self.metrics.complete.labels(self._label, self.EVENTS).set(0)
         self._reset_view()
         self._update_gauges()
+
+    def _initial_replay(self) -> None:
+        """At start, whatever the replay buffer holds, from seq 0: a view that joins while P is
+        idle learns at once whether it is complete (the buffer starts at 0, or is empty: P has
+        published nothing) instead of at P's next batch."""
+        resynced = [False]
+        try:
+            self._replay(0, None, resynced)
+        except _ReplayAborted as exc:
+            logger.warning("KV events %s: no initial replay (%s)", self._label, exc)
+            self._resync(count=False)
+            self.applied_seq = None
+            return
+        if self.applied_seq is None:  # an empty buffer: P has published nothing yet
+            self.complete = True
+            self.metrics.complete.labels(self._label, self.EVENTS).set(1)
 
     # ---- snapshots ----------------------------------------------------------------------------
 
@@ -576,7 +595,7 @@ class KVEventSubscriber:
             self._stamp_due = (stamp - 1, time.monotonic() + self.snapshot_deadline_s)
         self.complete = True
         m = self.metrics
-        m.complete.labels(self._label).set(1)
+        m.complete.labels(self._label, self.EVENTS).set(1)
         m.snapshots.labels(self._label, "ok").inc()
         self._update_gauges()
         logger.info(
@@ -621,8 +640,9 @@ class KVEventSubscriber:
             self._resync(count=not resynced[0])
             self.applied_seq = upto - 1
 
-    def _replay(self, start: int, upto: int, resynced: list[bool]) -> None:
-        """Ask for seq >= start and apply the replies as they come, until `upto - 1` is applied.
+    def _replay(self, start: int, upto: int | None, resynced: list[bool]) -> None:
+        """Ask for seq >= start and apply the replies as they come, until `upto - 1` is applied
+        (`upto` None: until the publisher's end marker, whatever its buffer holds).
 
         A first reply after `start` is vLLM's buffer having moved on: the view resets, then the
         rest applies (`resynced[0]` set). Raises _ReplayAborted on anything else short of the
@@ -644,7 +664,7 @@ class KVEventSubscriber:
             deadline = now + self.replay_deadline_s
             quiet_until = now + self.replay_timeout_s
             expected, nbytes = start, 0
-            while expected < upto:
+            while upto is None or expected < upto:
                 if self._stop.is_set():
                     raise _ReplayAborted("stop", "stopped during the replay")
                 now = time.monotonic()
@@ -667,10 +687,12 @@ class KVEventSubscriber:
                 if len(seq_bytes) != 8:
                     m.malformed.labels(self._label).inc()
                     raise _ReplayAborted("malformed", f"malformed reply ({len(frames)} parts)")
+                if seq_bytes == END_SEQ and upto is None:
+                    return  # the buffer's end: everything it held is applied
                 if seq_bytes == END_SEQ:
                     raise _ReplayAborted("short", f"replay ended at {expected}, short of {upto}")
                 seq = int.from_bytes(seq_bytes, "big")
-                if not start <= seq <= upto:
+                if not start <= seq <= (seq if upto is None else upto):
                     raise _ReplayAborted(
                         "out_of_range", f"replayed seq {seq} outside [{start}, {upto}]"
                     )
@@ -680,7 +702,7 @@ class KVEventSubscriber:
                     self._resync()  # the buffer starts after `start`: what came before is lost
                     resynced[0] = True
                     self.applied_seq = seq - 1
-                    if seq == upto:
+                    if upto is not None and seq == upto:
                         return
                 nbytes += len(payload)
                 if nbytes > self.max_replay_bytes:

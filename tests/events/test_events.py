@@ -200,7 +200,8 @@ def test_dropped_batches_are_replayed(ctx, publisher, metrics):
         pub.publish(batch(stored([3])))
         assert wait_for(lambda: sub.applied_seq == 3)
         assert not idx.contains(0) and idx.contains(1) and idx.contains(3)
-        assert value(metrics.gaps, "p0") == 1 and value(metrics.replays, "p0") == 1
+        # the replay at start (from 0: the buffer then empty), and the gap's
+        assert value(metrics.gaps, "p0") == 1 and value(metrics.replays, "p0") == 2
         assert value(metrics.resyncs, "p0") == 0
     finally:
         sub.stop()
@@ -274,11 +275,29 @@ def test_a_subscriber_from_the_first_batch_is_complete(ctx, publisher, metrics):
         pub.publish(batch(stored([i])))
     _, sub = run(ctx, metrics, pub)
     try:
-        assert not sub.complete and value(metrics.complete, "p0") == 0
+        assert not sub.complete and value(metrics.complete, "p0", "kv") == 0
         time.sleep(0.2)
         pub.publish(batch(stored([5])))
         assert wait_for(lambda: sub.applied_seq == 5)
-        assert sub.complete and value(metrics.complete, "p0") == 1
+        assert sub.complete and value(metrics.complete, "p0", "kv") == 1
+    finally:
+        sub.stop()
+
+
+@pytest.mark.parametrize("published, complete", [(0, True), (3, True), (30, False)])
+def test_a_view_knows_at_once_whether_it_is_complete_while_p_is_idle(
+    ctx, publisher, metrics, published, complete
+):
+    # No live batch needed: at start the subscriber replays whatever the buffer holds from 0.
+    pub = publisher(buffer_steps=5)
+    for i in range(published):
+        pub.publish(batch(stored([i])))
+    idx, sub = run(ctx, metrics, pub)
+    try:
+        want = None if published == 0 else published - 1
+        assert wait_for(lambda: sub.applied_seq == want and (sub.complete or not complete))
+        assert sub.complete is complete
+        assert idx.size() == min(published, 5)
     finally:
         sub.stop()
 
@@ -297,10 +316,10 @@ def test_a_late_join_the_buffer_no_longer_covers_is_incomplete_until_a_clear(
         pub.publish(batch(stored([20])))
         assert wait_for(lambda: sub.applied_seq == 20)
         assert idx.contains(19) and idx.contains(20) and not idx.contains(0)
-        assert not sub.complete and value(metrics.complete, "p0") == 0
+        assert not sub.complete and value(metrics.complete, "p0", "kv") == 0
         pub.publish(batch(AllBlocksCleared(), stored([21])))
         assert wait_for(lambda: sub.applied_seq == 21)
-        assert sub.complete and value(metrics.complete, "p0") == 1
+        assert sub.complete and value(metrics.complete, "p0", "kv") == 1
         assert not idx.contains(20) and idx.contains(21)
     finally:
         sub.stop()
@@ -316,7 +335,7 @@ def test_a_gap_replay_cannot_fill_makes_the_view_incomplete(ctx, publisher, metr
         pub.publish(batch(stored([2])), drop=True)
         pub.publish(batch(stored([3])))
         assert wait_for(lambda: sub.applied_seq == 2)
-        assert not sub.complete and value(metrics.complete, "p0") == 0
+        assert not sub.complete and value(metrics.complete, "p0", "kv") == 0
     finally:
         sub.stop()
 

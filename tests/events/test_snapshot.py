@@ -126,10 +126,13 @@ def outcome(metrics, name) -> float:
 
 
 def served_before(p, n=8) -> None:
-    """P cached blocks 0..n-1 (and dropped block 0 again) before anyone subscribed."""
+    """P cached blocks 0..n-1 (and dropped block 0 again) before anyone subscribed, then served
+    two batches of nothing: its buffer (2) holds none of it."""
     for i in range(n):
         p.publish(stored([i]))
     p.publish(BlockRemoved(block_hashes=[0], medium="GPU"))
+    p.publish()
+    p.publish()
 
 
 # ---- the bootstrap ------------------------------------------------------------------------------

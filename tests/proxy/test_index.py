@@ -471,7 +471,7 @@ async def test_a_late_joined_view_is_incomplete_and_its_decisions_are_counted_bl
         assert (await s.post(PAIR)).status == 200
         assert e_sent(s) == [sha(A), sha(B)]  # blind: P holds A, the view cannot know
         assert s.sample("mmreuse_proxy_blind_decisions_total", instance="PD0") == 1
-        assert s.sample("mmreuse_kv_event_view_complete", instance="PD0") == 0
+        assert s.sample("mmreuse_kv_event_view_complete", instance="PD0", events="kv") == 0
         # P clears its prefix cache: from then on the view is exact.
         await s.publish(0, [AllBlocksCleared()], lambda: view.complete)
         await s.hold(0, [sha(A), sha(B)], 4)
