@@ -444,6 +444,13 @@ class BlockIndex:
         loops; any other value finds nothing)."""
         return self._block_of.get(key)
 
+    def counts(self) -> dict[EventBlockId, int]:
+        """Every event id held and how many blocks hold it (a new dict: a KV snapshot's)."""
+        counts = dict.fromkeys(self._block_of, 1)
+        for h, blocks in self._holders.items():
+            counts[h] = len(blocks)
+        return counts
+
     def maps(self) -> tuple[Mapping[EventBlockId, int], Sequence[EventBlockId | None]]:
         """The live event id -> block and block -> event id maps, read-only (not copies: for
         loops that read them per block, where `block_id` / `hash_of` calls cost ~5 %)."""

@@ -427,3 +427,14 @@ def test_maps_are_the_live_read_only_views():
     assert dict(block_of) == {5: 3, 7: 4} and list(hash_in) == [None] * 3 + [5, 7] + [None] * 3
     idx.evict_block(3)
     assert 5 not in block_of and hash_in[3] is None  # live, not a copy
+
+
+def test_block_index_counts_each_hash_by_the_blocks_holding_it():
+    idx = BlockIndex(8)
+    idx.store_many([10, 11, 10, 12], [0, 1, 2, 3])  # hash 10 in two blocks
+    assert idx.counts() == {10: 2, 11: 1, 12: 1}
+    idx.evict_blocks([0, 3])
+    assert idx.counts() == {10: 1, 11: 1}
+    counts = idx.counts()
+    counts[11] = 5  # a copy: the index is unchanged
+    assert idx.counts() == {10: 1, 11: 1}

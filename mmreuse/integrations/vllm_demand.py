@@ -672,10 +672,7 @@ class DemandScheduler(Scheduler):
                 f"P's KV connector {type(connector).__name__} publishes events of its own "
                 "(other media), which a snapshot of the prefix cache does not hold"
             )
-        counts: dict[int, int] = {}
-        for key in index.maps()[1]:
-            if key is not None:
-                counts[key] = counts.get(key, 0) + 1
+        counts = index.counts()  # event id -> the blocks holding it
         # undo what the next batch will tell: the copy is P as of the last batch published
         for event in reversed(pool.kv_event_queue):
             if isinstance(event, AllBlocksCleared):
