@@ -15,6 +15,8 @@ order, naming the query's `id`:
   GPU) as KV-event block ids with their block counts, as of its KV-event batch `stamp` (every
   batch before it applied, none from it on), in chunks of at most MAX_SNAPSHOT_BLOCKS from
   `offset`; one snapshot is taken per `id` (offset 0) and kept for its later chunks.
+- `ECSnapshotQuery {id, offset}` -> `ECSnapshot` or `DemandError`: the same for P's encoder
+  cache (`EventfulEncoderCacheManager`), stamped with its encoder-cache-event batch.
 
 A query's size is bounded (MAX_* below; `max_query_bytes(max_model_len)` for a whole frame,
 which P's ROUTER enforces), so that what any frame costs P is bounded by its max_model_len.
@@ -251,8 +253,40 @@ class KVSnapshot(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     ] = []
 
 
-Query = DemandQuery | StatsQuery | RecordsQuery | SnapshotQuery
-Answer = DemandAnswer | DemandError | DemandStats | AdmissionRecords | KVSnapshot
+# One ECSnapshot chunk's entries (identifiers up to MAX_IDENT_CHARS: ~4.5 MB at most).
+MAX_SNAPSHOT_ENTRIES = 4096
+
+
+class ECSnapshotQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """P's encoder cache as an encoder-cache-event view holds it: chunk `offset` of `id`."""
+
+    id: _Id
+    offset: _Count = 0
+
+
+class ECEntry(msgspec.Struct, array_like=True, gc=False):
+    """One encoder-cache entry: its identifier, its embeddings, whether it is freeable."""
+
+    identifier: _Ident
+    num_embeds: _Count
+    freeable: bool
+
+
+class ECSnapshot(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """One chunk of P's encoder cache as of encoder-cache-event batch `stamp` (every batch
+    before it, none from it on). Entries not freeable come first, then the freeable ones in
+    vLLM's eviction order (oldest first), as the view needs them."""
+
+    id: _Id
+    stamp: _Count
+    incarnation: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+    total: _Count
+    offset: _Count
+    entries: Annotated[list[ECEntry], msgspec.Meta(max_length=MAX_SNAPSHOT_ENTRIES)] = []
+
+
+Query = DemandQuery | StatsQuery | RecordsQuery | SnapshotQuery | ECSnapshotQuery
+Answer = DemandAnswer | DemandError | DemandStats | AdmissionRecords | KVSnapshot | ECSnapshot
 
 _query_decoder = msgspec.msgpack.Decoder(Query)
 _answer_decoder = msgspec.msgpack.Decoder(Answer)
@@ -404,6 +438,11 @@ def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
         raise MalformedAnswer(f"not a demand answer: {e}") from None
     if isinstance(answer, KVSnapshot):
         _check_snapshot(answer)
+    if isinstance(answer, ECSnapshot) and answer.offset + len(answer.entries) > answer.total:
+        raise MalformedAnswer(
+            f"snapshot chunk [{answer.offset}, {answer.offset + len(answer.entries)}) runs past "
+            f"its total {answer.total}"
+        )
     if query is None or not isinstance(answer, DemandAnswer):
         return answer
     if answer.id != query.id:
@@ -464,6 +503,7 @@ def _check_snapshot(chunk: KVSnapshot) -> None:
 
 __all__ = [
     "MAX_SNAPSHOT_BLOCKS",
+    "MAX_SNAPSHOT_ENTRIES",
     "AdmissionRecord",
     "AdmissionRecords",
     "Answer",
@@ -471,6 +511,9 @@ __all__ = [
     "DemandError",
     "DemandQuery",
     "DemandStats",
+    "ECEntry",
+    "ECSnapshot",
+    "ECSnapshotQuery",
     "KVSnapshot",
     "MalformedAnswer",
     "MalformedQuery",

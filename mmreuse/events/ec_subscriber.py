@@ -50,6 +50,7 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
     (P-local entries of `instance`, with their freeable flag)."""
 
     EVENTS = "encoder_cache"
+    SNAPSHOT_KIND = "ec"
 
     def __init__(
         self,
@@ -67,8 +68,6 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
             fail_type("availability", "an EmbeddingAvailability", availability)
         self.availability = availability
         self.instance = check_str("instance", instance, nonempty=True)
-        if kwargs.get("snapshot_endpoint") is not None:
-            fail_type("snapshot_endpoint", "None: P serves no encoder-cache snapshot", kwargs)
         if "index" in kwargs or "max_media" in kwargs:
             fail_type("index", "nothing: this subscriber feeds an EmbeddingAvailability", kwargs)
         # The base class labels its metrics by its index's instance; this index stays empty.
@@ -92,6 +91,19 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
 
     def _reset_view(self) -> None:
         self.availability.forget_instance("p", self.instance)
+
+    def _load_snapshot(self, snap: Any) -> None:
+        """P's encoder cache in place of what is known of it (freeable entries in order)."""
+        added: dict[str, int] = {}
+        for e in snap.entries:
+            if e.identifier in added:
+                raise ValueError(f"the snapshot names {e.identifier!r} twice")
+            added[e.identifier] = e.num_embeds
+        name, avail = self.instance, self.availability
+        avail.forget_instance("p", name)
+        avail.update_p(
+            name, added=added, freeable=[e.identifier for e in snap.entries if e.freeable]
+        )
 
     def _clears(self, batch: Any) -> bool:
         return any(type(e) is EncoderCacheCleared for e in batch.events)

@@ -1,5 +1,6 @@
-"""Fetch a P's KV snapshot (`demand_query.SnapshotQuery` -> `KVSnapshot` chunks) over its
-demand endpoint, whole or not at all, bounded against a hostile P.
+"""Fetch a P's KV snapshot (`demand_query.SnapshotQuery` -> `KVSnapshot` chunks) or its
+encoder-cache snapshot (`ECSnapshotQuery` -> `ECSnapshot`) over its demand endpoint, whole or
+not at all, bounded against a hostile P.
 
 `fetch_snapshot` connects a DEALER of its own, asks for chunk after chunk, and returns the
 snapshot (stamp, incarnation, ids, counts) or raises `SnapshotRefused` with a named reason:
@@ -20,6 +21,9 @@ import zmq
 from ..demand_query import (
     MAX_ANSWER_BYTES,
     DemandError,
+    ECEntry,
+    ECSnapshot,
+    ECSnapshotQuery,
     KVSnapshot,
     MalformedAnswer,
     SnapshotQuery,
@@ -31,12 +35,14 @@ from ..validate import check_float, check_int
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A whole KV snapshot: P's prefix cache as of KV-event batch `stamp`."""
+    """A whole snapshot as of event batch `stamp`: P's prefix cache (`block_ids`, `counts`),
+    or its encoder cache (`entries`)."""
 
     stamp: int
     incarnation: str
     block_ids: list[int]
     counts: list[int]
+    entries: list[ECEntry]
 
 
 class SnapshotRefused(Exception):
@@ -55,10 +61,16 @@ def fetch_snapshot(
     quiet_s: float = 5.0,
     max_blocks: int = 1 << 24,
     cancelled: Callable[[], bool] = lambda: False,
+    kind: str = "kv",
 ) -> Snapshot:
     """P's whole KV snapshot from its demand endpoint, within `deadline_s` in all, each chunk
     within `quiet_s` of its ask, and `max_blocks`; `cancelled()` (checked every 50 ms) ends it
-    (reason `stop`)."""
+    (reason `stop`). `kind`: "kv" (KVSnapshot) or "ec" (ECSnapshot; `max_blocks` bounds its
+    entries)."""
+    if kind not in ("kv", "ec"):
+        raise ValueError(f"kind must be 'kv' or 'ec', got {kind!r}")
+    ask = SnapshotQuery if kind == "kv" else ECSnapshotQuery
+    want = KVSnapshot if kind == "kv" else ECSnapshot
     check_float("deadline_s", deadline_s, 0, lo_open=True)
     check_float("quiet_s", quiet_s, 0, lo_open=True)
     check_int("max_blocks", max_blocks, 0)
@@ -70,12 +82,14 @@ def fetch_snapshot(
     end = time.monotonic() + deadline_s
     ids: list[int] = []
     counts: list[int] = []
-    first: KVSnapshot | None = None
+    entries: list[ECEntry] = []
+    first: KVSnapshot | ECSnapshot | None = None
     try:
         sock.connect(endpoint)
         while True:
-            sock.send(encode(SnapshotQuery(sid, len(ids))))
-            chunk = _receive(sock, sid, min(end, time.monotonic() + quiet_s), cancelled)
+            have = len(ids) + len(entries)
+            sock.send(encode(ask(sid, have)))
+            chunk = _receive(sock, sid, min(end, time.monotonic() + quiet_s), cancelled, want)
             if first is None:
                 if chunk.total > max_blocks:
                     raise SnapshotRefused(
@@ -93,21 +107,30 @@ def fetch_snapshot(
                     f"incarnation {chunk.incarnation!r}, total {chunk.total}; the first: "
                     f"{first.stamp}, {first.incarnation!r}, {first.total})",
                 )
-            if chunk.offset != len(ids):
+            if chunk.offset != have:
                 raise SnapshotRefused(
-                    "malformed", f"chunk at offset {chunk.offset}, expected {len(ids)}"
+                    "malformed", f"chunk at offset {chunk.offset}, expected {have}"
                 )
-            ids += chunk.block_ids
-            counts += chunk.counts
-            if len(ids) >= first.total:
-                return Snapshot(first.stamp, first.incarnation, ids, counts)
+            if isinstance(chunk, KVSnapshot):
+                ids += chunk.block_ids
+                counts += chunk.counts
+                got = len(chunk.block_ids)
+            else:
+                entries += chunk.entries
+                got = len(chunk.entries)
+            if have + got >= first.total:
+                return Snapshot(first.stamp, first.incarnation, ids, counts, entries)
+            if got == 0:
+                raise SnapshotRefused("malformed", f"an empty chunk at {have} of {first.total}")
     except zmq.ZMQError as e:
         raise SnapshotRefused("error", f"snapshot socket: {e}") from None
     finally:
         sock.close(0)
 
 
-def _receive(sock: zmq.Socket, sid: str, end: float, cancelled: Callable[[], bool]) -> KVSnapshot:
+def _receive(
+    sock: zmq.Socket, sid: str, end: float, cancelled: Callable[[], bool], want: type
+) -> KVSnapshot | ECSnapshot:
     while True:
         if cancelled():
             raise SnapshotRefused("stop", "stopped while fetching the snapshot")
@@ -124,6 +147,7 @@ def _receive(sock: zmq.Socket, sid: str, end: float, cancelled: Callable[[], boo
             continue  # not this fetch's (a stray frame): keep waiting within the deadline
         if isinstance(answer, DemandError):
             raise SnapshotRefused("error", f"P refused the snapshot: {answer.error}")
-        if not isinstance(answer, KVSnapshot):
+        if not isinstance(answer, want):
             raise SnapshotRefused("malformed", f"a {type(answer).__name__} for a snapshot")
+        assert isinstance(answer, KVSnapshot | ECSnapshot)
         return answer

@@ -72,7 +72,7 @@ from ..validate import (
     show,
 )
 from .index import RemoteKVIndex
-from .snapshot import SnapshotRefused, fetch_snapshot
+from .snapshot import Snapshot, SnapshotRefused, fetch_snapshot
 from .wire import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -112,6 +112,7 @@ class _ReplayAborted(Exception):
 
 class KVEventSubscriber:
     EVENTS = "kv"  # the `events` label of the view's completeness gauge
+    SNAPSHOT_KIND = "kv"  # what `snapshot_endpoint` is asked for (events.snapshot)
     """A background thread: SUB on `endpoint`, DEALER to `replay_endpoint`, into `index`.
 
     Bounds (each a constructor argument): `replay_timeout_s` is the longest silence within a
@@ -551,6 +552,7 @@ class KVEventSubscriber:
                 quiet_s=self.replay_timeout_s * 2.5,
                 max_blocks=self.max_snapshot_blocks,
                 cancelled=self._stop.is_set,
+                kind=self.SNAPSHOT_KIND,
             )
         except SnapshotRefused as e:
             self._snapshot_failed(e, reset=False)
@@ -566,7 +568,7 @@ class KVEventSubscriber:
             )
             return
         try:
-            self.index.load(snap.block_ids, snap.counts)
+            self._load_snapshot(snap)
         except ValueError as e:
             self._snapshot_failed(SnapshotRefused("malformed", f"snapshot: {e}"), reset=False)
             return
@@ -604,6 +606,10 @@ class KVEventSubscriber:
             len(snap.block_ids),
             stamp,
         )
+
+    def _load_snapshot(self, snap: Snapshot) -> None:
+        """Put a whole snapshot in place of the view (ValueError: refused, nothing changed)."""
+        self.index.load(snap.block_ids, snap.counts)
 
     def _snapshot_failed(self, e: SnapshotRefused, *, reset: bool) -> None:
         self.metrics.snapshots.labels(self._label, e.reason).inc()

@@ -59,12 +59,16 @@ from ..decision import item_classes
 from ..demand_query import (
     MAX_ID_CHARS,
     MAX_SNAPSHOT_BLOCKS,
+    MAX_SNAPSHOT_ENTRIES,
     AdmissionRecord,
     AdmissionRecords,
     DemandAnswer,
     DemandError,
     DemandQuery,
     DemandStats,
+    ECEntry,
+    ECSnapshot,
+    ECSnapshotQuery,
     KVSnapshot,
     MalformedQuery,
     RecordsQuery,
@@ -170,6 +174,10 @@ class DemandScheduler(Scheduler):
         self._kv_published = 0
         self._incarnation = f"{os.getpid()}-{secrets.token_hex(8)}"
         self._snapshot_chunk = MAX_SNAPSHOT_BLOCKS  # block ids per KVSnapshot (tests: fewer)
+        self._ec_snapshot_chunk = MAX_SNAPSHOT_ENTRIES  # entries per ECSnapshot
+        self._ec_snapshots: cachetools.LRUCache[str, tuple[int, list[Any]]] = cachetools.LRUCache(
+            SNAPSHOTS_KEPT
+        )
         self._snapshots: cachetools.LRUCache[str, tuple[int, list[int], list[int]]] = (
             cachetools.LRUCache(SNAPSHOTS_KEPT)
         )
@@ -440,7 +448,7 @@ class DemandScheduler(Scheduler):
 
     def _handle(self, payload: bytes) -> bytes:
         """One query frame -> one answer frame. Never raises."""
-        query: DemandQuery | StatsQuery | RecordsQuery | SnapshotQuery | None = None
+        query: Any = None  # the decoded query, once it is one
         try:
             # refused before it is decoded: decoding costs the answer thread per byte
             if isinstance(payload, bytes | bytearray) and len(payload) > self._max_query_bytes:
@@ -457,6 +465,8 @@ class DemandScheduler(Scheduler):
                     return encode(self._records_since(query))
             if isinstance(query, SnapshotQuery):
                 return encode(self._snapshot(query))
+            if isinstance(query, ECSnapshotQuery):
+                return encode(self._ec_snapshot(query))
             # the Request and its block hashes (the work that grows with the query) are built
             # outside the lock: they depend on the query alone, and the engine waits on the lock
             assert isinstance(query, DemandQuery)
@@ -652,6 +662,30 @@ class DemandScheduler(Scheduler):
             block_ids=ids[query.offset : end],
             counts=counts[query.offset : end],
         )
+
+    def _ec_snapshot(self, query: ECSnapshotQuery) -> ECSnapshot | DemandError:
+        """Chunk `offset` of encoder-cache snapshot `id` (taken at offset 0, under the lock)."""
+        if query.offset == 0:
+            ecm = self.encoder_cache_manager
+            if not callable(getattr(ecm, "snapshot", None)) or ecm.publisher is None:
+                return DemandError(
+                    query.id,
+                    "snapshot: P's encoder cache publishes no events (EventfulEncoderCacheManager "
+                    "with an encoder_cache_events_endpoint)",
+                )
+            with self._demand_lock:
+                self._ec_snapshots[query.id] = ecm.snapshot()
+        held = self._ec_snapshots.get(query.id)
+        if held is None:
+            return DemandError(query.id, "snapshot: no longer held (ask again from offset 0)")
+        stamp, entries = held
+        if query.offset > len(entries):
+            return DemandError(query.id, f"snapshot: offset {query.offset} > total {len(entries)}")
+        part = entries[query.offset : query.offset + self._ec_snapshot_chunk]
+        return ECSnapshot(
+            query.id, stamp, self._incarnation, len(entries), query.offset,
+            [ECEntry(h, n, f) for h, n, f in part],
+        )  # fmt: skip
 
     def _take_snapshot(self) -> tuple[int, list[int], list[int]] | str:
         """(stamp, event ids, block counts) of the prefix cache as of the last KV-event batch

@@ -71,6 +71,7 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
         super().__init__(cache_size)
         self.publisher: Any = None
         self._pending: list[Any] = []
+        self.published = 0  # batches handed to the publisher: the seq of the next one
 
     # ---- vLLM's methods, then what they changed -----------------------------------------------
 
@@ -137,3 +138,16 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
             self.publisher.publish(EncoderCacheEventBatch(time.time(), events))
         except Exception:  # a publisher problem must never reach vLLM's scheduler
             logger.exception("mmreuse: encoder-cache events not published")
+            return
+        self.published += 1
+
+    def snapshot(self) -> tuple[int, list[tuple[str, int, bool]]]:
+        """(stamp, entries): the cache as its events describe it, after publishing what is
+        pending, so that it is true as of batch `stamp - 1`; entries not freeable first, then
+        the freeable ones oldest first (vLLM's eviction order). Call it where vLLM's scheduler
+        methods cannot run (DemandScheduler holds its lock)."""
+        self.flush()
+        freeable = self.freeable
+        held = [(h, n, False) for h, n in self.num_embeds_by_hash.items() if h not in freeable]
+        held += [(h, self.num_embeds_by_hash.get(h, n), True) for h, n in freeable.items()]
+        return self.published, held

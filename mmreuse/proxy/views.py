@@ -78,6 +78,7 @@ class InstanceView:
                 availability=self.availability,
                 instance=self.name,
                 metrics=self._metrics.views,
+                snapshot_endpoint=inst.demand,  # DemandScheduler's, where P runs it
             ).start()
         if inst.kv_events is None:
             return

@@ -123,3 +123,55 @@ def test_a_late_join_is_incomplete_until_p_clears_its_encoder_cache():
         sub.stop()
         pub.close()
         ctx.term()
+
+
+def test_a_late_join_bootstraps_from_ps_encoder_cache_snapshot():
+    # P's encoder cache held old0 (in use), old1 and old2 (freeable, old1 the oldest) before the
+    # subscriber came; its buffer (1 batch) holds none of that: the snapshot does.
+    import threading
+
+    from mmreuse.demand_query import ECEntry, ECSnapshot, decode_query, encode
+
+    ctx = zmq.Context()
+    pub = TestPublisher(ctx, buffer_steps=1)
+    for i in range(3):
+        pub.publish(_batch(EncoderCacheStored(f"old{i}", 16)))
+    pub.publish(_batch(EncoderCacheFreeable(["old1", "old2"])))
+    pub.publish(_batch())
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    entries = [ECEntry("old0", 16, False), ECEntry("old1", 16, True), ECEntry("old2", 16, True)]
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if router.poll(50):
+                ident, payload = router.recv_multipart()
+                q = decode_query(payload)
+                part = entries[q.offset : q.offset + 2]  # two a chunk
+                router.send_multipart(
+                    [ident, encode(ECSnapshot(q.id, 5, "inc", 3, q.offset, part))]
+                )
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    metrics = Metrics(CollectorRegistry())
+    avail = EmbeddingAvailability(ttl_s=3600, metrics=metrics)
+    sub = EncoderCacheEventSubscriber(
+        pub.endpoint, pub.replay_endpoint, availability=avail, instance="P0", metrics=metrics,
+        snapshot_endpoint=f"tcp://127.0.0.1:{port}",
+    ).start()  # fmt: skip
+    try:
+        _until(lambda: sub.complete)
+        local, freeable = _p(avail)
+        assert local == {"old0": 16, "old1": 16, "old2": 16} and freeable == {"old1", "old2"}
+        pub.publish(_batch(EncoderCacheEvicted(["old1"])))  # seq 5: the stamp, applied on top
+        _until(lambda: "old1" not in _p(avail)[0])
+        assert sub.complete
+    finally:
+        sub.stop()
+        stop.set()
+        thread.join()
+        router.close(0)
+        pub.close()
+        ctx.term()

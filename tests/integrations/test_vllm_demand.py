@@ -115,3 +115,6 @@ def test_a_snapshot_and_the_events_after_its_stamp_are_the_whole_stream(oracle_p
     assert c["snapshots"] >= 50 and c["pending_at_snapshot"] >= 2 and c["chunked"] >= 20, c
     assert c["batches"] >= 20 and c["max_blocks"] >= 20, c
     assert "publishes no KV events" in c["no_events_error"], c
+    # the encoder cache's snapshot (EventfulEncoderCacheManager in the scheduler), 2 a chunk
+    assert c["ec_mismatch"] == 0 and c["ec_snapshots"] >= 50 and c["ec_entries_max"] >= 3, c
+    assert "publishes no events" in c["no_ec_events_error"], c

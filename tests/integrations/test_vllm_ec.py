@@ -42,6 +42,9 @@ def test_events_equal_vllms_real_encoder_cache(oracle_python, seed):
     c = json.loads(out.stdout.strip().splitlines()[-1])
     assert c["mismatch"] == 0 and c["replay_equal"] and c["seq_in_order"], c
     assert c["flushes"] > 200 and c["evictions"] > 50 and c["hits"] > 50, c
+    # its snapshot (an ECSnapshot's content) and the batches from its stamp: the real cache
+    assert c["snapshots"] >= 10 and c["snapshot_mismatch"] == 0, c
+    assert c["snapshot_order_mismatch"] == 0, c  # freeable entries in vLLM's eviction order
 
 
 _SETTINGS_CHECK = """

@@ -3,6 +3,9 @@
 scheduler-like sequence of hits, allocations with evictions, frees and resets, with real
 `Request`s; receive its events over vLLM's own ZMQ publisher; after every flush, the state the
 events describe must equal the manager's real one. Then a replay from seq 0 must rebuild it.
+At random points the manager's snapshot (`EventfulEncoderCacheManager.snapshot`, what
+DemandScheduler serves as an ECSnapshot) is taken: it plus every batch from its stamp on must
+equal the real state at the end, with the freeable entries in vLLM's eviction order.
 Prints one JSON line of counts."""
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def main(seed: int = 0, steps: int = 400) -> dict:
     counts = {"flushes": 0, "events": 0, "mismatch": 0, "evictions": 0, "hits": 0, "seqs": []}
     live: list = []
     rid = 0
+    boots: list = []  # (stamp, the state a snapshot bootstraps), then the batches from the stamp
+    counts["snapshots"] = counts["snapshot_order_mismatch"] = 0
 
     def drain(expect_change: bool) -> None:
         deadline = time.monotonic() + (2.0 if expect_change else 0.05)
@@ -64,6 +69,9 @@ def main(seed: int = 0, steps: int = 400) -> dict:
                 counts["seqs"].append(int.from_bytes(seq, "big"))
                 counts["events"] += len(batch.events)
                 apply_ec_batch(state, batch)
+                for stamp, boot in boots:
+                    if int.from_bytes(seq, "big") >= stamp:
+                        apply_ec_batch(boot, batch)
                 if state == real_state(m):
                     return
         if state != real_state(m):
@@ -102,6 +110,11 @@ def main(seed: int = 0, steps: int = 400) -> dict:
             live.clear()
         if rng.random() < 0.6:  # the next scheduler step
             m.get_freed_mm_hashes()
+        if rng.random() < 0.1:  # a late proxy asks for the snapshot (what is pending, published)
+            stamp, entries = m.snapshot()
+            boots.append((stamp, {h: [n, f] for h, n, f in entries}))
+            counts["snapshots"] += 1
+            counts["snapshot_order_mismatch"] += [h for h, _, f in entries if f] != list(m.freeable)
         if not m._pending:  # everything recorded is published: the events must tell it all
             counts["flushes"] += 1
             drain(state != real_state(m))
@@ -120,6 +133,7 @@ def main(seed: int = 0, steps: int = 400) -> dict:
             break
         apply_ec_batch(rebuilt, decode_ec_batch(payload))
     counts["replay_equal"] = rebuilt == real_state(m) == state
+    counts["snapshot_mismatch"] = sum(1 for _, boot in boots if boot != real_state(m))
     seqs = counts.pop("seqs")
     counts["batches"] = len(seqs)
     counts["seq_in_order"] = seqs == list(range(len(seqs)))

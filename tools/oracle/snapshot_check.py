@@ -28,10 +28,18 @@ from vllm.config import KVEventsConfig
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
-from mmreuse.demand_query import KVSnapshot, SnapshotQuery, decode_answer, encode
+from mmreuse.demand_query import (
+    ECSnapshot,
+    ECSnapshotQuery,
+    KVSnapshot,
+    SnapshotQuery,
+    decode_answer,
+    encode,
+)
 from mmreuse.events import RemoteKVIndex
+from mmreuse.events.ec_wire import apply_ec_batch
 from mmreuse.events.wire import decode_batch
-from mmreuse.integrations.vllm import DemandScheduler
+from mmreuse.integrations.vllm import DemandScheduler, EventfulEncoderCacheManager
 
 
 def table(index: RemoteKVIndex) -> dict[int, int]:
@@ -55,6 +63,29 @@ def snapshot(sched, sid: str) -> KVSnapshot:
     )
 
 
+def ec_snapshot(sched, sid: str) -> tuple[int, dict]:
+    """The whole ECSnapshot over the query path, as the state it bootstraps."""
+    state, offset = {}, 0
+    while True:
+        chunk = decode_answer(sched._handle(encode(ECSnapshotQuery(sid, offset))))
+        assert isinstance(chunk, ECSnapshot), chunk
+        for e in chunk.entries:
+            state[e.identifier] = [e.num_embeds, e.freeable]
+        offset += len(chunk.entries)
+        if offset >= chunk.total:
+            return chunk.stamp, state
+
+
+class Recorder:
+    """An encoder-cache event publisher that keeps every batch (seq = position)."""
+
+    def __init__(self) -> None:
+        self.batches: list = []
+
+    def publish(self, batch) -> None:
+        self.batches.append(batch)
+
+
 def main(seed: int = 0, turns: int = 120) -> dict:
     rng = random.Random(seed)
     init_none_hash(sha256)
@@ -71,6 +102,11 @@ def main(seed: int = 0, turns: int = 120) -> dict:
 
     sched.kv_event_publisher.publish = record
     sched._snapshot_chunk = 7  # several chunks per snapshot
+    ecm = EventfulEncoderCacheManager(cache_size=96)  # the scheduler's encoder cache, eventful
+    ecm.publisher = Recorder()
+    sched.encoder_cache_manager = ecm
+    sched._ec_snapshot_chunk = 2
+    ec_boots: list[tuple[int, dict]] = []
     stream = Stream(rng)
     taken: list[tuple[KVSnapshot, RemoteKVIndex]] = []  # each snapshot's bootstrapped view
     c = {"snapshots": 0, "pending_at_snapshot": 0, "mismatch": 0, "stamp_mismatch": 0,
@@ -86,6 +122,8 @@ def main(seed: int = 0, turns: int = 120) -> dict:
         taken.append((snap, view))
         c["snapshots"] += 1
         c["pending_at_snapshot"] += pending > 0
+        ec_boots.append(ec_snapshot(sched, f"e{len(ec_boots)}-{where}"))
+        c["ec_entries_max"] = max(c.get("ec_entries_max", 0), len(ec_boots[-1][1]))
         c["max_blocks"] = max(c["max_blocks"], snap.total)
 
     applied = 0
@@ -119,10 +157,20 @@ def main(seed: int = 0, turns: int = 120) -> dict:
             catch_up()
     c["batches"] = len(batches)
     c["chunked"] = sum(1 for snap, _ in taken if snap.total > 7)
+    ecm.flush()
+    real = {h: [n, h in ecm.freeable] for h, n in ecm.num_embeds_by_hash.items()}
+    for stamp, boot in ec_boots:
+        for batch in ecm.publisher.batches[stamp:]:
+            apply_ec_batch(boot, batch)
+    c["ec_snapshots"] = len(ec_boots)
+    c["ec_mismatch"] = sum(1 for _, boot in ec_boots if boot != real)
+    c["ec_batches"] = len(ecm.publisher.batches)
     # a P without KV events has no snapshot to give: a DemandError that says why
     quiet = make_scheduler(DemandScheduler, tiny_model_dir(), num_blocks=40, cache_size=96)
     err = decode_answer(quiet._handle(encode(SnapshotQuery("q"))))
     c["no_events_error"] = getattr(err, "error", None)
+    err = decode_answer(quiet._handle(encode(ECSnapshotQuery("q"))))
+    c["no_ec_events_error"] = getattr(err, "error", None)
     return c
 
 
