@@ -231,6 +231,24 @@ class Cluster:
             raise
         return self
 
+    def restart(self, name: str, timeout: float | None = None) -> float:
+        """Stop instance `name` (its process group) and start it again on the same ports, as an
+        operator restarts one server; returns once it answers /health (the seconds it took).
+        Its prefix and encoder caches start empty; its KV events count from seq 0 again."""
+        if name not in self.instances:
+            raise InvalidArgument(f"no instance {name!r} in this cluster: {sorted(self.instances)}")
+        old = self.instances[name]
+        old.stop()
+        t0 = time.monotonic()
+        inst = start_instance(
+            old.spec, require_venv(self.venv), self.model_dir, self.ec_dir, self.log_dir,
+            die_with_parent=old.process is not None,
+        )  # fmt: skip
+        self.instances[name] = inst
+        self._write_state()
+        inst.wait_healthy(self.startup_timeout if timeout is None else timeout)
+        return time.monotonic() - t0
+
     def _write_state(self) -> None:
         state = {
             "version": STATE_VERSION,

@@ -80,3 +80,46 @@ def test_a_late_and_a_restarted_proxy_plan_on_what_p_cached_before_them(
         assert got["snapshots"] >= 1 and got["blind"] == 0 and got["asked"] == 0, (name, got)
         assert got["kv_covered"] >= SESSIONS * turn and got["no_plan"] == 0, (name, got)
         assert got["errors"] == 0, (name, got)
+
+
+def test_p_restarted_under_a_running_proxy_costs_no_request_and_no_stale_skip(
+    cluster, proxy_flags, tmp_path
+):
+    # An index proxy follows P0 through two turns; P0 is restarted (its caches empty, its
+    # events from seq 0 again) while the proxy runs. The proxy forgets the old P0 (the
+    # disconnect resets the view), completes its view from the new one, and plans turn 2 on
+    # it: nothing is skipped on the old P0's word, so P0 never runs its own encoder, and no
+    # request fails.
+    run = f"restart-{time.time_ns()}"
+    requests = conversations(run, SESSIONS, 3)
+    probe = cluster.probe()
+    with proxy_process([*proxy_flags(["P0"]), "--policy", "index"], tmp_path / "p.log") as url:
+        _until_complete(url)
+        for turn in (0, 1):
+            _turn(url, requests, turn)
+        before = metrics_text(url)
+        took = cluster.restart("P0")
+        health = _until_complete(url, timeout=120)
+        print(
+            f"P0 restarted in {took:.1f} s; the proxy's view: {health['mmreuse']['views']['PD0']}"
+        )
+        p_before = probe.count("P0").log_inputs
+        _turn(url, requests, 2)  # every one must answer: _turn asserts it
+        after = metrics_text(url)
+        p_forwards = probe.count("P0").log_inputs - p_before
+
+    def delta(name: str, **labels: str) -> float:
+        return sample_sum(after, name, **labels) - sample_sum(before, name, **labels)
+
+    got = {
+        "kv_covered": delta("mmreuse_proxy_occurrences_total", klass="kv_covered"),
+        "kv_short": delta("mmreuse_proxy_fallbacks_total", kind="kv_short"),
+        "errors": delta("mmreuse_proxy_requests_total", outcome="server_error")
+        + delta("mmreuse_proxy_requests_total", outcome="client_error"),
+        "restarts": delta("mmreuse_kv_event_publisher_restarts_total")
+        + delta("mmreuse_kv_event_resyncs_total"),
+        "p_forwards": p_forwards,
+    }
+    assert got["errors"] == 0 and got["restarts"] >= 1, got  # it saw the restart, lost nothing
+    # the new P0 holds none of the history: nothing planned as covered, no stale skip
+    assert got["kv_covered"] == 0 and got["kv_short"] == 0 and got["p_forwards"] == 0, got
