@@ -59,7 +59,7 @@ def fetch_snapshot(
     context: zmq.Context | None = None,
     deadline_s: float = 30.0,
     quiet_s: float = 5.0,
-    max_blocks: int = 1 << 24,
+    max_blocks: int = 1 << 22,
     cancelled: Callable[[], bool] = lambda: False,
     kind: str = "kv",
 ) -> Snapshot:

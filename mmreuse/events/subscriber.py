@@ -153,7 +153,7 @@ class KVEventSubscriber:
         snapshot_endpoint: str | None = None,
         snapshot_deadline_s: float = 30.0,
         snapshot_retry_s: float = 5.0,
-        max_snapshot_blocks: int = 1 << 24,
+        max_snapshot_blocks: int = 1 << 22,
         max_stamp_ahead: int = 10_000,
     ) -> None:
         self.endpoint = _check_endpoint("endpoint", endpoint)

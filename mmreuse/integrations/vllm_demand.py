@@ -90,6 +90,9 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 REMEMBERED_ANSWERS = 4096  # answers whose proofs wait for their request (LRU beyond)
 SNAPSHOTS_KEPT = 2  # snapshots held for their later chunks (a new id beyond: the oldest goes)
+# Taking a KV snapshot holds the lock the engine waits on (~0.14 s for 1M blocks): at most one
+# per interval while P changes (replicas starting together share one while it does not).
+SNAPSHOT_MIN_INTERVAL_S = 1.0
 MAX_RECORDS = 65536  # admission records kept (a ring: RecordsQuery says how many were lost)
 SYNC_INDEX_AFTER = 512  # pending block-pool changes that make a step apply them (bounded memory)
 MAX_FREE_QUEUE_WALK = 2048  # trust_kv_blocks is counted up to this: that value means "at least"
@@ -175,6 +178,7 @@ class DemandScheduler(Scheduler):
         self._incarnation = f"{os.getpid()}-{secrets.token_hex(8)}"
         self._snapshot_chunk = MAX_SNAPSHOT_BLOCKS  # block ids per KVSnapshot (tests: fewer)
         self._ec_snapshot_chunk = MAX_SNAPSHOT_ENTRIES  # entries per ECSnapshot
+        self._last_snapshot: tuple[float, tuple[int, list[int], list[int]]] | None = None
         self._ec_snapshots: cachetools.LRUCache[str, tuple[int, list[Any]]] = cachetools.LRUCache(
             SNAPSHOTS_KEPT
         )
@@ -641,7 +645,20 @@ class DemandScheduler(Scheduler):
         """Chunk `offset` of snapshot `id` (taken at offset 0, under the lock)."""
         if query.offset == 0:
             with self._demand_lock:
-                taken = self._take_snapshot()
+                last = self._last_snapshot
+                now = time.monotonic()
+                pending = self.kv_cache_manager.block_pool.kv_event_queue
+                if last is not None and last[1][0] == self._kv_published and not pending:
+                    taken: Any = last[1]  # nothing changed since: the same copy serves
+                elif last is not None and now - last[0] < SNAPSHOT_MIN_INTERVAL_S:
+                    return DemandError(
+                        query.id,
+                        f"snapshot: one per {SNAPSHOT_MIN_INTERVAL_S} s while P changes; ask again",
+                    )
+                else:
+                    taken = self._take_snapshot()
+                    if not isinstance(taken, str):
+                        self._last_snapshot = (now, taken)
             if isinstance(taken, str):
                 return DemandError(query.id, f"snapshot: {taken}")
             self._snapshots[query.id] = taken

@@ -118,3 +118,5 @@ def test_a_snapshot_and_the_events_after_its_stamp_are_the_whole_stream(oracle_p
     # the encoder cache's snapshot (EventfulEncoderCacheManager in the scheduler), 2 a chunk
     assert c["ec_mismatch"] == 0 and c["ec_snapshots"] >= 50 and c["ec_entries_max"] >= 3, c
     assert "publishes no events" in c["no_ec_events_error"], c
+    # taking one holds the engine's lock: an unchanged P shares its last, a changed one waits
+    assert c["unchanged_shared"] and c["changed"] and c["changed_limited"], c

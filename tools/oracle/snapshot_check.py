@@ -39,6 +39,7 @@ from mmreuse.demand_query import (
 from mmreuse.events import RemoteKVIndex
 from mmreuse.events.ec_wire import apply_ec_batch
 from mmreuse.events.wire import decode_batch
+from mmreuse.integrations import vllm_demand
 from mmreuse.integrations.vllm import DemandScheduler, EventfulEncoderCacheManager
 
 
@@ -88,6 +89,7 @@ class Recorder:
 
 def main(seed: int = 0, turns: int = 120) -> dict:
     rng = random.Random(seed)
+    vllm_demand.SNAPSHOT_MIN_INTERVAL_S = 0.0  # a snapshot at any step (the limit: below)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
     sched = make_scheduler(DemandScheduler, tiny_model_dir(), num_blocks=40, cache_size=96,
@@ -157,6 +159,15 @@ def main(seed: int = 0, turns: int = 120) -> dict:
             catch_up()
     c["batches"] = len(batches)
     c["chunked"] = sum(1 for snap, _ in taken if snap.total > 7)
+    # the rate limit: an unchanged P shares its last snapshot; a changed one waits the interval
+    vllm_demand.SNAPSHOT_MIN_INTERVAL_S = 1000.0
+    first = snapshot(sched, "limit-1")
+    again = snapshot(sched, "limit-2")  # nothing changed: the same copy, no error
+    c["unchanged_shared"] = (again.stamp, again.block_ids) == (first.stamp, first.block_ids)
+    sched._kv_published += 1  # as if P had published a batch since (its stream may be stuck)
+    c["changed"] = True
+    limited = decode_answer(sched._handle(encode(SnapshotQuery("limit-3"))))
+    c["changed_limited"] = "one per" in getattr(limited, "error", "")
     ecm.flush()
     real = {h: [n, h in ecm.freeable] for h, n in ecm.num_embeds_by_hash.items()}
     for stamp, boot in ec_boots:
