@@ -188,8 +188,9 @@ class InstanceView:
             f"view incomplete ({' and '.join(which) or 'KV'} events: the proxy joined after P's "
             "first events left its replay buffer, or lost batches the replay could not fill): "
             "what P cached before is unknown, so decisions from this view are blind "
-            "(mmreuse_proxy_blind_decisions_total); it is complete again when P clears or "
-            "restarts, and --demand-endpoints makes the proxy ask P meanwhile"
+            "(mmreuse_proxy_blind_decisions_total); with --demand-endpoints it bootstraps from "
+            "P's snapshot (mmreuse_kv_event_snapshots_total) and asks P meanwhile; without, it "
+            "is complete again when P clears its cache or restarts"
         )
 
     @property
