@@ -111,8 +111,6 @@ class _ReplayAborted(Exception):
 
 
 class KVEventSubscriber:
-    EVENTS = "kv"  # the `events` label of the view's completeness gauge
-    SNAPSHOT_KIND = "kv"  # what `snapshot_endpoint` is asked for (events.snapshot)
     """A background thread: SUB on `endpoint`, DEALER to `replay_endpoint`, into `index`.
 
     Bounds (each a constructor argument): `replay_timeout_s` is the longest silence within a
@@ -131,6 +129,9 @@ class KVEventSubscriber:
     the publisher connects to it. The replay ROUTER is always bound by vLLM, so the replay side
     always connects.
     """
+
+    EVENTS = "kv"  # the `events` label of the view's completeness gauge
+    SNAPSHOT_KIND = "kv"  # what `snapshot_endpoint` is asked for (events.snapshot)
 
     def __init__(
         self,
@@ -601,9 +602,10 @@ class KVEventSubscriber:
         m.snapshots.labels(self._label, "ok").inc()
         self._update_gauges()
         logger.info(
-            "KV events %s: view bootstrapped from P's snapshot (%d blocks, stamp %d)",
+            "%s events %s: view bootstrapped from P's snapshot (%d entries, stamp %d)",
+            self.EVENTS,
             self._label,
-            len(snap.block_ids),
+            len(snap.block_ids) + len(snap.entries),
             stamp,
         )
 
