@@ -28,6 +28,7 @@ from mmreuse.hashing import to_event_id
 from mmreuse.metrics import Metrics
 from tests.support.kv_publisher import batch, stored
 from tests.support.paths import KV_EVENT_FIXTURES, ORACLE_TOOLS
+from tests.support.waiting import wait_for
 
 FIXTURES = json.loads(KV_EVENT_FIXTURES.read_text())
 
@@ -145,15 +146,6 @@ def test_index_batch_is_all_or_nothing():
 
 
 # ---- the subscriber over loopback ZMQ -----------------------------------------------------
-
-
-def wait_for(pred, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def value(metric, *labels):

@@ -20,17 +20,7 @@ from mmreuse.events import BlockRemoved, KVEventSubscriber, RemoteKVIndex
 from mmreuse.events.snapshot import SnapshotRefused, fetch_snapshot
 from mmreuse.metrics import Metrics
 from tests.support.kv_publisher import TestPublisher, batch, stored
-
-WAIT_S = 10.0
-
-
-def wait_for(pred, timeout=WAIT_S) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
+from tests.support.waiting import wait_for
 
 
 class SnapshotP:

@@ -32,21 +32,13 @@ from mmreuse.events import (
 from mmreuse.events.subscriber import SubscriberDied
 from mmreuse.events.wire import MAX_EXTRA_KEY_DEPTH
 from tests.support.kv_publisher import TestPublisher, batch, stored
+from tests.support.waiting import wait_for
 
 STOP_TIMEOUT_S = 5.0
 
 
 def removed(hashes, medium="GPU"):
     return BlockRemoved(block_hashes=list(hashes), medium=medium)
-
-
-def wait_for(pred, timeout=15.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 def value(metric, *labels):

@@ -7,11 +7,10 @@ vLLM's prefix cache after every step."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 
+from tests.support.oracle import oracle_json, oracle_lines
 from tests.support.paths import REPO
 
 
@@ -20,12 +19,14 @@ from tests.support.paths import REPO
 def test_demand_scheduler_against_vllms_scheduler(oracle_python, seed, async_):
     """Under async scheduling DemandScheduler is itself an AsyncScheduler (vLLM's base then)."""
     py = oracle_python
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [str(py), str(REPO / "tools/oracle/demand_scheduler_check.py"), str(seed), "120", str(async_)],
-        capture_output=True, text=True, check=True, timeout=600, env=env,
-    )  # fmt: skip
-    c = json.loads(out.stdout.strip().splitlines()[-1])
+    c = oracle_json(
+        py,
+        str(REPO / "tools/oracle/demand_scheduler_check.py"),
+        str(seed),
+        "120",
+        str(async_),
+        timeout=600,
+    )
     assert c["scheduler"] == ("AsyncDemandScheduler" if async_ else "DemandScheduler")
     assert c["output_mismatch"] == 0, c  # behaves exactly as vLLM's scheduler
     assert c["side_effects"] == 0, c  # answering changes nothing in P
@@ -49,12 +50,8 @@ def test_rule_s_is_what_vllms_scheduler_does(oracle_python):
     """A request's own allocation evicts the freeable entry its later item would reuse: vLLM
     encodes that item again, and compute_demand says so with the cache's space (rule S)."""
     py = oracle_python
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [str(py), str(REPO / "tools/oracle/self_eviction_check.py")],
-        capture_output=True, text=True, check=True, timeout=600, env=env,
-    )  # fmt: skip
-    cases = {c["case"]: c for c in map(json.loads, out.stdout.strip().splitlines()[-2:])}
+    lines = oracle_lines(py, str(REPO / "tools/oracle/self_eviction_check.py"))
+    cases = {c["case"]: c for c in map(json.loads, lines[-2:])}
     evicted, kept = cases["X then C"], cases["X then D"]
     for c in (evicted, kept):
         assert c["cache_before"] == {"freeable": ["C", "D"], "free": 0}, c
@@ -86,12 +83,7 @@ print(json.dumps(out))
 def test_a_hybrid_attention_p_turns_its_index_off(oracle_python):
     """DemandScheduler's residency index follows one KV cache group: with two (hybrid
     attention) it would prove coverage another group evicted, so it is off, saying why."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [str(oracle_python), "-c", _HYBRID_CHECK], capture_output=True, text=True, check=True,
-        timeout=300, env=env,
-    )  # fmt: skip
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = oracle_json(oracle_python, "-c", _HYBRID_CHECK, timeout=300)
     assert got["1"][0] is True
     assert (
         got["2"] == [False, got["2"][1]] and "2 KV cache groups (hybrid attention)" in got["2"][1]
@@ -104,12 +96,9 @@ def test_a_snapshot_and_the_events_after_its_stamp_are_the_whole_stream(oracle_p
     """DemandScheduler's KV snapshot, taken after update_from_output and between schedule and
     update_from_output (the pool's events for the next batch undone), bootstraps a view that
     equals the view of every batch vLLM published from 0, at every later step."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [str(oracle_python), str(REPO / "tools/oracle/snapshot_check.py"), str(seed), "120"],
-        capture_output=True, text=True, check=True, timeout=600, env=env,
-    )  # fmt: skip
-    c = json.loads(out.stdout.strip().splitlines()[-1])
+    c = oracle_json(
+        oracle_python, str(REPO / "tools/oracle/snapshot_check.py"), str(seed), "120", timeout=600
+    )
     assert c["mismatch"] == 0 and c["stamp_mismatch"] == 0, c
     # the stream exercises it: many snapshots, some with events pending, over several chunks
     assert c["snapshots"] >= 50 and c["pending_at_snapshot"] >= 2 and c["chunked"] >= 20, c

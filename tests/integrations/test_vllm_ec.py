@@ -6,9 +6,6 @@ replay from seq 0)."""
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
 
 import msgspec
 import pytest
@@ -27,6 +24,7 @@ from mmreuse.events.ec_wire import (
     encode_ec_batch,
 )
 from mmreuse.events.wire import MalformedBatch
+from tests.support.oracle import oracle_json
 from tests.support.paths import REPO
 
 
@@ -34,12 +32,7 @@ from tests.support.paths import REPO
 @pytest.mark.parametrize("seed", [0, 3])
 def test_events_equal_vllms_real_encoder_cache(oracle_python, seed):
     py = oracle_python
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [str(py), str(REPO / "tools/oracle/ec_events_check.py"), str(seed)],
-        capture_output=True, text=True, check=True, timeout=300, env=env,
-    )  # fmt: skip
-    c = json.loads(out.stdout.strip().splitlines()[-1])
+    c = oracle_json(py, str(REPO / "tools/oracle/ec_events_check.py"), str(seed), timeout=300)
     assert c["mismatch"] == 0 and c["replay_equal"] and c["seq_in_order"], c
     assert c["flushes"] > 200 and c["evictions"] > 50 and c["hits"] > 50, c
     # its snapshot (an ECSnapshot's content) and the batches from its stamp: the real cache
@@ -67,12 +60,7 @@ print(json.dumps(out))
 @pytest.mark.oracle
 def test_settings_read_once_and_a_mistyped_one_refused(oracle_python):
     py = oracle_python
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [str(py), "-c", _SETTINGS_CHECK], capture_output=True, text=True, check=True,
-        timeout=300, env=env,
-    )  # fmt: skip
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = oracle_json(py, "-c", _SETTINGS_CHECK, timeout=300)
     assert got[:3] == [True, True, True]  # nothing of ours: vLLM's manager, publishing nothing
     assert got[3].startswith("additional_config['mmreuse'] must be a dict")
     assert got[4].startswith("additional_config['mmreuse'] must be a dict")

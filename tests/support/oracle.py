@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,3 +66,18 @@ class Oracle:
         if self.proc.stdin:
             self.proc.stdin.close()
         self.proc.wait(timeout=30)
+
+
+def oracle_lines(python: Path | str, *args: str, timeout: float = 600) -> list[str]:
+    """Run `python ARGS` (the oracle venv's, with this checkout on PYTHONPATH and no model
+    hub) and return its stdout's lines; a non-zero exit fails with its output."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [str(python), *args], capture_output=True, text=True, check=True, timeout=timeout, env=env
+    )
+    return out.stdout.strip().splitlines()
+
+
+def oracle_json(python: Path | str, *args: str, timeout: float = 600) -> Any:
+    """`oracle_lines`' last line, a JSON value (what the tools/oracle checks print)."""
+    return json.loads(oracle_lines(python, *args, timeout=timeout)[-1])
