@@ -22,9 +22,8 @@ from urllib.parse import urljoin, urlsplit
 import msgspec
 
 from .errors import ProxyError
-from .media import EMBEDS_TYPES, MM_TYPES, MODALITY
+from .media import EMBEDS_PARTS, MM_TYPES, MODALITY
 
-_EMBEDS_PARTS = frozenset(EMBEDS_TYPES.values())
 # A media type as forwarded in a data: URL (RFC 2045 token chars; parameters dropped): one a
 # fetched item's Content-Type gives, else application/octet-stream.
 _MEDIA_TYPE = re.compile(r"[A-Za-z0-9!#$&^_.+-]+/[A-Za-z0-9!#$&^_.+-]+")
@@ -94,7 +93,7 @@ def media_parts(request: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, Any
         if not isinstance(content, list):
             continue
         for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") in MM_TYPES | _EMBEDS_PARTS:
+            if isinstance(part, dict) and part.get("type") in MM_TYPES | EMBEDS_PARTS:
                 yield f"messages[{i}].content[{j}]", part
 
 
@@ -169,7 +168,7 @@ async def name_by_content(request: dict[str, Any], fetcher: MediaFetcher) -> int
     fetches: list[tuple[str, dict[str, Any], Any, str]] = []
     for where, part in media_parts(request):
         kind = part["type"]
-        if kind in _EMBEDS_PARTS:
+        if kind in EMBEDS_PARTS:
             if part.get(kind) is None:  # "cached by uuid": nothing to check the name against
                 raise MediaRefused(
                     where, "the part names no embedding (a uuid alone cannot be checked)"

@@ -41,7 +41,8 @@ def content_uuid(item: Mapping[str, Any]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-_EMBEDS_PARTS = frozenset(EMBEDS_TYPES.values())
+# The content types of a `*_embeds` part (a client's input, or the proxy's reference to E's).
+EMBEDS_PARTS = frozenset(EMBEDS_TYPES.values())
 _json = msgspec.json.Encoder().encode  # compact JSON: an unambiguous key, in C
 
 
@@ -67,7 +68,7 @@ def namespace_uuids(request: dict[str, Any]) -> int:
             if not isinstance(part, dict):
                 continue
             kind = part.get("type")
-            if kind in MM_TYPES or (kind in _EMBEDS_PARTS and part.get("uuid")):
+            if kind in MM_TYPES or (kind in EMBEDS_PARTS and part.get("uuid")):
                 part["uuid"] = tenant_uuid(part, salt)
                 n += 1
     return n
@@ -103,7 +104,7 @@ def scan_parts(request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str | 
             kind = part.get("type")
             if kind in MM_TYPES:
                 items.append(part)
-            elif where is None and kind in _EMBEDS_PARTS:
+            elif where is None and kind in EMBEDS_PARTS:
                 payload = part.get(kind)
                 if _is_mapping(payload) and not any(type(v) is str for v in payload.values()):
                     where = f"messages[{i}].content[{j}]"
