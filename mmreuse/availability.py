@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,16 +256,21 @@ class EmbeddingAvailability:
     def availability_for(
         self,
         p_instance: str,
-        e_instance: str | None = None,
+        e_instance: str | Sequence[str] | None = None,
         *,
         store: str | None = "default",
         cache_salt: str | None = None,
         lora_name: str | None = None,
     ) -> Availability:
-        """compute_demand's Availability for a request of this tenant, P instance and E instance."""
+        """compute_demand's Availability for a request of this tenant, P instance and E
+        instance (several: what any of them holds, E's that share one store)."""
         _check_name("p_instance", p_instance)
-        if e_instance is not None:
-            _check_name("e_instance", e_instance)
+        if e_instance is None:
+            e_names: list[str] = []
+        elif isinstance(e_instance, str):
+            e_names = [_check_name("e_instance", e_instance)]
+        else:
+            e_names = _check_ids("e_instance", e_instance)
         tenant = Tenant(cache_salt, lora_name)
         with self._lock:
             p_local: dict[str, int] = {}
@@ -278,7 +283,7 @@ class EmbeddingAvailability:
                     if is_freeable:
                         freeable.add(ident)
             external = self._ids("ext", store, tenant) if store is not None else frozenset()
-            e_cached = self._ids("e", e_instance, tenant) if e_instance is not None else frozenset()
+            e_cached = frozenset().union(*(self._ids("e", e, tenant) for e in e_names))
         return Availability(
             p_local=p_local,
             p_local_freeable=frozenset(freeable),

@@ -53,6 +53,17 @@ def test_deltas_build_the_availability(env):
     assert value(metrics.availability_entries, "p:p0") == 1
 
 
+def test_several_es_are_what_any_of_them_holds(env):
+    av, _, _ = env
+    av.update_e("E0", added=["a", "b"])
+    av.update_e("E1", added=["b", "c"])
+    av.update_e("E1", removed=["b"])  # E0 still holds it
+    assert av.availability_for("p0", ("E0", "E1")).e_cached == {"a", "b", "c"}
+    assert av.availability_for("p0", ["E1"]).e_cached == {"c"}
+    with pytest.raises(InvalidArgument, match=r"e_instance\[1\]"):
+        av.availability_for("p0", ["E0", ""])
+
+
 def test_entries_go_stale_after_the_ttl(env):
     av, clock, metrics = env
     av.update_p("p0", added={"a": 4})

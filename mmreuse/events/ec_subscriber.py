@@ -1,5 +1,7 @@
-"""`EncoderCacheEventSubscriber`: a P's encoder-cache events (`mmreuse.events.ec_wire`, as
-`EventfulEncoderCacheManager` publishes them) into `EmbeddingAvailability`'s P-local entries.
+"""`EncoderCacheEventSubscriber`: a P's or an E's encoder-cache events (`mmreuse.events.ec_wire`,
+as `EventfulEncoderCacheManager` publishes them) into `EmbeddingAvailability`: a P's entries are
+its P-local ones (with their freeable flag), an E's are what that E serves without a forward
+(freeable or not: it holds them), the same for every proxy replica that follows its events.
 
 The same socket modes, bounds, gap / replay / resync rules as `KVEventSubscriber` (it is one,
 with another payload and another view): a batch applies whole or not at all, a gap the replay
@@ -7,8 +9,8 @@ cannot fill or a malformed batch forgets everything known of the instance (it th
 from the next events: a false "not cached", never a false "cached"). vLLM's encoder cache is
 not scoped by cache salt, so the entries are recorded without a tenant (`cache_salt=None`).
 
-The view it feeds is anything with `EmbeddingAvailability`'s `update_p` and `forget_instance`
-(`PLocalSink`): `mmreuse.events` does not import `mmreuse.availability` (nor the reverse).
+The view it feeds is anything with `EmbeddingAvailability`'s `update_p`, `update_e` and
+`forget_instance` (`AvailabilitySink`): `mmreuse.events` does not import `mmreuse.availability` (nor the reverse).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from ..validate import check_str, fail_type
+from ..validate import check_str, fail_type, fail_value
 from .ec_wire import (
     EncoderCacheCleared,
     EncoderCacheEvicted,
@@ -28,9 +30,11 @@ from .ec_wire import (
 from .index import RemoteKVIndex
 from .subscriber import KVEventSubscriber
 
+SIDES = ("p", "e")  # whose encoder cache: a P's (P-local reuse) or an E's (E-side reuse)
 
-class PLocalSink(Protocol):
-    """What this subscriber feeds: a P's encoder-cache entries (`EmbeddingAvailability`)."""
+
+class AvailabilitySink(Protocol):
+    """What this subscriber feeds: encoder-cache entries (`EmbeddingAvailability`)."""
 
     def update_p(
         self,
@@ -42,12 +46,17 @@ class PLocalSink(Protocol):
         referenced: Iterable[str] = (),
     ) -> None: ...
 
+    def update_e(
+        self, instance: str, *, added: Iterable[str] = (), removed: Iterable[str] = ()
+    ) -> None: ...
+
     def forget_instance(self, kind: str, name: str) -> None: ...
 
 
 class EncoderCacheEventSubscriber(KVEventSubscriber):
-    """SUB on a P's encoder-cache events, DEALER to its replay socket, into `availability`
-    (P-local entries of `instance`, with their freeable flag)."""
+    """SUB on an instance's encoder-cache events, DEALER to its replay socket, into
+    `availability`: `side` "p", P-local entries of `instance` with their freeable flag; "e",
+    E-side entries of `instance` (E serves them without a forward)."""
 
     EVENTS = "encoder_cache"
     SNAPSHOT_KIND = "ec"
@@ -57,16 +66,20 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
         endpoint: str,
         replay_endpoint: str | None = None,
         *,
-        availability: PLocalSink,
+        availability: AvailabilitySink,
         instance: str,
         topic: str = "",
+        side: str = "p",
         **kwargs: Any,
     ) -> None:
+        if side not in SIDES:
+            fail_value("side", f"one of {SIDES}", side)
         if not all(
-            callable(getattr(availability, m, None)) for m in ("update_p", "forget_instance")
+            callable(getattr(availability, m, None))
+            for m in ("update_p", "update_e", "forget_instance")
         ):
             fail_type("availability", "an EmbeddingAvailability", availability)
-        self.availability = availability
+        self.availability, self.side = availability, side
         self.instance = check_str("instance", instance, nonempty=True)
         if "index" in kwargs or "max_media" in kwargs:
             fail_type("index", "nothing: this subscriber feeds an EmbeddingAvailability", kwargs)
@@ -76,6 +89,15 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
     def _decode_apply(self, payload: bytes) -> Any:
         batch = decode_ec_batch(payload)  # MalformedBatch (a ValueError): nothing applied
         name, avail = self.instance, self.availability
+        if self.side == "e":
+            for e in batch.events:
+                if isinstance(e, EncoderCacheStored):
+                    avail.update_e(name, added=[e.identifier])
+                elif isinstance(e, EncoderCacheEvicted):
+                    avail.update_e(name, removed=e.identifiers)
+                elif isinstance(e, EncoderCacheCleared):
+                    avail.forget_instance("e", name)
+            return batch  # freeable or referenced again, E holds it all the same
         for e in batch.events:
             if isinstance(e, EncoderCacheStored):
                 avail.update_p(name, added={e.identifier: e.num_embeds})
@@ -90,17 +112,20 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
         return batch
 
     def _reset_view(self) -> None:
-        self.availability.forget_instance("p", self.instance)
+        self.availability.forget_instance(self.side, self.instance)
 
     def _load_snapshot(self, snap: Any) -> None:
-        """P's encoder cache in place of what is known of it (freeable entries in order)."""
+        """The encoder cache in place of what is known of it (freeable entries in order)."""
         added: dict[str, int] = {}
         for e in snap.entries:
             if e.identifier in added:
                 raise ValueError(f"the snapshot names {e.identifier!r} twice")
             added[e.identifier] = e.num_embeds
         name, avail = self.instance, self.availability
-        avail.forget_instance("p", name)
+        avail.forget_instance(self.side, name)
+        if self.side == "e":
+            avail.update_e(name, added=list(added))
+            return
         avail.update_p(
             name, added=added, freeable=[e.identifier for e in snap.entries if e.freeable]
         )

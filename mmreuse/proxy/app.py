@@ -48,7 +48,7 @@ from .media import (
 from .metrics import ProxyMetrics
 from .models import ModelCatalog
 from .policy import Decision, Planner
-from .views import InstanceView
+from .views import EncoderView, InstanceView
 
 logger = logging.getLogger("mmreuse.proxy")
 
@@ -125,6 +125,14 @@ class Proxy:
             )
             for i, instance in enumerate(config.instances)
         ]
+        self.e_views = (
+            [
+                EncoderView(f"E{i}", e, availability=self.availability, metrics=self.metrics)
+                for i, e in enumerate(config.encoders)
+            ]
+            if config.e_events and (config.policy.reads_view or config.policy.asks_p)
+            else []  # eager plans nothing on the E side
+        )
         self.rng = random.Random(config.seed)
         # Asked only under demand / opportunistic (the config holds an endpoint for each then).
         # Asked under demand / opportunistic (the config holds an endpoint for each then), and
@@ -185,7 +193,7 @@ class Proxy:
             self.media_session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=64), timeout=aiohttp.ClientTimeout()
             )
-        for view in self.views:
+        for view in [*self.views, *self.e_views]:
             await asyncio.to_thread(view.start)
         for client in self.demand:
             client.start()
@@ -193,7 +201,7 @@ class Proxy:
     async def stop(self, _app: web.Application | None = None) -> None:
         for client in self.demand:
             await client.close()
-        for view in self.views:
+        for view in [*self.views, *self.e_views]:
             await asyncio.to_thread(view.stop)
         if self.session is not None:
             await self.session.close()
@@ -632,7 +640,12 @@ class Proxy:
         )
         ok = all(s != "unhealthy" for s in (e, p, d))
         views = {v.name: v.health() for v in self.views}
-        problems = [f"{name}: {p}" for name, h in views.items() for p in h["problems"]]  # type: ignore[attr-defined]
+        e_views = {v.name: v.health() for v in self.e_views}
+        problems = [
+            f"{name}: {p}"
+            for name, h in (*views.items(), *e_views.items())
+            for p in h["problems"]  # type: ignore[attr-defined]
+        ]
         if not cfg.policy.reads_view and cfg.routing == "random":
             problems = [p for p in problems if not p.endswith("no KV events endpoint")]
         demand = {c.name: c.health() for c in self.demand}
@@ -653,10 +666,13 @@ class Proxy:
                 "routing": cfg.routing,
                 "status": "degraded" if problems else "ok",
                 "problems": problems,
-                # What E holds is this process's record of what it sent (no store to ask, no
-                # E events): replicas behind one balancer each know only their own sends.
-                "e_side": "per-replica" if cfg.policy.reads_view else None,
+                # What E holds: E's own encoder-cache events (every replica sees the same), else
+                # this process's record of what it sent (replicas each know only their own).
+                "e_side": ("events" if cfg.e_events else "per-replica")
+                if cfg.policy.reads_view or cfg.policy.asks_p
+                else None,
                 "views": views,
+                **({"e_views": e_views} if e_views else {}),
                 **({"demand": demand} if demand else {}),
             },
         }

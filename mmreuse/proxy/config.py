@@ -43,6 +43,12 @@ _ALIGNED = (
     "--encoder-cache-events-replay-endpoints",
     "--demand-endpoints",
 )
+# The flags aligned with the encoders: each fills one EncodeInstance field.
+_E_ALIGNED = (
+    "--e-cache-events-endpoints",
+    "--e-cache-events-replay-endpoints",
+    "--e-snapshot-endpoints",
+)
 
 
 def _flag_dest(flag: str) -> str:
@@ -68,11 +74,25 @@ class PrefillInstance:
 
 
 @dataclass(frozen=True, slots=True)
+class EncodeInstance:
+    """One E and its mmreuse endpoints, from the flags aligned with its URL: its encoder-cache
+    events (EventfulEncoderCacheManager in E) make the E side a fact every proxy replica that
+    follows them shares; its DemandScheduler's endpoint serves their snapshot."""
+
+    url: str
+    ec_events: str | None = None  # --e-cache-events-endpoints
+    ec_replay: str | None = None  # --e-cache-events-replay-endpoints
+    snapshot: str | None = None  # --e-snapshot-endpoints: E's DemandScheduler endpoint
+
+
+@dataclass(frozen=True, slots=True)
 class ProxyConfig:
     """Everything the proxy runs on. `prefill_urls` empty = E + PD (the decode URLs prefill).
 
     `instances`: one record per instance that prefills, in the order of its URLs (the P URLs,
     or the PD URLs in E + PD); left empty, the URLs alone (no view, no demand endpoint).
+    `encoders`: one record per E, in the order of `encode_urls` (left empty: the URLs alone, and
+    the E side is the proxy's own record of what it sent).
     """
 
     encode_urls: tuple[str, ...]
@@ -97,6 +117,7 @@ class ProxyConfig:
         10.0  # a slow render costs the plan (E gets everything), not the request
     )
     instances: tuple[PrefillInstance, ...] = ()
+    encoders: tuple[EncodeInstance, ...] = ()
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     block_size: int | None = None  # None: learned from each instance's BlockStored events
@@ -126,6 +147,24 @@ class ProxyConfig:
                     )
         object.__setattr__(self, "instances", instances)
         object.__setattr__(self, "prefill_instances", urls)
+        encoders = self.encoders or tuple(EncodeInstance(u) for u in self.encode_urls)
+        if tuple(e.url for e in encoders) != self.encode_urls:
+            raise InvalidArgument(
+                f"encoders are for {[e.url for e in encoders]} but the encode URLs are "
+                f"{list(self.encode_urls)}: one record each, in order"
+            )
+        if len({e.ec_events is None for e in encoders}) > 1:
+            raise InvalidArgument(
+                "encoder-cache events from some encoders only: give every E's "
+                "(--e-cache-events-endpoints) or none (the E side is then this proxy's own "
+                "record of what it sent)"
+            )
+        object.__setattr__(self, "encoders", encoders)
+
+    @property
+    def e_events(self) -> bool:
+        """Whether the E side comes from E's encoder-cache events (shared by every replica)."""
+        return bool(self.encoders) and self.encoders[0].ec_events is not None
 
 
 def _urls(value: str) -> tuple[str, ...]:
@@ -350,16 +389,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="P's KV block size (default: learned from its BlockStored events)",
     )
     g.add_argument(
+        "--e-cache-events-endpoints",
+        default=None,
+        help="comma-separated ZMQ endpoints of every E's encoder-cache events (mmreuse's "
+        "EventfulEncoderCacheManager in E), aligned with --encode-servers-urls: what E holds "
+        "then comes from E itself, the same for every proxy replica, in place of this "
+        "process's record of what it sent",
+    )
+    g.add_argument(
+        "--e-cache-events-replay-endpoints",
+        default=None,
+        help="their replay endpoints, aligned the same way (optional)",
+    )
+    g.add_argument(
+        "--e-snapshot-endpoints",
+        default=None,
+        help="each E's DemandScheduler endpoint (additional_config mmreuse.demand_endpoint), "
+        "aligned the same way (optional): a proxy started late, restarted or replicated "
+        "completes its E view from E's snapshot",
+    )
+    g.add_argument(
         "--e-cache-items",
         type=int,
         default=4096,
-        help="how many items the proxy remembers having sent to E (E-side reuse), LRU",
+        help="how many items the proxy keeps of what each E holds (E-side reuse), LRU",
     )
     g.add_argument(
         "--e-cache-ttl",
         type=float,
         default=3600.0,
-        help="seconds the proxy trusts that E still holds an item it sent",
+        help="seconds the proxy trusts that E still holds an item no event or send has "
+        "mentioned since",
     )
     return p
 
@@ -470,6 +530,32 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
     ):
         if given[replay] and not given[events]:
             raise InvalidArgument(f"{replay} needs {events}")
+    e_urls = cfg_urls["--encode-servers-urls"]
+    e_given = {flag: _aligned(getattr(args, _flag_dest(flag))) for flag in _E_ALIGNED}
+    for flag, eps in e_given.items():
+        if eps and len(eps) != len(e_urls):
+            raise InvalidArgument(
+                f"{flag} has {len(eps)} entries but --encode-servers-urls has {len(e_urls)}: "
+                "align them"
+            )
+        for i, ep in enumerate(eps):
+            if ep is None and flag == "--e-cache-events-endpoints":
+                raise InvalidArgument(
+                    f"{flag}: entry {i} (for {e_urls[i]}) is empty: give every E's events, or "
+                    "none (the E side is then this proxy's own record of what it sent)"
+                )
+            if ep is not None:
+                _check_endpoint(flag, ep)
+    for flag in ("--e-cache-events-replay-endpoints", "--e-snapshot-endpoints"):
+        if e_given[flag] and not e_given["--e-cache-events-endpoints"]:
+            raise InvalidArgument(f"{flag} needs --e-cache-events-endpoints")
+    encoders = tuple(
+        EncodeInstance(
+            url,
+            *(e_given[f][i] if e_given[f] else None for f in _E_ALIGNED),
+        )
+        for i, url in enumerate(e_urls)
+    )
     if args.block_size is not None and args.block_size < 1:
         raise InvalidArgument(f"--block-size={args.block_size} must be >= 1")
     if args.hash_algo.startswith("xxhash") and args.hash_seed is None:
@@ -538,6 +624,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         render_url=args.render_url.rstrip("/") if args.render_url else None,
         render_timeout_s=args.render_timeout,
         instances=_instances(urls, given),
+        encoders=encoders,
         hash_algo=args.hash_algo,
         hash_seed=args.hash_seed,
         block_size=args.block_size,

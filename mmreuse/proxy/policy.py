@@ -119,6 +119,12 @@ class Planner:
         if self._asks and any(c is None for c in self.demand):
             raise InvalidArgument(f"policy {self.policy!r} asks every P/PD: a client is missing")
         self._needs_render = self.policy.renders or config.routing == "affine"
+        # The E side: each E's encoder cache from its events (untenanted, as vLLM's cache is;
+        # every replica sees the same), else what this process sent to E (one location: the
+        # reference's encoders share one EC store).
+        self.e_locations: str | tuple[str, ...] = (
+            tuple(f"E{i}" for i in range(len(config.encoders))) if config.e_events else E_LOCATION
+        )
 
     def random_instance(self) -> int:
         return self._rng.randrange(len(self.config.prefill_instances))
@@ -302,9 +308,7 @@ class Planner:
         answer: every item to E (no_plan says why)."""
         identifiers = _identifiers(rendered, occ_items, len(items))
         idents = {occ.identifier for occ in rendered.occurrences}
-        e_side = self.availability.availability_for(
-            self.views[instance].name, E_LOCATION, cache_salt=rendered.cache_salt
-        )
+        e_side = self._availability(self.views[instance], rendered.cache_salt)
         # what E holds of this request only
         query = query_for(rendered, new_hex(128), e_cached=sorted(e_side.e_cached & idents))
         client = self.demand[instance]
@@ -352,19 +356,7 @@ class Planner:
             )
         view = self.views[instance]
         n = len(rendered.token_ids)
-        availability = self.availability.availability_for(
-            view.name, E_LOCATION, cache_salt=rendered.cache_salt
-        )
-        if rendered.cache_salt is not None and view.ec_subscriber is not None:
-            # vLLM's encoder cache is not scoped by cache salt: P's entries (recorded without a
-            # tenant) serve this request too; what the proxy sent to E stays per tenant.
-            p_side = self.availability.availability_for(view.name)
-            availability = Availability(
-                p_local=p_side.p_local,
-                p_local_freeable=p_side.p_local_freeable,
-                p_external=availability.p_external,
-                e_cached=availability.e_cached,
-            )
+        availability = self._availability(view, rendered.cache_salt)
         blind = False
         if view.usable and view.hasher is not None:
             blind = not view.complete
@@ -395,8 +387,34 @@ class Planner:
             blind=blind,
         )
 
+    def _availability(self, view: InstanceView, cache_salt: str | None) -> Availability:
+        """What `view`'s P, the external store and E hold for a request of this salt."""
+        avail, e_loc = self.availability, self.e_locations
+        if cache_salt is None:
+            return avail.availability_for(view.name, e_loc)
+        events_e = self.config.e_events
+        tenanted = avail.availability_for(
+            view.name, None if events_e else e_loc, cache_salt=cache_salt
+        )
+        if view.ec_subscriber is None and not events_e:
+            return tenanted
+        # vLLM's encoder caches are not scoped by cache salt: P's and E's entries from their
+        # events (recorded without a tenant) serve this request too; what the proxy itself
+        # sent to E stays per tenant.
+        shared = avail.availability_for(view.name, e_loc if events_e else None)
+        p_side = shared if view.ec_subscriber is not None else tenanted
+        return Availability(
+            p_local=p_side.p_local,
+            p_local_freeable=p_side.p_local_freeable,
+            p_external=tenanted.p_external,
+            e_cached=shared.e_cached if events_e else tenanted.e_cached,
+        )
+
     def record_e(self, decision: Decision) -> None:
-        """E now holds what it was sent (the E-side availability index plans with)."""
+        """E now holds what it was sent (the E-side availability index plans with), unless
+        E's own events say what it holds."""
+        if self.config.e_events:
+            return
         if decision.identifiers and decision.e_indices:
             self.availability.update_e(
                 E_LOCATION,

@@ -14,7 +14,7 @@ from ..events.hashcheck import HashConfigCheck
 from ..events.index import RemoteKVIndex
 from ..events.wire import BlockStored, KVEventBatch
 from ..hashing import BlockHasher
-from .config import PrefillInstance
+from .config import EncodeInstance, PrefillInstance
 from .metrics import ProxyMetrics
 
 logger = logging.getLogger("mmreuse.proxy")
@@ -226,5 +226,71 @@ class InstanceView:
                 "unverifiable": status.unverifiable,
                 "first_mismatch": status.first_mismatch,
             },
+            "problems": self.problems,
+        }
+
+
+class EncoderView:
+    """One E as the proxy sees it, from its encoder-cache events (`--e-cache-events-endpoints`):
+    what it serves without a forward, the same for every replica that follows it. Bootstraps
+    from E's snapshot (`--e-snapshot-endpoints`) when it joins late; an incomplete view only
+    misses entries (an item E holds planned as `e_compute`: E still gets it)."""
+
+    def __init__(
+        self,
+        name: str,
+        instance: EncodeInstance,
+        *,
+        availability: EmbeddingAvailability,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.name, self.instance = name, instance
+        self.availability = availability
+        self._metrics = metrics
+        self.subscriber: Any = None  # an EncoderCacheEventSubscriber once started
+
+    def start(self) -> None:
+        from ..events.ec_subscriber import EncoderCacheEventSubscriber
+
+        inst = self.instance
+        assert inst.ec_events is not None, "an E view follows E's encoder-cache events"
+        self.subscriber = EncoderCacheEventSubscriber(
+            inst.ec_events,
+            inst.ec_replay,
+            availability=self.availability,
+            instance=self.name,
+            side="e",
+            metrics=self._metrics.views,
+            snapshot_endpoint=inst.snapshot,
+        ).start()
+
+    def stop(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.stop()
+
+    @property
+    def complete(self) -> bool:
+        return bool(getattr(self.subscriber, "complete", False))
+
+    @property
+    def problems(self) -> list[str]:
+        sub = self.subscriber
+        if sub is None or not sub.is_alive:
+            err = getattr(sub, "error", None)
+            return [f"encoder-cache event subscriber not running{f': {err}' if err else ''}"]
+        if not sub.complete:
+            return [
+                "E view incomplete (the proxy joined after E's first encoder-cache events left "
+                "its replay buffer, or lost batches): items E holds from before may be planned "
+                "as e_compute (E still gets them); with --e-snapshot-endpoints it bootstraps "
+                "from E's snapshot"
+            ]
+        return []
+
+    def health(self) -> dict[str, object]:
+        return {
+            "url": self.instance.url,
+            "encoder_cache_events": self.instance.ec_events,
+            "complete": self.complete,
             "problems": self.problems,
         }

@@ -175,3 +175,41 @@ def test_a_late_join_bootstraps_from_ps_encoder_cache_snapshot():
         router.close(0)
         pub.close()
         ctx.term()
+
+
+def test_an_es_events_become_e_side_entries_freeable_or_not():
+    # side="e": what E holds is what it serves without a forward, in use or freeable alike.
+    ctx = zmq.Context()
+    pub = TestPublisher(ctx)
+    metrics = Metrics(CollectorRegistry())
+    avail = EmbeddingAvailability(ttl_s=3600, metrics=metrics)
+    sub = EncoderCacheEventSubscriber(
+        pub.endpoint, pub.replay_endpoint, availability=avail, instance="E0", side="e",
+        metrics=metrics,
+    ).start()  # fmt: skip
+
+    def e_side():
+        a = avail.availability_for("P0", "E0")
+        assert not a.p_local  # nothing of P's
+        return set(a.e_cached)
+
+    try:
+        time.sleep(0.3)
+        pub.publish(_batch(EncoderCacheStored("a", 16), EncoderCacheStored("b", 4)))
+        _until(lambda: e_side() == {"a", "b"})
+        pub.publish(_batch(EncoderCacheFreeable(["a"]), EncoderCacheEvicted(["b"])))
+        _until(lambda: e_side() == {"a"})
+        pub.publish(_batch(EncoderCacheCleared()))
+        _until(lambda: e_side() == set())
+        assert sub.is_alive and sub.complete
+    finally:
+        sub.stop()
+        pub.close()
+        ctx.term()
+
+
+def test_side_is_checked():
+    with pytest.raises(ValueError, match="side"):
+        EncoderCacheEventSubscriber(
+            "tcp://127.0.0.1:1", availability=EmbeddingAvailability(), instance="E0", side="x"
+        )

@@ -10,7 +10,13 @@ import pytest
 
 from mmreuse import cli
 from mmreuse.errors import InvalidArgument
-from mmreuse.proxy.config import PrefillInstance, ProxyConfig, build_parser, parse_args
+from mmreuse.proxy.config import (
+    EncodeInstance,
+    PrefillInstance,
+    ProxyConfig,
+    build_parser,
+    parse_args,
+)
 
 E = "http://e0:8001"
 PD = "http://pd0:8002"
@@ -374,3 +380,53 @@ def test_mmreuse_proxy_usage_error_exits_2(capsys):
 def test_zmq_endpoints_of_every_form_accepted(endpoint):
     cfg = parse_args([*BASE, "--kv-events-endpoints", endpoint], env={})
     assert cfg.instances[0].kv_events == endpoint
+
+
+E2 = ["--encode-servers-urls", "http://e0:1,http://e1:2", "--decode-servers-urls", "http://d:3"]
+
+
+def test_each_e_gets_its_encoder_cache_events_and_snapshot_endpoint():
+    cfg = parse_args([*E2, "--policy", "index",
+                      "--e-cache-events-endpoints", "tcp://e0:5,tcp://e1:6",
+                      "--e-cache-events-replay-endpoints", "tcp://e0:7,",
+                      "--e-snapshot-endpoints", ",tcp://e1:8"], env={})  # fmt: skip
+    assert cfg.e_events
+    assert cfg.encoders == (
+        EncodeInstance("http://e0:1", "tcp://e0:5", "tcp://e0:7", None),
+        EncodeInstance("http://e1:2", "tcp://e1:6", None, "tcp://e1:8"),
+    )
+    plain = parse_args(E2, env={})
+    assert not plain.e_events and plain.encoders == (
+        EncodeInstance("http://e0:1"), EncodeInstance("http://e1:2"),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (
+            ["--e-cache-events-endpoints", "tcp://e0:5"],
+            "has 1 entries but --encode-servers-urls has 2",
+        ),
+        (["--e-cache-events-endpoints", "tcp://e0:5,"], "entry 1 (for http://e1:2) is empty"),
+        (["--e-cache-events-endpoints", "tcp://e0:5,e1:6"], "is not a ZMQ endpoint"),
+        (["--e-snapshot-endpoints", "tcp://e0:5,tcp://e1:6"], "needs --e-cache-events-endpoints"),
+        (["--e-cache-events-replay-endpoints", "tcp://e0:5,"], "needs --e-cache-events-endpoints"),
+    ],
+)
+def test_e_event_flags_refused(capsys, extra, words):
+    assert words in usage_error(capsys, [*E2, *extra])
+
+
+def test_a_config_built_in_code_names_every_es_events_or_none():
+    with pytest.raises(InvalidArgument, match="some encoders only"):
+        ProxyConfig(
+            encode_urls=("http://e0", "http://e1"),
+            decode_urls=("http://d",),
+            encoders=(EncodeInstance("http://e0", "tcp://e0:5"), EncodeInstance("http://e1")),
+        )
+    with pytest.raises(InvalidArgument, match="one record each"):
+        ProxyConfig(
+            encode_urls=("http://e0",), decode_urls=("http://d",),
+            encoders=(EncodeInstance("http://e1"),),
+        )  # fmt: skip
