@@ -125,7 +125,7 @@ class Proxy:
             )
             for i, instance in enumerate(config.instances)
         ]
-        self.e_views = (
+        self.e_views: list[EncoderView] = (
             [
                 EncoderView(f"E{i}", e, availability=self.availability, metrics=self.metrics)
                 for i, e in enumerate(config.encoders)
@@ -193,7 +193,8 @@ class Proxy:
             self.media_session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=64), timeout=aiohttp.ClientTimeout()
             )
-        for view in [*self.views, *self.e_views]:
+        views: list[InstanceView | EncoderView] = [*self.views, *self.e_views]
+        for view in views:
             await asyncio.to_thread(view.start)
         for client in self.demand:
             client.start()
@@ -201,7 +202,8 @@ class Proxy:
     async def stop(self, _app: web.Application | None = None) -> None:
         for client in self.demand:
             await client.close()
-        for view in [*self.views, *self.e_views]:
+        views: list[InstanceView | EncoderView] = [*self.views, *self.e_views]
+        for view in views:
             await asyncio.to_thread(view.stop)
         if self.session is not None:
             await self.session.close()
@@ -775,53 +777,83 @@ class StartupFailed(Exception):
     message is the one line `mmreuse proxy` prints."""
 
 
-def run(config: ProxyConfig) -> None:
-    """Serve until interrupted (uvloop when installed, as the reference's uvicorn does);
-    raises StartupFailed if the proxy cannot start, after stopping what had started."""
-    logging.basicConfig(
-        level=logging.DEBUG if config.log_requests else logging.INFO,
-        format="%(asctime)s %(levelname)s: %(message)s",
-    )
+def event_loop_runner() -> Callable[[Any], Any]:
+    """uvloop.run when installed (as the reference's uvicorn does), else asyncio.run."""
     try:
         import uvloop
 
-        runner: Any = uvloop.run
+        return uvloop.run
     except ImportError:  # pragma: no cover - uvloop is in the [proxy] extra
-        runner = asyncio.run
+        return asyncio.run
 
-    async def serve() -> None:
-        app = build_app(config)
-        app_runner = web.AppRunner(app, access_log=None, **SERVER_SETTINGS)
-        metrics_runner = web.AppRunner(build_metrics_app(app[PROXY_KEY]), access_log=None)
-        serving = False  # the serving port is bound
-        try:
-            try:
-                await app_runner.setup()  # the proxy's start: views, subscribers, clients
-                site = web.TCPSite(app_runner, config.host, config.port, backlog=4096)
-                await site.start()
-                serving = True
-                if config.metrics_port is not None:
-                    host = config.metrics_host or config.host
-                    await metrics_runner.setup()
-                    await web.TCPSite(metrics_runner, host, config.metrics_port).start()
-            except InvalidArgument as e:
-                raise StartupFailed(str(e)) from e
-            except OSError as e:  # the port is taken, the host does not resolve, ...
-                where = (
-                    f"{config.host}:{config.port}"
-                    if not serving
-                    else f"{config.metrics_host or config.host}:{config.metrics_port}"
-                )
-                raise StartupFailed(f"cannot listen on {where}: {e.strerror or e}") from e
-            logger.info(
-                "mmreuse proxy on %s:%d (policy %s, routing %s): E %s, P %s, D %s",
-                config.host, config.port, config.policy, config.routing,
-                list(config.encode_urls), list(config.prefill_urls), list(config.decode_urls),
-            )  # fmt: skip
-            await asyncio.Event().wait()
-        finally:
-            await metrics_runner.cleanup()
-            await app_runner.cleanup()  # what started is stopped, the client session closed
 
+def setup_logging(config: ProxyConfig, prefix: str = "") -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if config.log_requests else logging.INFO,
+        format=f"%(asctime)s {prefix}%(levelname)s: %(message)s",
+    )
+
+
+def run(config: ProxyConfig) -> None:
+    """Serve until interrupted; raises StartupFailed if the proxy cannot start, after
+    stopping what had started. `config.workers` > 1: that many worker processes
+    (`mmreuse.proxy.workers`)."""
+    if config.workers > 1:
+        from .workers import run_workers
+
+        run_workers(config)
+        return
+    setup_logging(config)
     with contextlib.suppress(KeyboardInterrupt):
-        runner(serve())
+        event_loop_runner()(serve(config))
+
+
+async def serve(
+    config: ProxyConfig,
+    *,
+    reuse_port: bool = False,
+    metrics_path: str | None = None,
+    ready: Callable[[], None] | None = None,
+) -> None:
+    """Serve `config` until cancelled. `reuse_port`: bind --port with SO_REUSEPORT (a worker);
+    `metrics_path`: /metrics and the detailed /health on that unix socket instead of
+    --metrics-port (what a worker's supervisor reads); `ready`: called once serving."""
+    app = build_app(config)
+    app_runner = web.AppRunner(app, access_log=None, **SERVER_SETTINGS)
+    metrics_runner = web.AppRunner(build_metrics_app(app[PROXY_KEY]), access_log=None)
+    serving = False  # the serving port is bound
+    try:
+        try:
+            await app_runner.setup()  # the proxy's start: views, subscribers, clients
+            site = web.TCPSite(
+                app_runner, config.host, config.port, backlog=4096, reuse_port=reuse_port or None
+            )
+            await site.start()
+            serving = True
+            if metrics_path is not None:
+                await metrics_runner.setup()
+                await web.UnixSite(metrics_runner, metrics_path).start()
+            elif config.metrics_port is not None:
+                host = config.metrics_host or config.host
+                await metrics_runner.setup()
+                await web.TCPSite(metrics_runner, host, config.metrics_port).start()
+        except InvalidArgument as e:
+            raise StartupFailed(str(e)) from e
+        except OSError as e:  # the port is taken, the host does not resolve, ...
+            where = (
+                f"{config.host}:{config.port}"
+                if not serving
+                else metrics_path or f"{config.metrics_host or config.host}:{config.metrics_port}"
+            )
+            raise StartupFailed(f"cannot listen on {where}: {e.strerror or e}") from e
+        logger.info(
+            "mmreuse proxy on %s:%d (policy %s, routing %s): E %s, P %s, D %s",
+            config.host, config.port, config.policy, config.routing,
+            list(config.encode_urls), list(config.prefill_urls), list(config.decode_urls),
+        )  # fmt: skip
+        if ready is not None:
+            ready()
+        await asyncio.Event().wait()
+    finally:
+        await metrics_runner.cleanup()
+        await app_runner.cleanup()  # what started is stopped, the client session closed

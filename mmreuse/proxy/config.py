@@ -17,6 +17,7 @@ from ..hashing.functions import HASH_FUNCTIONS
 from .content import MediaLimits
 
 ROUTINGS = ("random", "affine")
+MAX_WORKERS = 64
 _NO_PREFILL = ("disable", "none", "")
 _UNSUPPORTED = {
     "--dynamic-registration": "dynamic registration (POST /instances)",
@@ -104,6 +105,8 @@ class ProxyConfig:
     # (they expose per-instance cache facts); None: both on --port, as before
     metrics_port: int | None = None
     metrics_host: str | None = None
+    # --workers: processes sharing --port (SO_REUSEPORT), each a replica with its own views
+    workers: int = 1
     decode_retries: int = 1
     no_rewrite: bool = False
     uuid_policy: str = "reference"  # --uuid-policy: how items are named for E and P
@@ -160,6 +163,10 @@ class ProxyConfig:
                 "record of what it sent)"
             )
         object.__setattr__(self, "encoders", encoders)
+        if not (isinstance(self.workers, int) and 1 <= self.workers <= MAX_WORKERS):
+            raise InvalidArgument(f"workers={self.workers!r} must be an int in 1..{MAX_WORKERS}")
+        if self.workers > 1 and self.metrics_port is None:
+            raise InvalidArgument(f"workers={self.workers} needs metrics_port (--metrics-port)")
 
     @property
     def e_events(self) -> bool:
@@ -237,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-host", default=None, help="the address --metrics-port binds (default --host)"
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes sharing --port (SO_REUSEPORT; the kernel spreads connections), "
+        "each a replica with its own views: how a proxy node uses its cores. A worker that "
+        "dies is restarted and rejoins as a late replica does. Needs --metrics-port, where "
+        '/metrics and /health are every worker\'s, labelled worker="i"',
     )
     p.add_argument(
         "--log-requests",
@@ -472,6 +488,13 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
             raise InvalidArgument(f"--metrics-port={args.metrics_port} is --port's: give another")
     elif args.metrics_host is not None:
         raise InvalidArgument("--metrics-host without --metrics-port: give the port too")
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise InvalidArgument(f"--workers={args.workers} must be in 1..{MAX_WORKERS}")
+    if args.workers > 1 and args.metrics_port is None:
+        raise InvalidArgument(
+            f"--workers={args.workers} needs --metrics-port: a scrape of --port would reach one "
+            "worker; --metrics-port serves every worker's /metrics and /health"
+        )
     prefill = (
         () if args.prefill_servers_urls.lower() in _NO_PREFILL else _urls(args.prefill_servers_urls)
     )
@@ -612,6 +635,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         host=args.host,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        workers=args.workers,
         port=args.port,
         decode_retries=args.decode_retries,
         no_rewrite=args.no_rewrite,
