@@ -22,11 +22,14 @@ def proxy_process(
     *,
     env: Mapping[str, str] | None = None,
     timeout: float = 30.0,
+    port: int | None = None,
 ) -> Iterator[str]:
-    """`mmreuse proxy ARGS` on a free loopback port, in its own process group (stopped by it),
-    logging to `log_path`, with `env` added to this process's environment; yields its URL
-    once /health answers. Raises RuntimeError with the log's tail if it exits or stays down."""
-    (port,) = free_ports(1)
+    """`mmreuse proxy ARGS` on `port` (default: a free one) on loopback, in its own process
+    group (stopped by it), logging to `log_path`, with `env` added to this process's
+    environment; yields its URL once /health answers. Raises RuntimeError with the log's tail
+    if it exits or stays down."""
+    if port is None:
+        (port,) = free_ports(1)
     cmd = [sys.executable, "-m", "mmreuse.cli", "proxy", "--host", HOST, "--port", str(port), *args]
     log_path = Path(log_path)
     with log_path.open("wb") as log:
