@@ -5,6 +5,7 @@ base model's blocks: `ModelCatalog.kind` tells the planner which a request's `mo
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
@@ -33,6 +34,7 @@ class ModelCatalog:
         self._clock = clock
         self._kinds: dict[str, dict[str, Kind]] = {}
         self._read_at: dict[str, float] = {}
+        self._reading: dict[str, asyncio.Future[None]] = {}  # a read in flight, shared
         self.errors: dict[str, str] = {}  # server -> why its last read failed
 
     async def kind(self, server: str, model: str) -> Kind:
@@ -41,10 +43,14 @@ class ModelCatalog:
         known = self._kinds.get(server, {})
         if model in known:
             return known[model]
+        reading = self._reading.get(server)
         last = self._read_at.get(server)
-        if last is None or self._clock() - last >= REFRESH_S:
+        if reading is None and (last is None or self._clock() - last >= REFRESH_S):
             self._read_at[server] = self._clock()
-            await self._read(server)
+            reading = self._reading[server] = asyncio.ensure_future(self._read(server))
+            reading.add_done_callback(lambda _f: self._reading.pop(server, None))
+        if reading is not None:  # the requests that come meanwhile get its answer too
+            await asyncio.shield(reading)
         return self._kinds.get(server, {}).get(model, "unknown")
 
     async def _read(self, server: str) -> None:

@@ -23,6 +23,29 @@ class Server:
         return self.status, self.body
 
 
+async def test_requests_that_come_during_the_first_read_wait_for_it():
+    # The first requests after start arrive together: each must get the list being read,
+    # not "unknown" (which cost the plan of every request but the first).
+    import asyncio
+    import json
+
+    gate = asyncio.Event()
+
+    class Slow(Server):
+        async def get(self, url):
+            self.reads += 1
+            await gate.wait()
+            return self.status, self.body
+
+    server = Slow(body=json.dumps({"data": VLLM_MODELS}).encode())
+    catalog = ModelCatalog(server.get)
+    asks = [asyncio.ensure_future(catalog.kind("http://pd", m)) for m in ("tiny", "sql", "tiny")]
+    await asyncio.sleep(0)
+    gate.set()
+    assert await asyncio.gather(*asks) == ["base", "adapter", "base"]
+    assert server.reads == 1
+
+
 async def test_base_adapter_and_unknown_names():
     import json
 
