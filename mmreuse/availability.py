@@ -261,9 +261,12 @@ class EmbeddingAvailability:
         store: str | None = "default",
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        identifiers: Iterable[str] | None = None,
     ) -> Availability:
         """compute_demand's Availability for a request of this tenant, P instance and E
-        instance (several: what any of them holds, E's that share one store)."""
+        instance (several: what any of them holds, E's that share one store). `identifiers`:
+        the request's, to look up only those (O(items), not O(entries): what the proxy does
+        per request); None: every entry."""
         _check_name("p_instance", p_instance)
         if e_instance is None:
             e_names: list[str] = []
@@ -271,6 +274,7 @@ class EmbeddingAvailability:
             e_names = [_check_name("e_instance", e_instance)]
         else:
             e_names = _check_ids("e_instance", e_instance)
+        ids = None if identifiers is None else _check_ids("identifiers", identifiers)
         tenant = Tenant(cache_salt, lora_name)
         with self._lock:
             p_local: dict[str, int] = {}
@@ -278,12 +282,12 @@ class EmbeddingAvailability:
             cache = self._caches.get(("p", p_instance, tenant))
             if cache is not None:
                 cache.expire()
-                for ident, (n, is_freeable) in cache.items():
+                for ident, (n, is_freeable) in _entries(cache, ids):
                     p_local[ident] = n
                     if is_freeable:
                         freeable.add(ident)
-            external = self._ids("ext", store, tenant) if store is not None else frozenset()
-            e_cached = frozenset().union(*(self._ids("e", e, tenant) for e in e_names))
+            external = self._ids("ext", store, tenant, ids) if store is not None else frozenset()
+            e_cached = frozenset().union(*(self._ids("e", e, tenant, ids) for e in e_names))
         return Availability(
             p_local=p_local,
             p_local_freeable=frozenset(freeable),
@@ -291,9 +295,20 @@ class EmbeddingAvailability:
             e_cached=e_cached,
         )
 
-    def _ids(self, kind: str, name: str, tenant: Tenant) -> frozenset[str]:
+    def _ids(self, kind: str, name: str, tenant: Tenant, ids: list[str] | None) -> frozenset[str]:
         cache = self._caches.get((kind, name, tenant))
         if cache is None:
             return frozenset()
         cache.expire()
-        return frozenset(cache.keys())
+        if ids is None:
+            return frozenset(cache.keys())
+        return frozenset(i for i in ids if i in cache)
+
+
+def _entries(cache: _Entries, ids: list[str] | None) -> Iterable[tuple[str, Any]]:
+    """The entries of `cache` (expired ones already dropped), or those among `ids`; read
+    without touching the LRU order (a lookup is not an update)."""
+    if ids is None:
+        return cache.items()
+    get = cachetools.Cache.__getitem__
+    return [(i, get(cache, i)) for i in dict.fromkeys(ids) if i in cache]

@@ -64,6 +64,36 @@ def test_several_es_are_what_any_of_them_holds(env):
         av.availability_for("p0", ["E0", ""])
 
 
+def test_a_requests_identifiers_are_looked_up_alone_as_the_whole_view_has_them(env):
+    av, clock, _ = env
+    av.update_p("p0", added={"a": 4, "b": 8})
+    av.update_p("p0", freeable=["b"])
+    av.update_e("e0", added=["c"])
+    av.update_external(added=["d"])
+    whole = av.availability_for("p0", "e0")
+    for ids in (["a", "b", "c", "d"], ["b", "b", "x"], [], ["c"]):
+        got = av.availability_for("p0", "e0", identifiers=ids)
+        keep = set(ids)
+        assert got.p_local == {k: v for k, v in whole.p_local.items() if k in keep}
+        assert got.p_local_freeable == whole.p_local_freeable & keep
+        assert got.p_external == whole.p_external & keep and got.e_cached == whole.e_cached & keep
+    clock.t = 11  # expired entries are no answer either
+    assert av.availability_for("p0", "e0", identifiers=["a", "c"]) == Availability()
+    with pytest.raises(InvalidArgument, match=r"identifiers\[0\]"):
+        av.availability_for("p0", identifiers=[""])
+
+
+def test_a_lookup_is_not_an_update(env):
+    # max_entries 3: the least recently *updated* goes first, however often it was read
+    av, _, _ = env
+    av.update_p("p0", added={"a": 4})
+    av.update_p("p0", added={"b": 4})
+    av.update_p("p0", added={"c": 4})
+    assert av.availability_for("p0", identifiers=["a"]).p_local == {"a": 4}
+    av.update_p("p0", added={"d": 4})
+    assert set(av.availability_for("p0").p_local) == {"b", "c", "d"}
+
+
 def test_entries_go_stale_after_the_ttl(env):
     av, clock, metrics = env
     av.update_p("p0", added={"a": 4})

@@ -308,7 +308,7 @@ class Planner:
         answer: every item to E (no_plan says why)."""
         identifiers = _identifiers(rendered, occ_items, len(items))
         idents = {occ.identifier for occ in rendered.occurrences}
-        e_side = self._availability(self.views[instance], rendered.cache_salt)
+        e_side = self._availability(self.views[instance], rendered.cache_salt, idents)
         # what E holds of this request only
         query = query_for(rendered, new_hex(128), e_cached=sorted(e_side.e_cached & idents))
         client = self.demand[instance]
@@ -356,7 +356,9 @@ class Planner:
             )
         view = self.views[instance]
         n = len(rendered.token_ids)
-        availability = self._availability(view, rendered.cache_salt)
+        availability = self._availability(
+            view, rendered.cache_salt, {occ.identifier for occ in rendered.occurrences}
+        )
         blind = False
         if view.usable and view.hasher is not None:
             blind = not view.complete
@@ -387,21 +389,24 @@ class Planner:
             blind=blind,
         )
 
-    def _availability(self, view: InstanceView, cache_salt: str | None) -> Availability:
-        """What `view`'s P, the external store and E hold for a request of this salt."""
-        avail, e_loc = self.availability, self.e_locations
+    def _availability(
+        self, view: InstanceView, cache_salt: str | None, identifiers: set[str]
+    ) -> Availability:
+        """What `view`'s P, the external store and E hold of these identifiers, for a request
+        of this salt (looked up one by one: the records hold thousands)."""
+        avail, e_loc, ids = self.availability, self.e_locations, identifiers
         if cache_salt is None:
-            return avail.availability_for(view.name, e_loc)
+            return avail.availability_for(view.name, e_loc, identifiers=ids)
         events_e = self.config.e_events
         tenanted = avail.availability_for(
-            view.name, None if events_e else e_loc, cache_salt=cache_salt
+            view.name, None if events_e else e_loc, cache_salt=cache_salt, identifiers=ids
         )
         if view.ec_subscriber is None and not events_e:
             return tenanted
         # vLLM's encoder caches are not scoped by cache salt: P's and E's entries from their
         # events (recorded without a tenant) serve this request too; what the proxy itself
         # sent to E stays per tenant.
-        shared = avail.availability_for(view.name, e_loc if events_e else None)
+        shared = avail.availability_for(view.name, e_loc if events_e else None, identifiers=ids)
         p_side = shared if view.ec_subscriber is not None else tenanted
         return Availability(
             p_local=p_side.p_local,
