@@ -4,7 +4,8 @@ They answer as fast as a raw asyncio HTTP/1.1 keep-alive server on uvloop can, s
 in front of them is the bottleneck. The E stub reads the encoder sub-request and answers the
 `ec_transfer_params` vLLM 0.33's encoder reports: one entry per media item, keyed by the item's
 `uuid`, with its position in the sub-request and a placeholder grid. The PD stub answers a fixed
-chat.completion, or a few SSE chunks and `data: [DONE]` when the request streams. Both answer
+chat.completion, or a few SSE chunks and `data: [DONE]` when the request streams, and renders
+(POST /v1/chat/completions/render, for `--policy index`). Both answer
 GET /health, GET /v1/models, GET /stats (counters the benchmark uses to check that each proxy
 did the same work: encoder items, raw vs. rewritten images reaching PD) and GET /last (the last
 chat body received, to compare what each proxy sends on the wire).
@@ -181,6 +182,36 @@ def encoder_answer(body: bytes, stats: Stats) -> bytes:
     )
 
 
+IMAGE_TOKENS = 16  # Qwen2-VL's grid [1, 8, 8] merged 2x2
+IMAGE_PAD = 151655
+
+
+def render_answer(body: bytes) -> bytes:
+    """vLLM's render (`"mm_payload": "none"`) of a chat request, as a PD started with
+    --enable-scale-out answers it: one token per 4 bytes of text, IMAGE_TOKENS placeholders
+    per image, each image named by its uuid (the proxy sends them filled in)."""
+    req = _decode(body)
+    tokens: list[int] = [1]
+    ids, ranges = [], []
+    for msg in req.get("messages", ()):
+        content = msg.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+        for part in parts:
+            if part.get("type") == "text":
+                text = part.get("text") or ""
+                tokens += [100 + (b % 1000) for b in text.encode()[::4]]
+            elif part.get("type") in MM_TYPES:
+                ids.append(part["uuid"])
+                ranges.append({"offset": len(tokens), "length": IMAGE_TOKENS})
+                tokens += [IMAGE_PAD] * IMAGE_TOKENS
+    features = {"mm_hashes": {"image": ids}, "mm_placeholders": {"image": ranges}}
+    out: dict[str, Any] = {"request_id": "render-stub", "token_ids": tokens}
+    out["features"] = features if ids else None
+    if req.get("cache_salt") is not None:
+        out["cache_salt"] = req["cache_salt"]
+    return _encode(out)
+
+
 def dechunk(buf: bytearray, start: int) -> tuple[bytes, int] | None:
     """Decode a chunked body starting at `start`: (body, end offset), or None if incomplete."""
     out = bytearray()
@@ -258,6 +289,12 @@ class StubProtocol(asyncio.Protocol):
                 self.transport = None
 
     def answer(self, method: bytes, path: bytes, body: bytes) -> bytes:
+        if path == b"/v1/chat/completions/render" and self.role == "pd" and method == b"POST":
+            try:
+                return _response(200, render_answer(body))
+            except Exception as exc:
+                self.stats.errors += 1
+                return _response(400, _encode({"error": str(exc)}))
         if path == b"/v1/chat/completions":
             if method != b"POST":
                 return _response(405, b'{"error":"method"}')

@@ -25,6 +25,7 @@ defaults
     timeout connect 2s
     timeout client 600s
     timeout server 600s
+    timeout check 10s
     retries 3
     option redispatch 1
 frontend replicas
@@ -33,7 +34,7 @@ frontend replicas
 backend replicas
     balance roundrobin
     option httpchk GET /health
-    default-server inter 200ms fall 1 rise 1
+    default-server inter 200ms fall 2 rise 1
 {servers}
 """
 
