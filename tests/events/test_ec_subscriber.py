@@ -125,7 +125,8 @@ def test_a_late_join_is_incomplete_until_p_clears_its_encoder_cache():
         ctx.term()
 
 
-def test_a_late_join_bootstraps_from_ps_encoder_cache_snapshot():
+@pytest.mark.parametrize("side", ["p", "e"])
+def test_a_late_join_bootstraps_from_the_encoder_cache_snapshot(side):
     # P's encoder cache held old0 (in use), old1 and old2 (freeable, old1 the oldest) before the
     # subscriber came; its buffer (1 batch) holds none of that: the snapshot does.
     import threading
@@ -159,15 +160,24 @@ def test_a_late_join_bootstraps_from_ps_encoder_cache_snapshot():
     avail = EmbeddingAvailability(ttl_s=3600, metrics=metrics)
     sub = EncoderCacheEventSubscriber(
         pub.endpoint, pub.replay_endpoint, availability=avail, instance="P0", metrics=metrics,
-        snapshot_endpoint=f"tcp://127.0.0.1:{port}",
+        snapshot_endpoint=f"tcp://127.0.0.1:{port}", side=side,
     ).start()  # fmt: skip
+
+    def held():  # an E's entries are the E side (freeable or not), a P's its P-local ones
+        if side == "e":
+            return set(avail.availability_for("X", "P0").e_cached), set()
+        local, freeable = _p(avail)
+        return set(local), freeable
+
     try:
         _until(lambda: sub.complete)
-        local, freeable = _p(avail)
-        assert local == {"old0": 16, "old1": 16, "old2": 16} and freeable == {"old1", "old2"}
+        everything = {"old0", "old1", "old2"}
+        assert held() == (everything, {"old1", "old2"} if side == "p" else set())
+        if side == "p":
+            assert _p(avail)[0] == {"old0": 16, "old1": 16, "old2": 16}
         pub.publish(_batch(EncoderCacheEvicted(["old1"])))  # seq 5: the stamp, applied on top
-        _until(lambda: "old1" not in _p(avail)[0])
-        assert sub.complete
+        _until(lambda: "old1" not in held()[0])
+        assert sub.complete and held()[0] == {"old0", "old2"}
     finally:
         sub.stop()
         stop.set()
@@ -199,6 +209,10 @@ def test_an_es_events_become_e_side_entries_freeable_or_not():
         _until(lambda: e_side() == {"a", "b"})
         pub.publish(_batch(EncoderCacheFreeable(["a"]), EncoderCacheEvicted(["b"])))
         _until(lambda: e_side() == {"a"})
+        pub.publish(b"\x93\xcb garbage")  # a hostile or broken E: forgotten, never kept stale
+        _until(lambda: e_side() == set())
+        pub.publish(_batch(EncoderCacheStored("d", 4)))
+        _until(lambda: e_side() == {"d"})
         pub.publish(_batch(EncoderCacheCleared()))
         _until(lambda: e_side() == set())
         assert sub.is_alive and sub.complete
