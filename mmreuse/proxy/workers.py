@@ -114,6 +114,7 @@ class Supervisor:
         self._dir = tempfile.mkdtemp(prefix="mmreuse-proxy-")
         self._procs: dict[int, Any] = {}
         self._started: dict[int, float] = {}
+        self.restarts: dict[int, int] = {}  # per worker, as /health reports them
         self._pipes: dict[int, Any] = {}  # a restarted worker's, until it says how it started
         self._stopping = False
         self.registry = CollectorRegistry()
@@ -188,6 +189,7 @@ class Supervisor:
                 logger.error("worker %d exited (code %s): starting it again", i, proc.exitcode)
                 proc.join(0)
                 self._restarts.labels(str(i)).inc()
+                self.restarts[i] = self.restarts.get(i, 0) + 1
                 old = self._pipes.pop(i, None)
                 if old is not None:
                     old.close()
@@ -254,7 +256,7 @@ class Supervisor:
         workers: dict[str, Any] = {}
         ok = True
         for (i, proc), r in zip(self._procs.items(), got, strict=True):
-            restarts = self._restarts.labels(str(i))._value.get()
+            restarts = self.restarts.get(i, 0)
             if r is None:
                 workers[str(i)] = {"up": False, "pid": proc.pid, "restarts": restarts}
                 ok = False
