@@ -9,9 +9,7 @@ without asking P per request. Skipped unless MMREUSE_LIVE=1.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 
 import pytest
 
@@ -19,26 +17,11 @@ from mmreuse.cluster.client import post_json
 from mmreuse.cluster.proxy import proxy_process
 from mmreuse.cluster.workload import conversations
 from mmreuse.proxy.metrics import sample_sum
-from tests.support.live_proxy import metrics_text
+from tests.support.live_proxy import metrics_text, until_complete
 
 pytestmark = pytest.mark.live
 
 SESSIONS = 2
-
-
-def _health(url: str) -> dict:
-    with urllib.request.urlopen(url + "/health", timeout=30) as r:
-        return json.loads(r.read())
-
-
-def _until_complete(url: str, timeout: float = 60.0) -> dict:
-    end = time.monotonic() + timeout
-    while True:
-        health = _health(url)
-        if health["mmreuse"]["views"]["PD0"]["complete"]:
-            return health
-        assert time.monotonic() < end, health["mmreuse"]
-        time.sleep(0.05)
 
 
 def _turn(url: str, requests, turn: int) -> None:
@@ -61,7 +44,7 @@ def test_a_late_and_a_restarted_proxy_plan_on_what_p_cached_before_them(
         t0 = time.monotonic()
         with proxy_process(args, tmp_path / f"index-{name}.log") as url:
             up = time.monotonic() - t0
-            health = _until_complete(url)
+            health = until_complete(url)
             done = time.monotonic() - t0
             print(f"{name} proxy: up in {up:.2f} s, its view complete {done:.2f} s after start")
             assert not any("incomplete" in p for p in health["mmreuse"]["problems"]), health
@@ -94,12 +77,12 @@ def test_p_restarted_under_a_running_proxy_costs_no_request_and_no_stale_skip(
     requests = conversations(run, SESSIONS, 3)
     probe = cluster.probe()
     with proxy_process([*proxy_flags(["P0"]), "--policy", "index"], tmp_path / "p.log") as url:
-        _until_complete(url)
+        until_complete(url)
         for turn in (0, 1):
             _turn(url, requests, turn)
         before = metrics_text(url)
         took = cluster.restart("P0")
-        health = _until_complete(url, timeout=120)
+        health = until_complete(url, timeout=120)
         print(
             f"P0 restarted in {took:.1f} s; the proxy's view: {health['mmreuse']['views']['PD0']}"
         )

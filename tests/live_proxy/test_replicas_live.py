@@ -11,9 +11,7 @@ from P0's and E0's snapshots) before the next: a rolling restart, every request 
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections import Counter
 from contextlib import ExitStack
 
@@ -27,28 +25,13 @@ from mmreuse.cluster.workload import conversations
 from mmreuse.demand_query import DemandAnswer, DemandQuery, decode_answer, encode, query_for
 from mmreuse.events.snapshot import fetch_snapshot
 from mmreuse.proxy.metrics import sample_sum
-from tests.support.live_proxy import metrics_text
+from tests.support.live_proxy import metrics_text, until_complete
 
 pytestmark = pytest.mark.live
 
 SESSIONS, TURNS, WARM_TURNS = 3, 4, 1
 E_BOUND = ("e_cached", "e_compute")  # what goes to E: the two agree on it whatever E holds
 CLASSES = ("kv_covered", "no_embeds", "p_local", "p_external", "e_cached", "e_compute", "duplicate")
-
-
-def _health(url: str) -> dict:
-    with urllib.request.urlopen(url + "/health", timeout=30) as r:
-        return json.loads(r.read())
-
-
-def _until_complete(url: str, timeout: float = 120.0) -> None:
-    end = time.monotonic() + timeout
-    while True:
-        m = _health(url)["mmreuse"]
-        if m["views"]["PD0"]["complete"] and all(v["complete"] for v in m["e_views"].values()):
-            return
-        assert time.monotonic() < end, m
-        time.sleep(0.05)
 
 
 def _classes(url: str) -> Counter:
@@ -91,7 +74,7 @@ def test_replicas_behind_a_balancer_decide_as_p_answers_through_a_rolling_restar
             s = ExitStack()
             s.enter_context(proxy_process(args, tmp_path / f"r{i}-{time.time_ns()}.log", port=ports[i]))  # fmt: skip
             replicas[i] = s
-            _until_complete(urls[i])
+            until_complete(urls[i])
 
         def stop(i: int) -> None:
             replicas.pop(i).close()
@@ -99,7 +82,7 @@ def test_replicas_behind_a_balancer_decide_as_p_answers_through_a_rolling_restar
         stack.callback(lambda: [s.close() for s in replicas.values()])
         start(0)
         took = cluster.restart("P0")  # R0 was there before P0
-        _until_complete(urls[0])
+        until_complete(urls[0])
         lb = stack.enter_context(haproxy(urls, tmp_path / "haproxy"))
         for _s, t, body in requests:
             if t < WARM_TURNS:

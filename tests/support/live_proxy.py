@@ -3,6 +3,7 @@ PDs, and one policy's run over a multi-turn workload with what the probe and /me
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 import urllib.request
@@ -34,6 +35,24 @@ def proxy_args(cluster, prefills):
         out += [flag, value]
         i += 2
     return out
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def until_complete(url: str, timeout: float = 60.0) -> dict:
+    """The proxy's /health once every view of P and of E it follows is complete."""
+    end = time.monotonic() + timeout
+    while True:
+        got = health(url)
+        m = got["mmreuse"]
+        views = [*m["views"].values(), *m.get("e_views", {}).values()]
+        if all(v["complete"] for v in views):
+            return got
+        assert time.monotonic() < end, m
+        time.sleep(0.05)
 
 
 def metrics_text(url: str) -> str:
