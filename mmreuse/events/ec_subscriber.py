@@ -10,7 +10,8 @@ from the next events: a false "not cached", never a false "cached"). vLLM's enco
 not scoped by cache salt, so the entries are recorded without a tenant (`cache_salt=None`).
 
 The view it feeds is anything with `EmbeddingAvailability`'s `update_p`, `update_e` and
-`forget_instance` (`AvailabilitySink`): `mmreuse.events` does not import `mmreuse.availability` (nor the reverse).
+`forget_instance` (`AvailabilitySink`): `mmreuse.events` does not import
+`mmreuse.availability` (nor the reverse).
 """
 
 from __future__ import annotations

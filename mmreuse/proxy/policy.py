@@ -308,9 +308,9 @@ class Planner:
         answer: every item to E (no_plan says why)."""
         identifiers = _identifiers(rendered, occ_items, len(items))
         idents = {occ.identifier for occ in rendered.occurrences}
+        # what E holds of this request only (looked up for its identifiers alone)
         e_side = self._availability(self.views[instance], rendered.cache_salt, idents)
-        # what E holds of this request only
-        query = query_for(rendered, new_hex(128), e_cached=sorted(e_side.e_cached & idents))
+        query = query_for(rendered, new_hex(128), e_cached=sorted(e_side.e_cached))
         client = self.demand[instance]
         assert client is not None  # _ask_instead, or the policy asks every instance
         try:
