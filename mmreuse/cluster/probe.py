@@ -1,9 +1,11 @@
 """Count the encoder forwards each vLLM instance really ran (vLLM has no metric for them).
 
-Two witnesses: the scheduler's iteration-details log lines (`--enable-logging-iteration-details`),
+Witnesses: the scheduler's iteration-details log lines (`--enable-logging-iteration-details`),
 which say `encoder inputs: N` for every iteration that ran the encoder on N items, on E and on P;
-and, for E, the `*.safetensors` files ECExampleConnector wrote (one per encoded item). Files,
-not folders: a consumer's cache miss creates an empty `<id>/` folder.
+the MooncakeStoreConnector's "store miss at load" lines (an item the scheduler planned to load
+that the worker encoded instead, which the scheduler's line does not count); and, for E under
+ECExampleConnector, the `*.safetensors` files it wrote (one per encoded item). Files, not
+folders: a consumer's cache miss creates an empty `<id>/` folder.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..embedding_store import LOAD_MISS_LOG
 
 __all__ = [
     "EncoderCount",
@@ -43,6 +47,12 @@ class EncoderCount:
     name: str
     log_inputs: int
     files: int | None = None
+    load_misses: int = 0  # loads the worker encoded instead (MooncakeStoreConnector)
+
+    @property
+    def forwards(self) -> int:
+        """Every item this instance's encoder ran on."""
+        return self.log_inputs + self.load_misses
 
 
 class EncoderProbe:
@@ -52,16 +62,16 @@ class EncoderProbe:
     def __init__(self, logs: dict[str, Path], ec_dir: Path | None = None) -> None:
         self._logs = {name: Path(p) for name, p in logs.items()}
         self._ec_dir = None if ec_dir is None else Path(ec_dir)
-        self._base: dict[str, int] = {}
+        self._base: dict[str, tuple[int, int]] = {}
         self._base_files: frozenset[str] = frozenset()
         self.reset()
 
-    def _total(self, name: str) -> int:
+    def _total(self, name: str) -> tuple[int, int]:
         try:
             text = self._logs[name].read_text(errors="replace")
         except OSError:
-            return 0
-        return count_encoder_inputs(text)
+            return 0, 0
+        return count_encoder_inputs(text), text.count(LOAD_MISS_LOG)
 
     def reset(self) -> None:
         """Count from now on."""
@@ -80,7 +90,8 @@ class EncoderProbe:
         if name not in self._logs:
             raise KeyError(f"name must be one of {sorted(self._logs)}, got {name!r}")
         files = len(self.new_files()) if self._ec_dir and name.startswith("E") else None
-        return EncoderCount(name, self._total(name) - self._base[name], files)
+        (inputs, misses), (inputs0, misses0) = self._total(name), self._base[name]
+        return EncoderCount(name, inputs - inputs0, files, misses - misses0)
 
     def counts(self) -> dict[str, EncoderCount]:
         return {name: self.count(name) for name in self._logs}

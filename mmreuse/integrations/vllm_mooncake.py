@@ -1,0 +1,317 @@
+"""`MooncakeStoreConnector`: a vLLM EC connector that keeps embeddings in the Mooncake Store,
+loaded by vLLM's own hook and run on Model Runner V1 (vLLM's own store path needs V2).
+
+    --ec-transfer-config '{"ec_connector": "MooncakeStoreConnector",
+        "ec_connector_module_path": "mmreuse.integrations.vllm_mooncake",
+        "ec_role": "ec_producer" | "ec_consumer" | "ec_both",
+        "ec_connector_extra_config": {"mooncake": {"master_server_address": "127.0.0.1:PORT",
+            "metadata_server": "http://127.0.0.1:PORT/metadata", "protocol": "tcp",
+            "global_segment_size": BYTES, "local_buffer_size": BYTES}}}'
+
+A producer (E) puts what it encodes; any instance's `has_cache_item` asks the store; a
+consumer (P) loads from it. Keys and objects are vLLM's (`mmreuse.embedding_store`), in
+vLLM's namespace for the model (`embedding_namespace` overrides it). Capacity is the segments
+the worker processes mount (`global_segment_size` each; 0 joins without one); the master
+evicts at its watermarks, so a put into a full store is a counted miss, not an error.
+
+Never a wrong output, never a dead engine: every store call is bounded (`store_timeout_s`,
+then `store_backoff_s` of misses), a lookup that fails answers "not held" (P encodes), and an
+item the scheduler planned to load that is gone when the worker reads it (evicted, master
+down, a junk object) is added to the step's encoder inputs, so the worker encodes it itself
+(logged as "mmreuse: store miss at load", which `EncoderProbe` counts). The lookup grants the
+item a Mooncake lease (the master's default_kv_lease_ttl, 10 s), so that race needs a master that failed in between.
+Imports vLLM: load it only inside vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+
+from ..embedding_store import (
+    DTYPE_CODES,
+    LOAD_MISS_LOG,
+    StoreCalls,
+    StoreObjectError,
+    embedding_key,
+    pack_embedding,
+    unpack_embedding,
+)
+from ..validate import check_float, check_int, check_str, fail_type
+
+__all__ = ["LOAD_MISS_LOG", "MooncakeStoreConnector", "MooncakeStoreConnectorMetadata"]
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+_FIELD = "ec_transfer_config.ec_connector_extra_config"
+_MOONCAKE_KEYS = ("master_server_address", "metadata_server")
+
+# one client per (process, configuration, segment): the scheduler and the worker of one
+# process share it; a process mounts its segment once
+_CLIENTS: dict[str, StoreCalls] = {}
+
+# Mooncake's return codes (its ErrorCode) that a put may meet in a healthy store
+OK, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS = 0, -200, -705
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """An item the scheduler planned to load: which request and input need it."""
+
+    mm_hash: str
+    num_token: int
+    req_id: str
+    input_id: int
+
+
+@dataclass
+class MooncakeStoreConnectorMetadata(ECConnectorMetadata):
+    """One step's work for the worker: the loads, the items a producer must make sure are
+    stored, and the step's `scheduled_encoder_inputs` (the same dict object: a load that
+    misses is encoded by adding it there)."""
+
+    loads: list[Load] = field(default_factory=list)
+    publish: list[str] = field(default_factory=list)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """The connector's settings, checked at start-up (a mistyped one stops the server)."""
+
+    master_server_address: str
+    metadata_server: str
+    protocol: str
+    device_name: str
+    global_segment_size: int
+    local_buffer_size: int
+    local_hostname: str
+    timeout: float
+    backoff: float
+    namespace: str | None
+
+    @staticmethod
+    def read(extra: Any) -> StoreSettings:
+        if not isinstance(extra, dict):
+            fail_type(_FIELD, "a dict", extra)
+        mc = extra.get("mooncake")
+        if not isinstance(mc, dict):
+            fail_type(f"{_FIELD}['mooncake']", "a dict (the Mooncake client's settings)", mc)
+        for key in _MOONCAKE_KEYS:
+            check_str(f"{_FIELD}['mooncake'][{key!r}]", mc.get(key), nonempty=True)
+        namespace = extra.get("embedding_namespace")
+        if namespace is not None:
+            check_str(f"{_FIELD}['embedding_namespace']", namespace, nonempty=True)
+        return StoreSettings(
+            master_server_address=mc["master_server_address"],
+            metadata_server=mc["metadata_server"],
+            protocol=check_str(f"{_FIELD}['mooncake']['protocol']", mc.get("protocol", "tcp")),
+            device_name=str(mc.get("device_name", "")),
+            global_segment_size=check_int(
+                f"{_FIELD}['mooncake']['global_segment_size']", mc.get("global_segment_size"), 0
+            ),
+            local_buffer_size=check_int(
+                f"{_FIELD}['mooncake']['local_buffer_size']",
+                mc.get("local_buffer_size", 64 << 20),
+                1 << 20,
+            ),
+            local_hostname=check_str(
+                f"{_FIELD}['mooncake']['local_hostname']", mc.get("local_hostname", "127.0.0.1")
+            ),
+            timeout=check_float(
+                f"{_FIELD}['store_timeout_s']", extra.get("store_timeout_s", 1.0), 0, lo_open=True
+            ),
+            backoff=check_float(
+                f"{_FIELD}['store_backoff_s']", extra.get("store_backoff_s", 2.0), 0
+            ),
+            namespace=namespace,
+        )
+
+
+def _store_calls(settings: StoreSettings, segment: int) -> StoreCalls:
+    key = json.dumps([settings.master_server_address, settings.metadata_server, segment])
+    calls = _CLIENTS.get(key)
+    if calls is None:
+
+        def connect() -> Any:
+            from mooncake.store import MooncakeDistributedStore
+
+            store = MooncakeDistributedStore()
+            rc = store.setup(
+                settings.local_hostname, settings.metadata_server, segment,
+                settings.local_buffer_size, settings.protocol, settings.device_name,
+                settings.master_server_address,
+            )  # fmt: skip
+            if rc != 0:
+                raise ConnectionError(
+                    f"Mooncake client set-up against {settings.master_server_address} returned {rc}"
+                )
+            logger.info(
+                "mmreuse: Mooncake Store client on %s, segment %d bytes",
+                settings.master_server_address, segment,
+            )  # fmt: skip
+            return store
+
+        calls = _CLIENTS[key] = StoreCalls(
+            connect, timeout=settings.timeout, backoff=settings.backoff
+        )
+    return calls
+
+
+def _namespace(vllm_config: Any) -> str:
+    """vLLM's embedding namespace for this model (its `build_embedding_namespace`)."""
+    from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding.data import (
+        build_embedding_namespace,
+    )
+
+    return str(build_embedding_namespace(vllm_config))
+
+
+class MooncakeStoreConnector(ECExampleConnector):
+    """See the module docstring. ECExampleConnector's `request_finished` (each item's grid,
+    reported by a producer) is kept as it is; its folder is never used."""
+
+    def __init__(self, vllm_config: Any, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        transfer = vllm_config.ec_transfer_config
+        self.settings = StoreSettings.read(transfer.ec_connector_extra_config)
+        self.namespace = self.settings.namespace or _namespace(vllm_config)
+        # the scheduler only asks; the worker process mounts the segment
+        segment = self.settings.global_segment_size if role == ECConnectorRole.WORKER else 0
+        self.calls = _store_calls(self.settings, segment)
+        self.calls.warm()
+        self._answers: dict[str, bool] = {}
+        self._loads: dict[str, Load] = {}
+        self.stats = {"lookups": 0, "hits": 0, "loads": 0, "load_misses": 0, "puts": 0}
+        self.put_misses: dict[str, int] = {}
+        logger.info("mmreuse: MooncakeStoreConnector (%s), namespace %s", role.name, self.namespace)
+
+    def _key(self, identifier: str) -> str:
+        return embedding_key(self.namespace, identifier)
+
+    # ---- scheduler side ------------------------------------------------------------------------
+
+    def has_cache_item(self, identifier: str) -> bool:
+        key = self._key(identifier)
+        self.stats["lookups"] += 1
+        held = self.calls.call("is_exist", lambda s: s.is_exist(key), 0) == 1
+        self.stats["hits"] += held
+        self._answers[identifier] = held
+        return held
+
+    def update_state_after_alloc(self, request: Any, index: int) -> None:
+        # the answer the scheduler acted on in this step, not a second lookup: a second one
+        # that disagreed would leave a planned load without its metadata
+        mm_hash = request.mm_features[index].identifier
+        if not self.is_consumer or not self._answers.get(mm_hash, False):
+            return
+        self._loads[mm_hash] = Load(
+            mm_hash, request.get_num_encoder_embeds(index), request.request_id, index
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> MooncakeStoreConnectorMetadata:
+        publish: list[str] = []
+        if self.is_producer:
+            for req in scheduler_output.scheduled_new_reqs:
+                publish += [f.identifier for f in (req.mm_features or ()) if f is not None]
+        meta = MooncakeStoreConnectorMetadata(
+            loads=list(self._loads.values()),
+            publish=publish,
+            encoder_inputs=scheduler_output.scheduled_encoder_inputs,
+        )
+        self._loads.clear()
+        self._answers.clear()
+        return meta
+
+    # ---- worker side ---------------------------------------------------------------------------
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, MooncakeStoreConnectorMetadata):
+            return
+        from vllm.platforms import current_platform
+
+        device = current_platform.device_type
+        if current_platform.is_cuda_alike():
+            device = f"{device}:{current_platform.current_device()}"
+        for load in meta.loads:
+            if load.mm_hash in encoder_cache:
+                continue
+            tensor, why = self._load(load)
+            if tensor is not None:
+                encoder_cache[load.mm_hash] = tensor.to(device)
+                self.stats["loads"] += 1
+                continue
+            inputs = meta.encoder_inputs.setdefault(load.req_id, [])
+            if load.input_id not in inputs:
+                inputs.append(load.input_id)
+            self.stats["load_misses"] += 1
+            logger.warning(
+                "%s: %s for request %s input %d (%s); encoding it here",
+                LOAD_MISS_LOG, load.mm_hash, load.req_id, load.input_id, why,
+            )  # fmt: skip
+
+    def _load(self, load: Load) -> tuple[torch.Tensor | None, str]:
+        key = self._key(load.mm_hash)
+        data = self.calls.call("get", lambda s: s.get(key), b"")
+        if not data:
+            return None, f"not in the store ({self.calls.last_error or 'absent'})"
+        try:
+            obj = unpack_embedding(data, tokens=load.num_token)
+        except StoreObjectError as exc:
+            return None, f"junk object: {exc}"
+        flat = torch.frombuffer(bytearray(obj.payload), dtype=getattr(torch, obj.dtype))
+        return flat.view(obj.tokens, obj.hidden), ""
+
+    def start_save_caches(self, **kwargs: Any) -> None:
+        # an item this producer holds from an earlier step is not re-encoded, so save_caches
+        # never fires for it: make sure the store has it (it may have been evicted since)
+        meta = self._get_connector_metadata()
+        cache = kwargs.get("encoder_cache")
+        if not isinstance(meta, MooncakeStoreConnectorMetadata) or not cache:
+            return
+        held = [i for i in dict.fromkeys(meta.publish) if i in cache]
+        if not held:
+            return
+        keys = [self._key(i) for i in held]
+        there: list[int] = self.calls.call("batch_is_exist", lambda s: s.batch_is_exist(keys), [])
+        if len(there) != len(keys):
+            return
+        for identifier, state in zip(held, there, strict=True):
+            if state != 1:
+                self._put(identifier, cache[identifier])
+
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
+        if self.is_producer:
+            self._put(mm_hash, encoder_cache[mm_hash])
+
+    def _put(self, identifier: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().to("cpu").contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if t.ndim != 2 or dtype not in DTYPE_CODES:
+            self._put_missed("unsupported", identifier, f"{tuple(t.shape)} {dtype}")
+            return
+        data = pack_embedding(dtype, t.shape[0], t.shape[1], t.view(torch.uint8).numpy().tobytes())
+        key = self._key(identifier)
+        rc = self.calls.call("put", lambda s: s.put(key, data), None)
+        if rc in (OK, OBJECT_ALREADY_EXISTS):
+            self.stats["puts"] += 1
+        elif rc == NO_AVAILABLE_HANDLE:
+            self._put_missed("full", identifier, "the store is full until the master evicts")
+        else:
+            self._put_missed("failed", identifier, f"{rc} {self.calls.last_error}")
+
+    def _put_missed(self, reason: str, identifier: str, detail: str) -> None:
+        self.put_misses[reason] = self.put_misses.get(reason, 0) + 1
+        logger.warning("mmreuse: store put of %s not done (%s): %s", identifier, reason, detail)
+
+    def shutdown(self) -> None:
+        self.calls.close()
