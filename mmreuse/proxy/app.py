@@ -48,6 +48,7 @@ from .media import (
 from .metrics import ProxyMetrics
 from .models import ModelCatalog
 from .policy import Decision, Planner
+from .store import StoreTruth
 from .views import EncoderView, InstanceView
 
 logger = logging.getLogger("mmreuse.proxy")
@@ -156,6 +157,17 @@ class Proxy:
             else []
         )
         self.demand = [c for c in clients if c is not None]
+        self.store = (
+            StoreTruth(
+                config.e_store_url,
+                config.e_store_namespace,
+                self._session,
+                timeout_s=config.e_store_timeout_s,
+                on_outcome=lambda outcome: self.metrics.e_store_queries.labels(outcome).inc(),
+            )
+            if config.e_store_url is not None and config.e_store_namespace is not None
+            else None
+        )
         self.planner = Planner(
             config,
             self.views,
@@ -164,6 +176,7 @@ class Proxy:
             self.rng,
             clients,
             models=ModelCatalog(self._get),
+            store=self.store,
         )
         self.encoders = EncoderFanout(
             config.encode_urls,
@@ -650,6 +663,12 @@ class Proxy:
         ]
         if not cfg.policy.reads_view and cfg.routing == "random":
             problems = [p for p in problems if not p.endswith("no KV events endpoint")]
+        store = self.store.health() if self.store is not None else None
+        if store is not None and store["last_outcome"] not in (None, "ok"):
+            problems.append(
+                f"e store: last query {store['last_outcome']}: {store['last_error']} "
+                "(planned with this proxy's own record meanwhile)"
+            )
         demand = {c.name: c.health() for c in self.demand}
         for name, h in demand.items():
             if not h["running"]:
@@ -675,6 +694,7 @@ class Proxy:
                 else None,
                 "views": views,
                 **({"e_views": e_views} if e_views else {}),
+                **({"e_store": store} if store is not None else {}),
                 **({"demand": demand} if demand else {}),
             },
         }

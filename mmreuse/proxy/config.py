@@ -129,6 +129,11 @@ class ProxyConfig:
     seed: int | None = None  # the routing RNG's seed (tests); None = system entropy
     # a demand query (demand, opportunistic) not answered within it costs the plan
     demand_timeout_s: float = 1.0
+    # --e-store-url / --e-store-namespace: the shared embedding store (a Mooncake master's
+    # HTTP address) asked what it holds, per request (mmreuse.proxy.store); None: not asked
+    e_store_url: str | None = None
+    e_store_namespace: str | None = None
+    e_store_timeout_s: float = 0.25
     # The URLs of `instances`, in order (derived: what policy.Planner indexes by instance).
     prefill_instances: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -167,6 +172,21 @@ class ProxyConfig:
             raise InvalidArgument(f"workers={self.workers!r} must be an int in 1..{MAX_WORKERS}")
         if self.workers > 1 and self.metrics_port is None:
             raise InvalidArgument(f"workers={self.workers} needs metrics_port (--metrics-port)")
+        if (self.e_store_url is None) != (self.e_store_namespace is None):
+            raise InvalidArgument(
+                f"e_store_url={self.e_store_url!r} and e_store_namespace="
+                f"{self.e_store_namespace!r}: give both (--e-store-url, --e-store-namespace) "
+                "or neither"
+            )
+        if self.e_store_url is not None and not self.e_store_url.startswith(
+            ("http://", "https://")
+        ):
+            raise InvalidArgument(f"e_store_url={self.e_store_url!r} must be an http:// URL")
+        if self.e_store_namespace is not None and not self.e_store_namespace:
+            raise InvalidArgument("e_store_namespace must not be empty")
+        t = self.e_store_timeout_s
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise InvalidArgument(f"e_store_timeout_s={t!r} must be a finite number > 0")
 
     @property
     def e_events(self) -> bool:
@@ -425,6 +445,26 @@ def build_parser() -> argparse.ArgumentParser:
         "completes its E view from E's snapshot",
     )
     g.add_argument(
+        "--e-store-url",
+        default=None,
+        help="the shared embedding store's HTTP address (a Mooncake master's metrics port, "
+        "e.g. http://127.0.0.1:9003): asked per request which items it holds, so that every "
+        "replica sees the same store and an item P's EC connector loads skips E (needs "
+        "--e-store-namespace)",
+    )
+    g.add_argument(
+        "--e-store-namespace",
+        default=None,
+        help="the key namespace P's EC connector uses (it logs it: 'MooncakeStoreConnector "
+        "(...), namespace NS'); keys are NS@id:IDENTIFIER, as in vLLM's Mooncake backend",
+    )
+    g.add_argument(
+        "--e-store-timeout",
+        type=float,
+        default=0.25,
+        help="seconds a store query may take; later, the request is planned without it",
+    )
+    g.add_argument(
         "--e-cache-items",
         type=int,
         default=4096,
@@ -655,4 +695,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         e_cache_items=args.e_cache_items,
         e_cache_ttl_s=args.e_cache_ttl,
         demand_timeout_s=args.demand_timeout,
+        e_store_url=args.e_store_url.rstrip("/") if args.e_store_url else None,
+        e_store_namespace=args.e_store_namespace,
+        e_store_timeout_s=args.e_store_timeout,
     )

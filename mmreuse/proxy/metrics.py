@@ -113,6 +113,14 @@ class ProxyMetrics:
             ["stage"],
             registry=r,
         )
+        self.e_store_queries = Counter(
+            "mmreuse_proxy_e_store_queries_total",
+            "queries to the shared embedding store (--e-store-url) by outcome: ok, timeout, "
+            "unreachable, http_error, junk (an answer that is not one); all but ok plan the "
+            "request without the store",
+            ["outcome"],
+            registry=r,
+        )
         self.demand_answers = Counter(
             "mmreuse_proxy_demand_answers_total",
             "demand queries (demand, opportunistic) by instance and outcome: ok, timeout, error "

@@ -35,6 +35,7 @@ from .demand import DemandClient, DemandUnavailable
 from .encoder import new_hex
 from .media import MODALITY, item_uuid, with_uuids
 from .models import ModelCatalog
+from .store import StoreTruth
 from .views import InstanceView
 
 logger = logging.getLogger("mmreuse.proxy")
@@ -99,9 +100,13 @@ class Planner:
         demand: Sequence[DemandClient | None] = (),
         *,
         models: ModelCatalog | None = None,
+        store: StoreTruth | None = None,
     ) -> None:
         """`models`: what each P/PD serves, so that a request naming a LoRA adapter is not
-        planned on the base model's blocks (None: every request's model is taken as base)."""
+        planned on the base model's blocks (None: every request's model is taken as base).
+        `store`: the shared embedding store, asked what it holds of each request planned on
+        the view (what P's EC connector loads: `p_external`)."""
+        self.store = store
         self.config = config
         self.models = models
         self.views = list(views)
@@ -197,7 +202,12 @@ class Planner:
             if rendered.occurrences and (self._asks or self._ask_instead(instance)):
                 decision = await self._ask(rendered, occ_items, items, instance)
             else:
-                decision = self._plan(rendered, occ_items, items, instance, memo)
+                external = None
+                if self.store is not None and rendered.occurrences and self.policy.reads_view:
+                    external = await self.store.held(
+                        {occ.identifier for occ in rendered.occurrences}
+                    )
+                decision = self._plan(rendered, occ_items, items, instance, memo, external)
         except (_NoPlan, InvalidArgument) as e:
             decision = _replace(self.eager(items, instance), no_plan=f"plan: {e}")
         except Exception as e:
@@ -348,7 +358,10 @@ class Planner:
         items: Sequence[Mapping[str, Any]],
         instance: int,
         memo: dict,
+        external: frozenset[str] | None = None,
     ) -> Decision:
+        """`external`: what the shared store holds of this request (None: not asked, or it
+        did not answer)."""
         if not self.policy.reads_view:
             return _replace(
                 self.eager(items, instance),
@@ -359,6 +372,8 @@ class Planner:
         availability = self._availability(
             view, rendered.cache_salt, {occ.identifier for occ in rendered.occurrences}
         )
+        if external is not None:  # the store's own answer, in place of any record of it
+            availability = replace(availability, p_external=external)
         blind = False
         if view.usable and view.hasher is not None:
             blind = not view.complete
