@@ -420,6 +420,13 @@ def _url_list(value: str | None) -> list[str]:
     return [u.strip() for u in (value or "").split(",") if u.strip()]
 
 
+# `mmreuse cluster up`'s store choices (mmreuse.cluster.cluster's EC_CONNECTORS and
+# DEFAULT_E_STORE_BYTES, which tests/test_cli.py checks these against: importing the cluster
+# package here would cost every command 0.15 s)
+EC_CONNECTORS = ("mooncake", "example")
+DEFAULT_E_STORE_BYTES = 256 << 20
+
+
 def _progress(done: int, total: int) -> None:
     print(f"\r  sent {done}/{total}", end="", file=sys.stderr, flush=True)
 
@@ -440,9 +447,18 @@ def cluster(args: argparse.Namespace) -> int:
                 prefills=args.prefills,
                 venv=venv,
                 startup_timeout=args.timeout,
+                ec_connector=args.ec_connector,
+                e_store_bytes=args.e_store_bytes,
             ).start(detach=True)
             print(f"mmreuse cluster: up in {run_dir}")
             print(f"  stop with: mmreuse cluster down --run-dir {run_dir}")
+            if c.store is not None:
+                r = c.store.record()
+                print(
+                    f"  mooncake_master {r['master']}  metadata {r['metadata_server']}  "
+                    f"{args.e_store_bytes} bytes of embeddings (a {r['segment_bytes']}-byte "
+                    f"segment)  pgid {r['pgid']}  log {r['log']}"
+                )
             for name, inst in c.instances.items():
                 s = inst.spec
                 print(f"  {name} {s.role:8} {s.url}  pgid {inst.pgid}  log {inst.log_path}")
@@ -550,6 +566,16 @@ def main(argv: list[str] | None = None) -> int:
             a.add_argument("--encoders", type=_int_arg(0), default=1)
             a.add_argument("--prefills", type=_int_arg(1), default=1)
             a.add_argument("--timeout", type=_int_arg(1), default=300, help="health wait, s")
+            a.add_argument(
+                "--ec-connector", choices=EC_CONNECTORS, default="mooncake",
+                help="the embedding store: the Mooncake Store (bounded, evicting) or vLLM's "
+                "ECExampleConnector folder (never forgets)",
+            )  # fmt: skip
+            a.add_argument(
+                "--e-store-bytes", type=_int_arg(16 << 20), default=DEFAULT_E_STORE_BYTES,
+                help="the Mooncake Store's capacity for embeddings (default 256 MiB), held by a "
+                "client of its own beside the master",
+            )  # fmt: skip
         a.set_defaults(func=cluster)
     try:
         args = parser.parse_args(argv)

@@ -193,3 +193,18 @@ def test_proxy_with_its_metrics_port_taken_names_that_address():
         out = _proxy("--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport))
         line = _one_error_line(out, "mmreuse proxy: error: ")
     assert f"cannot listen on 127.0.0.1:{mport}" in line
+
+
+def test_cluster_up_store_choices_are_the_clusters():
+    from mmreuse import cli
+    from mmreuse.cluster import cluster as cl
+
+    assert cli.EC_CONNECTORS == cl.EC_CONNECTORS
+    assert cli.DEFAULT_E_STORE_BYTES == cl.DEFAULT_E_STORE_BYTES
+
+
+def test_cluster_up_refuses_an_unknown_store(capsys):
+    from mmreuse.cli import main
+
+    assert main(["cluster", "up", "--ec-connector", "lmcache"]) == 2
+    assert "invalid choice: 'lmcache'" in capsys.readouterr().err

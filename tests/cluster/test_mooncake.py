@@ -14,15 +14,17 @@ from mmreuse.cluster.mooncake import (
     StoreSpec,
     _address,
     connections,
+    holder_argv,
     is_loopback,
     listeners,
     master_argv,
+    store_layout,
 )
 from mmreuse.errors import InvalidArgument
 
 
 def test_the_master_binds_and_serves_on_loopback_only():
-    argv = master_argv(StoreSpec(5001, 5002, 5003, high_watermark=0.8), Path("/v"))
+    argv = master_argv(StoreSpec(5001, 5002, 5003, 5004, high_watermark=0.8), Path("/v"))
     assert argv[0] == "/v/bin/mooncake_master"
     assert "--rpc_address=127.0.0.1" in argv and "--metrics_host=127.0.0.1" in argv
     assert "--http_metadata_server_host=127.0.0.1" in argv
@@ -31,18 +33,51 @@ def test_the_master_binds_and_serves_on_loopback_only():
 
 
 def test_a_clients_config_is_vllms_mooncake_store_config(tmp_path):
-    store = MooncakeStore(tmp_path, spec=StoreSpec(5001, 5002, 5003))
+    store = MooncakeStore(tmp_path, spec=StoreSpec(5001, 5002, 5003, 5004))
     cfg = store.client_config(64 << 20)
     assert cfg["master_server_address"] == "127.0.0.1:5001"
     assert cfg["metadata_server"] == "http://127.0.0.1:5003/metadata"
     assert cfg["protocol"] == "tcp" and cfg["global_segment_size"] == 64 << 20
+    assert store.client_config(0)["global_segment_size"] == 0  # joins without a segment
     with pytest.raises(InvalidArgument, match="segment_bytes"):
-        store.client_config(1)
+        store.client_config(1 << 20)  # below Mooncake's 16 MiB
 
 
-@pytest.mark.parametrize("field", ["rpc_port", "metrics_port", "metadata_port"])
+def test_the_holder_serves_on_loopback_and_mounts_the_segment():
+    argv = holder_argv(StoreSpec(5001, 5002, 5003, 5004), Path("/v"), 32 << 20)
+    assert argv[0] == "/v/bin/mooncake_client"
+    assert "--host=127.0.0.1" in argv and "--port=5004" in argv
+    assert "--global_segment_size=32MB" in argv  # Mooncake's MB is 2**20 bytes
+    assert "--master_server_address=127.0.0.1:5001" in argv
+
+
+@pytest.mark.parametrize(
+    ("capacity", "segment", "ballast"),
+    [
+        (1 << 20, 16 << 20, int((16 << 20) * 0.9) - (1 << 20)),  # a tiny store: mostly ballast
+        (64 << 10, 16 << 20, int((16 << 20) * 0.9) - (64 << 10)),
+        (
+            256 << 20,
+            285 << 20,
+            int((285 << 20) * 0.9) - (256 << 20),
+        ),  # a large one: a bigger segment
+    ],
+)
+def test_the_layout_evicts_at_the_capacity(capacity, segment, ballast):
+    assert store_layout(capacity, 0.9) == (segment, ballast)
+    seg, bal = store_layout(capacity, 0.9)
+    assert 0 <= int(seg * 0.9) - bal - capacity < 1  # the watermark is ballast + capacity
+    assert seg % (1 << 20) == 0 and seg >= 16 << 20
+
+
+def test_the_layout_refuses_a_store_too_small_to_hold_anything():
+    with pytest.raises(InvalidArgument, match="capacity"):
+        store_layout(1024, 0.9)
+
+
+@pytest.mark.parametrize("field", ["rpc_port", "metrics_port", "metadata_port", "holder_port"])
 def test_spec_ports_checked(field):
-    ports = {"rpc_port": 1, "metrics_port": 2, "metadata_port": 3, field: 0}
+    ports = {"rpc_port": 1, "metrics_port": 2, "metadata_port": 3, "holder_port": 4, field: 0}
     with pytest.raises(InvalidArgument, match=field):
         StoreSpec(**ports)
 

@@ -5,68 +5,17 @@ smaller than what is put evicts. Skipped unless MMREUSE_LIVE=1."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import textwrap
 import time
 
 import pytest
 
 from mmreuse.cluster.install import require_venv
 from mmreuse.cluster.mooncake import MooncakeStore, connections, is_loopback, listeners
+from tests.support.mooncake_client import Client
 
 pytestmark = pytest.mark.live
-
-# A client: mounts `segment` bytes, runs the commands read from stdin (one JSON list a line),
-# answers each with one JSON line; "wait" just answers (the test reads its sockets meanwhile).
-CLIENT = textwrap.dedent(
-    """
-    import json, os, sys
-    from mooncake.store import MooncakeDistributedStore
-    cfg = json.loads(sys.argv[1])
-    s = MooncakeDistributedStore()
-    ok = s.setup("127.0.0.1", cfg["metadata_server"], cfg["global_segment_size"],
-                 cfg["local_buffer_size"], cfg["protocol"], "", cfg["master_server_address"])
-    print(json.dumps({"setup": ok, "pid": os.getpid()}), flush=True)
-    for line in sys.stdin:
-        op, *args = json.loads(line)
-        if op == "put":
-            out = [s.put(k, bytes([i % 251]) * n) for i, (k, n) in enumerate(args)]
-        elif op == "get":
-            out = [[len(b), b[:1].hex()] for b in (s.get(k) for k in args)]
-        elif op == "exist":
-            out = [s.is_exist(k) for k in args]
-        else:
-            out = None
-        print(json.dumps(out), flush=True)
-    """
-)
-
-
-class Client:
-    def __init__(self, store: MooncakeStore, segment: int) -> None:
-        py = require_venv()
-        cfg = store.client_config(segment, 16 << 20)
-        self.proc = subprocess.Popen(
-            [str(py), "-c", CLIENT, json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env={**os.environ, **store.client_env()}, text=True, start_new_session=True,
-        )  # fmt: skip
-        hello = json.loads(self.proc.stdout.readline())
-        assert hello["setup"] == 0, hello
-        self.pid = hello["pid"]
-
-    def ask(self, *cmd):
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, "the client died"
-        return json.loads(line)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
 
 
 @pytest.fixture
@@ -123,3 +72,32 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+VLLM_COMPAT = """
+import struct, torch
+from vllm.distributed.ec_transfer.ec_connector.mooncake_store_embedding import data, store_client
+from mmreuse.embedding_store import HEADER, embedding_key, pack_embedding, unpack_embedding
+assert embedding_key("ns@x", "id1") == data.make_embedding_key("ns@x", "id1")
+for dt in ("float32", "float16", "bfloat16"):
+    t = torch.randn(5, 7).to(getattr(torch, dt))
+    ours = pack_embedding(dt, 5, 7, t.view(torch.uint8).numpy().tobytes())
+    theirs = store_client._encode_mooncake_tensor_metadata(t)
+    assert ours[: HEADER.size] == theirs, (dt, ours[:24], theirs)
+    spec = data.TensorSpec((5, 7), str(t.dtype), t.numel() * t.element_size())
+    store_client._validate_mooncake_tensor_metadata("k", ours[: HEADER.size], spec)
+    back = unpack_embedding(theirs + t.view(torch.uint8).numpy().tobytes(), tokens=5)
+    assert back.dtype == dt and (back.tokens, back.hidden) == (5, 7)
+print("ok")
+"""
+
+
+def test_objects_and_keys_are_vllms():
+    """vLLM's own store codec (in the side venv) reads mmreuse's objects and writes ones
+    mmreuse reads: a deployment can move between the two."""
+    if os.environ.get("MMREUSE_LIVE") != "1":
+        pytest.skip("set MMREUSE_LIVE=1")
+    out = subprocess.run(
+        [str(require_venv()), "-c", VLLM_COMPAT], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

