@@ -32,6 +32,7 @@ __all__ = [
     "HEADER",
     "LOAD_MISS_LOG",
     "MAGIC",
+    "UNAVAILABLE_LOG",
     "StoreCalls",
     "StoreObjectError",
     "StoredEmbedding",
@@ -49,6 +50,8 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 KEY_SEPARATOR = "@id:"
 # what the connector logs when an item planned as a load is encoded by the worker instead
 LOAD_MISS_LOG = "mmreuse: store miss at load"
+# ... and when an item P cannot encode (an embedding reference, no media) is not in the store
+UNAVAILABLE_LOG = "mmreuse: store lost a reference-only item"
 
 T = TypeVar("T")
 

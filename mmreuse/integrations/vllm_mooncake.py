@@ -37,6 +37,7 @@ from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampl
 from ..embedding_store import (
     DTYPE_CODES,
     LOAD_MISS_LOG,
+    UNAVAILABLE_LOG,
     StoreCalls,
     StoreObjectError,
     embedding_key,
@@ -188,6 +189,7 @@ class MooncakeStoreConnector(ECExampleConnector):
         self.calls.warm()
         self._answers: dict[str, bool] = {}
         self._loads: dict[str, Load] = {}
+        self._unavailable: set[str] = set()
         self.stats = {"lookups": 0, "hits": 0, "loads": 0, "load_misses": 0, "puts": 0}
         self.put_misses: dict[str, int] = {}
         logger.info("mmreuse: MooncakeStoreConnector (%s), namespace %s", role.name, self.namespace)
@@ -204,6 +206,39 @@ class MooncakeStoreConnector(ECExampleConnector):
         self.stats["hits"] += held
         self._answers[identifier] = held
         return held
+
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        # An item that reached P only as an embedding reference (a proxy's `*_embeds` rewrite:
+        # its placeholder metadata, no media) cannot be encoded here: if the store no longer
+        # holds it, vLLM's encoder would run on nothing and its engine die. Defer the request
+        # and let the scheduler fail it (retryable: the proxy's decode retry re-encodes).
+        for feature in request.mm_features or ():
+            pos = feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens or not self._reference_only(feature):
+                continue
+            if not self.has_cache_item(feature.identifier):
+                self._unavailable.add(request.request_id)
+                self.stats["unavailable"] = self.stats.get("unavailable", 0) + 1
+                logger.warning(
+                    "%s: %s, which request %s carries only as an embedding reference, is not "
+                    "in the store: failing the request (a retry re-encodes it)",
+                    UNAVAILABLE_LOG, feature.identifier, request.request_id,
+                )  # fmt: skip
+                return False
+        return True
+
+    def take_unavailable_requests(self) -> set[str]:
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def _reference_only(self, feature: Any) -> bool:
+        """Whether `feature` carries only placeholder metadata (what a producer publishes to
+        size it), not media this instance could encode."""
+        data = feature.data
+        if data is None:
+            return False
+        fields = self._metadata_resolver.fields_for(feature.modality)
+        return bool(fields) and set(data.get_data()) <= fields
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         # the answer the scheduler acted on in this step, not a second lookup: a second one

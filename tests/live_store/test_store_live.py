@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -21,7 +22,7 @@ from mmreuse.cluster import Cluster
 from mmreuse.cluster.client import image_part, png_data_url, post_json
 from mmreuse.cluster.mooncake import connections, is_loopback, listeners
 from mmreuse.cluster.proxy import proxy_process
-from mmreuse.embedding_store import HEADER, MAGIC, embedding_key
+from mmreuse.embedding_store import HEADER, MAGIC, UNAVAILABLE_LOG, embedding_key
 from mmreuse.proxy.metrics import sample_sum
 from tests.support.live_proxy import health, metrics_text, until_complete
 from tests.support.mooncake_client import Client
@@ -210,6 +211,39 @@ def test_an_entry_evicted_after_e_answered_is_encoded_by_p(store_cluster):
     out = _chat(c.instances["P0"].spec.url, parts, ec_transfer_params=first["ec_transfer_params"])
     assert _settle(probe, "P0", 1).forwards == 1  # P encoded it itself
     assert list(out["choices"][0]["token_ids"]) == _reference(c, 2, "evicted-ref")
+
+
+def test_a_reference_only_item_the_store_lost_fails_its_request_not_the_engine(store_cluster):
+    """What vLLM's reference proxy sends P for an item E encoded: its placeholder metadata
+    and uuid (`image_embeds`), no media. If the store lost it, P cannot encode it: the request
+    fails (retryable, HTTP 500) and P keeps serving; vLLM's encoder would otherwise run on
+    nothing and its engine die."""
+    c = store_cluster
+    parts = _parts(1, "refonly-1")
+    e, p = c.instances["E0"].spec.url, c.instances["P0"].spec.url
+    first = post_json(
+        e + "/v1/chat/completions",
+        {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": parts}]},
+    )
+    meta = first["ec_transfer_params"]["refonly-1"]["metadata"]
+    key = embedding_key(_namespace(c), "refonly-1")
+    remover = Client(c.store, 0)
+    try:
+        deadline = time.monotonic() + 25  # a lookup's lease (10 s) must pass first
+        while remover.ask("remove", key) != [0]:
+            assert time.monotonic() < deadline, "the entry could not be removed"
+            time.sleep(0.5)
+    finally:
+        remover.close()
+    # the reference's rewrite (disagg_epd_proxy.py): the metadata under "image_embeds"
+    placeholder = {"type": "image_embeds", "image_embeds": meta, "uuid": "refonly-1"}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _chat(p, [placeholder, parts[1]], ec_transfer_params=first["ec_transfer_params"])
+    assert err.value.code == 500
+    text = c.instances["P0"].log_path.read_text(errors="replace")
+    assert UNAVAILABLE_LOG in text and "EngineDeadError" not in text
+    assert c.instances["P0"].healthy()
+    assert _reference(c, 1, "refonly-after") == _reference(c, 1, "refonly-again")  # still serving
 
 
 def test_proxy_replicas_skip_e_for_what_the_store_holds(store_cluster, tmp_path):
