@@ -18,9 +18,12 @@ Never a wrong output, never a dead engine: every store call is bounded (`store_t
 then `store_backoff_s` of misses), a lookup that fails answers "not held" (P encodes), and an
 item the scheduler planned to load that is gone when the worker reads it (evicted, master
 down, a junk object) is added to the step's encoder inputs, so the worker encodes it itself
-(logged as "mmreuse: store miss at load", which `EncoderProbe` counts). The lookup grants the
-item a Mooncake lease (the master's default_kv_lease_ttl, 10 s), so that race needs a master that failed in between.
-Imports vLLM: load it only inside vLLM.
+(logged as "mmreuse: store miss at load", which `EncoderProbe` counts). An item P got only
+as an embedding reference (a proxy's `*_embeds` rewrite, no media) that the store lost fails
+its request instead (retryable), before the scheduler could plan an encode of nothing. The
+lookup grants the item a Mooncake lease (the master's `default_kv_lease_ttl`, 10 s), so a load
+misses only when the master or the holder failed in between; for a reference-only item that
+one case is left (its worker has nothing to encode). Imports vLLM: load it only inside vLLM.
 """
 
 from __future__ import annotations
