@@ -138,6 +138,7 @@ class Simulation:
             for e in range(cluster.num_encoders)
         ]
         self.external = EmbeddingLRU(cluster.external_store_embeds, self.view.external_changed)
+        self.e_reads_external = cluster.e_reads_external_store
 
     def _make_prefill(self, p: int) -> Prefill:
         view = self.view
@@ -298,7 +299,7 @@ class Simulation:
             ident, n = job.items[i]
             if job.ruled_out(ident, self.now):
                 duration = 0.0  # P said it is not needed before the forward started
-            elif encoder.cache.hit(ident):
+            elif self._e_holds(encoder, ident):
                 job.delivered[ident] = Delivery.E_CACHE
                 duration = self.cost.e_cache_hit_ms
             else:
@@ -323,11 +324,17 @@ class Simulation:
         else:
             encoder.busy = False
 
+    def _e_holds(self, encoder: Encoder, ident: str) -> bool:
+        """E serves `ident` without a forward: its cache, else (where E reads it) the store."""
+        if encoder.cache.hit(ident):
+            return True
+        return self.e_reads_external and self.external.hit(ident)
+
     def _fallback(self, ident: str, n: int) -> tuple[Delivery, float]:
         """P fetches what it needs and lacks: E's cache, else a forward; returns the delay."""
         encoder = self.encoders[self._next_encoder()]
         start = max(self.now, encoder.busy_until)
-        if encoder.cache.hit(ident):
+        if self._e_holds(encoder, ident):
             how, duration = Delivery.E_CACHE, self.cost.e_cache_hit_ms
         else:
             how, duration = Delivery.FORWARD, self.cost.encoder_ms_per_token * n

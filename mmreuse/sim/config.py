@@ -135,6 +135,9 @@ class ClusterConfig:
     p_encoder_cache_embeds: int = 16384  # vLLM's encoder_cache_size, in embeddings
     e_cache_embeds: int = 32768  # per E instance; 0 disables E's cache
     external_store_embeds: int = 0  # shared by P instances; 0 disables it
+    # E reads the external store too before a forward (a shared store E writes and every
+    # instance's EC connector asks, as the Mooncake Store is): a hit there is an E-cache hit
+    e_reads_external_store: bool = False
     prefix_caching: bool = True
     routing: str = "affine"  # "affine" (session -> P) | "random"
     view_lag_ms: float = 50.0  # how far behind the index policy's view runs
@@ -143,6 +146,7 @@ class ClusterConfig:
         _check_ints(self, "num_encoders", "num_prefills", "block_size", "p_kv_blocks", lo=1)
         _check_ints(self, "p_encoder_cache_embeds", "e_cache_embeds", "external_store_embeds", lo=0)
         check_bool(_field(self, "prefix_caching"), self.prefix_caching)
+        check_bool(_field(self, "e_reads_external_store"), self.e_reads_external_store)
         _check_choice(self, "routing", ROUTINGS, "'affine' or 'random'")
         _check_numbers(self, "view_lag_ms")
 

@@ -767,3 +767,26 @@ def test_memory_estimate_counts_fixed_image_tokens():
     huge = SimConfig(workload=WorkloadConfig(image_tokens="fixed:1048576"))
     with pytest.raises(ConfigError, match=r"^workload\.image_tokens: the run would need about"):
         check_memory(huge, available=8 << 30)
+
+
+def test_e_reading_the_shared_store_serves_what_its_own_cache_lost():
+    """E's cache holds nothing (0 embeddings), the shared store everything: with E reading the
+    store, every repeat E is sent is a hit there, not a forward; without, each is a forward."""
+    base = dict(e_cache_embeds=0, external_store_embeds=10**7, prefix_caching=False,
+                p_encoder_cache_embeds=0)  # fmt: skip
+    work = WorkloadConfig(kind="fanout", requests=300)
+    eager = {}
+    for reads in (False, True):
+        cfg = SimConfig(
+            policies=("eager",),
+            cluster=ClusterConfig(**base, e_reads_external_store=reads),
+            workload=work,
+        )
+        (row,), _ = run(cfg)
+        eager[reads] = row
+    distinct = len({o.identifier for r in generate(work, 0) for o in r.session.mm})
+    assert eager[False]["avoided_by_e_cache"] == 0
+    assert eager[True]["encoder_forwards"] <= distinct < eager[False]["encoder_forwards"]
+    assert eager[True]["avoided_by_e_cache"] > 0
+    with pytest.raises(InvalidArgument, match="e_reads_external_store"):
+        ClusterConfig(e_reads_external_store=1)
