@@ -106,10 +106,16 @@ class StoreSpec:
     holder_port: int
     high_watermark: float = 0.9  # used / capacity at which the master evicts
     eviction_ratio: float = 0.2  # of the objects, each time it evicts
+    # How long a lookup protects an object from eviction. Long enough for P's scheduler to
+    # look an item up and its worker to load it (one engine step); short, because the master
+    # evicts only objects no lease protects: with Mooncake's default (10 s) a full store
+    # keeps everything looked up in the last 10 s and evicts what was just put instead.
+    lease_ttl_ms: int = 2000
 
     def __post_init__(self) -> None:
         for name in ("rpc_port", "metrics_port", "metadata_port", "holder_port"):
             check_int(name, getattr(self, name), 1, 65535)
+        check_int("lease_ttl_ms", self.lease_ttl_ms, 100)
         check_float("high_watermark", self.high_watermark, 0, 1, lo_open=True)
         check_float("eviction_ratio", self.eviction_ratio, 0, 1, lo_open=True)
 
@@ -142,6 +148,7 @@ def master_argv(spec: StoreSpec, venv: Path) -> list[str]:
         f"--http_metadata_server_host={HOST}", f"--http_metadata_server_port={spec.metadata_port}",
         f"--eviction_high_watermark_ratio={spec.high_watermark}",
         f"--eviction_ratio={spec.eviction_ratio}",
+        f"--default_kv_lease_ttl={spec.lease_ttl_ms}",
     ]  # fmt: skip
 
 

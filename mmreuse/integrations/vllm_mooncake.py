@@ -21,7 +21,7 @@ down, a junk object) is added to the step's encoder inputs, so the worker encode
 (logged as "mmreuse: store miss at load", which `EncoderProbe` counts). An item P got only
 as an embedding reference (a proxy's `*_embeds` rewrite, no media) that the store lost fails
 its request instead (retryable), before the scheduler could plan an encode of nothing. The
-lookup grants the item a Mooncake lease (the master's `default_kv_lease_ttl`, 10 s), so a load
+lookup grants the item a Mooncake lease (the master's `default_kv_lease_ttl`), so a load
 misses only when the master or the holder failed in between; for a reference-only item that
 one case is left (its worker has nothing to encode). Imports vLLM: load it only inside vLLM.
 """
