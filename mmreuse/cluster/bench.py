@@ -40,10 +40,13 @@ from typing import Any
 from ..accounting import Bucket, Delivery, PolicyResult, account_request
 from ..decision import ItemClass, parse_item_class, parse_policy
 from ..proxy.metrics import sample_sum
-from ..sim.report import summarize
+from ..sim.report import percentile, summarize
 from ..validate import check_float, check_str
 from .client import render
 from .simchat import ChatRequest
+
+REFERENCE = "reference"  # bench-cluster's name for vLLM's reference proxy, run as a policy
+STREAM_ERROR = -2  # a request answered 200 whose stream then failed or broke off
 
 
 @dataclass(slots=True)
@@ -54,7 +57,9 @@ class RequestOutcome:
     status: int = 0
     ttft_ms: float | None = None
     decision: Any = None
-    records: list[Any] = field(default_factory=list)
+    records: list[Any] = field(default_factory=list)  # P's admission records
+    e_records: list[Any] = field(default_factory=list)  # E's, one per sub-request it admitted
+    text: str = ""  # the streamed answer
 
 
 def _free_port() -> int:
@@ -71,7 +76,8 @@ def _post(url: str, timeout: float = 30.0) -> int:
 
 def reset_caches(cluster: Any) -> None:
     """P's prefix and encoder caches, E's encoder cache (vLLM's dev endpoints: the harness
-    starts every server with VLLM_SERVER_DEV_MODE=1) and E's EC store, emptied."""
+    starts every server with VLLM_SERVER_DEV_MODE=1) and the embedding store (the Mooncake
+    Store's embeddings, or ECExampleConnector's folder), emptied."""
     for inst in cluster.instances.values():
         spec = inst.spec
         try:
@@ -92,7 +98,10 @@ def reset_caches(cluster: Any) -> None:
                     "VLLM_SERVER_DEV_MODE=1, so that each policy starts from cold caches"
                 ) from None
             raise
-    if cluster.ec_dir is not None:  # a remote deployment's store is its own to manage
+    store = getattr(cluster, "store", None)
+    if store is not None:  # the Mooncake Store: every embedding removed, leases or not
+        store.clear()
+    elif cluster.ec_dir is not None:  # a remote deployment's store is its own to manage
         for child in cluster.ec_dir.iterdir():
             shutil.rmtree(child, ignore_errors=True)
 
@@ -137,37 +146,57 @@ def record_heads(endpoints: Sequence[str]) -> list[int]:
     return heads
 
 
+def _e_sent(req: ChatRequest, out: RequestOutcome) -> tuple[set[str], dict[str, Delivery] | None]:
+    """What E was sent for this request, and how it produced each item when E's own records
+    say (None: no E records to go by). E's records are the truth under any proxy (the
+    reference's included): an item E encoded is a forward, one its encoder cache or the store
+    served is not."""
+    if out.e_records:
+        how: dict[str, Delivery] = {}
+        for rec in out.e_records:
+            for i, ident in enumerate(rec.identifiers):
+                if i in rec.encoded:
+                    how[ident] = Delivery.FORWARD
+                else:
+                    how.setdefault(ident, Delivery.E_CACHE)
+        return set(how), how
+    decision = out.decision
+    if decision is not None:
+        return {req.uuids[i] for i in decision.e_indices}, None
+    return set(), None
+
+
 def attribute(
     policy: str, requests: Sequence[ChatRequest], outcomes: Sequence[RequestOutcome]
 ) -> PolicyResult:
     """The simulator's accounting (`mmreuse.accounting.account_request`, the same function)
-    from what the real cluster did (the module docstring)."""
-    policy = parse_policy(policy)
-    r = PolicyResult(policy.value)
+    from what the real cluster did (the module docstring). `policy` "reference" is vLLM's
+    reference proxy (it sends E every item)."""
+    reference = policy == REFERENCE
+    e_at_once = True if reference else parse_policy(policy).e_at_once
+    r = PolicyResult(policy if reference else parse_policy(policy).value)
     sent_before: set[str] = set()
     for req, out in zip(requests, outcomes, strict=True):
         r.requests += 1
-        decision = out.decision
-        sent = set()  # the items' uuids are vLLM's identifiers (no processor kwargs here)
-        if decision is not None:
-            sent = {req.uuids[i] for i in decision.e_indices}
+        sent, how = _e_sent(req, out)
         rec = out.records[0] if out.records else None
         needs_encoding = False
         if rec is None:  # no record (a failed request): count its items as unknown forwards
             r.occurrences += len(req.uuids)
             r.buckets[Bucket.FORWARD] += len(req.uuids)
         else:
-            acct = account_request(**_record_account(rec, sent, sent_before))
+            acct = account_request(**_record_account(rec, sent, sent_before, how))
             r.add(acct)
             needs_encoding = acct.needs_encoding
         sent_before |= sent
         # E requests and transfers as the simulator counts them: one per client request that
-        # E was asked for something (opportunistic asks for everything), and one per request
-        # E delivered something for
-        if sent or (policy.e_at_once and req.uuids):
+        # E was asked for something (opportunistic and the reference ask for everything), and
+        # one per request E delivered something for
+        if sent or (e_at_once and req.uuids):
             r.e_requests += 1
         if sent:
             r.transfers += 1
+        decision = out.decision
         if out.status != 200 and decision is not None and decision.raw_with_uuid:
             r.wrong_skips += 1
         if out.ttft_ms is not None and out.status == 200:
@@ -176,21 +205,26 @@ def attribute(
     return r
 
 
-def _record_account(rec: Any, sent: set[str], sent_before: set[str]) -> dict[str, Any]:
+def _record_account(
+    rec: Any, sent: set[str], sent_before: set[str], how: dict[str, Delivery] | None = None
+) -> dict[str, Any]:
     """`account_request`'s arguments from P's admission record and what E was sent.
 
-    A delivery is a forward the first time E gets an identifier in the run (E's store starts
-    empty and keeps what it wrote), else E's store serves it. `would`: P's class at admission,
-    where a delivered item's `p_external` is the copy E just wrote (the simulator's `would`
-    leaves forwarded items out of the store): an E need. A late fallback is an item P encoded
-    itself that nobody delivered.
+    How E produced a delivery: E's own record (`how`) where there is one; else the first time
+    E gets an identifier in the run is a forward (E's store starts empty and keeps what it
+    wrote, as ECExampleConnector's does) and later ones its store serves. `would`: P's class
+    at admission, where a delivered item's `p_external` is the copy E just wrote (the
+    simulator's `would` leaves forwarded items out of the store): an E need. A late fallback
+    is an item P encoded itself that nobody delivered.
     """
     occurrences = [
         (ident, parse_item_class(cls, f"record {rec.request_id} classes[{i}]"))
         for i, (ident, cls) in enumerate(zip(rec.identifiers, rec.classes, strict=True))
     ]
     delivered = {
-        ident: Delivery.E_CACHE if ident in sent_before else Delivery.FORWARD
+        ident: how[ident]
+        if how is not None and ident in how
+        else (Delivery.E_CACHE if ident in sent_before else Delivery.FORWARD)
         for ident, _ in occurrences
         if ident in sent
     }
@@ -210,6 +244,15 @@ def _record_account(rec: Any, sent: set[str], sent_before: set[str]) -> dict[str
     }
 
 
+def _delta_text(line: bytes) -> str:
+    """The text of one streamed chunk (`data: {...}`), "" when it has none."""
+    try:
+        chunk = json.loads(line[6:])
+        return str(chunk["choices"][0]["delta"].get("content") or "")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return ""
+
+
 async def _send(session: Any, url: str, req: ChatRequest, tag: str, out: RequestOutcome) -> None:
     body = {**req.body, "stream": True}
     t0 = time.perf_counter()
@@ -217,9 +260,47 @@ async def _send(session: Any, url: str, req: ChatRequest, tag: str, out: Request
         f"{url}/v1/chat/completions", json=body, headers={"x-request-id": tag}
     ) as resp:
         out.status = resp.status
+        done = False
         async for line in resp.content:
-            if out.ttft_ms is None and line.startswith(b"data: ") and b'"content"' in line:
+            if line.startswith(b"data: [DONE]"):
+                done = True
+            if not line.startswith(b"data: ") or b'"content"' not in line:
+                if line.startswith(b"data: {") and b'"error"' in line:
+                    out.status = STREAM_ERROR  # vLLM failed it after the 200 went out
+                continue
+            if out.ttft_ms is None:
                 out.ttft_ms = (time.perf_counter() - t0) * 1e3
+            out.text += _delta_text(line)
+        if out.status == 200 and not done:
+            out.status = STREAM_ERROR  # the stream ended without vLLM's [DONE]
+
+
+async def _open_loop(
+    url: str,
+    requests: Sequence[ChatRequest],
+    outcomes: Sequence[RequestOutcome],
+    rate: float,
+    run: str,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """Send the stream to the proxy at `url`, request i at i / rate s (open loop)."""
+    import aiohttp
+
+    t0 = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        tasks = []
+        for i, (req, out) in enumerate(zip(requests, outcomes, strict=True)):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(_send(session, url, req, f"{run}-{req.rid}", out)))
+            if progress is not None:
+                progress(i + 1, len(requests))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    for res, out in zip(results, outcomes, strict=True):
+        if isinstance(res, BaseException):
+            out.status = -1
 
 
 async def _drive(
@@ -231,8 +312,8 @@ async def _drive(
     progress: Callable[[int, int], None] | None,
 ) -> tuple[list[RequestOutcome], str]:
     """Send the stream through an in-process `mmreuse proxy`; the outcomes and its /metrics."""
-    import aiohttp
     from aiohttp import web
+    from prometheus_client import generate_latest
 
     from ..proxy.app import PROXY_KEY, build_app
     from ..proxy.config import parse_args
@@ -251,33 +332,78 @@ async def _drive(
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
     try:
         await asyncio.sleep(1.0)  # the proxy's subscribers connect (slow joiner)
-        t0 = time.perf_counter()
-        timeout = aiohttp.ClientTimeout(total=600)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            tasks = []
-            for i, (req, out) in enumerate(zip(requests, outcomes, strict=True)):
-                delay = t0 + i / rate - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(
-                    asyncio.ensure_future(_send(session, url, req, f"{run}-{req.rid}", out))
-                )
-                if progress is not None:
-                    progress(i + 1, len(requests))
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-        for res, out in zip(results, outcomes, strict=True):
-            if isinstance(res, BaseException):
-                out.status = -1
-        proxy = app[PROXY_KEY]
-        from prometheus_client import generate_latest
-
-        metrics = generate_latest(proxy.metrics.registry).decode()
+        await _open_loop(f"http://127.0.0.1:{port}", requests, outcomes, rate, run, progress)
+        metrics = generate_latest(app[PROXY_KEY].metrics.registry).decode()
     finally:
         await runner.cleanup()
     return outcomes, metrics
+
+
+def _drive_reference(
+    cluster: Any,
+    env: dict[str, str],
+    requests: Sequence[ChatRequest],
+    rate: float,
+    run: str,
+    progress: Callable[[int, int], None] | None,
+) -> list[RequestOutcome]:
+    """Send the stream through vLLM 0.33.0's reference proxy (`disagg_epd_proxy.py`, run by
+    the side venv's python) in front of the same servers; the outcomes."""
+    import os
+    import subprocess
+
+    from ..proxy.reference import fetch_reference, reference_python
+
+    es = [i.spec.url for i in cluster.instances.values() if i.spec.role == "encoder"]
+    ps = [i.spec.url for i in cluster.instances.values() if i.spec.role == "prefill"]
+    port = _free_port()
+    argv = [
+        str(reference_python()), str(fetch_reference()), "--host", "127.0.0.1", "--port", str(port),
+        "--encode-servers-urls", ",".join(es), "--decode-servers-urls", ",".join(ps),
+    ]  # fmt: skip
+    log_dir = getattr(cluster, "log_dir", None)
+    log = open(os.devnull, "wb") if log_dir is None else open(log_dir / "reference_proxy.log", "ab")  # noqa: SIM115
+    with log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vLLM's reference proxy exited ({proc.returncode})")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("vLLM's reference proxy did not become healthy in 60 s")
+                time.sleep(0.2)
+            outcomes = [RequestOutcome(r.rid) for r in requests]
+            asyncio.run(_open_loop(url, requests, outcomes, rate, run, progress))
+        finally:
+            from .instance import stop_group
+
+            stop_group(proc.pid, timeout=10.0, leader=proc)
+    return outcomes
+
+
+def _by_tag(records: Sequence[Any], sub_requests: bool) -> dict[str, list[Any]]:
+    """Admission records by the client request's tag. vLLM's id is "chatcmpl-<x-request-id>-
+    <8 random>"; a proxy's E sub-request's x-request-id is "<tag>:<item>:<hex>" (the
+    reference's and mmreuse's alike)."""
+    out: dict[str, list[Any]] = {}
+    for rec in records:
+        rid = rec.request_id.removeprefix("chatcmpl-").rsplit("-", 1)[0]
+        tag = rid.split(":", 1)[0] if sub_requests else rid
+        out.setdefault(tag, []).append(rec)
+    return out
 
 
 def run_policy(
@@ -292,29 +418,36 @@ def run_policy(
 ) -> dict[str, Any]:
     """One policy's run on `cluster` (a started `mmreuse.cluster.Cluster`): its summary row
     (the simulator's keys, plus what only a real run has) and its PolicyResult. `proxy_args`:
-    the proxy's cluster flags (default `cluster.proxy_args()`, every P/PD)."""
-    policy = parse_policy(policy).value
+    the proxy's cluster flags (default `cluster.proxy_args()`, every P/PD). `policy`
+    "reference": vLLM's reference proxy in front of the same servers, in place of mmreuse's."""
+    reference = policy == REFERENCE
+    policy = REFERENCE if reference else parse_policy(policy).value
     check_str("run", run, nonempty=True)
     rate = check_float("rate", rate, 0, lo_open=True)
     reset_caches(cluster)
     ps = [i.spec for i in cluster.instances.values() if i.spec.role == "prefill"]
+    es = [i.spec for i in cluster.instances.values() if i.spec.role == "encoder"]
     endpoints = [str(p.demand_endpoint) for p in ps]
-    heads = record_heads(endpoints)
+    e_endpoints = [str(e.demand_endpoint) for e in es if getattr(e, "demand_endpoint", None)]
+    if len(e_endpoints) != len(es):
+        e_endpoints = []  # E keeps no records here: E's work is attributed by the old rule
+    heads, e_heads = record_heads(endpoints), record_heads(e_endpoints)
     probe = cluster.probe()
-    base = list(cluster.proxy_args() if proxy_args is None else proxy_args)
-    args = [*base, "--policy", policy]
     env = {"ENCODER_MAX_BATCH_SIZE": "2"}  # the tiny E's 64-token budget fits 2 images
     t0 = time.perf_counter()
-    outcomes, metrics = asyncio.run(_drive(args, env, requests, rate, run, progress))
+    if reference:
+        outcomes, metrics = _drive_reference(cluster, env, requests, rate, run, progress), ""
+    else:
+        base = list(cluster.proxy_args() if proxy_args is None else proxy_args)
+        args = [*base, "--policy", policy]
+        outcomes, metrics = asyncio.run(_drive(args, env, requests, rate, run, progress))
     wall = time.perf_counter() - t0
     time.sleep(1.0)  # the last records and log lines land
-    records = [r for recs in _records_since(endpoints, heads) for r in recs]
-    by_tag: dict[str, list[Any]] = {}
-    for rec in records:  # vLLM's id: "chatcmpl-<x-request-id>-<8 random>"
-        tag = rec.request_id.removeprefix("chatcmpl-").rsplit("-", 1)[0]
-        by_tag.setdefault(tag, []).append(rec)
+    p_recs = _by_tag([r for recs in _records_since(endpoints, heads) for r in recs], False)
+    e_recs = _by_tag([r for recs in _records_since(e_endpoints, e_heads) for r in recs], True)
     for req, out in zip(requests, outcomes, strict=True):
-        out.records = by_tag.get(f"{run}-{req.rid}", [])
+        out.records = p_recs.get(f"{run}-{req.rid}", [])
+        out.e_records = e_recs.get(f"{run}-{req.rid}", [])
     result = attribute(policy, requests, outcomes)
     counts = probe.counts() if probe is not None else None
     row = summarize(result)
@@ -325,31 +458,43 @@ def run_policy(
         for k, c in enumerate(rec.classes)
         if c == "p_external" and rec.identifiers[k] not in rec.identifiers[:k]
     )
+    e_classes = [c for out in outcomes for rec in out.e_records for c in rec.classes]
+
+    def forwards(prefix: str) -> int | None:
+        if counts is None:
+            return None
+        return sum(c.forwards for n, c in counts.items() if n.startswith(prefix))
+
     row.update(
         {
-            "e_subrequests": int(sample_sum(metrics, "mmreuse_proxy_encoder_subrequests_total")),
+            "e_subrequests": sum(len(o.e_records) for o in outcomes)
+            if reference
+            else int(sample_sum(metrics, "mmreuse_proxy_encoder_subrequests_total")),
             "connector_loads": loads,
-            "proxy_fallbacks": int(sample_sum(metrics, "mmreuse_proxy_fallbacks_total")),
-            # from the servers' iteration logs (None for a remote deployment: no logs here)
-            "e_forwards_probe": None
-            if counts is None
-            else sum(c.log_inputs for n, c in counts.items() if n.startswith("E")),
-            "p_forwards_probe": None
-            if counts is None
-            else sum(c.log_inputs for n, c in counts.items() if n.startswith("P")),
-            "e_items_sent": int(
-                sample_sum(metrics, "mmreuse_proxy_encoder_items_total", action="sent")
-            ),
-            "e_items_abandoned": int(
-                sample_sum(metrics, "mmreuse_proxy_encoder_items_abandoned_total")
-            ),
+            "proxy_fallbacks": None
+            if reference
+            else int(sample_sum(metrics, "mmreuse_proxy_fallbacks_total")),
+            # from the servers' own logs (None for a remote deployment: no logs here): what
+            # their encoders ran, the connector's load fallbacks included
+            "e_forwards_probe": forwards("E"),
+            "p_forwards_probe": forwards("P"),
+            "e_items_sent": sum(len(r.identifiers) for o in outcomes for r in o.e_records)
+            if reference
+            else int(sample_sum(metrics, "mmreuse_proxy_encoder_items_total", action="sent")),
+            "e_items_abandoned": None
+            if reference
+            else int(sample_sum(metrics, "mmreuse_proxy_encoder_items_abandoned_total")),
+            # E's own account of the items it admitted (None without E's records)
+            "e_store_hits": e_classes.count("p_external") if e_endpoints else None,
+            "e_cache_hits": e_classes.count("p_local") if e_endpoints else None,
+            "ttft_p90_ms": percentile(result.ttft_ms, 90),
             "failed_requests": sum(1 for o in outcomes if o.status != 200),
             "unrecorded_requests": sum(1 for o in outcomes if not o.records),
             "wall_s": round(wall, 3),
             "cpu_scale_latencies": True,
         }
     )
-    return {"row": row, "result": result}
+    return {"row": row, "result": result, "outputs": [o.text for o in outcomes]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,11 +619,15 @@ def simulate_like(
     sizes: Sequence[Any],
     e_cache_embeds: int = STORE_EMBEDS,
     seed: int = 0,
+    store: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """`mmreuse simulate` on the same stream, configured like the real cluster: the same
     arrivals (request i at i / rate s), P's real KV blocks, block size and encoder cache (its
-    DemandStats), E's store as both E's cache and the external store P loads from (unbounded,
-    shared), random routing as the proxy's default. The simulator's summary rows."""
+    DemandStats), random routing as the proxy's default, and the store. `store` None:
+    ECExampleConnector's, unbounded, as both E's cache and the external store P loads from.
+    `store` (E's encoder cache, the store's capacity), in embeddings: the Mooncake Store's,
+    E's own cache beside a bounded store that E reads before a forward and P loads from. The
+    simulator's summary rows."""
     import dataclasses
 
     from ..sim import run
@@ -492,8 +641,9 @@ def simulate_like(
         block_size=p.block_size,
         p_kv_blocks=min(s.kv_blocks for s in sizes),
         p_encoder_cache_embeds=min(s.encoder_cache_embeds for s in sizes),
-        e_cache_embeds=e_cache_embeds,
-        external_store_embeds=STORE_EMBEDS,
+        e_cache_embeds=e_cache_embeds if store is None else store[0],
+        external_store_embeds=STORE_EMBEDS if store is None else store[1],
+        e_reads_external_store=store is not None,
         routing="random",
     )
     cfg = SimConfig(seed=seed, policies=tuple(policies), cluster=cluster, workload=workload)

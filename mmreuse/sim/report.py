@@ -10,7 +10,7 @@ import numpy as np
 from ..accounting import Bucket, PolicyResult
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 3) if values else None
 
 
@@ -36,12 +36,12 @@ def summarize(r: PolicyResult) -> dict:
         "external_loads": r.external_loads,
         "late_fallbacks": r.late_fallbacks,
         "wrong_skips": r.wrong_skips,
-        "ttft_p50_ms": _pct(r.ttft_ms, 50),
-        "ttft_p99_ms": _pct(r.ttft_ms, 99),
-        "ttft_encode_p50_ms": _pct(r.ttft_encode_ms, 50),
-        "ttft_encode_p99_ms": _pct(r.ttft_encode_ms, 99),
-        "ttft_reuse_p50_ms": _pct(r.ttft_reuse_ms, 50),
-        "ttft_reuse_p99_ms": _pct(r.ttft_reuse_ms, 99),
+        "ttft_p50_ms": percentile(r.ttft_ms, 50),
+        "ttft_p99_ms": percentile(r.ttft_ms, 99),
+        "ttft_encode_p50_ms": percentile(r.ttft_encode_ms, 50),
+        "ttft_encode_p99_ms": percentile(r.ttft_encode_ms, 99),
+        "ttft_reuse_p50_ms": percentile(r.ttft_reuse_ms, 50),
+        "ttft_reuse_p99_ms": percentile(r.ttft_reuse_ms, 99),
         "requests_needing_encoding": len(r.ttft_encode_ms),
     }
 

@@ -107,3 +107,99 @@ def test_an_unknown_class_in_a_record_is_named():
         attribute("eager", [req(0, "a")], outs)
     with pytest.raises(ValueError, match=r"^policy must be one of"):
         attribute("x", [req(0, "a")], outs)
+
+
+def e_rec(idents, classes, encoded=()):
+    """E's admission record of one sub-request: what its encoder ran (`encoded`), what its
+    encoder cache (`p_local`) or the store (`p_external`) served."""
+    return NS(identifiers=list(idents), classes=list(classes), encoded=list(encoded))
+
+
+def test_es_own_records_say_which_deliveries_were_forwards():
+    """With a store that forgets, the same item sent twice can be two forwards: E's records
+    say so (the first-time rule would call the second a store hit), and an item the store
+    still had is no forward however new it is to the run."""
+    reqs = [req(0, "a"), req(1, "a"), req(2, "b")]
+    outs = [
+        out(0, [0], "a", ["p_external"]),
+        out(1, [0], "a", ["p_external"]),
+        out(2, [0], "b", ["p_external"]),
+    ]
+    outs[0].e_records = [e_rec("a", ["e_compute"], [0])]
+    outs[1].e_records = [e_rec("a", ["e_compute"], [0])]  # evicted meanwhile: encoded again
+    outs[2].e_records = [e_rec("b", ["p_external"])]  # another proxy's forward put it there
+    r = attribute("index", reqs, outs)
+    assert r.buckets[Bucket.FORWARD] == 2 and r.buckets[Bucket.E_CACHE] == 1
+    without = attribute(
+        "index", reqs, [out(i, [0], x, ["p_external"]) for i, x in enumerate("aab")]
+    )
+    assert without.buckets[Bucket.FORWARD] == 2 and without.buckets[Bucket.E_CACHE] == 1  # a, b
+
+
+def test_the_reference_proxy_is_attributed_from_es_records_alone():
+    """vLLM's reference proxy makes no decisions here: what E got is what E's records say,
+    and every request with images is an E request."""
+    reqs = [req(0, "a", "b"), req(1, "a")]
+    outs = [RequestOutcome(0, 200, 30.0, None, []), RequestOutcome(1, 200, 20.0, None, [])]
+    outs[0].records = [NS(request_id="r0", identifiers=["a", "b"], classes=["p_external"] * 2, encoded=[])]  # fmt: skip
+    outs[1].records = [NS(request_id="r1", identifiers=["a"], classes=["kv_covered"], encoded=[])]
+    outs[0].e_records = [e_rec("ab", ["e_compute", "e_compute"], [0, 1])]
+    outs[1].e_records = [e_rec("a", ["p_local"])]  # E's encoder cache
+    r = attribute("reference", reqs, outs)
+    assert r.e_requests == 2 and r.transfers == 2
+    assert r.buckets[Bucket.FORWARD] == 2 and r.buckets[Bucket.E_CACHE] == 1
+
+
+def test_records_are_joined_to_the_client_request_by_its_tag():
+    from mmreuse.cluster.bench import _by_tag
+
+    p = [NS(request_id="chatcmpl-run-3-1a2b3c4d"), NS(request_id="chatcmpl-run-3-99999999")]
+    e = [NS(request_id="chatcmpl-run-3:0:ab12cd-1a2b3c4d"), NS(request_id="chatcmpl-run-4:1:ff-0")]
+    assert {k: len(v) for k, v in _by_tag(p, False).items()} == {"run-3": 2}  # a retry too
+    assert {k: len(v) for k, v in _by_tag(e, True).items()} == {"run-3": 1, "run-4": 1}
+
+
+@pytest.mark.parametrize(
+    ("lines", "status", "text"),
+    [
+        ([b'data: {"choices":[{"delta":{"content":"ab"}}]}', b"data: [DONE]"], 200, "ab"),
+        # vLLM fails a request after its 200 went out: an error chunk, then the end
+        (
+            [
+                b'data: {"choices":[{"delta":{"content":"a"}}]}',
+                b'data: {"error":{"code":500}}',
+                b"data: [DONE]",
+            ],
+            -2,
+            "a",
+        ),  # fmt: skip
+        ([b'data: {"choices":[{"delta":{"content":"a"}}]}'], -2, "a"),  # broken off: no [DONE]
+    ],
+)
+async def test_a_stream_that_fails_after_its_200_is_a_failed_request(lines, status, text):
+    import aiohttp
+    from aiohttp import web
+
+    from mmreuse.cluster.bench import _send
+
+    async def chat(request):
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for line in lines:
+            await resp.write(line + b"\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        out = RequestOutcome(0)
+        async with aiohttp.ClientSession() as session:
+            await _send(session, f"http://127.0.0.1:{port}", NS(body={}), "t-0", out)
+        assert (out.status, out.text) == (status, text) and out.ttft_ms is not None
+    finally:
+        await runner.cleanup()
