@@ -159,21 +159,18 @@ def test_records_are_joined_to_the_client_request_by_its_tag():
     assert {k: len(v) for k, v in _by_tag(e, True).items()} == {"run-3": 1, "run-4": 1}
 
 
+CHUNK_A = b'data: {"choices":[{"delta":{"content":"a"}}]}'
+CHUNK_B = b'data: {"choices":[{"delta":{"content":"b"}}]}'
+ERROR = b'data: {"error":{"code":500}}'
+DONE = b"data: [DONE]"
+
+
 @pytest.mark.parametrize(
     ("lines", "status", "text"),
     [
-        ([b'data: {"choices":[{"delta":{"content":"ab"}}]}', b"data: [DONE]"], 200, "ab"),
-        # vLLM fails a request after its 200 went out: an error chunk, then the end
-        (
-            [
-                b'data: {"choices":[{"delta":{"content":"a"}}]}',
-                b'data: {"error":{"code":500}}',
-                b"data: [DONE]",
-            ],
-            -2,
-            "a",
-        ),  # fmt: skip
-        ([b'data: {"choices":[{"delta":{"content":"a"}}]}'], -2, "a"),  # broken off: no [DONE]
+        ([CHUNK_A, CHUNK_B, DONE], 200, "ab"),
+        ([CHUNK_A, ERROR, DONE], -2, "a"),  # vLLM failed it after its 200 went out
+        ([CHUNK_A], -2, "a"),  # broken off: no [DONE]
     ],
 )
 async def test_a_stream_that_fails_after_its_200_is_a_failed_request(lines, status, text):
