@@ -64,4 +64,4 @@ DESELECT=(
 env -u CI -u MMREUSE_REQUIRE_ORACLE -u MMREUSE_ORACLE_PYTHON -u MMREUSE_ORACLE_SCRIPT \
   HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
   "$VENV/bin/python" -m pytest -p no:cacheprovider -q -m "not oracle and not live" \
-  --ignore=tests/live --ignore=tests/live_proxy "${DESELECT[@]/#/--deselect=}" "$@"
+  --ignore=tests/live --ignore=tests/live_proxy --ignore=tests/live_store "${DESELECT[@]/#/--deselect=}" "$@"
