@@ -197,16 +197,7 @@ def test_an_entry_evicted_after_e_answered_is_encoded_by_p(store_cluster):
         {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": parts}]},
     )
     assert _settle(probe, "E0", 1).forwards == 1
-    key = embedding_key(_namespace(c), "evicted-1")
-    remover = Client(c.store, 0)
-    try:
-        assert remover.ask("exist", key) == [1]
-        deadline = time.monotonic() + 25  # a lookup's lease (2 s under the harness) must pass first
-        while remover.ask("remove", key) != [0]:
-            assert time.monotonic() < deadline, "the entry could not be removed"
-            time.sleep(0.5)
-    finally:
-        remover.close()
+    _evict(c, "evicted-1")
     probe.reset()
     out = _chat(c.instances["P0"].spec.url, parts, ec_transfer_params=first["ec_transfer_params"])
     assert _settle(probe, "P0", 1).forwards == 1  # P encoded it itself
@@ -226,15 +217,7 @@ def test_a_reference_only_item_the_store_lost_fails_its_request_not_the_engine(s
         {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": parts}]},
     )
     meta = first["ec_transfer_params"]["refonly-1"]["metadata"]
-    key = embedding_key(_namespace(c), "refonly-1")
-    remover = Client(c.store, 0)
-    try:
-        deadline = time.monotonic() + 25  # a lookup's lease (2 s under the harness) must pass first
-        while remover.ask("remove", key) != [0]:
-            assert time.monotonic() < deadline, "the entry could not be removed"
-            time.sleep(0.5)
-    finally:
-        remover.close()
+    _evict(c, "refonly-1", check_held=False)
     # the reference's rewrite (disagg_epd_proxy.py): the metadata under "image_embeds"
     placeholder = {"type": "image_embeds", "image_embeds": meta, "uuid": "refonly-1"}
     with pytest.raises(urllib.error.HTTPError) as err:
@@ -281,6 +264,21 @@ def test_proxy_replicas_skip_e_for_what_the_store_holds(store_cluster, tmp_path)
             assert health(r1)["mmreuse"]["e_store"]["last_outcome"] == "ok"
         # no E forward, and P loaded it: neither encoded it again
         assert (_settle(probe, "E0", 0).forwards, probe.count("P0").forwards) == (0, 0)
+
+
+def _evict(cluster: Cluster, ident: str, *, check_held: bool = True) -> None:
+    """Remove `ident`'s embedding from the store, as an eviction would."""
+    key = embedding_key(_namespace(cluster), ident)
+    remover = Client(cluster.store, 0)
+    try:
+        if check_held:
+            assert remover.ask("exist", key) == [1]
+        deadline = time.monotonic() + 25  # a lookup's lease (2 s under the harness) must pass first
+        while remover.ask("remove", key) != [0]:
+            assert time.monotonic() < deadline, "the entry could not be removed"
+            time.sleep(0.5)
+    finally:
+        remover.close()
 
 
 def _signal_master(cluster: Cluster, sig: int) -> None:
