@@ -60,6 +60,9 @@ _JSON = {"Content-Type": "application/json"}
 # handle naming a host of its choosing, an embedding cached under an identifier others share).
 CLIENT_FIELDS_STRIPPED = ("ec_transfer_params", "kv_transfer_params")
 _ABSENT = object()
+# A body larger than this is decoded and walked off the event loop (a thread): a request of
+# many parts then stalls no other request. Smaller ones cost less than the thread hop.
+OFF_LOOP_BYTES = 1 << 20
 # How the proxy's HTTP server runs (`run`, and the tests' servers): a client that hangs up
 # cancels its handler, which closes the backend request (as Starlette on uvicorn does for the
 # reference; aiohttp's default keeps it running); request bodies are never inflated.
@@ -76,7 +79,14 @@ async def read_body(request: web.Request) -> bytes:
             f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
             stage="proxy",
         )
-    return await request.read()
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ProxyError(
+            413,
+            f"the request body is over {request.client_max_size} bytes (--max-body-bytes)",
+            stage="proxy",
+        ) from None
 
 
 PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
@@ -185,7 +195,6 @@ class Proxy:
             no_rewrite=config.no_rewrite,
         )
         self.after_decide = after_decide
-        self._warned_client_demand_id = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -279,9 +288,12 @@ class Proxy:
         m.stage["total"].observe(time.perf_counter() - t0)
         return response
 
-    async def _chat(self, request: web.Request, t0: float) -> web.StreamResponse:
+    def _parse(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The client's request, without the fields only the proxy may set, and its media
+        parts as vLLM classifies them (`scan_parts`: the parts themselves, so the naming below
+        is in place); a 400 for what cannot be passed on."""
         try:
-            req = _decode.decode(await read_body(request))
+            req = _decode.decode(body)
         except msgspec.DecodeError as e:
             raise ProxyError(400, f"Invalid JSON body: {e}", stage="proxy") from e
         except RecursionError:  # msgspec's own depth limit
@@ -291,15 +303,19 @@ class Proxy:
         for key in CLIENT_FIELDS_STRIPPED:
             if req.pop(key, _ABSENT) is not _ABSENT:
                 self.metrics.stripped(key).inc()
-        items, where = scan_parts(req)  # the parts themselves: the naming below is in place
-        if where is not None:
-            raise ProxyError(
-                400,
-                f"{where}: an embeds part must carry its embedding (a base64 tensor): one of "
-                "metadata only is the proxy's reference to E's output, and when P does not "
-                "hold that embedding vLLM's engine dies",
-                stage="proxy",
-            )
+        xargs = req.get("vllm_xargs")
+        if isinstance(xargs, dict) and DEMAND_ID_KEY in xargs:  # the proxy's channel to P
+            req["vllm_xargs"] = {k: v for k, v in xargs.items() if k != DEMAND_ID_KEY}
+            self.metrics.stripped(f"vllm_xargs.{DEMAND_ID_KEY}").inc()
+        return req, scan_parts(req, self.config.limit_mm_per_prompt)
+
+    async def _chat(self, request: web.Request, t0: float) -> web.StreamResponse:
+        raw = await read_body(request)
+        if len(raw) > OFF_LOOP_BYTES:  # its decode and walk stall no other request
+            req, items = await asyncio.to_thread(self._parse, raw)
+        else:
+            req, items = self._parse(raw)
+        del raw
         if self.config.uuid_policy == "tenant":
             namespace_uuids(req)
         elif self.config.uuid_policy == "content":
@@ -514,7 +530,7 @@ class Proxy:
 
     def _with_demand_id(self, body: Mapping[str, Any], demand_id: str | None) -> Mapping[str, Any]:
         """The P (or PD) body carrying `vllm_xargs.mmreuse_demand_id`, merged with the
-        client's vllm_xargs (the proxy's id wins)."""
+        client's vllm_xargs (from which `_parse` removed any such id: it is the proxy's)."""
         if demand_id is None:
             return body
         xargs = body.get("vllm_xargs")
@@ -522,13 +538,6 @@ class Proxy:
             xargs = {}
         elif not isinstance(xargs, dict):  # vLLM refuses it: let P say so, unchanged
             return body
-        elif DEMAND_ID_KEY in xargs and not self._warned_client_demand_id:
-            self._warned_client_demand_id = True
-            logger.warning(
-                "a client request carries vllm_xargs.%s: replaced by the proxy's query id "
-                "(logged once)",
-                DEMAND_ID_KEY,
-            )
         return {**body, "vllm_xargs": {**xargs, DEMAND_ID_KEY: demand_id}}
 
     async def _prefill(
@@ -768,7 +777,7 @@ def build_app(config: ProxyConfig, *, after_decide: AfterDecide | None = None) -
     proxy = Proxy(config, after_decide=after_decide)
     app = web.Application(
         middlewares=[_log_requests] if config.log_requests else [],
-        client_max_size=1 << 30,  # multi-image requests carry base64 media
+        client_max_size=config.max_body_bytes,  # multi-image requests carry base64 media
     )
     app[PROXY_KEY] = proxy
     app.on_startup.append(proxy.start)

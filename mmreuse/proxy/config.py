@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -15,9 +16,13 @@ from ..decision import POLICIES, Policy, parse_policy
 from ..errors import InvalidArgument
 from ..hashing.functions import HASH_FUNCTIONS
 from .content import MediaLimits
+from .media import DEFAULT_MM_LIMIT
 
 ROUTINGS = ("random", "affine")
 MAX_WORKERS = 64
+# The largest request body (--max-body-bytes): vLLM's per-request media budget
+# (VLLM_MAX_MEDIA_REQUEST_DOWNLOAD_SIZE_MB=256), since inline media is what makes a body large.
+DEFAULT_MAX_BODY_BYTES = 256 << 20
 _NO_PREFILL = ("disable", "none", "")
 _UNSUPPORTED = {
     "--dynamic-registration": "dynamic registration (POST /instances)",
@@ -134,6 +139,11 @@ class ProxyConfig:
     e_store_url: str | None = None
     e_store_namespace: str | None = None
     e_store_timeout_s: float = 0.25
+    # --limit-mm-per-prompt: the media items of a modality one request may carry (vLLM's flag
+    # and default: 999 for a modality not named), refused before any per-item work
+    limit_mm_per_prompt: Mapping[str, int] = field(default_factory=dict)
+    # --max-body-bytes: the largest request body read (inline base64 media included)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # The URLs of `instances`, in order (derived: what policy.Planner indexes by instance).
     prefill_instances: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -187,11 +197,40 @@ class ProxyConfig:
         t = self.e_store_timeout_s
         if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             raise InvalidArgument(f"e_store_timeout_s={t!r} must be a finite number > 0")
+        for modality, limit in self.limit_mm_per_prompt.items():
+            if not (isinstance(modality, str) and type(limit) is int and limit >= 0):
+                raise InvalidArgument(
+                    f"limit_mm_per_prompt[{modality!r}]={limit!r} must be an int >= 0 per "
+                    "modality name (--limit-mm-per-prompt)"
+                )
+        object.__setattr__(self, "limit_mm_per_prompt", dict(self.limit_mm_per_prompt))
+        if not (type(self.max_body_bytes) is int and self.max_body_bytes >= 1):
+            raise InvalidArgument(
+                f"max_body_bytes={self.max_body_bytes!r} must be an int >= 1 (--max-body-bytes)"
+            )
 
     @property
     def e_events(self) -> bool:
         """Whether the E side comes from E's encoder-cache events (shared by every replica)."""
         return bool(self.encoders) and self.encoders[0].ec_events is not None
+
+
+def _mm_limits(value: str) -> dict[str, int]:
+    """`--limit-mm-per-prompt`'s JSON, as vLLM reads it: per modality a count, or an object
+    with its `count` (vLLM's configurable form; the dummy-data options are vLLM's own)."""
+    try:
+        raw = json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not JSON") from None
+    if not isinstance(raw, dict):
+        raise argparse.ArgumentTypeError(f"{value!r} must be a JSON object of modality -> count")
+    out: dict[str, int] = {}
+    for modality, limit in raw.items():
+        count = limit.get("count", DEFAULT_MM_LIMIT) if isinstance(limit, dict) else limit
+        if type(count) is not int or count < 0:
+            raise argparse.ArgumentTypeError(f"{modality!r}: {limit!r} is not a count >= 0")
+        out[modality] = count
+    return out
 
 
 def _urls(value: str) -> tuple[str, ...]:
@@ -309,6 +348,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="--uuid-policy content: seconds one media fetch may take (default 10)",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=_mm_limits,
+        default={},
+        help="the media items of each modality one request may carry, as vLLM's flag of that "
+        """name ('{"image": 16, "video": 2}', or {"video": {"count": 2}}; 999 for a modality """
+        "not named, vLLM's default): a request over it is refused before any per-item work",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="the largest request body read, inline base64 media included (default 256 MiB, "
+        "vLLM's per-request media download budget)",
     )
     p.add_argument(
         "--no-rewrite",
@@ -698,4 +752,6 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         e_store_url=args.e_store_url.rstrip("/") if args.e_store_url else None,
         e_store_namespace=args.e_store_namespace,
         e_store_timeout_s=args.e_store_timeout,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        max_body_bytes=args.max_body_bytes,
     )

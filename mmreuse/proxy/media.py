@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from .errors import ProxyError
+
 MM_TYPES = frozenset({"image_url", "audio_url", "input_audio", "video_url"})
 
 # The content type each media item becomes once E has published its embedding.
@@ -57,7 +59,9 @@ def tenant_uuid(part: Mapping[str, Any], cache_salt: Any) -> str:
 
 def namespace_uuids(request: dict[str, Any]) -> int:
     """Give every media part its tenant uuid, and every `*_embeds` part that carries a uuid
-    its namespaced one, in place; returns how many parts changed."""
+    (even `""`, which vLLM keeps as the item's identifier) its namespaced one, in place;
+    returns how many parts changed. Parts are those `scan_parts` let through: their type says
+    what vLLM takes them for."""
     salt = request.get("cache_salt")
     n = 0
     for msg in request.get("messages") or ():
@@ -68,7 +72,7 @@ def namespace_uuids(request: dict[str, Any]) -> int:
             if not isinstance(part, dict):
                 continue
             kind = part.get("type")
-            if kind in MM_TYPES or (kind in EMBEDS_PARTS and part.get("uuid")):
+            if kind in MM_TYPES or (kind in EMBEDS_PARTS and part.get("uuid") is not None):
                 part["uuid"] = tenant_uuid(part, salt)
                 n += 1
     return n
@@ -81,19 +85,85 @@ def item_uuid(item: Mapping[str, Any]) -> str:
 
 def extract_mm_items(request: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every media part of `messages[*].content[*]`, in order (what E and render see)."""
-    return scan_parts(request)[0]
+    return scan_parts(request)
 
 
-def scan_parts(request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
-    """In one walk of the request: its media parts, in order (`extract_mm_items`), and where
-    the first `*_embeds` part whose payload is metadata only is (`messages[i].content[j]`), or
-    None. Such a part (a dict without a base64 tensor) is the proxy's own reference to what E
-    produced: P takes the embedding from its EC connector, and when it is not there vLLM's
-    engine dies (0.32: "Expected number of multimodal embeddings to match number of input
-    items"), for every tenant. A payload of None (vLLM's "cached by uuid") is not one: P
-    answers it from its processor cache or with a 400."""
+# vLLM's content-part parser (0.32 `_parse_chat_message_content_mm_part`, 0.33
+# `parse_chat_message_content_mm_part`): the part types it knows, and, for a part with a `uuid`
+# or without a `type`, the keys it probes, in its order, to decide what the part is.
+VLLM_PART_TYPES = frozenset(
+    {
+        "text", "thinking", "input_text", "output_text", "input_image", "image_url",
+        "image_embeds", "audio_embeds", "video_embeds", "prompt_embeds", "image_pil",
+        "audio_url", "input_audio", "refusal", "video_url", "tool_reference",
+    }
+)  # fmt: skip
+_PROBED_KEYS = (
+    "image_url", "image_pil", "image_embeds", "audio_embeds", "video_embeds", "prompt_embeds",
+    "audio_url", "input_audio", "video_url", "tool_reference",
+)  # fmt: skip
+# The kinds vLLM parses as media, each with its modality (what `--limit-mm-per-prompt` counts;
+# prompt_embeds are not an encoder's item and are not counted).
+MEDIA_KINDS: dict[str, str | None] = {
+    **MODALITY,
+    "input_image": "image",
+    "image_pil": "image",
+    "image_embeds": "image",
+    "audio_embeds": "audio",
+    "video_embeds": "video",
+    "prompt_embeds": None,
+}
+# A part type vLLM reads as another kind when it carries a uuid (`input_image`, the Responses
+# API's image part, is probed as `image_url`).
+_KIND_OF_TYPE = {"input_image": "image_url"}
+_DETAILS = ("low", "high", "auto")  # what vLLM's `input_image` part may say of its detail
+DEFAULT_MM_LIMIT = 999  # vLLM's --limit-mm-per-prompt default, per modality
+
+
+def vllm_part_kind(part: Mapping[str, Any]) -> str | None:
+    """What vLLM's parser takes a content part to be: its `type` when it knows that type and
+    the part has no `uuid`, else (a uuid, or no type) the first media key the part carries,
+    whatever its type. None where vLLM refuses the part ("Missing 'type' field")."""
+    kind = part.get("type")
+    uuid = part.get("uuid")
+    if uuid is None and type(kind) is str and kind in VLLM_PART_TYPES:
+        return kind
+    if kind is None or uuid is not None:
+        for key in _PROBED_KEYS:
+            if key in part and not (key == "audio_embeds" and kind == "video_embeds"):
+                return key
+        return None
+    return kind if type(kind) is str else None
+
+
+class PartRefused(ProxyError):
+    """A content part the proxy cannot pass on safely: the client's request is refused."""
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(400, f"{where}: {why}", stage="proxy")
+
+
+def scan_parts(
+    request: Mapping[str, Any], limits: Mapping[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """The request's media parts, in order, classified as vLLM classifies them; raises
+    `PartRefused` (a 400 naming the part) for one the proxy would otherwise not see.
+
+    vLLM decides that a part is media by its keys whenever it carries a `uuid` or has no `type`
+    (`{"type": "text", "image_url": ..., "uuid": ...}` is an image to vLLM). Such a part, whose
+    keys disagree with its type, would reach P unnamed and unchecked, so it is refused: media
+    says what it is in `type`. A Responses-API `input_image` part is rewritten, in place, as the
+    `image_url` part vLLM takes it for. Also refused:
+    - more media items of a modality than `limits` allows (default 999, vLLM's), before any
+      per-item work;
+    - an `*_embeds` payload that is metadata only (a dict without a base64 tensor), wherever
+      it sits: that is the proxy's own reference to E's output, and when P does not hold that
+      embedding vLLM's engine dies (0.32: "Expected number of multimodal embeddings to match
+      number of input items"), for every tenant. A payload of None (vLLM's "cached by uuid")
+      is not one: P answers it from its processor cache or with a 400.
+    """
     items: list[dict[str, Any]] = []
-    where: str | None = None
+    counts: dict[str, int] = {}
     for i, msg in enumerate(request.get("messages") or ()):
         content = msg.get("content") if _is_mapping(msg) else None
         if type(content) is not list:
@@ -102,13 +172,66 @@ def scan_parts(request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str | 
             if not _is_mapping(part):
                 continue
             kind = part.get("type")
+            seen = vllm_part_kind(part)
+            if seen is None or seen not in MEDIA_KINDS:
+                continue
+            if seen != kind and seen != _KIND_OF_TYPE.get(kind):
+                raise PartRefused(
+                    f"messages[{i}].content[{j}]",
+                    f"vLLM reads this part as {seen!r} by its keys, but its type is {kind!r}: "
+                    "a media part must say what it is in 'type'",
+                )
+            if kind == "image_pil":  # over HTTP only `image_pil: null` + uuid, named by nobody
+                raise PartRefused(
+                    f"messages[{i}].content[{j}]",
+                    "image_pil is not accepted over HTTP: an image cached by uuid is "
+                    '{"type": "image_url", "image_url": null, "uuid": ...}',
+                )
+            if kind == "input_image":
+                if seen == "input_image" and part.get("detail") not in _DETAILS:
+                    continue  # vLLM refuses it (its Responses image part needs a detail)
+                part = content[j] = _as_image_url(part)
+                kind = "image_url"
+            modality = MEDIA_KINDS[kind]
+            if modality is not None:
+                n = counts[modality] = counts.get(modality, 0) + 1
+                limit = (limits or {}).get(modality, DEFAULT_MM_LIMIT)
+                if n > limit:
+                    raise PartRefused(
+                        f"messages[{i}].content[{j}]",
+                        f"at most {limit} {modality} item(s) may be provided in one prompt "
+                        "(--limit-mm-per-prompt)",
+                    )
             if kind in MM_TYPES:
                 items.append(part)
-            elif where is None and kind in EMBEDS_PARTS:
-                payload = part.get(kind)
-                if _is_mapping(payload) and not any(type(v) is str for v in payload.values()):
-                    where = f"messages[{i}].content[{j}]"
-    return items, where
+            elif kind in EMBEDS_PARTS:
+                _check_embeds(part, kind, f"messages[{i}].content[{j}]")
+                if kind == "video_embeds" and "audio_embeds" in part:
+                    _check_embeds(part, "audio_embeds", f"messages[{i}].content[{j}]")
+    return items
+
+
+def _check_embeds(part: Mapping[str, Any], key: str, where: str) -> None:
+    payload = part.get(key)
+    if isinstance(payload, Mapping) and not any(type(v) is str for v in payload.values()):
+        raise PartRefused(
+            where,
+            f"an embeds part must carry its embedding (a base64 tensor): {key} of metadata "
+            "only is the proxy's reference to E's output, and when P does not hold that "
+            "embedding vLLM's engine dies",
+        )
+
+
+def _as_image_url(part: Mapping[str, Any]) -> dict[str, Any]:
+    """An `input_image` part as the `image_url` part vLLM parses it as (its URL a string)."""
+    ref = part.get("image_url")
+    out: dict[str, Any] = {
+        "type": "image_url",
+        "image_url": ref if _is_mapping(ref) else {"url": ref},
+    }
+    if "uuid" in part:
+        out["uuid"] = part["uuid"]
+    return out
 
 
 def _is_mapping(x: Any) -> bool:

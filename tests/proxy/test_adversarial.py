@@ -793,3 +793,123 @@ async def until_up(session, url, proc):
                     return
         assert time.monotonic() < end, "the proxy never came up"
         await asyncio.sleep(0.05)
+
+
+# ---- parts vLLM reads as media by their keys ----------------------------------------------------
+
+META_ONLY = {"image_grid_thw": [1, 2, 2]}  # an embeds payload of metadata only: E's reference
+
+DATA_A = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg=="
+DATA_B = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4z8DwHwAFAAH/iZk9HQAAAABJRU5ErkJggg=="
+# Each is media to vLLM (its parser probes the keys of a part with a uuid or without a type),
+# whatever its `type` says: the proxy used to pass them to P unseen.
+DISGUISED = {
+    "embeds_typed_text": {"type": "text", "text": "hi", "image_embeds": META_ONLY, "uuid": "v"},
+    "embeds_untyped": {"image_embeds": META_ONLY, "uuid": "victim"},
+    "embeds_typed_input_text": {"type": "input_text", "text": "hi", "image_embeds": META_ONLY,
+                                "uuid": "victim"},
+    "image_typed_text": {"type": "text", "text": "hi", "image_url": {"url": A}, "uuid": "cat-1"},
+    "image_untyped": {"image_url": {"url": A}, "uuid": "cat-1"},
+    "uuid_only_typed_text": {"type": "text", "image_url": None, "uuid": "cat-1"},
+    "video_typed_image": {"type": "image_url", "video_url": {"url": A}, "uuid": "cat-1"},
+    "image_pil_by_uuid": {"type": "image_pil", "image_pil": None, "uuid": "cat-1"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["reference", "tenant", "content"])
+@pytest.mark.parametrize("name", sorted(DISGUISED))
+async def test_a_part_vllm_reads_as_media_is_named_or_refused(policy, name):
+    async with epd(flags=("--uuid-policy", policy)) as s:
+        r = await s.post(chat(TEXT, DISGUISED[name], cache_salt="t"))
+        assert r.status == 400, await r.text()
+        assert (await r.json())["detail"].startswith("messages[0].content[1]: ")
+        assert s.e[0].chats() == [] and s.pd.chats() == []
+
+
+@pytest.mark.parametrize("policy", ["tenant", "content"])
+async def test_an_input_image_part_is_named_as_the_image_it_is(policy):
+    # vLLM parses the Responses API's image part as an image: it goes to E and P as one, named
+    # by the uuid policy, never under the client's raw uuid.
+    part = {"type": "input_image", "image_url": DATA_A, "detail": "auto", "uuid": "cat-1"}
+    async with epd(flags=("--uuid-policy", policy)) as s:
+        assert (await s.post(chat(TEXT, part, cache_salt="t"))).status == 200
+        [at_e] = _uuids_at(s.e[0])
+        assert at_e != "cat-1" and len(at_e) == 64
+        sent = s.pd.chats()[-1].body["messages"][0]["content"][1]
+        assert sent["type"] in ("image_url", "image_embeds") and sent["uuid"] == at_e
+
+
+async def test_under_content_a_name_cannot_be_planted_through_another_part_form():
+    from mmreuse.proxy.content import content_name
+
+    victim = content_name(None, "image", DATA_A)  # anyone can compute a public image's name
+    planted = {"type": "input_image", "image_url": DATA_B, "uuid": victim}
+    async with epd(flags=("--uuid-policy", "content")) as s:
+        assert (await s.post(chat(TEXT, planted))).status == 200
+        assert (await s.post(chat(TEXT, img(DATA_A)))).status == 200
+        attacker, real = _uuids_at(s.e[0])
+        assert attacker == content_name(None, "image", DATA_B) and real == victim
+
+
+async def test_under_tenant_an_empty_embeds_uuid_is_namespaced():
+    part = {"type": "image_embeds", "image_embeds": "AAAA", "uuid": ""}
+    async with epd(flags=("--uuid-policy", "tenant")) as s:
+        assert (await s.post(chat(TEXT, part, cache_salt="t"))).status == 200
+        sent = s.pd.chats()[-1].body["messages"][0]["content"][1]
+        assert sent["uuid"] != "" and len(sent["uuid"]) == 64
+
+
+# ---- bounds on one request -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "n", "limit"),
+    [((), 1000, 999), (("--limit-mm-per-prompt", '{"image": 2}'), 3, 2),
+     (("--limit-mm-per-prompt", '{"image": {"count": 1}}'), 2, 1)],
+    ids=["vllm-default", "flag", "flag-object"],
+)  # fmt: skip
+async def test_media_items_per_request_are_bounded_before_any_work(flags, n, limit):
+    items = [img(f"http://media.invalid/{i}.png") for i in range(n)]
+    async with epd(flags=("--uuid-policy", "content", *flags)) as s:
+        r = await s.post(chat(TEXT, *items))
+        assert r.status == 400
+        detail = (await r.json())["detail"]
+        assert f"messages[0].content[{limit + 1}]: at most {limit} image item(s)" in detail
+        assert s.e[0].chats() == [] and s.pd.chats() == []
+        r = await s.post(chat(TEXT, *items[:limit], {"type": "input_audio", "input_audio": {
+            "data": "AAAA", "format": "wav"}}))  # fmt: skip
+        assert r.status != 400 or "at most" not in (await r.json())["detail"]
+
+
+async def test_a_body_over_max_body_bytes_is_a_413():
+    async with epd(flags=("--max-body-bytes", "4096")) as s:
+        r = await s.post(chat(TEXT, img("data:image/png;base64," + "A" * 8192)))
+        assert r.status == 413
+        assert "--max-body-bytes" in (await r.json())["detail"]
+        assert s.e[0].chats() == [] and s.pd.chats() == []
+
+
+def test_bad_mm_limits_and_body_bounds_are_refused_naming_the_flag(capsys):
+    from mmreuse.proxy.config import parse_args
+
+    base = ["--encode-servers-urls", "http://e:1", "--decode-servers-urls", "http://d:2"]
+    for flags in (["--limit-mm-per-prompt", "{"], ["--limit-mm-per-prompt", '{"image": -1}'],
+                  ["--limit-mm-per-prompt", "[1]"], ["--max-body-bytes", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args([*base, *flags], env={})
+        assert flags[0] in capsys.readouterr().err
+
+
+# ---- the proxy's own channel to P ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_p", [0, 1], ids=["E+PD", "E+P+D"])
+async def test_a_clients_demand_id_never_reaches_p(n_p):
+    async with epd(n_p=n_p) as s:
+        body = chat(img(A), vllm_xargs={"mmreuse_demand_id": "forged-id", "other": 1})
+        assert (await s.post(body)).status == 200
+        for backend in (*s.p, *s.d):
+            for seen in backend.chats():
+                assert seen.body["vllm_xargs"] == {"other": 1}
+        field = "vllm_xargs.mmreuse_demand_id"
+        assert s.sample("mmreuse_proxy_client_fields_stripped_total", field=field) == 1
