@@ -675,6 +675,18 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
     )
     if args.block_size is not None and args.block_size < 1:
         raise InvalidArgument(f"--block-size={args.block_size} must be >= 1")
+    if args.hash_seed is not None and args.hash_algo.endswith("_cbor"):
+        try:  # a non-UTF-8 argv byte arrives as a lone surrogate, which CBOR cannot hash
+            args.hash_seed.encode("utf-8")
+        except UnicodeEncodeError as e:
+            try:  # the bytes given, where argv's decoding escaped them
+                shown = repr(args.hash_seed.encode("utf-8", "surrogateescape"))
+            except UnicodeEncodeError:
+                shown = ascii(args.hash_seed)
+            raise InvalidArgument(
+                f"--hash-seed {shown} is not UTF-8 (at character {e.start}): --hash-algo "
+                f"{args.hash_algo} hashes the seed as UTF-8 text, as vLLM does PYTHONHASHSEED"
+            ) from None
     if args.hash_algo.startswith("xxhash") and args.hash_seed is None:
         raise InvalidArgument(
             f"--hash-algo {args.hash_algo} needs --hash-seed: without PYTHONHASHSEED vLLM "

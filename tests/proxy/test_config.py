@@ -242,6 +242,29 @@ def test_xxhash_needs_a_hash_seed(capsys, algo):
     assert (cfg.hash_algo, cfg.hash_seed) == (algo, "0")
 
 
+@pytest.mark.parametrize("algo", ["sha256_cbor", "xxhash_cbor"])
+def test_a_hash_seed_cbor_cannot_hash_is_a_usage_error(capsys, algo):
+    # A non-UTF-8 argv byte reaches Python as a lone surrogate, which CBOR cannot encode: the
+    # flag is refused at parse time, not with a traceback when P's block size is learned.
+    seed = b"\xff\xfe".decode("utf-8", "surrogateescape")
+    err = usage_error(capsys, [*BASE, "--hash-algo", algo, "--hash-seed", seed])
+    assert "--hash-seed b'\\xff\\xfe' is not UTF-8" in err and f"--hash-algo {algo}" in err
+    assert "Traceback" not in err
+    # pickle (sha256) hashes it as vLLM does; a UTF-8 seed is taken under CBOR
+    assert parse_args([*BASE, "--hash-seed", seed], env={}).hash_seed == seed
+    cfg = parse_args([*BASE, "--hash-algo", algo, "--hash-seed", "sé"], env={})
+    assert cfg.hash_seed == "sé"
+
+
+def test_a_bad_hash_seed_exits_2_from_the_command_line(capsys):
+    seed = b"\xff".decode("utf-8", "surrogateescape")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["proxy", *BASE, "--hash-algo", "sha256_cbor", "--hash-seed", seed,
+                  "--block-size", "16"])  # fmt: skip
+    assert exc.value.code == 2
+    assert "mmreuse proxy: error: --hash-seed b'\\xff' is not UTF-8" in capsys.readouterr().err
+
+
 def test_demand_aware_flags():
     cfg = parse_args(
         [
