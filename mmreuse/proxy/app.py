@@ -212,9 +212,9 @@ class Proxy:
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
         if self.config.uuid_policy == "content":
-            self.media_session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=64), timeout=aiohttp.ClientTimeout()
-            )
+            from .content import media_session  # no cookies; only checked addresses
+
+            self.media_session = media_session(self.config.media)
         views: list[InstanceView | EncoderView] = [*self.views, *self.e_views]
         for view in views:
             await asyncio.to_thread(view.start)
@@ -243,21 +243,12 @@ class Proxy:
     async def _fetch_media(
         self, url: str, cap: int, timeout_s: float, charge: Callable[[int], None]
     ) -> tuple[int, dict[str, str], bytes]:
-        """One hop of a media fetch (`MediaFetcher`): no redirect followed, at most `cap` bytes
-        (decompressed) read, each chunk charged, else OverflowError."""
+        """One hop of a media fetch (`MediaFetcher`; `content.fetch_hop`): no redirect
+        followed, at most `cap` bytes (decompressed) read, each chunk charged."""
+        from .content import fetch_hop
+
         assert self.media_session is not None, "Proxy.start() first"
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with self.media_session.get(url, allow_redirects=False, timeout=timeout) as r:
-            if r.content_length is not None and r.content_length > cap:
-                raise OverflowError(r.content_length)
-            body = bytearray()
-            async for chunk in r.content.iter_chunked(1 << 16):
-                body += chunk
-                charge(len(chunk))
-                if len(body) > cap:
-                    raise OverflowError(len(body))
-            headers = {k: r.headers[k] for k in ("Location", "Content-Type") if k in r.headers}
-            return r.status, headers, bytes(body)
+        return await fetch_hop(self.media_session, url, cap, timeout_s, charge)
 
     async def _post_json(self, url: str, body: Any) -> tuple[int, bytes]:
         async with self._session().post(url, data=_encode.encode(body), headers=_JSON) as r:

@@ -15,7 +15,7 @@ from typing import NoReturn
 from ..decision import POLICIES, Policy, parse_policy
 from ..errors import InvalidArgument
 from ..hashing.functions import HASH_FUNCTIONS
-from .content import MediaLimits
+from .content import MediaLimits, parse_networks
 from .media import DEFAULT_MM_LIMIT
 
 ROUTINGS = ("random", "affine")
@@ -40,7 +40,14 @@ _ZMQ = ("tcp://", "ipc://", "inproc://")
 # content (named by the media bytes, namespaced by cache_salt)
 UUID_POLICIES = ("reference", "tenant", "content")
 # The flags that bound what --uuid-policy content fetches (refused under the other policies).
-_MEDIA_FLAGS = ("--allowed-media-domains", "--media-max-bytes", "--media-fetch-timeout")
+_MEDIA_FLAGS = (
+    "--allowed-media-domains",
+    "--allow-private-media-networks",
+    "--media-max-bytes",
+    "--media-fetch-timeout",
+    "--media-request-timeout",
+    "--media-max-redirects",
+)
 # The flags aligned with the instances that prefill: each fills one PrefillInstance field.
 _ALIGNED = (
     "--kv-events-endpoints",
@@ -341,13 +348,38 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="--uuid-policy content: the most bytes one fetched item may have (default 32 MiB; "
-        "a request's fetched media in all: 1 GiB, the body limit)",
+        "a request's fetched media in all: 256 MiB, vLLM's "
+        "VLLM_MAX_MEDIA_REQUEST_DOWNLOAD_SIZE_MB)",
     )
     p.add_argument(
         "--media-fetch-timeout",
         type=float,
         default=None,
-        help="--uuid-policy content: seconds one media fetch may take (default 10)",
+        help="--uuid-policy content: seconds one media fetch (each redirect hop) may take "
+        "(default 5, vLLM's VLLM_IMAGE_FETCH_TIMEOUT)",
+    )
+    p.add_argument(
+        "--media-request-timeout",
+        type=float,
+        default=None,
+        help="--uuid-policy content: seconds all of one request's media fetches may take "
+        "(default 30)",
+    )
+    p.add_argument(
+        "--media-max-redirects",
+        type=int,
+        default=None,
+        help="--uuid-policy content: redirects followed per item, each hop checked as the "
+        "first URL (default 5; 0: none, as vLLM's VLLM_MEDIA_URL_ALLOW_REDIRECTS=0)",
+    )
+    p.add_argument(
+        "--allow-private-media-networks",
+        nargs="+",
+        default=None,
+        metavar="CIDR",
+        help="--uuid-policy content: non-public networks media may be fetched from (default "
+        "none: a host that is or resolves to a loopback, private, link-local, shared, "
+        "reserved, multicast or unspecified address is refused; '0.0.0.0/0 ::/0' allows all)",
     )
     p.add_argument(
         "--limit-mm-per-prompt",
@@ -713,6 +745,18 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         if not (math.isfinite(t) and t > 0):
             raise InvalidArgument(f"--media-fetch-timeout={t} must be a finite number > 0")
         media = dataclasses.replace(media, timeout_s=t)
+    if args.media_request_timeout is not None:
+        t = args.media_request_timeout
+        if not (math.isfinite(t) and t > 0):
+            raise InvalidArgument(f"--media-request-timeout={t} must be a finite number > 0")
+        media = dataclasses.replace(media, request_timeout_s=t)
+    if args.media_max_redirects is not None:
+        if args.media_max_redirects < 0:
+            raise InvalidArgument(f"--media-max-redirects={args.media_max_redirects} must be >= 0")
+        media = dataclasses.replace(media, max_redirects=args.media_max_redirects)
+    if args.allow_private_media_networks is not None:
+        nets = parse_networks("--allow-private-media-networks", args.allow_private_media_networks)
+        media = dataclasses.replace(media, private_networks=nets)
     if args.allowed_media_domains is not None:
         domains = frozenset(d.strip().lower() for d in args.allowed_media_domains)
         if not all(domains) or any("/" in d or ":" in d for d in domains):

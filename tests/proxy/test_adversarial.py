@@ -869,7 +869,8 @@ async def test_under_tenant_an_empty_embeds_uuid_is_namespaced():
     ids=["vllm-default", "flag", "flag-object"],
 )  # fmt: skip
 async def test_media_items_per_request_are_bounded_before_any_work(flags, n, limit):
-    items = [img(f"http://media.invalid/{i}.png") for i in range(n)]
+    # loopback literals: refused by the fetcher's address check before any DNS or connection
+    items = [img(f"http://127.0.0.1:9/{i}.png") for i in range(n)]
     async with epd(flags=("--uuid-policy", "content", *flags)) as s:
         r = await s.post(chat(TEXT, *items))
         assert r.status == 400
