@@ -115,6 +115,8 @@ def _stream(cluster, proxy_flags, tmp_path, policy: str, run: int) -> dict:
         return forwards, int(cached or 0)
 
     args = [*proxy_flags(["P0"]), "--policy", "index", "--uuid-policy", policy]
+    if policy == "content":  # the test's origin is on loopback, which is refused by default
+        args += ["--allow-private-media-networks", "127.0.0.0/8"]
     try:
         with proxy_process(args, tmp_path / f"proxy-{policy}.log") as url:
             time.sleep(1.0)  # the subscribers connect (slow joiner)
