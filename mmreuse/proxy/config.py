@@ -20,6 +20,7 @@ from .media import DEFAULT_MM_LIMIT
 
 ROUTINGS = ("random", "affine")
 MAX_WORKERS = 64
+MIN_WORKER_STALL_S = 1.0  # --worker-stall-timeout: below this, a busy loop is no stall
 # The largest request body (--max-body-bytes): vLLM's per-request media budget
 # (VLLM_MAX_MEDIA_REQUEST_DOWNLOAD_SIZE_MB=256), since inline media is what makes a body large.
 DEFAULT_MAX_BODY_BYTES = 256 << 20
@@ -119,6 +120,9 @@ class ProxyConfig:
     metrics_host: str | None = None
     # --workers: processes sharing --port (SO_REUSEPORT), each a replica with its own views
     workers: int = 1
+    # --worker-stall-timeout: a worker whose event loop has not turned for this long is killed
+    # and started again (0: never)
+    worker_stall_timeout: float = 30.0
     decode_retries: int = 1
     no_rewrite: bool = False
     uuid_policy: str = "reference"  # --uuid-policy: how items are named for E and P
@@ -189,6 +193,16 @@ class ProxyConfig:
             raise InvalidArgument(f"workers={self.workers!r} must be an int in 1..{MAX_WORKERS}")
         if self.workers > 1 and self.metrics_port is None:
             raise InvalidArgument(f"workers={self.workers} needs metrics_port (--metrics-port)")
+        stall = self.worker_stall_timeout
+        if not (
+            isinstance(stall, (int, float))
+            and not isinstance(stall, bool)
+            and (stall == 0 or MIN_WORKER_STALL_S <= stall < math.inf)
+        ):
+            raise InvalidArgument(
+                f"worker_stall_timeout={stall!r} must be 0 (never) or seconds, at least "
+                f"{MIN_WORKER_STALL_S:g}"
+            )
         if (self.e_store_url is None) != (self.e_store_namespace is None):
             raise InvalidArgument(
                 f"e_store_url={self.e_store_url!r} and e_store_namespace="
@@ -319,6 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
         "each a replica with its own views: how a proxy node uses its cores. A worker that "
         "dies is restarted and rejoins as a late replica does. Needs --metrics-port, where "
         '/metrics and /health are every worker\'s, labelled worker="i"',
+    )
+    p.add_argument(
+        "--worker-stall-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="with --workers > 1: a worker whose event loop has not turned for this long (a "
+        "stalled worker keeps its share of --port's connections unanswered) is killed "
+        f"(SIGKILL) and restarted. 0: never. At least {MIN_WORKER_STALL_S:g}; default 30",
     )
     p.add_argument(
         "--log-requests",
@@ -621,6 +644,12 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
             f"--workers={args.workers} needs --metrics-port: a scrape of --port would reach one "
             "worker; --metrics-port serves every worker's /metrics and /health"
         )
+    stall = args.worker_stall_timeout
+    if not (stall == 0 or MIN_WORKER_STALL_S <= stall < math.inf):
+        raise InvalidArgument(
+            f"--worker-stall-timeout={stall:g} must be 0 (never) or seconds, at least "
+            f"{MIN_WORKER_STALL_S:g}: a worker busy for less is not stalled"
+        )
     prefill = (
         () if args.prefill_servers_urls.lower() in _NO_PREFILL else _urls(args.prefill_servers_urls)
     )
@@ -786,6 +815,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         workers=args.workers,
+        worker_stall_timeout=args.worker_stall_timeout,
         port=args.port,
         decode_retries=args.decode_retries,
         no_rewrite=args.no_rewrite,

@@ -6,7 +6,10 @@ share nothing per request: each decides from the same events as every other repl
 supervisor (this process) serves `--metrics-port`: `/metrics` is every worker's, each sample
 labelled `worker="i"`, plus the supervisor's own; `/health` is each worker's detailed health,
 503 unless every worker answers. A worker that exits is started again (at most once a second),
-and rejoins as a late replica does: from P's and E's snapshots where they serve them.
+and rejoins as a late replica does: from P's and E's snapshots where they serve them. A worker
+whose event loop stalls (its heartbeat, written by its loop into memory shared with the
+supervisor, older than `--worker-stall-timeout`) would keep its share of the port's connections
+unanswered: the supervisor SIGKILLs it, and it is started again as one that exited.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ START_TIMEOUT_S = 120.0  # a worker's views and clients start before it serves
 RESTART_INTERVAL_S = 1.0  # a worker that keeps dying is started at most this often
 SCRAPE_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 10.0  # then SIGKILL
+HEARTBEAT_S = 0.25  # how often a worker's event loop stamps its heartbeat
 
 
 def _die_with_parent() -> None:
@@ -56,9 +60,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
-def _worker(config: ProxyConfig, index: int, path: str, conn: Any) -> None:
+async def _heartbeat(beats: Any, index: int) -> None:
+    """Stamp `beats[index]` with the time now, for as long as this event loop turns (the clock is
+    CLOCK_MONOTONIC, the same in every process)."""
+    while True:
+        beats[index] = time.monotonic()
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+def _worker(config: ProxyConfig, index: int, path: str, conn: Any, beats: Any) -> None:
     """One worker: the proxy on the shared port, its metrics on `path`; tells `conn` "ready"
-    once serving, or the one line why it could not start."""
+    once serving, or the one line why it could not start; stamps `beats[index]` while its
+    event loop turns."""
     _die_with_parent()
     setup_logging(config, prefix=f"[worker {index}] ")
 
@@ -68,10 +81,14 @@ def _worker(config: ProxyConfig, index: int, path: str, conn: Any) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):  # stop serving, then clean up
             loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await serve(
-                config, reuse_port=True, metrics_path=path, ready=lambda: conn.send("ready")
-            )
+        beat = asyncio.create_task(_heartbeat(beats, index))
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await serve(
+                    config, reuse_port=True, metrics_path=path, ready=lambda: conn.send("ready")
+                )
+        finally:
+            beat.cancel()
 
     try:
         event_loop_runner()(main())
@@ -116,12 +133,17 @@ class Supervisor:
         self._started: dict[int, float] = {}
         self.restarts: dict[int, int] = {}  # per worker, as /health reports them
         self._pipes: dict[int, Any] = {}  # a restarted worker's, until it says how it started
+        # each worker's heartbeat (time.monotonic() its loop last stamped), in shared memory
+        self._beats = self._ctx.RawArray("d", config.workers)
+        self._serving: dict[int, float] = {}  # a worker that said "ready": since when
+        self._killed: set[int] = set()  # stalled workers SIGKILLed, not yet seen to exit
         self._stopping = False
         self.registry = CollectorRegistry()
         self._restarts = Counter(
             "mmreuse_proxy_worker_restarts",
-            "workers started again after they exited",
-            ["worker"],
+            'workers started again: reason="exited" (it exited) or "stalled" (its event loop '
+            "stalled past --worker-stall-timeout, so it was killed)",
+            ["worker", "reason"],
             registry=self.registry,
         )
         self._up = Gauge("mmreuse_proxy_workers_up", "workers running now", registry=self.registry)
@@ -133,9 +155,10 @@ class Supervisor:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(index))
         parent, child = self._ctx.Pipe(duplex=False)
+        self._serving.pop(index, None)
         proc = self._ctx.Process(
             target=_worker,
-            args=(self.config, index, self.path(index), child),
+            args=(self.config, index, self.path(index), child, self._beats),
             name=f"mmreuse-proxy-worker-{index}",
             daemon=False,
         )
@@ -159,6 +182,8 @@ class Supervisor:
         finally:
             for conn in pipes.values():
                 conn.close()
+        now = time.monotonic()
+        self._serving = dict.fromkeys(self._procs, now)
         self._up.set(len(self._procs))
 
     def _wait_ready(self, conn: Any, index: int) -> str:
@@ -176,19 +201,57 @@ class Supervisor:
             return f"not serving after {START_TIMEOUT_S:.0f} s"
         return f"exited (code {proc.exitcode}) before serving"
 
+    def stalled_for(self, index: int, now: float | None = None) -> float | None:
+        """How long worker `index`'s event loop has not turned (since its last heartbeat, or
+        since it said it was serving, whichever is later); None while it is not serving yet."""
+        since = self._serving.get(index)
+        if since is None:
+            return None  # starting: its views may load snapshots with the loop held
+        now = time.monotonic() if now is None else now
+        return max(0.0, now - max(since, self._beats[index]))
+
+    def _kill_stalled(self, now: float) -> None:
+        """SIGKILL (its own process only) a serving worker whose loop has not turned for
+        `--worker-stall-timeout`; the exit watch then starts it again, once."""
+        bound = self.config.worker_stall_timeout
+        if not bound:
+            return
+        for i, proc in self._procs.items():
+            if i in self._killed or not proc.is_alive():
+                continue
+            stalled = self.stalled_for(i, now)
+            if stalled is None or stalled < bound:
+                continue
+            logger.error(
+                "worker %d (pid %s) has not turned its event loop for %.1f s "
+                "(--worker-stall-timeout %g): killing it, to start it again",
+                i, proc.pid, stalled, bound,
+            )  # fmt: skip
+            self._killed.add(i)
+            proc.kill()
+
     async def watch(self) -> None:
-        """Start again a worker that exited (its views rebuilt as a late replica's are)."""
+        """Start again a worker that exited (its views rebuilt as a late replica's are), or that
+        stalled (killed first)."""
         while not self._stopping:
             await asyncio.sleep(0.2)
+            self._kill_stalled(time.monotonic())
             for i, proc in list(self._procs.items()):
                 if proc.is_alive() or self._stopping:
                     continue
                 wait = RESTART_INTERVAL_S - (time.monotonic() - self._started[i])
                 if wait > 0:
                     continue
-                logger.error("worker %d exited (code %s): starting it again", i, proc.exitcode)
+                # one restart per death: a killed stalled worker is started again here, as
+                # one that exited is, once it has exited
+                reason = "stalled" if i in self._killed else "exited"
+                self._killed.discard(i)
+                if reason == "exited":
+                    logger.error("worker %d exited (code %s): starting it again", i, proc.exitcode)
+                else:
+                    logger.error("worker %d killed (stalled): starting it again", i)
                 proc.join(0)
-                self._restarts.labels(str(i)).inc()
+                self._restarts.labels(str(i), reason).inc()
                 self.restarts[i] = self.restarts.get(i, 0) + 1
                 old = self._pipes.pop(i, None)
                 if old is not None:
@@ -201,6 +264,7 @@ class Supervisor:
                     msg = conn.recv()
                     if msg == "ready":
                         logger.info("worker %d serving again", i)
+                        self._serving[i] = time.monotonic()
                     else:
                         logger.error("worker %d could not start again: %s", i, msg)
                 conn.close()
@@ -255,16 +319,20 @@ class Supervisor:
         got = await asyncio.gather(*(self._get(i, "/health") for i in self._procs))
         workers: dict[str, Any] = {}
         ok = True
+        now = time.monotonic()
         for (i, proc), r in zip(self._procs.items(), got, strict=True):
-            restarts = self.restarts.get(i, 0)
+            stalled = self.stalled_for(i, now)
+            facts = {
+                "pid": proc.pid,
+                "restarts": self.restarts.get(i, 0),
+                # seconds since its event loop last turned (None: starting)
+                "loop_stalled_s": None if stalled is None else round(stalled, 1),
+            }
             if r is None:
-                workers[str(i)] = {"up": False, "pid": proc.pid, "restarts": restarts}
+                workers[str(i)] = {"up": False, **facts}
                 ok = False
                 continue
-            workers[str(i)] = {
-                "up": True, "pid": proc.pid, "restarts": restarts,
-                **msgspec.json.decode(r[1] or b"{}"),
-            }  # fmt: skip
+            workers[str(i)] = {"up": True, **facts, **msgspec.json.decode(r[1] or b"{}")}
             ok = ok and r[0] == 200
         return web.json_response({"workers": workers}, status=200 if ok else 503)
 

@@ -1,6 +1,6 @@
 """`mmreuse proxy --workers N`: N processes on one port (SO_REUSEPORT), each a replica; the
 supervisor's --metrics-port has every worker's metrics and health, and restarts a worker that
-dies. Run as in production (a subprocess) against the fake E and PD."""
+dies or whose event loop stalls. Run as in production (a subprocess) against the fake E and PD."""
 
 from __future__ import annotations
 
@@ -82,6 +82,28 @@ async def _served_by(mbase: str) -> dict[str, float]:
     return out
 
 
+def _restarts(text: str) -> dict[tuple[str, str], float]:
+    """The supervisor's restart counts, by (worker, reason)."""
+    return {
+        (s.labels["worker"], s.labels["reason"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "mmreuse_proxy_worker_restarts_total"
+    }
+
+
+async def _until(pred, what: str, timeout: float = 30.0):
+    """Poll the async `pred()` until it returns a truthy value (returned), or fail naming `what`
+    (a hang guard, not a timing check)."""
+    end = time.monotonic() + timeout
+    while True:
+        got = await pred()
+        if got:
+            return got
+        assert time.monotonic() < end, what
+        await asyncio.sleep(0.1)
+
+
 async def _requests(base: str, n: int) -> None:
     for _ in range(n):  # a new connection each: the kernel picks a worker per connection
         connector = aiohttp.TCPConnector(force_close=True)
@@ -120,12 +142,80 @@ async def test_workers_share_one_port_and_report_together(fakes):
             await asyncio.sleep(0.1)
         async with aiohttp.ClientSession() as s, s.get(f"{mbase}/metrics") as r:
             text = await r.text()
-        assert 'mmreuse_proxy_worker_restarts_total{worker="0"} 1.0' in text
+        assert _restarts(text) == {("0", "exited"): 1.0}, text
         assert "mmreuse_proxy_workers_up 2.0" in text
         # the serving port's /health is the reference's (what a balancer probes)
         async with aiohttp.ClientSession() as s, s.get(f"{base}/health") as r:
             assert r.status == 200 and "mmreuse" not in await r.json()
     assert proc.returncode == 0 or proc.returncode == -signal.SIGTERM
+
+
+async def test_a_worker_whose_loop_stalls_is_killed_and_started_again(fakes):
+    # SIGSTOP freezes worker 0 as a loop stuck in one request's work does: it stays alive (the
+    # exit watch sees nothing) and its share of the port's connections go unanswered
+    e, pd = await fakes("e"), await fakes("pd")
+    argv = ("--encode-servers-urls", e.url, "--decode-servers-urls", pd.url)
+    async with workers(2, *argv, "--worker-stall-timeout", "2") as (proc, base, mbase):
+        _, health = await _health(mbase)
+        pid0, pid1 = health["workers"]["0"]["pid"], health["workers"]["1"]["pid"]
+        assert health["workers"]["0"]["loop_stalled_s"] < 2, health
+        os.kill(pid0, signal.SIGSTOP)
+        try:
+
+            async def restarted():
+                status, health = await _health(mbase)
+                w0 = health["workers"]["0"]
+                return status == 200 and w0["up"] and w0["pid"] != pid0 and health
+
+            health = await _until(restarted, "the supervisor never restarted stalled worker 0")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid0, signal.SIGCONT)  # let it end, had it not been killed
+        w0, w1 = health["workers"]["0"], health["workers"]["1"]
+        assert w0["restarts"] == 1 and w1["restarts"] == 0 and w1["pid"] == pid1, health
+        with pytest.raises(ProcessLookupError):  # killed, and reaped by the supervisor
+            os.kill(pid0, 0)
+        async with aiohttp.ClientSession() as s, s.get(f"{mbase}/metrics") as r:
+            text = await r.text()
+        assert _restarts(text) == {("0", "stalled"): 1.0}, text  # one restart for one death
+        assert "mmreuse_proxy_workers_up 2.0" in text
+        await _requests(base, 8)  # the port serves from both again
+    err = proc.stderr.read().decode()  # the supervisor has stopped
+    assert f"worker 0 (pid {pid0}) has not turned its event loop" in err, err[-3000:]
+    assert "worker 0 killed (stalled): starting it again" in err, err[-3000:]
+    assert "worker 0 exited" not in err, err[-3000:]
+
+
+async def test_a_worker_busy_for_less_than_the_bound_is_not_killed(fakes):
+    # stopped long enough for the supervisor to see its loop still (a scrape of its /health
+    # waits for it), then let go: well under the default bound, so it is the same worker after
+    e, pd = await fakes("e"), await fakes("pd")
+    argv = ("--encode-servers-urls", e.url, "--decode-servers-urls", pd.url)
+    async with workers(2, *argv) as (_, _, mbase):
+        _, health = await _health(mbase)
+        pid0 = health["workers"]["0"]["pid"]
+        os.kill(pid0, signal.SIGSTOP)
+        try:
+
+            async def seen_stalled():
+                status, health = await _health(mbase)
+                w0 = health["workers"]["0"]
+                return status == 503 and not w0["up"] and w0["loop_stalled_s"] >= 1
+
+            await _until(seen_stalled, "the supervisor never saw worker 0's loop stand still")
+        finally:
+            os.kill(pid0, signal.SIGCONT)
+
+        async def recovered():
+            status, health = await _health(mbase)
+            w0 = health["workers"]["0"]
+            return status == 200 and w0["up"] and w0["loop_stalled_s"] < 1 and health
+
+        health = await _until(recovered, "worker 0 never answered again")
+        assert health["workers"]["0"]["pid"] == pid0, health
+        assert health["workers"]["0"]["restarts"] == 0, health
+        async with aiohttp.ClientSession() as s, s.get(f"{mbase}/metrics") as r:
+            assert _restarts(await r.text()) == {}
 
 
 async def test_a_worker_that_cannot_bind_stops_them_all(fakes):
@@ -149,6 +239,10 @@ async def test_a_worker_that_cannot_bind_stops_them_all(fakes):
     [
         (["--workers", "2"], "--workers=2 needs --metrics-port"),
         (["--workers", "0"], "--workers=0 must be in 1..64"),
+        (["--worker-stall-timeout", "0.5"], "--worker-stall-timeout=0.5 must be 0 (never) or"),
+        (["--worker-stall-timeout", "-1"], "--worker-stall-timeout=-1 must be 0 (never) or"),
+        (["--worker-stall-timeout", "nan"], "--worker-stall-timeout=nan must be 0 (never) or"),
+        (["--worker-stall-timeout", "inf"], "--worker-stall-timeout=inf must be 0 (never) or"),
     ],
 )
 def test_workers_flags_refused(argv, words):
@@ -179,3 +273,8 @@ def test_a_config_built_in_code_checks_its_workers():
     with pytest.raises(InvalidArgument, match="workers=0"):
         ProxyConfig(**base, workers=0, metrics_port=9000)
     assert ProxyConfig(**base, workers=3, metrics_port=9000).workers == 3
+    assert ProxyConfig(**base).worker_stall_timeout == 30.0
+    for bad in (0.5, -1, float("nan"), float("inf"), True, "30"):
+        with pytest.raises(InvalidArgument, match=r"worker_stall_timeout=.* must be 0 \(never\)"):
+            ProxyConfig(**base, worker_stall_timeout=bad)
+    assert ProxyConfig(**base, worker_stall_timeout=0).worker_stall_timeout == 0  # never
