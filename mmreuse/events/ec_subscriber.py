@@ -9,6 +9,12 @@ cannot fill or a malformed batch forgets everything known of the instance (it th
 from the next events: a false "not cached", never a false "cached"). vLLM's encoder cache is
 not scoped by cache salt, so the entries are recorded without a tenant (`cache_salt=None`).
 
+Its snapshot (`SNAPSHOT_KIND` "ec") is bounded by what the view can hold, not by the KV
+subscriber's block bound (4M entries of up to 1 KB identifiers, ~4.6 GB): at most
+`max_snapshot_entries` entries (default: the sink's `max_entries`, `--e-cache-items` in the
+proxy; more would be dropped by the view anyway), refused at the first chunk from its `total`,
+and `max_snapshot_bytes` of answers in all (`mmreuse_kv_event_snapshots_total{outcome="bound"}`).
+
 The view it feeds is anything with `EmbeddingAvailability`'s `update_p`, `update_e` and
 `forget_instance` (`AvailabilitySink`): `mmreuse.events` does not import
 `mmreuse.availability` (nor the reverse).
@@ -19,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from ..validate import check_str, fail_type, fail_value
+from ..validate import check_int, check_str, fail_type, fail_value
 from .ec_wire import (
     EncoderCacheCleared,
     EncoderCacheEvicted,
@@ -32,6 +38,12 @@ from .index import RemoteKVIndex
 from .subscriber import KVEventSubscriber
 
 SIDES = ("p", "e")  # whose encoder cache: a P's (P-local reuse) or an E's (E-side reuse)
+# A snapshot's entries where the sink says nothing of its bound (EmbeddingAvailability does:
+# `max_entries`): the proxy's --e-cache-items default.
+DEFAULT_SNAPSHOT_ENTRIES = 4096
+# Its answers in all, by default: 4,096 entries of 1,024-character identifiers as UTF-8 with
+# their msgpack framing (~17 MB) fit; a sink holding more entries is bounded at this.
+DEFAULT_SNAPSHOT_BYTES = 64 << 20
 
 
 class AvailabilitySink(Protocol):
@@ -54,10 +66,26 @@ class AvailabilitySink(Protocol):
     def forget_instance(self, kind: str, name: str) -> None: ...
 
 
+def _snapshot_entries(availability: object, given: int | None) -> int:
+    """The entries an encoder-cache snapshot may have: `given`, else what the view holds (the
+    sink's `max_entries`), else DEFAULT_SNAPSHOT_ENTRIES."""
+    if given is not None:
+        return check_int("max_snapshot_entries", given, 0)
+    held = getattr(availability, "max_entries", None)
+    if isinstance(held, int) and not isinstance(held, bool) and held >= 0:
+        return held
+    return DEFAULT_SNAPSHOT_ENTRIES
+
+
 class EncoderCacheEventSubscriber(KVEventSubscriber):
     """SUB on an instance's encoder-cache events, DEALER to its replay socket, into
     `availability`: `side` "p", P-local entries of `instance` with their freeable flag; "e",
-    E-side entries of `instance` (E serves them without a forward)."""
+    E-side entries of `instance` (E serves them without a forward).
+
+    `max_snapshot_entries` (default: `availability.max_entries`, else 4,096) and
+    `max_snapshot_bytes` (default 64 MiB) bound its snapshot (module doc); the KV subscriber's
+    `max_snapshot_blocks` is refused here.
+    """
 
     EVENTS = "encoder_cache"
     SNAPSHOT_KIND = "ec"
@@ -71,6 +99,8 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
         instance: str,
         topic: str = "",
         side: str = "p",
+        max_snapshot_entries: int | None = None,
+        max_snapshot_bytes: int = DEFAULT_SNAPSHOT_BYTES,
         **kwargs: Any,
     ) -> None:
         if side not in SIDES:
@@ -84,8 +114,24 @@ class EncoderCacheEventSubscriber(KVEventSubscriber):
         self.instance = check_str("instance", instance, nonempty=True)
         if "index" in kwargs or "max_media" in kwargs:
             fail_type("index", "nothing: this subscriber feeds an EmbeddingAvailability", kwargs)
+        if "max_snapshot_blocks" in kwargs:
+            fail_type(
+                "max_snapshot_blocks",
+                "nothing: an encoder-cache snapshot is bounded by max_snapshot_entries",
+                kwargs["max_snapshot_blocks"],
+            )
+        entries = _snapshot_entries(availability, max_snapshot_entries)
+        bytes_bound = check_int("max_snapshot_bytes", max_snapshot_bytes, 1)
         # The base class labels its metrics by its index's instance; this index stays empty.
-        super().__init__(endpoint, replay_endpoint, topic, RemoteKVIndex(instance), **kwargs)
+        super().__init__(
+            endpoint,
+            replay_endpoint,
+            topic,
+            RemoteKVIndex(instance),
+            max_snapshot_blocks=entries,
+            **kwargs,
+        )
+        self.max_snapshot_bytes = bytes_bound
 
     def _decode_apply(self, payload: bytes) -> Any:
         batch = decode_ec_batch(payload)  # MalformedBatch (a ValueError): nothing applied

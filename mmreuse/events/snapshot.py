@@ -6,7 +6,8 @@ not at all, bounded against a hostile P.
 snapshot (stamp, incarnation, ids, counts) or raises `SnapshotRefused` with a named reason:
 `error` (P's DemandError: no KV events, index off, ...), `timeout` (past the deadline),
 `malformed` (a frame that is no answer, a chunk that does not continue the last one or changes
-its stamp / incarnation / total), `bound` (more ids than `max_blocks`), `stop`.
+its stamp / incarnation / total), `bound` (more ids or entries than `max_blocks`, refused at
+the first chunk from its `total`, or answers past `max_bytes` in all), `stop`.
 """
 
 from __future__ import annotations
@@ -60,13 +61,15 @@ def fetch_snapshot(
     deadline_s: float = 30.0,
     quiet_s: float = 5.0,
     max_blocks: int = 1 << 22,
+    max_bytes: int | None = None,
     cancelled: Callable[[], bool] = lambda: False,
     kind: str = "kv",
 ) -> Snapshot:
     """P's whole KV snapshot from its demand endpoint, within `deadline_s` in all, each chunk
-    within `quiet_s` of its ask, and `max_blocks`; `cancelled()` (checked every 50 ms) ends it
-    (reason `stop`). `kind`: "kv" (KVSnapshot) or "ec" (ECSnapshot; `max_blocks` bounds its
-    entries)."""
+    within `quiet_s` of its ask, `max_blocks` and `max_bytes` (the answers' frames in all, None:
+    unbounded; a chunk at most `MAX_ANSWER_BYTES` past it); `cancelled()` (checked every 50 ms)
+    ends it (reason `stop`). `kind`: "kv" (KVSnapshot) or "ec" (ECSnapshot; `max_blocks` bounds
+    its entries)."""
     if kind not in ("kv", "ec"):
         raise ValueError(f"kind must be 'kv' or 'ec', got {kind!r}")
     ask = SnapshotQuery if kind == "kv" else ECSnapshotQuery
@@ -74,6 +77,8 @@ def fetch_snapshot(
     check_float("deadline_s", deadline_s, 0, lo_open=True)
     check_float("quiet_s", quiet_s, 0, lo_open=True)
     check_int("max_blocks", max_blocks, 0)
+    if max_bytes is not None:
+        check_int("max_bytes", max_bytes, 1)
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -84,16 +89,23 @@ def fetch_snapshot(
     counts: list[int] = []
     entries: list[ECEntry] = []
     first: KVSnapshot | ECSnapshot | None = None
+    nbytes = 0
     try:
         sock.connect(endpoint)
         while True:
             have = len(ids) + len(entries)
             sock.send(encode(ask(sid, have)))
-            chunk = _receive(sock, sid, min(end, time.monotonic() + quiet_s), cancelled, want)
+            chunk, size = _receive(sock, sid, min(end, time.monotonic() + quiet_s), cancelled, want)
+            nbytes += size
+            if max_bytes is not None and nbytes > max_bytes:
+                raise SnapshotRefused(
+                    "bound", f"snapshot past max_bytes={max_bytes} at offset {chunk.offset}"
+                )
             if first is None:
                 if chunk.total > max_blocks:
+                    what = "blocks" if kind == "kv" else "entries"
                     raise SnapshotRefused(
-                        "bound", f"snapshot of {chunk.total} blocks > max_blocks={max_blocks}"
+                        "bound", f"snapshot of {chunk.total} {what} > max_blocks={max_blocks}"
                     )
                 first = chunk
             elif (chunk.stamp, chunk.incarnation, chunk.total) != (
@@ -130,7 +142,8 @@ def fetch_snapshot(
 
 def _receive(
     sock: zmq.Socket, sid: str, end: float, cancelled: Callable[[], bool], want: type
-) -> KVSnapshot | ECSnapshot:
+) -> tuple[KVSnapshot | ECSnapshot, int]:
+    """This fetch's next answer and its frame's size in bytes (strays skipped)."""
     while True:
         if cancelled():
             raise SnapshotRefused("stop", "stopped while fetching the snapshot")
@@ -139,8 +152,9 @@ def _receive(
             raise SnapshotRefused("timeout", "P's snapshot did not come in time")
         if not sock.poll(max(1, int(min(left, 0.05) * 1000))):
             continue
+        frame = sock.recv()
         try:
-            answer = decode_answer(sock.recv())
+            answer = decode_answer(frame)
         except MalformedAnswer as e:
             raise SnapshotRefused("malformed", f"snapshot answer: {e}") from None
         if getattr(answer, "id", None) != sid:
@@ -150,4 +164,4 @@ def _receive(
         if not isinstance(answer, want):
             raise SnapshotRefused("malformed", f"a {type(answer).__name__} for a snapshot")
         assert isinstance(answer, KVSnapshot | ECSnapshot)
-        return answer
+        return answer, len(frame)

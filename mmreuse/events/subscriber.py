@@ -202,6 +202,7 @@ class KVEventSubscriber:
         self.max_stamp_ahead = check_int("max_stamp_ahead", max_stamp_ahead, 0)
         self._next_snapshot = 0.0  # monotonic time of the next snapshot attempt
         self._stamp_due: tuple[int, float] | None = None  # (seq the stream must reach, by when)
+        self.max_snapshot_bytes: int | None = None  # a subclass's byte bound (events.snapshot)
         self._ctx = context or zmq.Context.instance()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -552,6 +553,7 @@ class KVEventSubscriber:
                 deadline_s=self.snapshot_deadline_s,
                 quiet_s=self.replay_timeout_s * 2.5,
                 max_blocks=self.max_snapshot_blocks,
+                max_bytes=self.max_snapshot_bytes,
                 cancelled=self._stop.is_set,
                 kind=self.SNAPSHOT_KIND,
             )

@@ -24,6 +24,7 @@ from mmreuse.events.ec_wire import (
 )
 from mmreuse.metrics import Metrics
 from tests.support.kv_publisher import TestPublisher
+from tests.support.waiting import wait_for
 
 
 def _batch(*events):
@@ -227,3 +228,96 @@ def test_side_is_checked():
         EncoderCacheEventSubscriber(
             "tcp://127.0.0.1:1", availability=EmbeddingAvailability(), instance="E0", side="x"
         )
+
+
+class ECSnapshotServer:
+    """A demand endpoint answering `ECSnapshotQuery` with `total` generated entries of
+    `ident_chars` characters, `chunk` a chunk; records the highest offset asked for."""
+
+    def __init__(self, ctx, total: int, *, chunk: int = 2, ident_chars: int = 8) -> None:
+        import threading
+
+        self.total, self.chunk, self.ident_chars = total, chunk, ident_chars
+        self.offsets: list[int] = []
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.running = True
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        from mmreuse.demand_query import ECEntry, ECSnapshot, decode_query, encode
+
+        while self.running:
+            if not self.sock.poll(50):
+                continue
+            ident, payload = self.sock.recv_multipart()
+            q = decode_query(payload)
+            self.offsets.append(q.offset)
+            n = min(self.chunk, self.total - q.offset)
+            part = [ECEntry(f"{q.offset + i:0{self.ident_chars}d}", 16, False) for i in range(n)]
+            self.sock.send_multipart([ident, encode(ECSnapshot(q.id, 0, "inc", self.total,
+                                                               q.offset, part))])  # fmt: skip
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join()
+        self.sock.close(0)
+
+
+def _snapshot_outcome(metrics, outcome):
+    return metrics.registry.get_sample_value(
+        "mmreuse_kv_event_snapshots_total", {"instance": "P0", "outcome": outcome}
+    )
+
+
+@pytest.mark.parametrize(
+    "total, max_entries, kwargs, furthest",
+    [
+        # 4M entries announced to a view that holds 4: refused from `total`, at offset 0
+        (4_194_304, 4, {}, 0),
+        (5, 4, {}, 0),
+        # 1,000-character identifiers, 10 a chunk (~10 KB): past 15 KB at the second chunk
+        (50, 100, {"max_snapshot_bytes": 15_000}, 10),
+    ],
+    ids=["4M entries", "one past the view", "bytes"],
+)
+def test_an_encoder_cache_snapshot_is_bounded_by_what_the_view_holds(
+    total, max_entries, kwargs, furthest
+):
+    ctx = zmq.Context()
+    pub = TestPublisher(ctx)
+    chunk, chars = (10, 1000) if "max_snapshot_bytes" in kwargs else (2, 8)
+    server = ECSnapshotServer(ctx, total, chunk=chunk, ident_chars=chars)
+    metrics = Metrics(CollectorRegistry())
+    avail = EmbeddingAvailability(ttl_s=3600, max_entries=max_entries, metrics=metrics)
+    pub.publish(_batch(EncoderCacheStored("gone", 16)))  # the view joins past seq 0: incomplete
+    pub.publish(_batch())
+    sub = EncoderCacheEventSubscriber(
+        pub.endpoint, None, availability=avail, instance="P0", metrics=metrics,
+        snapshot_endpoint=server.endpoint, snapshot_retry_s=0.2, **kwargs,
+    ).start()  # fmt: skip
+    try:
+        assert wait_for(lambda: (_snapshot_outcome(metrics, "bound") or 0) >= 2)
+        assert max(server.offsets) == furthest  # never read on past the bound
+        assert not sub.complete and not _snapshot_outcome(metrics, "ok")
+        assert _p(avail) == ({}, set())
+    finally:
+        sub.stop()
+        server.close()
+        pub.close()
+        ctx.term()
+
+
+def test_the_snapshot_bound_defaults_to_what_the_view_holds():
+    def make(**kw):
+        return EncoderCacheEventSubscriber("tcp://127.0.0.1:1", instance="P0", **kw)
+
+    assert make(availability=EmbeddingAvailability(max_entries=7)).max_snapshot_blocks == 7
+    sub = make(availability=EmbeddingAvailability(), max_snapshot_entries=3, max_snapshot_bytes=9)
+    assert (sub.max_snapshot_blocks, sub.max_snapshot_bytes) == (3, 9)
+    with pytest.raises(InvalidArgumentType, match="max_snapshot_blocks"):
+        make(availability=EmbeddingAvailability(), max_snapshot_blocks=1 << 22)
+    with pytest.raises(ValueError, match="max_snapshot_bytes"):
+        make(availability=EmbeddingAvailability(), max_snapshot_bytes=0)
