@@ -34,12 +34,19 @@ holds (never the reverse), and a caller should treat a miss from it as unknown.
 With a `snapshot_endpoint` (P's demand endpoint, where `DemandScheduler` serves its KV
 snapshot), an incomplete view bootstraps itself: it fetches the snapshot (`events.snapshot`),
 puts it in place of the view, and applies the batches from the snapshot's stamp on (replayed
-when it had applied past the stamp, skipped when the snapshot is ahead of the stream); it is
-then complete. A snapshot refused, malformed, past its deadline or its bounds, stamped past
-where the stream is (`max_stamp_ahead`) or never reached by the stream within
-`snapshot_deadline_s`, or whose stamp the replay cannot reach, leaves the view incomplete (reset
-if it had been loaded), counted in `mmreuse_kv_event_snapshots_total{outcome}`, and is asked
-again after `snapshot_retry_s`.
+when it had applied past the stamp); it is then complete. A snapshot stamped ahead of the
+stream (P answered before its last batches arrived here) is only a claim until the stream gets
+there: it is held aside, unloaded, while the live batches apply to the (incomplete) view as
+ever, and is put in place of the view only once the stream reaches `stamp - 1` (the batches
+below the stamp are then in it, none applied twice, none dropped). So the view is never
+complete, nor ever holds what such a snapshot says, on its word alone. The stream's
+incarnation is that of the first snapshot put in place since the publisher (re)connected: a
+snapshot of another (another P process behind the demand endpoint) is refused. A snapshot
+refused, malformed, past its deadline or its bounds, of another incarnation, stamped more than
+`max_stamp_ahead` past the stream or not reached by it within `snapshot_deadline_s`, or whose
+stamp the replay cannot reach, leaves the view incomplete (reset if it had been loaded),
+counted in `mmreuse_kv_event_snapshots_total{outcome}` (`incarnation`, `stamp`, ...), and is
+asked again after `snapshot_retry_s`.
 
 Should the loop itself die (its socket failing), the view is reset too, `error` holds the cause,
 `is_alive` is False, `mmreuse_kv_event_subscriber_up` drops to 0, and `check()`,
@@ -201,7 +208,13 @@ class KVEventSubscriber:
         self.max_snapshot_blocks = check_int("max_snapshot_blocks", max_snapshot_blocks, 0)
         self.max_stamp_ahead = check_int("max_stamp_ahead", max_stamp_ahead, 0)
         self._next_snapshot = 0.0  # monotonic time of the next snapshot attempt
-        self._stamp_due: tuple[int, float] | None = None  # (seq the stream must reach, by when)
+        # A snapshot stamped ahead of the stream, unloaded until the stream reaches its stamp
+        # (then put in place of the view), dropped at `_pending_until` (monotonic) if it never does.
+        self._pending: Snapshot | None = None
+        self._pending_until = 0.0
+        # The incarnation of the snapshot last put in place since the publisher (re)connected:
+        # the stream's, as far as the view knows; a snapshot of another is refused.
+        self._incarnation: str | None = None
         self.max_snapshot_bytes: int | None = None  # a subclass's byte bound (events.snapshot)
         self._ctx = context or zmq.Context.instance()
         self._thread: threading.Thread | None = None
@@ -394,6 +407,7 @@ class KVEventSubscriber:
             self._resync(count=self.applied_seq is not None)
             self.applied_seq = None  # replay from 0; live_seq kept to tell a restart
             self._reconnected = True
+            self._forget_publisher("a disconnect")
 
     def _handle(self, frames: list[bytes]) -> None:
         """One message; whatever goes wrong in it costs a resync, never the loop."""
@@ -430,6 +444,7 @@ class KVEventSubscriber:
             )
             self._resync(count=self.applied_seq is not None)  # not twice after a disconnect
             self.applied_seq = None
+            self._forget_publisher("a publisher restart")
         self.live_seq = seq
         if self.applied_seq is not None and seq <= self.applied_seq:
             return  # already applied from a replay
@@ -451,6 +466,8 @@ class KVEventSubscriber:
             )
             self._resync()  # what it would have told is lost
             self.applied_seq = seq
+            if self._pending is not None and seq == self._pending.stamp - 1:
+                self._reach_stamp()
             return
         self.applied_seq = seq
         if (seq == 0 or self._clears(batch)) and not self.complete:
@@ -470,6 +487,8 @@ class KVEventSubscriber:
             except Exception:  # an observer's bug costs its observation, never the view
                 m.errors.labels(self._label).inc()
                 logger.exception("KV events %s: on_batch raised", self._label)
+        if self._pending is not None and seq == self._pending.stamp - 1:
+            self._reach_stamp()
 
     def _decode_apply(self, payload: bytes) -> Any:
         """Decode a payload and apply it to the view, whole or not at all (ValueError if not).
@@ -524,27 +543,70 @@ class KVEventSubscriber:
     # ---- snapshots ----------------------------------------------------------------------------
 
     def _snapshot_duties(self) -> None:
-        """Between messages: check a loaded snapshot's stamp is reached; bootstrap an
-        incomplete view when it is time."""
+        """Between messages: settle a snapshot held aside; bootstrap an incomplete view when it
+        is time."""
         now = time.monotonic()
-        due = self._stamp_due
-        if due is not None:
-            if self.live_seq is not None and self.live_seq >= due[0]:
-                self._stamp_due = None
-            elif now >= due[1]:
-                self._stamp_due = None
-                self.applied_seq = self.live_seq  # not the stamp's: the stream never got there
-                self._snapshot_failed(
-                    SnapshotRefused(
-                        "stamp", f"the stream never reached the snapshot's stamp {due[0] + 1}"
-                    ),
-                    reset=True,
-                )
-        if not self.complete and now >= self._next_snapshot:
+        if self._pending is not None:
+            self._pending_duties(now)
+        if not self.complete and self._pending is None and now >= self._next_snapshot:
             self._bootstrap()
 
+    def _pending_duties(self, now: float) -> None:
+        """A snapshot held aside: dropped if the view became complete without it (a clear);
+        put in place (and the batches past its stamp replayed) once the stream passed its stamp
+        by a way `_apply` did not see (batches lost on the way); refused at its deadline."""
+        snap = self._pending
+        assert snap is not None
+        if self.complete:
+            self._pending = None
+            logger.info(
+                "%s events %s: the view became complete before the stream reached the snapshot's "
+                "stamp %d (a clear); the snapshot is not needed",
+                self.EVENTS,
+                self._label,
+                snap.stamp,
+            )
+        elif self._position() >= snap.stamp - 1:
+            self._pending = None
+            self._install(snap)
+        elif now >= self._pending_until:
+            self._pending = None
+            self._snapshot_failed(
+                SnapshotRefused(
+                    "stamp",
+                    f"the stream stayed at {self._position()}, never reaching the snapshot's "
+                    f"stamp {snap.stamp} within snapshot_deadline_s={self.snapshot_deadline_s}",
+                ),
+                reset=False,  # never loaded: the view is as it was, incomplete
+            )
+
+    def _reach_stamp(self) -> None:
+        """The stream just applied `stamp - 1` of the snapshot held aside: put it in place (it
+        holds every batch so far, exactly)."""
+        snap, self._pending = self._pending, None
+        assert snap is not None
+        self._install(snap)
+
+    def _forget_publisher(self, why: str) -> None:
+        """Another publisher process, perhaps: its incarnation is unknown again, and a snapshot
+        held aside (of the old one's stream) is refused."""
+        self._incarnation = None
+        if self._pending is not None:
+            snap, self._pending = self._pending, None
+            self._snapshot_failed(
+                SnapshotRefused(
+                    "stamp", f"{why} before the stream reached the snapshot's stamp {snap.stamp}"
+                ),
+                reset=False,
+            )
+
+    def _position(self) -> int:
+        """The last seq the stream has accounted for (-1: none): every batch up to it applied,
+        or lost with a reset. Only ever a seq the publisher sent (live or replayed)."""
+        return -1 if self.applied_seq is None else self.applied_seq
+
     def _bootstrap(self) -> None:
-        """Fetch P's snapshot, put it in place of the view, apply the batches from its stamp."""
+        """Fetch P's snapshot and use it (`_use_snapshot`)."""
         assert self.snapshot_endpoint is not None
         try:
             snap = fetch_snapshot(
@@ -560,16 +622,50 @@ class KVEventSubscriber:
         except SnapshotRefused as e:
             self._snapshot_failed(e, reset=False)
             return
-        stamp, applied = snap.stamp, self.applied_seq
-        at = -1 if self.live_seq is None else self.live_seq
-        if stamp > at + 1 + self.max_stamp_ahead:
+        self._use_snapshot(snap)
+
+    def _use_snapshot(self, snap: Snapshot) -> None:
+        """Refuse a snapshot of another incarnation or stamped too far ahead; hold one stamped
+        ahead of the stream aside until the stream reaches it; put any other in place."""
+        if self._incarnation is not None and snap.incarnation != self._incarnation:
             self._snapshot_failed(
                 SnapshotRefused(
-                    "stamp", f"snapshot stamped {stamp}, the stream is at {at} (max_stamp_ahead)"
+                    "incarnation",
+                    f"snapshot of incarnation {snap.incarnation!r}, the stream's is "
+                    f"{self._incarnation!r} (another P process behind the demand endpoint?)",
                 ),
                 reset=False,
             )
             return
+        at = self._position()
+        if snap.stamp - 1 <= at:
+            self._install(snap)
+            return
+        if snap.stamp - 1 - at > self.max_stamp_ahead:
+            self._snapshot_failed(
+                SnapshotRefused(
+                    "stamp",
+                    f"snapshot stamped {snap.stamp}, the stream is at {at} "
+                    f"(max_stamp_ahead={self.max_stamp_ahead})",
+                ),
+                reset=False,
+            )
+            return
+        self._pending = snap
+        self._pending_until = time.monotonic() + self.snapshot_deadline_s
+        logger.info(
+            "%s events %s: snapshot stamped %d, the stream at %d: held until the stream gets "
+            "there (the view stays incomplete)",
+            self.EVENTS,
+            self._label,
+            snap.stamp,
+            at,
+        )
+
+    def _install(self, snap: Snapshot) -> None:
+        """Put a snapshot the stream has reached in place of the view and replay the batches
+        the view applied past its stamp; the view is then complete."""
+        stamp, applied = snap.stamp, self.applied_seq
         try:
             self._load_snapshot(snap)
         except ValueError as e:
@@ -596,8 +692,7 @@ class KVEventSubscriber:
                     reset=True,
                 )
                 return
-        elif stamp - 1 > at:  # ahead of the stream: the batches up to the stamp are skipped
-            self._stamp_due = (stamp - 1, time.monotonic() + self.snapshot_deadline_s)
+        self._incarnation = snap.incarnation
         self.complete = True
         m = self.metrics
         m.complete.labels(self._label, self.EVENTS).set(1)

@@ -202,6 +202,77 @@ def test_a_snapshot_ahead_of_the_stream_skips_the_batches_it_holds(ctx, p, metri
         sub.stop()
 
 
+def test_an_honest_snapshot_racing_the_stream_completes(ctx, p, metrics):
+    # P publishes a batch as it answers: the snapshot holds it, the view has not seen it yet.
+    # Held aside until that batch arrives, then put in place of the view: complete, no batch
+    # below its stamp needed again.
+    served_before(p)
+    p.chunk = 100
+    raced: list[int] = []
+
+    def racing(q, truth):
+        if not raced:
+            raced.append(p.publish(stored([50])))  # on the PUB stream before the answer
+        return [p.truthful(q)]
+
+    p.script = racing
+    idx, sub = subscribe(ctx, p, metrics)
+    try:
+        assert wait_for(lambda: sub.complete)
+        assert idx.contains(50) and idx.counts() == p.truth.counts()
+        assert sub.applied_seq == raced[0] and outcome(metrics, "ok") == 1
+        p.publish(BlockRemoved(block_hashes=[50], medium="GPU"))
+        assert wait_for(lambda: not idx.contains(50)) and sub.complete
+    finally:
+        sub.stop()
+
+
+def test_a_snapshot_ahead_of_the_stream_is_not_trusted(ctx, p, metrics):
+    # Stamped 6 batches past the stream, naming a block P never stored: never the view, never
+    # complete, and the live batches below its stamp (a real BlockRemoved) still apply.
+    served_before(p)
+    p.publish(stored([60]))  # seq 11: in the replay buffer, so the view holds block 60
+    p.chunk = 100
+    p.script = lambda q, t: [_replace(t, stamp=t.stamp + 6, total=t.total + 1,
+                                      block_ids=[*t.block_ids, 999], counts=[*t.counts, 1])]  # fmt: skip
+    idx, sub = subscribe(ctx, p, metrics)
+    try:
+        assert wait_for(lambda: p.asked >= 1)  # the loop handles no batch while it fetches
+        seq = p.publish(BlockRemoved(block_hashes=[60], medium="GPU"))
+        assert wait_for(lambda: sub.applied_seq == seq or sub.complete)
+        assert not sub.complete and not idx.contains(999) and not idx.contains(60)
+        assert outcome(metrics, "ok") == 0
+        assert wait_for(lambda: outcome(metrics, "stamp") >= 1)  # the stream never got there
+        assert not sub.complete and not idx.contains(999) and outcome(metrics, "ok") == 0
+        p.script = None
+        assert wait_for(lambda: sub.complete)
+        assert idx.counts() == p.truth.counts() and not idx.contains(60)
+    finally:
+        sub.stop()
+
+
+def test_a_snapshot_of_another_incarnation_is_refused(ctx, p, metrics):
+    # The stream's incarnation is that of the first snapshot the view took from it: another
+    # P process answering on the demand endpoint (a misaligned or load-balanced one) is refused.
+    served_before(p)
+    p.chunk = 100
+    idx, sub = subscribe(ctx, p, metrics, max_replay_batches=1)
+    try:
+        assert wait_for(lambda: sub.complete) and outcome(metrics, "ok") == 1
+        p.script = lambda q, t: [_replace(t, incarnation="inc-2")]
+        p.publish(stored([40]), drop=True)  # a gap of 2 > max_replay_batches: a reset
+        p.publish(stored([41]), drop=True)
+        seq = p.publish(stored([42]))
+        assert wait_for(lambda: sub.applied_seq == seq)
+        assert wait_for(lambda: outcome(metrics, "incarnation") >= 1)
+        assert not sub.complete and not idx.contains(7) and outcome(metrics, "ok") == 1
+        p.script = None  # its own process again
+        assert wait_for(lambda: sub.complete)
+        assert idx.counts() == p.truth.counts() and outcome(metrics, "ok") == 2
+    finally:
+        sub.stop()
+
+
 # ---- hostile or broken snapshots: refused by name, the view incomplete rather than wrong --------
 
 
@@ -253,16 +324,16 @@ def test_a_bad_snapshot_is_refused_and_the_view_stays_incomplete(
         sub.stop()
 
 
-def test_a_stamp_the_stream_never_reaches_resets_the_view(ctx, p, metrics):
+def test_a_stamp_the_stream_never_reaches_is_never_loaded(ctx, p, metrics):
     served_before(p)
     p.script = lambda q, t: [_replace(t, stamp=t.stamp + 3)]  # within max_stamp_ahead
     idx, sub = subscribe(ctx, p, metrics)
     try:
-        # loaded (within max_stamp_ahead), then reset once snapshot_deadline_s passed
+        # held aside, never in the view, refused once snapshot_deadline_s passed
         assert wait_for(lambda: outcome(metrics, "stamp") >= 1)
-        assert outcome(metrics, "ok") >= 1
+        assert outcome(metrics, "ok") == 0 and not sub.complete and not idx.contains(7)
         p.script = None
-        assert wait_for(lambda: outcome(metrics, "ok") >= 2 and sub.complete)
+        assert wait_for(lambda: outcome(metrics, "ok") >= 1 and sub.complete)
         assert wait_for(lambda: idx.counts() == p.truth.counts())
     finally:
         sub.stop()
