@@ -123,14 +123,19 @@ DEFAULT_MM_LIMIT = 999  # vLLM's --limit-mm-per-prompt default, per modality
 def vllm_part_kind(part: Mapping[str, Any]) -> str | None:
     """What vLLM's parser takes a content part to be: its `type` when it knows that type and
     the part has no `uuid`, else (a uuid, or no type) the first media key the part carries,
-    whatever its type. None where vLLM refuses the part ("Missing 'type' field")."""
+    whatever its type. None where vLLM refuses the part ("Missing 'type' field").
+
+    This is vLLM 0.32's reading. 0.33 reads one form otherwise: a `video_embeds` part with a
+    uuid and an `audio_embeds` key is its video (the audio its track) to 0.33 and audio to 0.32.
+    Read as audio here, such a part disagrees with its type and is refused (without a uuid both
+    take it for the video), so no vLLM the proxy fronts sees media the proxy did not name."""
     kind = part.get("type")
     uuid = part.get("uuid")
     if uuid is None and type(kind) is str and kind in VLLM_PART_TYPES:
         return kind
     if kind is None or uuid is not None:
         for key in _PROBED_KEYS:
-            if key in part and not (key == "audio_embeds" and kind == "video_embeds"):
+            if key in part:
                 return key
         return None
     return kind if type(kind) is str else None

@@ -39,22 +39,25 @@ def vllm_kinds(python: Path) -> list[dict[str, Any]]:
 
 
 def check_against(rows: list[dict[str, Any]]) -> int:
-    """Every part vLLM accepts is classified as vLLM classifies it, and every part vLLM takes
-    for media reaches P only in the form whose type says so (or is refused). Returns how many
+    """Every part vLLM accepts is refused as media or classified as vLLM classifies it, and
+    every part vLLM takes for media reaches P only in the form whose type says so (or is
+    refused). Returns how many
     parts vLLM parsed as media (the corpus must hold some)."""
     media = 0
     for part, row in zip(parts(), rows, strict=True):
         if not row["valid"] or row["kind"] is None:
             continue  # vLLM answers 400 itself
-        assert vllm_part_kind(part) == row["kind"], (part, row)
-        if row["kind"] not in MEDIA_KINDS:
-            continue
-        media += 1
         req = {"messages": [{"role": "user", "content": [copy.deepcopy(part)]}]}
         try:
             items = scan_parts(req)
         except PartRefused:
+            assert vllm_part_kind(part) in MEDIA_KINDS, (part, row)  # refused as media only
+            media += row["kind"] in MEDIA_KINDS
             continue
+        assert vllm_part_kind(part) == row["kind"], (part, row)
+        if row["kind"] not in MEDIA_KINDS:
+            continue
+        media += 1
         [sent] = req["messages"][0]["content"]
         kind = sent["type"]
         assert kind in MM_TYPES | EMBEDS_PARTS | {"prompt_embeds"}, (part, sent)
