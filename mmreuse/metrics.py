@@ -61,7 +61,8 @@ class Metrics:
         self.snapshots = Counter(
             "mmreuse_kv_event_snapshots_total",
             "Snapshots of P's prefix cache asked for an incomplete view, by outcome: ok, or why "
-            "not (error: P refused, timeout, malformed, bound, stamp, replay)",
+            "not (error: P refused, timeout, malformed, bound, stamp, incarnation: another P "
+            "process, replay)",
             ["instance", "outcome"],
             registry=r,
         )
