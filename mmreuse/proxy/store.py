@@ -14,7 +14,6 @@ one called absent goes to E, which finds it in the store.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -22,8 +21,10 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+import msgspec
 
 from ..embedding_store import embedding_key
+from ..errors import InvalidArgument
 from ..validate import check_float, check_str
 
 __all__ = ["MAX_KEYS_PER_QUERY", "StoreTruth"]
@@ -37,23 +38,43 @@ class _Junk(ValueError):
     pass
 
 
+class _Entry(msgspec.Struct):
+    """One key's answer (its other fields, `error` and `values`, are not read)."""
+
+    ok: bool
+
+
+class _Answer(msgspec.Struct):
+    """A `/batch_query_keys` answer: `data` maps each asked key to its `_Entry`."""
+
+    success: bool
+    data: dict[str, _Entry] | None = None
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+
+
 def _held(body: bytes, keys: list[str]) -> set[str]:
-    """The keys a `/batch_query_keys` answer says the store holds; _Junk when it is not one."""
+    """The keys a `/batch_query_keys` answer says the store holds; _Junk when it is not one
+    (anything that does not decode, a nesting too deep for the decoder included)."""
     try:
-        doc = json.loads(body)
-    except ValueError as exc:
+        doc = _decode_answer(body)
+    except msgspec.ValidationError as exc:
+        raise _Junk(f"not an answer: {exc}") from None
+    except msgspec.DecodeError as exc:
         raise _Junk(f"not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("success") is not True:
-        raise _Junk(f"no success: {str(doc)[:120]}")
-    data = doc.get("data")
-    if not isinstance(data, dict):
-        raise _Junk(f"data is a {type(data).__name__}, not an object")
+    except RecursionError:  # msgspec's own depth limit, met even in a field it skips
+        raise _Junk(f"not an answer: nested too deep ({len(body)} bytes)") from None
+    if not doc.success:
+        raise _Junk(f"no success: {body[:120]!r}")
+    if doc.data is None:
+        raise _Junk(f"success without data: {body[:120]!r}")
     held = set()
     for key in keys:
-        entry = data.get(key)
-        if not isinstance(entry, dict) or not isinstance(entry.get("ok"), bool):
+        entry = doc.data.get(key)
+        if entry is None:
             raise _Junk(f"no answer for key {key[:120]!r}")
-        if entry["ok"]:
+        if entry.ok:
             held.add(key)
     return held
 
@@ -76,6 +97,7 @@ class StoreTruth:
         self._session = session
         self._on_outcome = on_outcome
         self.outcomes: Counter[str] = Counter()
+        self.unkeyable = 0  # identifiers that make no store key: not asked, not held
         self.last_outcome = ""
         self.last_error = ""
         self.last_ok_at: float | None = None
@@ -98,7 +120,10 @@ class StoreTruth:
         for ident in identifiers:
             if "," in ident:  # the master splits its keys at commas: not askable, not held
                 continue
-            by_key[embedding_key(self.namespace, ident)] = ident
+            try:
+                by_key[embedding_key(self.namespace, ident)] = ident
+            except InvalidArgument:  # no key ("", a non-str): P's connector cannot hold it
+                self.unkeyable += 1
         if not by_key:
             return frozenset()
         keys = list(by_key)
@@ -138,6 +163,7 @@ class StoreTruth:
             "url": self.url,
             "namespace": self.namespace,
             "queries": dict(self.outcomes),
+            "unkeyable": self.unkeyable,
             "last_outcome": self.last_outcome or None,
             "last_error": self.last_error or None,
             "last_ok_at": self.last_ok_at,

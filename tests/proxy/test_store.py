@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 
 import aiohttp
 import pytest
@@ -48,6 +49,14 @@ class Master:
             return web.Response(status=500, text="boom")
         if self.mode == "huge":
             return web.Response(body=b" " * (2 << 20))
+        if self.mode == "deep":  # 4 KB of nested arrays: deeper than any decoder recurses
+            return web.Response(body=b"[" * 4096 + b"]" * 4096)
+        if self.mode == "deep_field":  # the same, in a field the answer's reader skips
+            deep = b"[" * 4096 + b"]" * 4096
+            entry = b'{"ok": true, "values": ' + deep + b"}"
+            return web.Response(
+                body=b'{"success": true, "data": {"%s": %s}}' % (keys[0].encode(), entry)
+            )
         data = {
             k: {"ok": True, "error": None, "values": [{"size_": 1000}]}
             if k in self.held
@@ -118,17 +127,27 @@ async def test_an_identifier_with_a_comma_is_not_held_nor_asked(master, session)
         ("partial", "junk", "no answer for key"),
         ("500", "http_error", "HTTP 500"),
         ("huge", "junk", "an answer over"),
+        ("deep", "junk", "not an answer"),
+        ("deep_field", "junk", "nested too deep"),
     ],
 )
 async def test_a_bad_master_is_no_answer_counted_and_said(master, session, mode, outcome, says):
     master.mode = mode
     seen = []
     truth = StoreTruth(master.url, NS, lambda: session, timeout_s=0.2, on_outcome=seen.append)
+    t0 = time.monotonic()
     assert await truth.held(["a"]) is None
+    assert time.monotonic() - t0 < 0.2 + 0.1  # within the timeout, whatever the answer
     assert seen == [outcome] and says in truth.health()["last_error"]
     master.mode = "ok"
     assert await truth.held(["a"]) == frozenset()
     assert truth.health()["last_error"] is None and truth.outcomes[outcome] == 1
+
+
+async def test_an_identifier_that_makes_no_key_is_not_held_nor_asked(master, session):
+    truth = StoreTruth(master.url, NS, lambda: session)
+    assert await truth.held(["", "a"]) == frozenset() and master.asked == [[embedding_key(NS, "a")]]
+    assert truth.health()["unkeyable"] == 1 and truth.last_outcome == "ok"
 
 
 async def test_an_unreachable_master_is_no_answer(session):
