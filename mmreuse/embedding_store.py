@@ -93,28 +93,35 @@ def pack_embedding(dtype: str, tokens: int, hidden: int, payload: bytes) -> byte
     return HEADER.pack(MAGIC, DTYPE_CODES[dtype], tokens, hidden) + payload
 
 
-def unpack_embedding(data: bytes, *, tokens: int | None = None) -> StoredEmbedding:
+def unpack_embedding(
+    data: bytes, *, tokens: int | None = None, hidden: int | None = None, dtype: str | None = None
+) -> StoredEmbedding:
     """Decode an object; raises StoreObjectError when it is not one (a short or foreign
-    object, an unknown dtype, a size that does not match its header, or `tokens` other than
-    the caller expects)."""
+    object, an unknown dtype, a size that does not match its header) or when its `tokens`,
+    `hidden` or `dtype` is not the one the caller expects (vLLM's store client refuses those
+    too: `_validate_mooncake_tensor_metadata`)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise StoreObjectError(f"object must be bytes, got {type(data).__name__}")
     if len(data) < HEADER.size:
         raise StoreObjectError(f"object of {len(data)} bytes is shorter than its header")
-    magic, code, n, hidden = HEADER.unpack_from(data)
+    magic, code, n, width = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise StoreObjectError(f"object magic {magic:#x} is not {MAGIC:#x}")
-    dtype = _DTYPE_NAMES.get(code)
-    if dtype is None:
+    name = _DTYPE_NAMES.get(code)
+    if name is None:
         raise StoreObjectError(f"object dtype code {code} is not one of {sorted(_DTYPE_NAMES)}")
-    if n < 1 or hidden < 1:
-        raise StoreObjectError(f"object shape ({n}, {hidden}) is empty")
+    if n < 1 or width < 1:
+        raise StoreObjectError(f"object shape ({n}, {width}) is empty")
     if tokens is not None and n != tokens:
         raise StoreObjectError(f"object has {n} tokens, the request expects {tokens}")
-    want = HEADER.size + n * hidden * _ITEMSIZE[dtype]
+    if hidden is not None and width != hidden:
+        raise StoreObjectError(f"object hidden size is {width}, the model expects {hidden}")
+    if dtype is not None and name != dtype:
+        raise StoreObjectError(f"object dtype is {name}, the model expects {dtype}")
+    want = HEADER.size + n * width * _ITEMSIZE[name]
     if len(data) != want:
         raise StoreObjectError(f"object is {len(data)} bytes, its header says {want}")
-    return StoredEmbedding(dtype, n, hidden, bytes(data[HEADER.size :]))
+    return StoredEmbedding(name, n, width, bytes(data[HEADER.size :]))
 
 
 class StoreCalls:

@@ -72,6 +72,22 @@ def test_each_bad_object_says_why(data, match):
         unpack_embedding(data, tokens=2)
 
 
+@pytest.mark.parametrize(
+    ("expect", "match"),
+    [
+        ({"tokens": 2, "hidden": 4, "dtype": "bfloat16"}, "object has 3 tokens"),  # the guard
+        ({"tokens": 3, "hidden": 8, "dtype": "bfloat16"}, "hidden size is 4, the model expects 8"),
+        ({"tokens": 3, "hidden": 4, "dtype": "float16"}, "dtype is bfloat16, the model expects"),
+    ],
+)
+def test_an_object_of_another_shape_or_dtype_is_refused(expect, match):
+    # vLLM's _validate_mooncake_tensor_metadata: dtype and (num_tokens, hidden_dim) both
+    data = pack_embedding("bfloat16", 3, 4, b"x" * 24)
+    with pytest.raises(StoreObjectError, match=match):
+        unpack_embedding(data, **expect)
+    assert unpack_embedding(data, tokens=3, hidden=4, dtype="bfloat16").hidden == 4
+
+
 def test_pack_checks_its_input():
     with pytest.raises(InvalidArgument, match="dtype"):
         pack_embedding("int8", 1, 1, b"x")
