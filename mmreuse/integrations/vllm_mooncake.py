@@ -6,7 +6,11 @@ loaded by vLLM's own hook and run on Model Runner V1 (vLLM's own store path need
         "ec_role": "ec_producer" | "ec_consumer" | "ec_both",
         "ec_connector_extra_config": {"mooncake": {"master_server_address": "127.0.0.1:PORT",
             "metadata_server": "http://127.0.0.1:PORT/metadata", "protocol": "tcp",
-            "global_segment_size": BYTES, "local_buffer_size": BYTES}}}'
+            "global_segment_size": BYTES, "local_buffer_size": BYTES},
+            "embedding_width": WIDTH}}'
+
+(`embedding_width`, optional: the encoder's output width where it is wider than the model's
+inputs-embeds, as DeepStack models' is, and this process has no width vLLM measured.)
 
 A producer (E) puts what it encodes; any instance's `has_cache_item` asks the store; a
 consumer (P) loads from it. Keys and objects are vLLM's (`mmreuse.embedding_store`), in
@@ -17,11 +21,13 @@ evicts at its watermarks, so a put into a full store is a counted miss, not an e
 Never a wrong output, never a dead engine: every store call is bounded (`store_timeout_s`,
 then `store_backoff_s` of misses), a lookup that fails answers "not held" (P encodes), and an
 item the scheduler planned to load that is gone when the worker reads it (evicted, master
-down, a junk object) is added to the step's encoder inputs, so the worker encodes it itself
-(logged as "mmreuse: store miss at load", which `EncoderProbe` counts). An item P got only
-as an embedding reference (a proxy's `*_embeds` rewrite, no media) that the store lost fails
-its request instead (retryable), before the scheduler could plan an encode of nothing. The
-lookup grants the item a Mooncake lease (the master's `default_kv_lease_ttl`), so a load
+down, a junk object, one whose dtype or (tokens, width) is not what the model takes, as vLLM's
+own store client checks) is added to the step's encoder inputs, so the worker encodes it itself
+(logged as "mmreuse: store miss at load", which `EncoderProbe` counts). An identifier that
+makes no key (a uuid "") is a miss in every call, counted as "unkeyable", never a raise. An
+item P got only as an embedding reference (a proxy's `*_embeds` rewrite, no media) that the
+store lost fails its request instead (retryable), before the scheduler could plan an encode of
+nothing. The lookup grants the item a Mooncake lease (the master's `default_kv_lease_ttl`), so a load
 misses only when the master or the holder failed in between; for a reference-only item that
 one case is left (its worker has nothing to encode). Imports vLLM: load it only inside vLLM.
 """
@@ -47,6 +53,7 @@ from ..embedding_store import (
     pack_embedding,
     unpack_embedding,
 )
+from ..errors import InvalidArgument
 from ..validate import check_float, check_int, check_str, fail_type
 
 __all__ = ["LOAD_MISS_LOG", "MooncakeStoreConnector", "MooncakeStoreConnectorMetadata"]
@@ -72,6 +79,7 @@ class Load:
     num_token: int
     req_id: str
     input_id: int
+    modality: str = ""
 
 
 @dataclass
@@ -99,6 +107,7 @@ class StoreSettings:
     timeout: float
     backoff: float
     namespace: str | None
+    embedding_width: int | None = None
 
     @staticmethod
     def read(extra: Any) -> StoreSettings:
@@ -112,6 +121,9 @@ class StoreSettings:
         namespace = extra.get("embedding_namespace")
         if namespace is not None:
             check_str(f"{_FIELD}['embedding_namespace']", namespace, nonempty=True)
+        width = extra.get("embedding_width")
+        if width is not None:
+            check_int(f"{_FIELD}['embedding_width']", width, 1)
         return StoreSettings(
             master_server_address=mc["master_server_address"],
             metadata_server=mc["metadata_server"],
@@ -135,6 +147,7 @@ class StoreSettings:
                 f"{_FIELD}['store_backoff_s']", extra.get("store_backoff_s", 2.0), 0
             ),
             namespace=namespace,
+            embedding_width=width,
         )
 
 
@@ -193,19 +206,28 @@ class MooncakeStoreConnector(ECExampleConnector):
         self._answers: dict[str, bool] = {}
         self._loads: dict[str, Load] = {}
         self._unavailable: set[str] = set()
-        self.stats = {"lookups": 0, "hits": 0, "loads": 0, "load_misses": 0, "puts": 0}
+        self.stats = {
+            "lookups": 0, "hits": 0, "loads": 0, "load_misses": 0, "puts": 0, "unkeyable": 0,
+        }  # fmt: skip
         self.put_misses: dict[str, int] = {}
         logger.info("mmreuse: MooncakeStoreConnector (%s), namespace %s", role.name, self.namespace)
 
-    def _key(self, identifier: str) -> str:
-        return embedding_key(self.namespace, identifier)
+    def _key(self, identifier: Any) -> str | None:
+        """`identifier`'s store key, or None (counted, logged) where it makes none: a client's
+        uuid "" is vLLM's identifier as given, and a raise here would end vLLM's engine."""
+        try:
+            return embedding_key(self.namespace, identifier)
+        except InvalidArgument as exc:
+            self.stats["unkeyable"] += 1
+            logger.warning("mmreuse: no store key for identifier %r (%s): a miss", identifier, exc)
+            return None
 
     # ---- scheduler side ------------------------------------------------------------------------
 
     def has_cache_item(self, identifier: str) -> bool:
         key = self._key(identifier)
         self.stats["lookups"] += 1
-        held = self.calls.call("is_exist", lambda s: s.is_exist(key), 0) == 1
+        held = key is not None and self.calls.call("is_exist", lambda s: s.is_exist(key), 0) == 1
         self.stats["hits"] += held
         self._answers[identifier] = held
         return held
@@ -246,12 +268,14 @@ class MooncakeStoreConnector(ECExampleConnector):
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         # the answer the scheduler acted on in this step, not a second lookup: a second one
         # that disagreed would leave a planned load without its metadata
-        mm_hash = request.mm_features[index].identifier
+        feature = request.mm_features[index]
+        mm_hash = feature.identifier
         if not self.is_consumer or not self._answers.get(mm_hash, False):
             return
         self._loads[mm_hash] = Load(
-            mm_hash, request.get_num_encoder_embeds(index), request.request_id, index
-        )
+            mm_hash, request.get_num_encoder_embeds(index), request.request_id, index,
+            feature.modality,
+        )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> MooncakeStoreConnectorMetadata:
         publish: list[str] = []
@@ -297,15 +321,28 @@ class MooncakeStoreConnector(ECExampleConnector):
 
     def _load(self, load: Load) -> tuple[torch.Tensor | None, str]:
         key = self._key(load.mm_hash)
+        if key is None:
+            return None, "no store key"
         data = self.calls.call("get", lambda s: s.get(key), b"")
         if not data:
             return None, f"not in the store ({self.calls.last_error or 'absent'})"
+        dtype, hidden = self._expected(load.modality)
         try:
-            obj = unpack_embedding(data, tokens=load.num_token)
+            obj = unpack_embedding(data, tokens=load.num_token, hidden=hidden, dtype=dtype)
         except StoreObjectError as exc:
             return None, f"junk object: {exc}"
         flat = torch.frombuffer(bytearray(obj.payload), dtype=getattr(torch, obj.dtype))
         return flat.view(obj.tokens, obj.hidden), ""
+
+    def _expected(self, modality: str) -> tuple[str, int]:
+        """The dtype (torch name) and width vLLM's merge takes from an item of `modality`, as
+        vLLM's own store client expects them (its `TensorSpec`): the model's dtype, and the
+        encoder output width vLLM measured, `embedding_width`, or the inputs-embeds width."""
+        model = self._vllm_config.model_config
+        dtype = str(model.dtype).removeprefix("torch.")
+        measured = getattr(self._vllm_config.ec_transfer_config, "mm_encoder_output_widths", {})
+        width = measured.get(modality) or self.settings.embedding_width
+        return dtype, int(width or model.get_inputs_embeds_size())
 
     def start_save_caches(self, **kwargs: Any) -> None:
         # an item this producer holds from an earlier step is not re-encoded, so save_caches
@@ -314,10 +351,11 @@ class MooncakeStoreConnector(ECExampleConnector):
         cache = kwargs.get("encoder_cache")
         if not isinstance(meta, MooncakeStoreConnectorMetadata) or not cache:
             return
-        held = [i for i in dict.fromkeys(meta.publish) if i in cache]
-        if not held:
+        keyed = {i: self._key(i) for i in dict.fromkeys(meta.publish) if i in cache}
+        held = [i for i, k in keyed.items() if k is not None]
+        keys = [k for k in keyed.values() if k is not None]
+        if not keys:
             return
-        keys = [self._key(i) for i in held]
         there: list[int] = self.calls.call("batch_is_exist", lambda s: s.batch_is_exist(keys), [])
         if len(there) != len(keys):
             return
@@ -337,8 +375,11 @@ class MooncakeStoreConnector(ECExampleConnector):
         if t.ndim != 2 or dtype not in DTYPE_CODES:
             self._put_missed("unsupported", identifier, f"{tuple(t.shape)} {dtype}")
             return
-        data = pack_embedding(dtype, t.shape[0], t.shape[1], t.view(torch.uint8).numpy().tobytes())
         key = self._key(identifier)
+        if key is None:
+            self._put_missed("unkeyable", identifier, "no store key")
+            return
+        data = pack_embedding(dtype, t.shape[0], t.shape[1], t.view(torch.uint8).numpy().tobytes())
         rc = self.calls.call("put", lambda s: s.put(key, data), None)
         if rc in (OK, OBJECT_ALREADY_EXISTS):
             self.stats["puts"] += 1
