@@ -40,6 +40,7 @@ from .demand import DemandClient
 from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
 from .media import (
+    EMBEDS_PARTS,
     item_uuid,
     namespace_uuids,
     rewrite_for_decode,
@@ -347,44 +348,91 @@ class Proxy:
         else:
             p_url, d_url = None, cfg.decode_urls[decision.instance]
         stream = bool(req.get("stream", False))
-        for attempt in range(cfg.decode_retries + 1):
-            current = decision if attempt == 0 else self.planner.eager(items, decision.instance)
-            body = await self._prepare(
-                req, items, uuids, current, req_id, p_url, encoded if attempt == 0 else None
-            )
-            td = time.perf_counter()
-            resp = await self._session().post(
-                chat_url(d_url),
-                data=_encode.encode(body),
-                headers={"x-request-id": req_id, "Content-Type": "application/json"},
-            )
+        current, ready = decision, encoded  # E's answers serve the first attempt only
+        attempt = 0  # decode 500s retried so far (--decode-retries)
+        relost = False  # the one retry of a request whose reference the store lost
+        sent = uuids  # the items' uuids at E and P (a lost item's is fresh on its retry)
+        while True:
             try:
-                if resp.status == 500 and attempt < cfg.decode_retries:
-                    detail = await resp.text()
-                    logger.warning(
-                        "[%s] decode returned 500, re-encoding and retrying (attempt %d/%d): %s",
-                        req_id, attempt + 1, cfg.decode_retries, detail[:200],
-                    )  # fmt: skip
-                    m.fallbacks.labels(view.name, "retry").inc()
-                    continue
-                if resp.status >= 400:
-                    detail = await resp.text()
-                    logger.error("[%s] decode returned %s: %s", req_id, resp.status, detail)
-                    raise ProxyError(resp.status, detail, stage="decode")
-                if stream:
-                    return await self._stream(request, resp, td)
-                out = await resp.read()
-                m.stage["decode"].observe(time.perf_counter() - td)
-                if current.raw_with_uuid and (current.plan or current.answer) is not None:
-                    self._observe_fallback(out, current, view)
-                return web.Response(
-                    body=out,
-                    status=resp.status,
-                    headers={"Content-Type": resp.headers.get("Content-Type", "application/json")},
+                body = await self._prepare(req, items, sent, current, req_id, p_url, ready)
+                ready = None
+                # PD may have items only as E's reference: its connector fails the request if
+                # the store lost one (E + P + D: `_prefill` checks P's answer itself)
+                refs = p_url is None and bool(current.e_indices) and not cfg.no_rewrite
+                td = time.perf_counter()
+                resp = await self._session().post(
+                    chat_url(d_url),
+                    data=_encode.encode(body),
+                    headers={"x-request-id": req_id, "Content-Type": "application/json"},
                 )
-            finally:
-                resp.release()
-        raise ProxyError(500, "Decode failed after re-encoding", stage="decode")
+                try:
+                    if resp.status == 500 and refs:
+                        detail = await resp.text()
+                        if _request_error(detail) and (lost := _reference_uuids(body)):
+                            raise _EmbeddingLost("decode", lost, detail)
+                    if resp.status == 500 and attempt < cfg.decode_retries:
+                        detail = await resp.text()
+                        attempt += 1
+                        logger.warning(
+                            "[%s] decode returned 500, re-encoding and retrying (attempt %d/%d): %s",
+                            req_id, attempt, cfg.decode_retries, detail[:200],
+                        )  # fmt: skip
+                        m.fallbacks.labels(view.name, "retry").inc()
+                        current = self.planner.eager(items, decision.instance)
+                        continue
+                    if resp.status >= 400:
+                        detail = await resp.text()
+                        logger.error("[%s] decode returned %s: %s", req_id, resp.status, detail)
+                        raise ProxyError(resp.status, detail, stage="decode")
+                    if stream:
+                        held = b""
+                        if refs:  # vLLM fails it inside the 200 stream: hold the status line
+                            held, error = await self._hold(resp)
+                            if error is not None and (lost := _reference_uuids(body)):
+                                raise _EmbeddingLost("stream", lost, error)
+                        return await self._stream(request, resp, td, held)
+                    out = await resp.read()
+                    m.stage["decode"].observe(time.perf_counter() - td)
+                    if current.raw_with_uuid and (current.plan or current.answer) is not None:
+                        self._observe_fallback(out, current, view)
+                    return web.Response(
+                        body=out,
+                        status=resp.status,
+                        headers={
+                            "Content-Type": resp.headers.get("Content-Type", "application/json")
+                        },
+                    )
+                finally:
+                    resp.release()
+            except _EmbeddingLost as lost:
+                stage = "prefill" if lost.stage == "prefill" else "decode"
+                if relost:  # lost again, though P got each such item raw: not retried twice
+                    logger.error(
+                        "[%s] %s failed again after the store lost an embedding: %s",
+                        req_id, lost.stage, lost.detail[:200],
+                    )  # fmt: skip
+                    raise ProxyError(500, lost.detail, stage=stage) from None
+                relost = True
+                m.embedding_lost_retries.labels(view.name, lost.stage).inc()
+                again = frozenset(i for i, u in enumerate(sent) if u in lost.uuids)
+                logger.warning(
+                    "[%s] %s failed: the embedding store lost what P had only as E's reference "
+                    "(%d item(s): %s); retrying once, E encodes them again under a fresh uuid "
+                    "and P gets them raw",
+                    req_id, lost.stage, len(again), ", ".join(sorted(lost.uuids))[:200],
+                )  # fmt: skip
+                # A fresh uuid: P's processor cache may hold the old one as the reference
+                # (metadata only), which it would give P's connector again in place of the
+                # media. P then finds E's new put in the store, or encodes the item itself if
+                # the store loses it again. No demand id (its proof was for the first plan).
+                fresh = f":lost-{new_hex(32)}"
+                sent = [u + fresh if i in again else u for i, u in enumerate(sent)]
+                current = dataclasses.replace(
+                    current,
+                    e_indices=tuple(sorted({*current.e_indices, *again})),
+                    raw_with_uuid=current.raw_with_uuid | again,
+                    demand_id=None,
+                )
 
     async def _prepare(
         self,
@@ -559,6 +607,8 @@ class Proxy:
         self.metrics.stage["prefill"].observe(time.perf_counter() - tp)
         if status != 200:
             text = payload.decode("utf-8", "replace")
+            if status == 500 and _request_error(payload) and (lost := _reference_uuids(body)):
+                raise _EmbeddingLost("prefill", lost, text)  # P's connector: the store lost one
             logger.error("[%s] prefill returned %d: %s", req_id, status, text)
             raise ProxyError(
                 status, {"error": "Prefill request failed", "message": text}, stage="prefill"
@@ -571,17 +621,51 @@ class Proxy:
             return {**req, "kv_transfer_params": params}
         return req
 
+    async def _hold(self, resp: aiohttp.ClientResponse) -> tuple[bytes, str | None]:
+        """Read a 200 stream up to its first token (vLLM's first events carry only the role),
+        at most HOLD_BYTES: the bytes read, and vLLM's request-level error event (its data)
+        when that is what came instead. Nothing has reached the client yet."""
+        held = bytearray()
+        start = 0  # where the first event not yet looked at begins
+        while len(held) <= HOLD_BYTES:
+            try:
+                chunk = await resp.content.readany()
+            except (TimeoutError, aiohttp.ClientError, ConnectionError):
+                return bytes(held), None  # `_stream` forwards what came, then breaks as it did
+            if not chunk:
+                return bytes(held), None
+            held += chunk
+            while (end := _event_end(held, start)) is not None:
+                data = _event_data(held[start:end])
+                start = end
+                if data is None:  # a comment, a keep-alive
+                    continue
+                if _request_error(data):
+                    return bytes(held), data.decode("utf-8", "replace")
+                if not _preamble(data):
+                    return bytes(held), None
+        return bytes(held), None
+
     async def _stream(
-        self, request: web.Request, resp: aiohttp.ClientResponse, td: float
+        self, request: web.Request, resp: aiohttp.ClientResponse, td: float, held: bytes = b""
     ) -> web.StreamResponse:
-        """Forward decode's bytes as they come (no SSE parsing); the status line goes out only
-        now that decode has accepted the request."""
+        """Forward decode's bytes as they come (no SSE parsing), after `held` (what `_hold`
+        read); the status line goes out only now that decode has accepted the request."""
         out = web.StreamResponse(
             status=resp.status,
             headers={"Content-Type": resp.headers.get("Content-Type", "text/event-stream")},
         )
         await out.prepare(request)
         first = True
+        if held:
+            self.metrics.stage["decode"].observe(time.perf_counter() - td)
+            first = False
+            try:
+                await out.write(held)
+            except (ConnectionError, RuntimeError) as e:  # the client went away: not decode's
+                logger.info("client left mid-stream: %s", e)
+                out.mmreuse_outcome = "client_gone"  # type: ignore[attr-defined]
+                return out
         while True:
             try:
                 chunk = await resp.content.readany()
@@ -752,6 +836,94 @@ class Proxy:
 
 def _outcome(status: int) -> str:
     return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
+
+
+# vLLM's answer to a request its scheduler finished with FinishReason.ERROR (`_raise_if_error`,
+# 0.32 and 0.33): this error, as a 500's body or as an event of a 200 stream. An EC connector
+# fails a request so when it can no longer obtain an encoder input (`take_unavailable_requests`:
+# MooncakeStoreConnector, for an item P had only as E's reference that the store lost); vLLM
+# carries no finer reason to the client.
+_REQUEST_ERROR = {"message": "Internal server error", "type": "InternalServerError", "code": 500}
+HOLD_BYTES = 1 << 20  # a stream held for its first token: at most this much, then forwarded
+
+
+class _EmbeddingLost(Exception):
+    """P (or PD) failed a request that carried E's references (`uuids`), with vLLM's
+    request-level error: the store lost one between E's put and P's load. `stage`: prefill
+    (E + P + D's P), decode (a 500) or stream (the error event of a 200 stream)."""
+
+    def __init__(self, stage: str, uuids: frozenset[str], detail: str) -> None:
+        super().__init__(stage, detail)
+        self.stage, self.uuids, self.detail = stage, uuids, detail
+
+
+def _request_error(payload: bytes | str) -> bool:
+    """Whether `payload` (a JSON body, or one event's data) is vLLM's request-level error."""
+    try:
+        error = _decode.decode(payload).get("error")
+    except Exception:
+        return False
+    return isinstance(error, dict) and all(error.get(k) == v for k, v in _REQUEST_ERROR.items())
+
+
+def _reference_uuids(body: Mapping[str, Any]) -> frozenset[str]:
+    """The uuids of the items `body` gives P only as E's reference: a metadata-only `*_embeds`
+    part (the rewrite's: a client's is refused), which P cannot encode if the store lost it."""
+    out: set[str] = set()
+    for msg in body.get("messages") or ():
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            payload = part.get(kind) if kind in EMBEDS_PARTS else None
+            if isinstance(payload, dict) and not any(type(v) is str for v in payload.values()):
+                uuid = part.get("uuid")
+                if isinstance(uuid, str):
+                    out.add(uuid)
+    return frozenset(out)
+
+
+def _event_end(buf: bytearray, start: int) -> int | None:
+    """The end (past its blank line) of the SSE event starting at `start`, None if incomplete."""
+    ends = [
+        (i, n) for sep, n in ((b"\n\n", 2), (b"\r\n\r\n", 4)) if (i := buf.find(sep, start)) >= 0
+    ]
+    if not ends:
+        return None
+    i, n = min(ends)
+    return i + n
+
+
+def _event_data(event: bytes | bytearray) -> bytes | None:
+    """An SSE event's data (its `data:` lines joined), None when it has none."""
+    lines = [
+        line[5:].removeprefix(b" ")
+        for line in bytes(event).splitlines()
+        if line.startswith(b"data:")
+    ]
+    return b"\n".join(lines) if lines else None
+
+
+def _preamble(data: bytes) -> bool:
+    """Whether a stream's event is vLLM's first, which every choice sends before its first
+    token: the role, empty content, nothing else that matters."""
+    try:
+        chunk = _decode.decode(data)
+        choices = chunk["choices"]
+    except Exception:
+        return False
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if (
+            not isinstance(delta, dict)
+            or choice.get("finish_reason") is not None
+            or choice.get("logprobs") is not None
+            or not set(delta) <= {"role", "content"}
+            or delta.get("content") not in ("", None)
+        ):
+            return False
+    return True
 
 
 @web.middleware

@@ -87,6 +87,16 @@ class ProxyMetrics:
             ["instance", "kind"],
             registry=r,
         )
+        self.embedding_lost_retries = Counter(
+            "mmreuse_proxy_embedding_lost_retries_total",
+            "requests P (or PD) failed because the embedding store lost an item P had only as "
+            "E's reference (vLLM's request-level error; MooncakeStoreConnector's "
+            "take_unavailable_requests), retried once: E encodes it again and P gets it raw "
+            "with its uuid. stage: where the failure showed (prefill: E + P + D's P; decode: "
+            "a 500; stream: the error event of a 200 stream before its first token)",
+            ["instance", "stage"],
+            registry=r,
+        )
         self.blind_decisions = Counter(
             "mmreuse_proxy_blind_decisions_total",
             "index decisions planned on a view that was not complete (the proxy joined late or "

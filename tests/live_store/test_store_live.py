@@ -266,6 +266,130 @@ def test_proxy_replicas_skip_e_for_what_the_store_holds(store_cluster, tmp_path)
         assert (_settle(probe, "E0", 0).forwards, probe.count("P0").forwards) == (0, 0)
 
 
+class _EvictingRelay:
+    """An HTTP relay in front of P that, before it forwards a chat request giving P items only
+    as E's reference (metadata-only `*_embeds` parts), removes them from the store, once per
+    request id: the eviction between E's put and P's load (what a small store does under load,
+    issue #30), made deterministic. Answers are read whole and sent on."""
+
+    def __init__(self, cluster: Cluster, target: str) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.cluster, self.target = cluster, target
+        self.done: set[str] = set()
+        self.evicted: list[str] = []
+        relay = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._forward(None)
+
+            def do_POST(self) -> None:
+                self._forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+            def _forward(self, body: bytes | None) -> None:
+                if body and self.path == "/v1/chat/completions":
+                    relay.evict(self.headers.get("x-request-id") or "", body)
+                keep = ("content-type", "x-request-id")
+                headers = {k: v for k, v in self.headers.items() if k.lower() in keep}
+                req = urllib.request.Request(
+                    relay.target + self.path, data=body, method=self.command, headers=headers
+                )
+                try:
+                    with urllib.request.urlopen(req, timeout=REQUEST_LIMIT_S) as r:
+                        status, ctype, data = r.status, r.headers.get("Content-Type"), r.read()
+                except urllib.error.HTTPError as e:
+                    status, ctype, data = e.code, e.headers.get("Content-Type"), e.read()
+                self.send_response(status)
+                self.send_header("Content-Type", ctype or "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def evict(self, request_id: str, body: bytes) -> None:
+        if request_id in self.done:
+            return  # the proxy's retry goes through untouched
+        refs = [
+            part["uuid"]
+            for msg in json.loads(body)["messages"]
+            for part in (msg["content"] if isinstance(msg["content"], list) else ())
+            if part.get("type", "").endswith("_embeds")
+            and isinstance(part.get(part["type"]), dict)
+            and not any(isinstance(v, str) for v in part[part["type"]].values())
+        ]
+        if refs:
+            self.done.add(request_id)
+            for ident in dict.fromkeys(refs):
+                _evict(self.cluster, ident, check_held=False)
+                self.evicted.append(ident)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("policy", ["eager", "index", "demand", "opportunistic"])
+def test_an_embedding_lost_between_put_and_load_costs_no_request(store_cluster, tmp_path, policy):
+    """Issue #30: E's embedding evicted between E's put and P's load, which P had only as E's
+    reference: P's connector fails the request (a 500, or an error event in a 200 stream),
+    and the proxy retries it once (E encodes the items again, P gets them raw), so no client
+    sees it, under every mmreuse policy. Deterministic: a relay in front of P evicts every
+    reference once per request."""
+    c = store_cluster
+    p0 = c.instances["P0"].spec
+    relay = _EvictingRelay(c, p0.url)
+    args = c.proxy_args()
+    args[args.index("--decode-servers-urls") + 1] = relay.url
+    log = c.instances["P0"].log_path
+    failures_before = log.read_text(errors="replace").count(UNAVAILABLE_LOG)
+    # one image, streamed; another, not; both, after some text (repeats: E or P may hold them)
+    sends = [([0], True), ([1], False), ([0, 1], True), ([1], False)]
+    try:
+        with proxy_process([*args, "--policy", policy], tmp_path / "proxy.log") as url:
+            if policy in ("index", "demand"):
+                until_complete(url)
+            for n, (colours, stream) in enumerate(sends):
+                images = [
+                    image_part(png_data_url(112, 112, COLOURS[k]), uuid=f"lost-{policy}-{k}")
+                    for k in colours
+                ]
+                body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "stream": stream,
+                        "messages": [{"role": "user", "content": [
+                            {"type": "text", "text": f"Picture {n}:"}, *images]}]}  # fmt: skip
+                req = urllib.request.Request(
+                    url + "/v1/chat/completions", json.dumps(body).encode(),
+                    {"Content-Type": "application/json", "x-request-id": f"lost-{policy}-{n}"},
+                )  # fmt: skip
+                with urllib.request.urlopen(req, timeout=REQUEST_LIMIT_S * 2) as r:
+                    assert r.status == 200
+                    out = r.read()
+                if stream:
+                    assert b'"error"' not in out and out.endswith(b"data: [DONE]\n\n"), out[-300:]
+                else:
+                    assert json.loads(out)["choices"][0]["message"]["content"] is not None
+            m = metrics_text(url)
+    finally:
+        relay.close()
+    assert relay.evicted  # the store did lose what P had only as a reference
+    assert sample_sum(m, "mmreuse_proxy_requests_total", outcome="ok") == len(sends), m
+    retries = sample_sum(m, "mmreuse_proxy_embedding_lost_retries_total")
+    text = log.read_text(errors="replace")
+    # P's connector failed that many requests, and the proxy retried each
+    assert retries >= 1 and text.count(UNAVAILABLE_LOG) - failures_before == retries
+    assert "EngineDeadError" not in text and c.instances["P0"].healthy()
+
+
 def _evict(cluster: Cluster, ident: str, *, check_held: bool = True) -> None:
     """Remove `ident`'s embedding from the store, as an eviction would."""
     key = embedding_key(_namespace(cluster), ident)
