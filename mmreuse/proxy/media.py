@@ -174,10 +174,13 @@ def scan_parts(
         if type(content) is not list:
             continue
         for j, part in enumerate(content):
-            if not _is_mapping(part):
+            if type(part) is not dict and not isinstance(part, Mapping):
                 continue
-            kind = part.get("type")
-            seen = vllm_part_kind(part)
+            kind: Any = part.get("type")
+            if part.get("uuid") is None and type(kind) is str and kind in VLLM_PART_TYPES:
+                seen: str | None = kind  # vllm_part_kind's first case, inline: the common one
+            else:
+                seen = vllm_part_kind(part)
             if seen is None or seen not in MEDIA_KINDS:
                 continue
             if seen != kind and seen != _KIND_OF_TYPE.get(kind):
@@ -200,7 +203,7 @@ def scan_parts(
             modality = MEDIA_KINDS[kind]
             if modality is not None:
                 n = counts[modality] = counts.get(modality, 0) + 1
-                limit = (limits or {}).get(modality, DEFAULT_MM_LIMIT)
+                limit = limits.get(modality, DEFAULT_MM_LIMIT) if limits else DEFAULT_MM_LIMIT
                 if n > limit:
                     raise PartRefused(
                         f"messages[{i}].content[{j}]",
