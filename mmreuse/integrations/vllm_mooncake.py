@@ -246,7 +246,7 @@ class MooncakeStoreConnector(ECExampleConnector):
                 self.stats["unavailable"] = self.stats.get("unavailable", 0) + 1
                 logger.warning(
                     "%s: %s, which request %s carries only as an embedding reference, is not "
-                    "in the store: failing the request (a retry re-encodes it)",
+                    "in the store: failing the request (mmreuse proxy retries it with the media)",
                     UNAVAILABLE_LOG, feature.identifier, request.request_id,
                 )  # fmt: skip
                 return False
