@@ -4,7 +4,8 @@ Routes: POST /v1/chat/completions (streaming or not), GET /v1/models, GET /healt
 POST /start_profile, POST /stop_profile (as the reference), and GET /metrics (Prometheus).
 Per request: decide (policy.Planner) -> encode what E must (encoder.EncoderFanout) -> rewrite
 (media.rewrite_for_decode) -> prefill (E + P + D) -> decode, retrying a decode 500 by
-re-encoding everything. Under `opportunistic` E gets everything at once while the decision is
+re-encoding everything, and retrying once a request whose E embedding the store lost (E encodes
+it again, P gets it raw). Under `opportunistic` E gets everything at once while the decision is
 made, and the sub-requests P's answer rules out are abandoned if still in flight. Unlike the
 reference, a streaming client gets its status line only once the decode instance has accepted
 the request, so an E, P or D failure is an HTTP error, not a broken 200 stream.
