@@ -637,14 +637,18 @@ class Proxy:
                 return bytes(held), None
             held += chunk
             while (end := _event_end(held, start)) is not None:
-                data = _event_data(held[start:end])
+                event = held[start:end]
                 start = end
-                if data is None:  # a comment, a keep-alive
+                # Byte searches, no JSON, on this per-stream path: a comment or keep-alive has
+                # no data; vLLM's preamble (every choice's first event) names the role, which
+                # no token event does (the model's text is escaped); the error names its type.
+                if b"data:" not in event or b'"role"' in event:
                     continue
-                if _request_error(data):
-                    return bytes(held), data.decode("utf-8", "replace")
-                if not _preamble(data):
-                    return bytes(held), None
+                if b"InternalServerError" in event:
+                    data = _event_data(event)
+                    if data is not None and _request_error(data):
+                        return bytes(held), data.decode("utf-8", "replace")
+                return bytes(held), None
         return bytes(held), None
 
     async def _stream(
@@ -885,13 +889,10 @@ def _reference_uuids(body: Mapping[str, Any]) -> frozenset[str]:
 
 def _event_end(buf: bytearray, start: int) -> int | None:
     """The end (past its blank line) of the SSE event starting at `start`, None if incomplete."""
-    ends = [
-        (i, n) for sep, n in ((b"\n\n", 2), (b"\r\n\r\n", 4)) if (i := buf.find(sep, start)) >= 0
-    ]
-    if not ends:
+    lf, crlf = buf.find(b"\n\n", start), buf.find(b"\r\n\r\n", start)
+    if lf < 0 and crlf < 0:
         return None
-    i, n = min(ends)
-    return i + n
+    return lf + 2 if crlf < 0 or 0 <= lf < crlf else crlf + 4
 
 
 def _event_data(event: bytes | bytearray) -> bytes | None:
@@ -902,29 +903,6 @@ def _event_data(event: bytes | bytearray) -> bytes | None:
         if line.startswith(b"data:")
     ]
     return b"\n".join(lines) if lines else None
-
-
-def _preamble(data: bytes) -> bool:
-    """Whether a stream's event is vLLM's first, which every choice sends before its first
-    token: the role, empty content, nothing else that matters."""
-    try:
-        chunk = _decode.decode(data)
-        choices = chunk["choices"]
-    except Exception:
-        return False
-    if not isinstance(choices, list) or not choices:
-        return False
-    for choice in choices:
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if (
-            not isinstance(delta, dict)
-            or choice.get("finish_reason") is not None
-            or choice.get("logprobs") is not None
-            or not set(delta) <= {"role", "content"}
-            or delta.get("content") not in ("", None)
-        ):
-            return False
-    return True
 
 
 @web.middleware
