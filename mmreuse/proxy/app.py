@@ -22,7 +22,7 @@ import os
 import random
 import time
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -357,9 +357,16 @@ class Proxy:
             try:
                 body = await self._prepare(req, items, sent, current, req_id, p_url, ready)
                 ready = None
-                # PD may have items only as E's reference: its connector fails the request if
-                # the store lost one (E + P + D: `_prefill` checks P's answer itself)
-                refs = p_url is None and bool(current.e_indices) and not cfg.no_rewrite
+                # PD may have items only as E's reference, or raw under a uuid its processor
+                # cache may hold as one (an item planned as held): its connector fails the
+                # request if the store lost one (E + P + D: `_prefill` checks P's answer)
+                refs = (
+                    p_url is None
+                    and bool(current.e_indices or current.raw_with_uuid)
+                    and not cfg.no_rewrite
+                )
+                # (on the retry nothing is taken for lost: P's answer is the client's)
+                held_raw = frozenset() if relost else _uuids_at(sent, current.raw_with_uuid)
                 td = time.perf_counter()
                 resp = await self._session().post(
                     chat_url(d_url),
@@ -369,7 +376,7 @@ class Proxy:
                 try:
                     if resp.status == 500 and refs:
                         detail = await resp.text()
-                        if _request_error(detail) and (lost := _reference_uuids(body)):
+                        if _request_error(detail) and (lost := _reference_uuids(body, held_raw)):
                             raise _EmbeddingLost("decode", lost, detail)
                     if resp.status == 500 and attempt < cfg.decode_retries:
                         detail = await resp.text()
@@ -389,8 +396,9 @@ class Proxy:
                         held = b""
                         if refs:  # vLLM fails it inside the 200 stream: hold the status line
                             held, error = await self._hold(resp)
-                            if error is not None and (lost := _reference_uuids(body)):
-                                raise _EmbeddingLost("stream", lost, error)
+                            lost = _reference_uuids(body, held_raw) if error else frozenset()
+                            if lost:
+                                raise _EmbeddingLost("stream", lost, error or "")
                         return await self._stream(request, resp, td, held)
                     out = await resp.read()
                     m.stage["decode"].observe(time.perf_counter() - td)
@@ -417,9 +425,9 @@ class Proxy:
                 m.embedding_lost_retries.labels(view.name, lost.stage).inc()
                 again = frozenset(i for i, u in enumerate(sent) if u in lost.uuids)
                 logger.warning(
-                    "[%s] %s failed: the embedding store lost what P had only as E's reference "
-                    "(%d item(s): %s); retrying once, E encodes them again under a fresh uuid "
-                    "and P gets them raw",
+                    "[%s] %s failed: the embedding store lost what P was to load (%d item(s): "
+                    "%s); retrying once, E encodes them again under a fresh uuid and P gets "
+                    "them raw",
                     req_id, lost.stage, len(again), ", ".join(sorted(lost.uuids))[:200],
                 )  # fmt: skip
                 # A fresh uuid: P's processor cache may hold the old one as the reference
@@ -466,7 +474,8 @@ class Proxy:
             prepared = {**prepared, "ec_transfer_params": handles}
         if p_url is None:
             return self._with_demand_id(prepared, decision.demand_id)
-        return await self._prefill(prepared, p_url, req_id, decision.demand_id)
+        held_raw = _uuids_at(uuids, decision.raw_with_uuid)
+        return await self._prefill(prepared, p_url, req_id, decision.demand_id, held_raw)
 
     async def _encode(
         self,
@@ -581,10 +590,16 @@ class Proxy:
         return {**body, "vllm_xargs": {**xargs, DEMAND_ID_KEY: demand_id}}
 
     async def _prefill(
-        self, req: Mapping[str, Any], p_url: str, req_id: str, demand_id: str | None = None
+        self,
+        req: Mapping[str, Any],
+        p_url: str,
+        req_id: str,
+        demand_id: str | None = None,
+        held_raw: frozenset[str] = frozenset(),
     ) -> Mapping[str, Any]:
         """E + P + D: P prefills (max_tokens 1, remote decode); D gets P's kv_transfer_params
-        (and never the demand id: only P checks the answer)."""
+        (and never the demand id: only P checks the answer). `held_raw`: the uuids of items
+        sent raw because P was planned to hold them (`_reference_uuids`)."""
         tp = time.perf_counter()
         body = dict(self._with_demand_id(req, demand_id))
         body["kv_transfer_params"] = _kv_params()
@@ -608,7 +623,8 @@ class Proxy:
         self.metrics.stage["prefill"].observe(time.perf_counter() - tp)
         if status != 200:
             text = payload.decode("utf-8", "replace")
-            if status == 500 and _request_error(payload) and (lost := _reference_uuids(body)):
+            lost = _reference_uuids(body, held_raw) if status == 500 else frozenset()
+            if lost and _request_error(payload):
                 raise _EmbeddingLost("prefill", lost, text)  # P's connector: the store lost one
             logger.error("[%s] prefill returned %d: %s", req_id, status, text)
             raise ProxyError(
@@ -871,10 +887,18 @@ def _request_error(payload: bytes | str) -> bool:
     return isinstance(error, dict) and all(error.get(k) == v for k, v in _REQUEST_ERROR.items())
 
 
-def _reference_uuids(body: Mapping[str, Any]) -> frozenset[str]:
-    """The uuids of the items `body` gives P only as E's reference: a metadata-only `*_embeds`
-    part (the rewrite's: a client's is refused), which P cannot encode if the store lost it."""
-    out: set[str] = set()
+def _uuids_at(uuids: Sequence[str], indices: frozenset[int]) -> frozenset[str]:
+    return frozenset(uuids[i] for i in indices if isinstance(uuids[i], str))
+
+
+def _reference_uuids(
+    body: Mapping[str, Any], held_raw: frozenset[str] = frozenset()
+) -> frozenset[str]:
+    """The uuids of the items P may find only by their uuid: a metadata-only `*_embeds` part
+    in `body` (E's reference, the rewrite's: a client's is refused), which P cannot encode if
+    the store lost it, and `held_raw`, the items sent raw because P was planned to hold them,
+    whose uuid P's processor cache may map to such a reference from an earlier request."""
+    out: set[str] = set(held_raw)
     for msg in body.get("messages") or ():
         content = msg.get("content") if isinstance(msg, dict) else None
         for part in content if isinstance(content, list) else ():

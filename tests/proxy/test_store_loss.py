@@ -202,3 +202,30 @@ async def test_a_stream_is_held_only_until_its_first_token():
             s.sample("mmreuse_proxy_embedding_lost_retries_total", instance="PD0", stage="stream")
             == 0
         )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_item_planned_as_held_is_retried_when_p_cannot_find_it(stream):
+    # Under index an item P is planned to hold goes raw with its uuid; P's processor cache may
+    # map that uuid to E's reference from an earlier request, so a store that lost the
+    # embedding fails the request just the same: retried, E encodes it under a fresh uuid.
+    from tests.support.index_proxy import TEXT, B, index_proxy
+
+    async with index_proxy() as s:
+        await s.hold(0, [sha(URL), sha(B)], 4)  # P's prefix cache covers the first image
+        s.pd[0].answer = default_then(lost_once(stream=stream))
+        r = await s.post(chat(TEXT, img(URL), img(B), stream=stream))
+        assert r.status == 200
+        if stream:
+            assert await r.read() == b"".join(OK_CHUNKS)
+        first, second = s.pd[0].chats()
+        assert parts(first)[1] == {**img(URL), "uuid": sha(URL)}  # planned as held: no E
+        assert parts(first)[2] == {**img(B), "uuid": sha(B)}  # B: from E, raw (no mix)
+        e1, e2 = s.e.chats()
+        assert [p["uuid"] for p in parts(e1)] == [sha(B)]
+        retried(parts(second)[1])
+        assert [p["uuid"] for p in parts(e2)] == [p["uuid"] for p in parts(second)[1:]]
+        stage = "stream" if stream else "decode"
+        assert (
+            s.sample("mmreuse_proxy_embedding_lost_retries_total", instance="PD0", stage=stage) == 1
+        )
