@@ -8,6 +8,7 @@ from typing import Any
 
 from .._table import HashTable
 from ..blockhash import ExternalBlockHash, to_event_id, to_event_ids
+from ..demand_query import MAX_IDENT_CHARS
 from ..errors import InvalidArgument
 from ..kvview import PrefixMatch
 from ..validate import check_int, check_str, fail_type, show
@@ -16,6 +17,19 @@ from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEve
 # Longest medium name accepted: vLLM's are "GPU", "CPU", connector names; each one becomes a
 # table here (and a Prometheus label value in the subscriber).
 MAX_MEDIUM_CHARS = 64
+
+# Most extra-key items one published block may carry (vLLM's: a LoRA name, the mm keys of the
+# items overlapping the block, a cache salt, a prompt-embeds digest). More makes the medium's
+# identifiers unknown (see `identifiers_known`), never a silent skip.
+MAX_EXTRA_KEYS_PER_BLOCK = 256
+
+# Why extra keys were not followed (`RemoteKVIndex.identifier_skips`). An identifier longer
+# than MAX_IDENT_CHARS is not followed and `may_hold` answers True for it; the others make the
+# medium's identifiers unknown until the next reset.
+SKIP_LONG_IDENT = "identifier too long"
+SKIP_NOT_PUBLISHED = "extra keys not published"
+SKIP_MALFORMED = "extra keys malformed"
+SKIP_SNAPSHOT = "loaded from a snapshot"
 
 
 class RemoteKVIndex:
@@ -35,6 +49,14 @@ class RemoteKVIndex:
     distinct media (names of at most MAX_MEDIUM_CHARS) are held between resets (`clear`,
     AllBlocksCleared); a batch that would exceed that is refused whole.
 
+    Identifiers: per medium, which mm identifiers some held block carries (`may_hold`), read
+    off BlockStored's `extra_keys` (vLLM 0.33.0's `to_event_extra_keys`: per block None or a
+    tuple of untagged keys, an mm key being `(identifier, offset)`; LoRA names, cache salts and
+    prompt-embeds digests are the other items, and are ignored). A held hash carries the
+    identifiers of every store of it since it was last absent; it drops them when its count
+    reaches zero, so an identifier counts the held hashes carrying it. Memory: only hashes that
+    carry an identifier are remembered.
+
     Implements `mmreuse.kvview.KVView` (`match_prefix`, on the GPU medium).
     """
 
@@ -42,6 +64,13 @@ class RemoteKVIndex:
         self.instance = check_str("instance", instance, nonempty=True)
         self.max_media = check_int("max_media", max_media, 1)
         self._media: dict[str, HashTable] = {}
+        # Per medium: event id -> the identifiers that held hash carries (only hashes that
+        # carry any), and identifier -> how many held hashes carry it (never 0: deleted).
+        self._carried: dict[str, dict[int, frozenset[str]]] = {}
+        self._ident_counts: dict[str, dict[str, int]] = {}
+        # Media whose identifiers are not known until the next reset (`identifiers_known`).
+        self._ids_unknown: set[str] = set()
+        self._skips: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def _table(self, medium: str | None) -> HashTable:
@@ -67,13 +96,122 @@ class RemoteKVIndex:
             for e in events:
                 if isinstance(e, BlockStored):
                     self._table(e.medium).add(e.block_hashes, 1)
+                    if e.block_hashes:
+                        self._store_identifiers(e)
                 elif isinstance(e, BlockRemoved):
-                    table = self._media.get(MEDIUM_GPU if e.medium is None else e.medium)
+                    key = MEDIUM_GPU if e.medium is None else e.medium
+                    table = self._media.get(key)
                     if table is not None:
                         table.add(e.block_hashes, -1)
+                        carried = self._carried.get(key)
+                        if carried:
+                            self._release_identifiers(key, carried, table, e.block_hashes)
                 elif isinstance(e, AllBlocksCleared):
                     self._media.clear()
+                    self._forget_identifiers()
         return len(events)
+
+    # ---- identifiers ---------------------------------------------------------------------
+
+    def _skip(self, reason: str, n: int = 1) -> None:
+        self._skips[reason] = self._skips.get(reason, 0) + n
+
+    def _unknown(self, medium: str, reason: str, n: int) -> None:
+        """`medium`'s identifiers cannot be followed any more: forget them until a reset."""
+        self._skip(reason, n)
+        self._ids_unknown.add(medium)
+        self._carried.pop(medium, None)
+        self._ident_counts.pop(medium, None)
+
+    def _forget_identifiers(self) -> None:
+        self._carried.clear()
+        self._ident_counts.clear()
+        self._ids_unknown.clear()
+
+    def _store_identifiers(self, e: BlockStored) -> None:
+        """The identifiers of a BlockStored's blocks (hashes already validated and counted).
+        Never raises on any `extra_keys`: junk is counted in `identifier_skips`."""
+        medium = MEDIUM_GPU if e.medium is None else e.medium
+        if medium in self._ids_unknown:
+            return
+        keys, hashes = e.extra_keys, e.block_hashes
+        n = len(hashes)
+        if keys is None:  # vLLM < 0.17, an offloading connector's medium: nothing to follow
+            self._unknown(medium, SKIP_NOT_PUBLISHED, n)
+            return
+        if (type(keys) is not list and type(keys) is not tuple) or len(keys) != n:
+            self._unknown(medium, SKIP_MALFORMED, n)
+            return
+        if keys.count(None) == n:  # text only: the common case, one C call
+            return
+        carried: dict[int, frozenset[str]] | None = None
+        counts: dict[str, int] = {}
+        for i, entry in enumerate(keys):
+            if entry is None:
+                continue
+            if (type(entry) is not list and type(entry) is not tuple) or len(
+                entry
+            ) > MAX_EXTRA_KEYS_PER_BLOCK:
+                self._unknown(medium, SKIP_MALFORMED, 1)
+                return
+            idents: set[str] | None = None
+            for k in entry:
+                kind = type(k)
+                if kind is str or kind is bytes:  # a LoRA name, a cache salt, a digest
+                    continue
+                if (kind is not list and kind is not tuple) or len(k) != 2:
+                    self._unknown(medium, SKIP_MALFORMED, 1)
+                    return
+                ident, off = k
+                if type(ident) is not str or type(off) is not int or not ident:
+                    self._unknown(medium, SKIP_MALFORMED, 1)
+                    return
+                if len(ident) > MAX_IDENT_CHARS:
+                    self._skip(SKIP_LONG_IDENT)
+                    continue
+                if idents is None:
+                    idents = {ident}
+                else:
+                    idents.add(ident)
+            if idents is None:
+                continue
+            if carried is None:
+                carried = self._carried.setdefault(medium, {})
+                counts = self._ident_counts.setdefault(medium, {})
+            eid = to_event_id(hashes[i])
+            held = carried.get(eid)
+            if held is None:
+                new = idents
+                carried[eid] = frozenset(idents)
+            else:
+                new = idents - held
+                if not new:
+                    continue
+                carried[eid] = held | new
+            for ident in new:
+                counts[ident] = counts.get(ident, 0) + 1
+
+    def _release_identifiers(
+        self,
+        medium: str,
+        carried: dict[int, frozenset[str]],
+        table: HashTable,
+        hashes: Sequence[ExternalBlockHash],
+    ) -> None:
+        """After a BlockRemoved: a carrying hash no longer held drops its identifiers."""
+        hit = carried.keys() & to_event_ids(hashes)
+        if not hit:
+            return
+        counts = self._ident_counts[medium]
+        for eid in hit:
+            if table.get(eid) is not None:
+                continue  # another block still holds it
+            for ident in carried.pop(eid):
+                left = counts[ident] - 1
+                if left:
+                    counts[ident] = left
+                else:
+                    del counts[ident]
 
     def _check_events(self, events: Any) -> None:
         """Every hash and medium of a batch, and the media it leaves, before anything changes."""
@@ -213,6 +351,10 @@ class RemoteKVIndex:
         table.put_many(ids, values)
         with self._lock:
             self._media = {medium: table} if ids else {}
+            self._forget_identifiers()
+            if ids:  # a snapshot carries no extra keys (yet): which blocks carry what is unknown
+                self._ids_unknown.add(medium)
+                self._skip(SKIP_SNAPSHOT, len(ids))
 
     def counts(self, medium: str = MEDIUM_GPU) -> dict[int, int]:
         """Every event id held on `medium` and how many blocks hold it (for checks and tests)."""
@@ -224,7 +366,49 @@ class RemoteKVIndex:
             live = table.vals > 0
             return dict(zip(table.keys[live].tolist(), table.vals[live].tolist(), strict=True))
 
+    def may_hold(self, identifier: str, medium: str = MEDIUM_GPU) -> bool:
+        """Whether some held block on `medium` may carry mm `identifier` in its extra keys.
+
+        False means no block this index holds carries it: that P's prefix cache provably has
+        none of it only if the caller has checked that the view is complete (no gap, no missed
+        batch, a subscriber that is live: the index cannot know); otherwise it may still be
+        cached. True where unknown: `identifiers_known(medium)` False (after `load`, a store
+        without extra keys, malformed ones), or an identifier longer than MAX_IDENT_CHARS (never
+        followed). Like the hashes, it can over-report (see the class's caveat), never under.
+        """
+        check_str("identifier", identifier)
+        check_str("medium", medium)
+        if len(identifier) > MAX_IDENT_CHARS:
+            return True
+        with self._lock:
+            if medium in self._ids_unknown:
+                return True
+            counts = self._ident_counts.get(medium)
+            return counts is not None and identifier in counts
+
+    def identifiers_known(self, medium: str = MEDIUM_GPU) -> bool:
+        """Whether `may_hold(..., medium)` can answer False: not after `load` (a snapshot carries
+        no extra keys yet), a BlockStored without `extra_keys` (vLLM < 0.17, offloading media)
+        or with malformed ones, until the next `clear` or AllBlocksCleared."""
+        check_str("medium", medium)
+        with self._lock:
+            return medium not in self._ids_unknown
+
+    def identifiers(self, medium: str = MEDIUM_GPU) -> dict[str, int]:
+        """Every followed identifier on `medium` and how many held hashes carry it (for checks
+        and tests; empty where `identifiers_known` is False)."""
+        check_str("medium", medium)
+        with self._lock:
+            return dict(self._ident_counts.get(medium, {}))
+
+    def identifier_skips(self) -> dict[str, int]:
+        """How many blocks (or identifiers, for SKIP_LONG_IDENT) were not followed, by reason,
+        since construction."""
+        with self._lock:
+            return dict(self._skips)
+
     def clear(self) -> None:
         """Forget everything (AllBlocksCleared, a publisher restart, an unrecoverable gap)."""
         with self._lock:
             self._media.clear()
+            self._forget_identifiers()

@@ -1,0 +1,389 @@
+"""RemoteKVIndex's identifiers: which mm identifiers a held block carries, from extra_keys."""
+
+import base64
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmreuse.demand_query import MAX_IDENT_CHARS
+from mmreuse.errors import InvalidArgumentType
+from mmreuse.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    MalformedBatch,
+    RemoteKVIndex,
+    decode_batch,
+    encode_batch,
+)
+from mmreuse.events.index import (
+    MAX_EXTRA_KEYS_PER_BLOCK,
+    SKIP_LONG_IDENT,
+    SKIP_MALFORMED,
+    SKIP_NOT_PUBLISHED,
+    SKIP_SNAPSHOT,
+)
+from mmreuse.events.wire import MEDIUM_GPU
+from tests.support.paths import KV_EVENT_FIXTURES
+
+FIXTURES = json.loads(KV_EVENT_FIXTURES.read_text())
+
+
+def stored(hashes, keys=None, medium="GPU"):
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+        extra_keys=keys,
+    )
+
+
+def removed(hashes, medium="GPU"):
+    return BlockRemoved(block_hashes=list(hashes), medium=medium)
+
+
+def apply(idx, *events):
+    return idx.apply(KVEventBatch(ts=0.0, events=list(events)))
+
+
+def mm(*idents):
+    """One block's extra keys naming `idents` (offsets as vLLM's: block-relative, may be < 0)."""
+    return tuple((ident, -5 * i) for i, ident in enumerate(idents))
+
+
+def test_stored_then_removed():
+    idx = RemoteKVIndex()
+    assert idx.identifiers_known() and not idx.may_hold("a")
+    apply(idx, stored([1, 2, 3], [None, mm("a"), mm("a", "b")]))
+    assert idx.may_hold("a") and idx.may_hold("b") and not idx.may_hold("c")
+    assert idx.identifiers() == {"a": 2, "b": 1}
+    apply(idx, removed([3]))
+    assert idx.identifiers() == {"a": 1}
+    assert not idx.may_hold("b")
+    apply(idx, removed([1, 2]))
+    assert idx.identifiers() == {} and not idx.may_hold("a")
+    assert idx.identifiers_known() and idx.identifier_skips() == {}
+
+
+def test_several_offsets_count_once_per_block():
+    idx = RemoteKVIndex()
+    apply(idx, stored([7], [(("a", -30), ("b", -2), ("a", 4))]))
+    assert idx.identifiers() == {"a": 1, "b": 1}
+    apply(idx, removed([7]))
+    assert idx.identifiers() == {}
+
+
+def test_lora_salt_and_embeds_digest_are_not_identifiers():
+    idx = RemoteKVIndex()
+    apply(idx, stored([1, 2], [("adapter-1", ("a", 0), "salt-3"), ("salt", bytes(32))]))
+    assert idx.identifiers() == {"a": 1}
+    assert not idx.may_hold("adapter-1") and not idx.may_hold("salt-3")
+    assert idx.identifiers_known()
+
+
+def test_hash_stored_twice_stays_until_its_last_removal():
+    idx = RemoteKVIndex()
+    apply(idx, stored([5], [mm("a")]), stored([5], [mm("a")]))
+    assert idx.counts() == {5: 2} and idx.identifiers() == {"a": 1}
+    apply(idx, removed([5]))
+    assert idx.may_hold("a")
+    apply(idx, removed([5]))
+    assert not idx.may_hold("a") and idx.counts() == {}
+    apply(idx, removed([5]))  # not held: nothing happens
+    assert not idx.may_hold("a")
+
+
+def test_duplicate_hashes_in_one_event():
+    idx = RemoteKVIndex()
+    apply(idx, stored([5, 5], [mm("a"), None]))
+    apply(idx, removed([5]))
+    assert idx.may_hold("a")  # a block still holds hash 5
+    apply(idx, removed([5, 5]))
+    assert not idx.may_hold("a")
+
+
+def test_hash_carries_the_union_of_its_stores():
+    idx = RemoteKVIndex()
+    apply(idx, stored([5], [None]), stored([5], [mm("a")]), stored([5], [mm("b")]))
+    assert idx.identifiers() == {"a": 1, "b": 1}
+    apply(idx, removed([5, 5]))
+    assert idx.identifiers() == {"a": 1, "b": 1}  # one block still holds 5: safe side
+    apply(idx, removed([5]))
+    assert idx.identifiers() == {}
+
+
+def test_bytes_hashes_and_int_ids_are_one_block():
+    idx = RemoteKVIndex()
+    digest = bytes(24) + (9).to_bytes(8, "big")
+    apply(idx, stored([digest], [mm("a")]))
+    apply(idx, removed([9]))
+    assert not idx.may_hold("a")
+
+
+def test_media_are_separate():
+    idx = RemoteKVIndex()
+    apply(idx, stored([1], [mm("a")], medium="CPU"), stored([1], [mm("b")], medium=None))
+    assert idx.may_hold("a", "CPU") and not idx.may_hold("a")
+    assert idx.may_hold("b", MEDIUM_GPU) and not idx.may_hold("b", "CPU")
+    apply(idx, removed([1], medium="CPU"))
+    assert not idx.may_hold("a", "CPU") and idx.may_hold("b")
+
+
+def test_all_blocks_cleared_and_clear():
+    idx = RemoteKVIndex()
+    apply(idx, stored([1], [mm("a")]), stored([2], None, medium="CPU"))
+    assert not idx.identifiers_known("CPU")
+    apply(idx, AllBlocksCleared(), stored([3], [mm("b")]))
+    assert idx.identifiers() == {"b": 1} and idx.identifiers_known("CPU")
+    assert not idx.may_hold("a")
+    idx.clear()
+    assert idx.identifiers() == {} and not idx.may_hold("b")
+
+
+def test_stored_without_extra_keys_makes_identifiers_unknown():
+    idx = RemoteKVIndex()
+    apply(idx, stored([1], [mm("a")]), stored([2, 3]))  # vLLM < 0.17: no extra_keys
+    assert not idx.identifiers_known()
+    assert idx.may_hold("a") and idx.may_hold("never-seen")
+    assert idx.identifiers() == {}  # forgotten: nothing to follow until a reset
+    assert idx.identifier_skips() == {SKIP_NOT_PUBLISHED: 2}
+    apply(idx, removed([1, 2, 3]))
+    assert idx.may_hold("never-seen")  # sticky until a reset
+    apply(idx, AllBlocksCleared())
+    assert idx.identifiers_known() and not idx.may_hold("never-seen")
+
+
+def test_empty_store_changes_nothing():
+    idx = RemoteKVIndex()
+    apply(idx, stored([], None))
+    assert idx.identifiers_known()
+
+
+def test_load_cannot_know_identifiers():
+    idx = RemoteKVIndex()
+    apply(idx, stored([1], [mm("a")]))
+    idx.load([4, 5], [1, 2])
+    assert not idx.identifiers_known() and idx.may_hold("zzz")
+    assert idx.identifiers() == {} and idx.identifier_skips() == {SKIP_SNAPSHOT: 2}
+    apply(idx, stored([6], [mm("b")]))
+    assert not idx.identifiers_known()  # still unknown: 4 and 5 carry what they carry
+    idx.clear()
+    assert idx.identifiers_known() and not idx.may_hold("zzz")
+    idx.load([], [])  # an empty snapshot: nothing held, nothing unknown
+    assert idx.identifiers_known()
+
+
+def test_may_hold_arguments():
+    idx = RemoteKVIndex()
+    with pytest.raises(InvalidArgumentType):
+        idx.may_hold(b"a")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentType):
+        idx.may_hold("a", None)  # type: ignore[arg-type]
+    assert idx.may_hold("x" * (MAX_IDENT_CHARS + 1))  # never followed: unknown
+
+
+def test_long_identifier_is_skipped_and_counted():
+    idx = RemoteKVIndex()
+    long = "x" * (MAX_IDENT_CHARS + 1)
+    apply(idx, stored([1, 2], [((long, 0), ("a", 3)), ((long, 0),)]))
+    assert idx.identifiers() == {"a": 1} and idx.identifiers_known()
+    assert idx.identifier_skips() == {SKIP_LONG_IDENT: 2}
+    assert idx.may_hold(long)
+    assert idx.may_hold("x" * MAX_IDENT_CHARS) is False  # at the bound: followed
+
+
+JUNK = {
+    "not a list": "abc",
+    "too short": [mm("a")],
+    "too long": [mm("a"), None, None],
+    "entry an int": [7, None],
+    "entry a dict": [{"a": 0}, None],
+    "item an int": [(3,), None],
+    "item a triple": [(("mm", "a", 0),), None],
+    "item a dict": [({"a": 0},), None],
+    "item a single": [(("a",),), None],
+    "ident an int": [((1, 0),), None],
+    "ident empty": [(("", 0),), None],
+    "ident bytes": [((b"a", 0),), None],
+    "offset a float": [(("a", 0.5),), None],
+    "offset a bool": [(("a", True),), None],
+    "offset None": [(("a", None),), None],
+    "too many items": [tuple(("a", i) for i in range(MAX_EXTRA_KEYS_PER_BLOCK + 1)), None],
+    "nested": [((("a", 0), 0),), None],
+}
+
+
+@pytest.mark.parametrize("keys", list(JUNK.values()), ids=list(JUNK))
+def test_junk_extra_keys_never_raise_and_make_identifiers_unknown(keys):
+    idx = RemoteKVIndex()
+    apply(idx, stored([100], [mm("before")]))
+    assert apply(idx, stored([1, 2], keys)) == 1
+    assert idx.counts() == {100: 1, 1: 1, 2: 1}  # the hashes are followed as ever
+    assert not idx.identifiers_known()
+    assert idx.may_hold("before") and idx.may_hold("a")
+    assert idx.identifiers() == {}
+    assert set(idx.identifier_skips()) == {SKIP_MALFORMED}
+    apply(idx, stored([3], [mm("c")]), removed([1, 2, 3, 100]))  # and stays harmless
+    assert not idx.identifiers_known()
+    apply(idx, AllBlocksCleared(), stored([4], [mm("d")]))
+    assert idx.identifiers_known() and idx.identifiers() == {"d": 1}
+
+
+def test_junk_through_the_wire_never_raises():
+    """What the decoder lets through (it refuses some shapes whole: MalformedBatch)."""
+    idx = RemoteKVIndex()
+    passed = 0
+    for keys in JUNK.values():
+        payload = encode_batch(KVEventBatch(ts=0.0, events=[stored([1, 2], keys)]))
+        try:
+            batch = decode_batch(payload)
+        except MalformedBatch:
+            continue
+        apply(idx, *batch.events)
+        passed += 1
+    assert passed >= len(JUNK) - 3
+    assert not idx.identifiers_known() and idx.counts() == {1: passed, 2: passed}
+
+
+# ---- against a brute-force model --------------------------------------------------------
+
+HASHES = st.integers(0, 7)
+IDENTS = st.sampled_from(["a", "b", "c", "d"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    carries=st.dictionaries(HASHES, st.frozensets(IDENTS, max_size=3)),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("store"), st.lists(HASHES, max_size=5), st.booleans()),
+            st.tuples(st.just("remove"), st.lists(HASHES, max_size=5), st.just(False)),
+            st.tuples(st.just("clear"), st.just([]), st.just(False)),
+        ),
+        max_size=30,
+    ),
+    data=st.data(),
+)
+def test_may_hold_matches_a_brute_force_model(carries, ops, data):
+    """vLLM's rule: a hash names its extra keys, so a block hash carries a fixed set of
+    identifiers; `may_hold(x)` is whether some held hash carries x."""
+    idx = RemoteKVIndex()
+    held: dict[int, int] = {}
+    for op, hashes, salted in ops:
+        if op == "store":
+            keys = []
+            for h in hashes:
+                idents = sorted(carries.get(h, ()))
+                if not idents and not salted:
+                    keys.append(None)
+                    continue
+                # several offsets per identifier, a LoRA name and a salt around them
+                items = ["adapter-1"] if salted else []
+                for ident in idents:
+                    items += [(ident, -7)] * data.draw(st.integers(1, 2))
+                if salted:
+                    items.append("salt")
+                keys.append(tuple(items))
+            apply(idx, stored(hashes, keys))
+            for h in hashes:
+                held[h] = held.get(h, 0) + 1
+        elif op == "remove":
+            apply(idx, removed(hashes))
+            for h in hashes:
+                if held.get(h):
+                    held[h] -= 1
+        else:
+            apply(idx, AllBlocksCleared())
+            held.clear()
+        live = [h for h, n in held.items() if n]
+        assert idx.counts() == {h: held[h] for h in live}
+        expected = {}
+        for h in live:
+            for ident in carries.get(h, ()):
+                expected[ident] = expected.get(ident, 0) + 1
+        assert idx.identifiers() == expected
+        for ident in "abcde":
+            assert idx.may_hold(ident) == (ident in expected)
+    assert idx.identifiers_known() and idx.identifier_skips() == {}
+
+
+def _model_apply(model, batch):
+    """What the identifiers of a vLLM-encoded batch should be, by brute force: per medium, the
+    held hashes' counts and identifiers, or None once a store without extra keys was seen."""
+    for e in batch.events:
+        if isinstance(e, AllBlocksCleared):
+            model.clear()
+            continue
+        medium = e.medium or MEDIUM_GPU
+        held, carried, known = model.setdefault(medium, ({}, {}, [True]))
+        ids = [h if type(h) is int else int.from_bytes(h[-8:], "big") for h in e.block_hashes]
+        if isinstance(e, BlockStored):
+            if e.extra_keys is None and ids:
+                known[0] = False
+            for i, h in enumerate(ids):
+                held[h] = held.get(h, 0) + 1
+                entry = e.extra_keys[i] if e.extra_keys else None
+                for k in entry or ():
+                    if isinstance(k, (list, tuple)):
+                        carried.setdefault(h, set()).add(k[0])
+        else:
+            for h in ids:
+                if held.get(h):
+                    held[h] -= 1
+                    if not held[h]:
+                        del held[h]
+                        carried.pop(h, None)
+
+
+def test_vllm_encoded_events_match_the_model():
+    """Batches encoded by vLLM 0.33.0's own structs (mm pairs, LoRA names, salts, both hash
+    modes, CPU and GPU media), applied in order to one index."""
+    idx = RemoteKVIndex()
+    model: dict = {}
+    seen: set[str] = set()
+    mm_blocks = 0
+    for fx in FIXTURES["fixtures"]:
+        batch = decode_batch(base64.b64decode(fx["payload_b64"]))
+        idx.apply(batch)
+        _model_apply(model, batch)
+        for e in batch.events:
+            for entry in getattr(e, "extra_keys", None) or ():
+                idents = {k[0] for k in entry or () if isinstance(k, list)}
+                seen |= idents
+                mm_blocks += bool(idents)
+        for medium in ("GPU", "CPU"):
+            _held, carried, known = model.get(medium, ({}, {}, [True]))
+            assert idx.identifiers_known(medium) == known[0]
+            for ident in seen:
+                expect = not known[0] or any(ident in c for c in carried.values())
+                assert idx.may_hold(ident, medium) == expect
+    assert mm_blocks > 20 and len(seen) > 20
+    assert set(idx.identifier_skips()) <= {SKIP_NOT_PUBLISHED}
+
+
+def test_vllm_encoded_mm_blocks_are_followed_then_removed():
+    """Each vLLM-encoded BlockStored with mm keys, alone: its identifiers, then none."""
+    checked = 0
+    for fx in FIXTURES["fixtures"]:
+        for e in decode_batch(base64.b64decode(fx["payload_b64"])).events:
+            if not isinstance(e, BlockStored) or not e.extra_keys:
+                continue
+            idents = {k[0] for entry in e.extra_keys for k in entry or () if isinstance(k, list)}
+            if not idents:
+                continue
+            idx = RemoteKVIndex()
+            idx.apply(KVEventBatch(ts=0.0, events=[e]))
+            medium = e.medium or MEDIUM_GPU
+            assert idx.identifiers_known(medium)
+            assert set(idx.identifiers(medium)) == idents
+            idx.apply(KVEventBatch(ts=0.0, events=[removed(e.block_hashes, e.medium)]))
+            assert idx.identifiers(medium) == {} and not any(map(idx.may_hold, idents))
+            checked += 1
+    assert checked > 10
