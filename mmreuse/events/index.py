@@ -66,7 +66,7 @@ class RemoteKVIndex:
         self._media: dict[str, HashTable] = {}
         # Per medium: event id -> the identifiers that held hash carries (only hashes that
         # carry any), and identifier -> how many held hashes carry it (never 0: deleted).
-        self._carried: dict[str, dict[int, frozenset[str]]] = {}
+        self._carried: dict[str, dict[int, tuple[str, ...]]] = {}
         self._ident_counts: dict[str, dict[str, int]] = {}
         # Media whose identifiers are not known until the next reset (`identifiers_known`).
         self._ids_unknown: set[str] = set()
@@ -102,10 +102,11 @@ class RemoteKVIndex:
                     key = MEDIUM_GPU if e.medium is None else e.medium
                     table = self._media.get(key)
                     if table is not None:
-                        table.add(e.block_hashes, -1)
-                        carried = self._carried.get(key)
-                        if carried:
-                            self._release_identifiers(key, carried, table, e.block_hashes)
+                        gone = table.add(e.block_hashes, -1)  # hashes no block holds now
+                        if gone:
+                            carried = self._carried.get(key)
+                            if carried:
+                                self._release_identifiers(key, carried, table, e, gone)
                 elif isinstance(e, AllBlocksCleared):
                     self._media.clear()
                     self._forget_identifiers()
@@ -144,67 +145,97 @@ class RemoteKVIndex:
             return
         if keys.count(None) == n:  # text only: the common case, one C call
             return
-        carried: dict[int, frozenset[str]] | None = None
+        ids: list[int] | None = None
+        carried: dict[int, tuple[str, ...]] = {}
         counts: dict[str, int] = {}
+        last: tuple[str, ...] = ()  # the previous block's, shared: an item spans many blocks
+        idents: tuple[str, ...] | None
         for i, entry in enumerate(keys):
             if entry is None:
                 continue
-            if (type(entry) is not list and type(entry) is not tuple) or len(
-                entry
-            ) > MAX_EXTRA_KEYS_PER_BLOCK:
+            kind = type(entry)
+            if (kind is not list and kind is not tuple) or len(entry) > MAX_EXTRA_KEYS_PER_BLOCK:
                 self._unknown(medium, SKIP_MALFORMED, 1)
                 return
-            idents: set[str] | None = None
-            for k in entry:
-                kind = type(k)
-                if kind is str or kind is bytes:  # a LoRA name, a cache salt, a digest
-                    continue
-                if (kind is not list and kind is not tuple) or len(k) != 2:
-                    self._unknown(medium, SKIP_MALFORMED, 1)
-                    return
-                ident, off = k
-                if type(ident) is not str or type(off) is not int or not ident:
-                    self._unknown(medium, SKIP_MALFORMED, 1)
-                    return
-                if len(ident) > MAX_IDENT_CHARS:
-                    self._skip(SKIP_LONG_IDENT)
-                    continue
+            k = entry[0] if len(entry) == 1 else None
+            if (
+                type(k) is list  # vLLM's usual entry: one mm key, as decoded
+                and len(k) == 2
+                and type(k[0]) is str
+                and type(k[1]) is int
+                and last
+                and k[0] == last[0]
+                and len(last) == 1
+            ):
+                idents = last  # same identifier as the previous block: checked already
+            else:
+                idents = self._entry_identifiers(entry)
                 if idents is None:
-                    idents = {ident}
-                else:
-                    idents.add(ident)
-            if idents is None:
+                    self._unknown(medium, SKIP_MALFORMED, 1)
+                    return
+                if idents == last:
+                    idents = last
+                last = idents
+            if not idents:
                 continue
-            if carried is None:
+            if ids is None:
+                ids = to_event_ids(hashes)  # one C call; validated already
                 carried = self._carried.setdefault(medium, {})
                 counts = self._ident_counts.setdefault(medium, {})
-            eid = to_event_id(hashes[i])
+            eid = ids[i]
             held = carried.get(eid)
             if held is None:
-                new = idents
-                carried[eid] = frozenset(idents)
-            else:
-                new = idents - held
-                if not new:
-                    continue
-                carried[eid] = held | new
-            for ident in new:
-                counts[ident] = counts.get(ident, 0) + 1
+                carried[eid] = idents
+                for ident in idents:
+                    counts[ident] = counts.get(ident, 0) + 1
+                continue
+            for ident in idents:  # a hash stored again: the union (vLLM's: the same keys)
+                if ident not in held:
+                    held += (ident,)
+                    counts[ident] = counts.get(ident, 0) + 1
+            carried[eid] = held
+            if len(held) > MAX_EXTRA_KEYS_PER_BLOCK:  # a peer naming ever new ones
+                self._unknown(medium, SKIP_MALFORMED, 1)
+                return
+
+    def _entry_identifiers(self, entry: list[Any] | tuple[Any, ...]) -> tuple[str, ...] | None:
+        """The distinct identifiers of one block's extra keys, None if malformed; an
+        identifier over MAX_IDENT_CHARS is skipped and counted."""
+        idents: tuple[str, ...] = ()
+        for k in entry:
+            kind = type(k)
+            if kind is list or kind is tuple:  # an mm key, (identifier, offset)
+                if len(k) != 2:
+                    return None
+                ident, off = k
+                if type(ident) is not str or type(off) is not int or not ident:
+                    return None
+                if len(ident) > MAX_IDENT_CHARS:
+                    self._skip(SKIP_LONG_IDENT)
+                elif ident not in idents:
+                    idents += (ident,)
+            elif kind is not str and kind is not bytes:  # not a LoRA name, salt, digest
+                return None
+        return idents
 
     def _release_identifiers(
         self,
         medium: str,
-        carried: dict[int, frozenset[str]],
+        carried: dict[int, tuple[str, ...]],
         table: HashTable,
-        hashes: Sequence[ExternalBlockHash],
+        e: BlockRemoved,
+        gone: int,
     ) -> None:
-        """After a BlockRemoved: a carrying hash no longer held drops its identifiers."""
-        hit = carried.keys() & to_event_ids(hashes)
+        """After a BlockRemoved that left `gone` hashes unheld: those that carried identifiers
+        drop them."""
+        ids = to_event_ids(e.block_hashes)  # one C call; validated already
+        hit = carried.keys() & ids
         if not hit:
             return
+        all_gone = gone == len(ids)  # then every hash of the event left: no lookups
         counts = self._ident_counts[medium]
         for eid in hit:
-            if table.get(eid) is not None:
+            if not all_gone and table.get(eid) is not None:
                 continue  # another block still holds it
             for ident in carried.pop(eid):
                 left = counts[ident] - 1

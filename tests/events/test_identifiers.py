@@ -387,3 +387,25 @@ def test_vllm_encoded_mm_blocks_are_followed_then_removed():
             assert idx.identifiers(medium) == {} and not any(map(idx.may_hold, idents))
             checked += 1
     assert checked > 10
+
+
+def test_a_hash_named_with_ever_new_identifiers_is_bounded():
+    idx = RemoteKVIndex()
+    for i in range(MAX_EXTRA_KEYS_PER_BLOCK):
+        apply(idx, stored([1], [mm(f"id-{i}")]))
+    assert idx.identifiers_known() and len(idx.identifiers()) == MAX_EXTRA_KEYS_PER_BLOCK
+    apply(idx, stored([1], [mm("one-more")]))
+    assert not idx.identifiers_known() and idx.identifiers() == {}
+    assert idx.identifier_skips() == {SKIP_MALFORMED: 1}
+
+
+def test_an_item_over_many_blocks_then_another():
+    """vLLM's usual shape: one (identifier, offset) per block, an item over several blocks."""
+    idx = RemoteKVIndex()
+    keys = [(["a", -16 * i],) for i in range(4)] + [None] + [(["b", 3 - 16 * i],) for i in range(3)]
+    apply(idx, stored(range(10, 18), keys))
+    assert idx.identifiers() == {"a": 4, "b": 3}
+    apply(idx, removed([10, 11, 12, 15]))
+    assert idx.identifiers() == {"a": 1, "b": 2}
+    apply(idx, removed([13, 14, 16, 17]))
+    assert idx.identifiers() == {}
