@@ -20,7 +20,18 @@ BATCH_EVENTS = 64  # events per published batch (a scheduler step's worth)
 BLOCKS_PER_EVENT = 16
 
 
-def make_payloads(num_batches=64, seed=0):
+def _extra_keys(rng, keys):
+    """Per-block extra keys as vLLM 0.33.0 publishes them: none (before 0.17), text only (all
+    None), or mm: an image over blocks 4-11 of the event, its (identifier, offset) pair on each."""
+    if keys == "none":
+        return None
+    if keys == "text":
+        return [None] * BLOCKS_PER_EVENT
+    ident = f"{rng.getrandbits(128):032x}"
+    return [((ident, -16 * (i - 4) + 3),) if 4 <= i < 12 else None for i in range(BLOCKS_PER_EVENT)]
+
+
+def make_payloads(num_batches=64, seed=0, keys="none"):
     rng = random.Random(seed)
     payloads = []
     for _ in range(num_batches):
@@ -33,6 +44,7 @@ def make_payloads(num_batches=64, seed=0):
                 lora_id=None,
                 medium="GPU",
                 lora_name=None,
+                extra_keys=_extra_keys(rng, keys),
             )
             for _ in range(BATCH_EVENTS)
         ]
@@ -64,6 +76,43 @@ def test_apply_stored(benchmark):
 
 def test_apply_stored_then_removed(benchmark):
     batches = [decode_batch(p) for p in make_payloads(16)]
+    removes = [
+        KVEventBatch(
+            ts=1.0,
+            events=[BlockRemoved(block_hashes=e.block_hashes, medium="GPU") for e in b.events],
+        )
+        for b in batches
+    ]
+
+    def run():
+        idx = RemoteKVIndex()
+        for b in batches:
+            idx.apply(b)
+        for b in removes:
+            idx.apply(b)
+        return idx
+
+    assert benchmark(run).size() == 0
+
+
+@pytest.mark.parametrize("keys", ["text", "mm"])
+def test_apply_stored_extra_keys(benchmark, keys):
+    """`test_apply_stored` with vLLM 0.33.0's extra keys (identifiers followed from them)."""
+    batches = [decode_batch(p) for p in make_payloads(keys=keys)]
+    blocks = sum(len(e.block_hashes) for b in batches for e in b.events)
+
+    def run():
+        idx = RemoteKVIndex()
+        for b in batches:
+            idx.apply(b)
+        return idx
+
+    assert benchmark(run).size() == blocks
+
+
+@pytest.mark.parametrize("keys", ["text", "mm"])
+def test_apply_stored_then_removed_extra_keys(benchmark, keys):
+    batches = [decode_batch(p) for p in make_payloads(16, keys=keys)]
     removes = [
         KVEventBatch(
             ts=1.0,
