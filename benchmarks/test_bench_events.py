@@ -95,14 +95,16 @@ def test_apply_stored_then_removed(benchmark):
     assert benchmark(run).size() == 0
 
 
+@pytest.mark.parametrize("track", [False, True], ids=["untracked", "tracked"])
 @pytest.mark.parametrize("keys", ["text", "mm"])
-def test_apply_stored_extra_keys(benchmark, keys):
-    """`test_apply_stored` with vLLM 0.33.0's extra keys (identifiers followed from them)."""
+def test_apply_stored_extra_keys(benchmark, keys, track):
+    """`test_apply_stored` with vLLM 0.33.0's extra keys (identifiers followed from them when
+    tracked: `RemoteKVIndex(track_identifiers=True)`)."""
     batches = [decode_batch(p) for p in make_payloads(keys=keys)]
     blocks = sum(len(e.block_hashes) for b in batches for e in b.events)
 
     def run():
-        idx = RemoteKVIndex()
+        idx = RemoteKVIndex(track_identifiers=track)
         for b in batches:
             idx.apply(b)
         return idx
@@ -110,8 +112,9 @@ def test_apply_stored_extra_keys(benchmark, keys):
     assert benchmark(run).size() == blocks
 
 
+@pytest.mark.parametrize("track", [False, True], ids=["untracked", "tracked"])
 @pytest.mark.parametrize("keys", ["text", "mm"])
-def test_apply_stored_then_removed_extra_keys(benchmark, keys):
+def test_apply_stored_then_removed_extra_keys(benchmark, keys, track):
     batches = [decode_batch(p) for p in make_payloads(16, keys=keys)]
     removes = [
         KVEventBatch(
@@ -122,7 +125,7 @@ def test_apply_stored_then_removed_extra_keys(benchmark, keys):
     ]
 
     def run():
-        idx = RemoteKVIndex()
+        idx = RemoteKVIndex(track_identifiers=track)
         for b in batches:
             idx.apply(b)
         for b in removes:

@@ -60,9 +60,16 @@ class RemoteKVIndex:
     Implements `mmreuse.kvview.KVView` (`match_prefix`, on the GPU medium).
     """
 
-    def __init__(self, instance: str = "default", *, max_media: int = 8) -> None:
+    def __init__(
+        self, instance: str = "default", *, max_media: int = 8, track_identifiers: bool = False
+    ) -> None:
         self.instance = check_str("instance", instance, nonempty=True)
         self.max_media = check_int("max_media", max_media, 1)
+        if not isinstance(track_identifiers, bool):
+            fail_type("track_identifiers", "a bool", track_identifiers)
+        # Opt-in: following identifiers costs about 0.5-1 us per block that carries one
+        # (benchmarks/test_bench_events.py), for a query no caller makes yet (issue 31).
+        self.track_identifiers = track_identifiers
         self._media: dict[str, HashTable] = {}
         # Per medium: event id -> the identifiers that held hash carries (only hashes that
         # carry any), and identifier -> how many held hashes carry it (never 0: deleted).
@@ -96,14 +103,14 @@ class RemoteKVIndex:
             for e in events:
                 if isinstance(e, BlockStored):
                     self._table(e.medium).add(e.block_hashes, 1)
-                    if e.block_hashes:
+                    if e.block_hashes and self.track_identifiers:
                         self._store_identifiers(e)
                 elif isinstance(e, BlockRemoved):
                     key = MEDIUM_GPU if e.medium is None else e.medium
                     table = self._media.get(key)
                     if table is not None:
                         gone = table.add(e.block_hashes, -1)  # hashes no block holds now
-                        if gone:
+                        if gone and self.track_identifiers:
                             carried = self._carried.get(key)
                             if carried:
                                 self._release_identifiers(key, carried, table, e, gone)
@@ -411,6 +418,8 @@ class RemoteKVIndex:
         check_str("medium", medium)
         if len(identifier) > MAX_IDENT_CHARS:
             return True
+        if not self.track_identifiers:
+            return True
         with self._lock:
             if medium in self._ids_unknown:
                 return True
@@ -422,6 +431,8 @@ class RemoteKVIndex:
         no extra keys yet), a BlockStored without `extra_keys` (vLLM < 0.17, offloading media)
         or with malformed ones, until the next `clear` or AllBlocksCleared."""
         check_str("medium", medium)
+        if not self.track_identifiers:
+            return False
         with self._lock:
             return medium not in self._ids_unknown
 

@@ -59,7 +59,7 @@ def mm(*idents):
 
 
 def test_stored_then_removed():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     assert idx.identifiers_known() and not idx.may_hold("a")
     apply(idx, stored([1, 2, 3], [None, mm("a"), mm("a", "b")]))
     assert idx.may_hold("a") and idx.may_hold("b") and not idx.may_hold("c")
@@ -73,7 +73,7 @@ def test_stored_then_removed():
 
 
 def test_several_offsets_count_once_per_block():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([7], [(("a", -30), ("b", -2), ("a", 4))]))
     assert idx.identifiers() == {"a": 1, "b": 1}
     apply(idx, removed([7]))
@@ -81,7 +81,7 @@ def test_several_offsets_count_once_per_block():
 
 
 def test_lora_salt_and_embeds_digest_are_not_identifiers():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([1, 2], [("adapter-1", ("a", 0), "salt-3"), ("salt", bytes(32))]))
     assert idx.identifiers() == {"a": 1}
     assert not idx.may_hold("adapter-1") and not idx.may_hold("salt-3")
@@ -89,7 +89,7 @@ def test_lora_salt_and_embeds_digest_are_not_identifiers():
 
 
 def test_hash_stored_twice_stays_until_its_last_removal():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([5], [mm("a")]), stored([5], [mm("a")]))
     assert idx.counts() == {5: 2} and idx.identifiers() == {"a": 1}
     apply(idx, removed([5]))
@@ -101,7 +101,7 @@ def test_hash_stored_twice_stays_until_its_last_removal():
 
 
 def test_duplicate_hashes_in_one_event():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([5, 5], [mm("a"), None]))
     apply(idx, removed([5]))
     assert idx.may_hold("a")  # a block still holds hash 5
@@ -110,7 +110,7 @@ def test_duplicate_hashes_in_one_event():
 
 
 def test_hash_carries_the_union_of_its_stores():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([5], [None]), stored([5], [mm("a")]), stored([5], [mm("b")]))
     assert idx.identifiers() == {"a": 1, "b": 1}
     apply(idx, removed([5, 5]))
@@ -120,7 +120,7 @@ def test_hash_carries_the_union_of_its_stores():
 
 
 def test_bytes_hashes_and_int_ids_are_one_block():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     digest = bytes(24) + (9).to_bytes(8, "big")
     apply(idx, stored([digest], [mm("a")]))
     apply(idx, removed([9]))
@@ -128,7 +128,7 @@ def test_bytes_hashes_and_int_ids_are_one_block():
 
 
 def test_media_are_separate():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([1], [mm("a")], medium="CPU"), stored([1], [mm("b")], medium=None))
     assert idx.may_hold("a", "CPU") and not idx.may_hold("a")
     assert idx.may_hold("b", MEDIUM_GPU) and not idx.may_hold("b", "CPU")
@@ -137,7 +137,7 @@ def test_media_are_separate():
 
 
 def test_all_blocks_cleared_and_clear():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([1], [mm("a")]), stored([2], None, medium="CPU"))
     assert not idx.identifiers_known("CPU")
     apply(idx, AllBlocksCleared(), stored([3], [mm("b")]))
@@ -148,7 +148,7 @@ def test_all_blocks_cleared_and_clear():
 
 
 def test_stored_without_extra_keys_makes_identifiers_unknown():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([1], [mm("a")]), stored([2, 3]))  # vLLM < 0.17: no extra_keys
     assert not idx.identifiers_known()
     assert idx.may_hold("a") and idx.may_hold("never-seen")
@@ -161,13 +161,13 @@ def test_stored_without_extra_keys_makes_identifiers_unknown():
 
 
 def test_empty_store_changes_nothing():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([], None))
     assert idx.identifiers_known()
 
 
 def test_load_cannot_know_identifiers():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([1], [mm("a")]))
     idx.load([4, 5], [1, 2])
     assert not idx.identifiers_known() and idx.may_hold("zzz")
@@ -181,7 +181,7 @@ def test_load_cannot_know_identifiers():
 
 
 def test_may_hold_arguments():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     with pytest.raises(InvalidArgumentType):
         idx.may_hold(b"a")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentType):
@@ -190,7 +190,7 @@ def test_may_hold_arguments():
 
 
 def test_long_identifier_is_skipped_and_counted():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     long = "x" * (MAX_IDENT_CHARS + 1)
     apply(idx, stored([1, 2], [((long, 0), ("a", 3)), ((long, 0),)]))
     assert idx.identifiers() == {"a": 1} and idx.identifiers_known()
@@ -222,7 +222,7 @@ JUNK = {
 
 @pytest.mark.parametrize("keys", list(JUNK.values()), ids=list(JUNK))
 def test_junk_extra_keys_never_raise_and_make_identifiers_unknown(keys):
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     apply(idx, stored([100], [mm("before")]))
     assert apply(idx, stored([1, 2], keys)) == 1
     assert idx.counts() == {100: 1, 1: 1, 2: 1}  # the hashes are followed as ever
@@ -238,7 +238,7 @@ def test_junk_extra_keys_never_raise_and_make_identifiers_unknown(keys):
 
 def test_junk_through_the_wire_never_raises():
     """What the decoder lets through (it refuses some shapes whole: MalformedBatch)."""
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     passed = 0
     for keys in JUNK.values():
         payload = encode_batch(KVEventBatch(ts=0.0, events=[stored([1, 2], keys)]))
@@ -274,7 +274,7 @@ IDENTS = st.sampled_from(["a", "b", "c", "d"])
 def test_may_hold_matches_a_brute_force_model(carries, ops, data):
     """vLLM's rule: a hash names its extra keys, so a block hash carries a fixed set of
     identifiers; `may_hold(x)` is whether some held hash carries x."""
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     held: dict[int, int] = {}
     for op, hashes, salted in ops:
         if op == "store":
@@ -345,7 +345,7 @@ def _model_apply(model, batch):
 def test_vllm_encoded_events_match_the_model():
     """Batches encoded by vLLM 0.33.0's own structs (mm pairs, LoRA names, salts, both hash
     modes, CPU and GPU media), applied in order to one index."""
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     model: dict = {}
     seen: set[str] = set()
     mm_blocks = 0
@@ -378,7 +378,7 @@ def test_vllm_encoded_mm_blocks_are_followed_then_removed():
             idents = {k[0] for entry in e.extra_keys for k in entry or () if isinstance(k, list)}
             if not idents:
                 continue
-            idx = RemoteKVIndex()
+            idx = RemoteKVIndex(track_identifiers=True)
             idx.apply(KVEventBatch(ts=0.0, events=[e]))
             medium = e.medium or MEDIUM_GPU
             assert idx.identifiers_known(medium)
@@ -390,7 +390,7 @@ def test_vllm_encoded_mm_blocks_are_followed_then_removed():
 
 
 def test_a_hash_named_with_ever_new_identifiers_is_bounded():
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     for i in range(MAX_EXTRA_KEYS_PER_BLOCK):
         apply(idx, stored([1], [mm(f"id-{i}")]))
     assert idx.identifiers_known() and len(idx.identifiers()) == MAX_EXTRA_KEYS_PER_BLOCK
@@ -401,7 +401,7 @@ def test_a_hash_named_with_ever_new_identifiers_is_bounded():
 
 def test_an_item_over_many_blocks_then_another():
     """vLLM's usual shape: one (identifier, offset) per block, an item over several blocks."""
-    idx = RemoteKVIndex()
+    idx = RemoteKVIndex(track_identifiers=True)
     keys = [(["a", -16 * i],) for i in range(4)] + [None] + [(["b", 3 - 16 * i],) for i in range(3)]
     apply(idx, stored(range(10, 18), keys))
     assert idx.identifiers() == {"a": 4, "b": 3}
@@ -409,3 +409,10 @@ def test_an_item_over_many_blocks_then_another():
     assert idx.identifiers() == {"a": 1, "b": 2}
     apply(idx, removed([13, 14, 16, 17]))
     assert idx.identifiers() == {}
+
+
+def test_identifiers_are_not_followed_unless_asked():
+    idx = RemoteKVIndex()
+    assert not idx.identifiers_known() and idx.may_hold("anything")
+    with pytest.raises(TypeError, match="track_identifiers"):
+        RemoteKVIndex(track_identifiers="yes")  # type: ignore[arg-type]
