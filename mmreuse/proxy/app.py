@@ -678,30 +678,23 @@ class Proxy:
         )
         await out.prepare(request)
         first = True
-        if held:
-            self.metrics.stage["decode"].observe(time.perf_counter() - td)
-            first = False
-            try:
-                await out.write(held)
-            except (ConnectionError, RuntimeError) as e:  # the client went away: not decode's
-                logger.info("client left mid-stream: %s", e)
-                out.mmreuse_outcome = "client_gone"  # type: ignore[attr-defined]
-                return out
+        chunk = held  # what `_hold` read goes out first, as one chunk
         while True:
-            try:
-                chunk = await resp.content.readany()
-            except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
-                # The status line is out: the one honest signal left is a broken stream (no
-                # terminating chunk), never a second response.
-                logger.error("decode stream broke after it started: %s", e)
-                self.metrics.errors.labels("decode").inc()
-                out.force_close()
-                if request.transport is not None:
-                    request.transport.close()
-                out.mmreuse_outcome = "stream_broken"  # type: ignore[attr-defined]
-                return out
             if not chunk:
-                break
+                try:
+                    chunk = await resp.content.readany()
+                except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
+                    # The status line is out: the one honest signal left is a broken stream
+                    # (no terminating chunk), never a second response.
+                    logger.error("decode stream broke after it started: %s", e)
+                    self.metrics.errors.labels("decode").inc()
+                    out.force_close()
+                    if request.transport is not None:
+                        request.transport.close()
+                    out.mmreuse_outcome = "stream_broken"  # type: ignore[attr-defined]
+                    return out
+                if not chunk:
+                    break
             if first:
                 self.metrics.stage["decode"].observe(time.perf_counter() - td)
                 first = False
@@ -711,6 +704,7 @@ class Proxy:
                 logger.info("client left mid-stream: %s", e)
                 out.mmreuse_outcome = "client_gone"  # type: ignore[attr-defined]
                 return out
+            chunk = b""
         try:
             await out.write_eof()
         except (ConnectionError, RuntimeError):
