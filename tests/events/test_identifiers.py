@@ -27,22 +27,14 @@ from mmreuse.events.index import (
     SKIP_SNAPSHOT,
 )
 from mmreuse.events.wire import MEDIUM_GPU
+from tests.support.kv_publisher import stored as stored_event
 from tests.support.paths import KV_EVENT_FIXTURES
 
 FIXTURES = json.loads(KV_EVENT_FIXTURES.read_text())
 
 
 def stored(hashes, keys=None, medium="GPU"):
-    return BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=None,
-        token_ids=[],
-        block_size=16,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-        extra_keys=keys,
-    )
+    return stored_event(hashes, medium, extra_keys=keys)
 
 
 def removed(hashes, medium="GPU"):
