@@ -12,9 +12,10 @@ order, naming the query's `id`:
 - `StatsQuery {id, check_index}` -> `DemandStats` (P's counters; with `check_index`, the
   residency index compared with vLLM's prefix cache, block by block).
 - `SnapshotQuery {id, offset}` -> `KVSnapshot` or `DemandError`: P's prefix cache (group 0,
-  GPU) as KV-event block ids with their block counts, as of its KV-event batch `stamp` (every
-  batch before it applied, none from it on), in chunks of at most MAX_SNAPSHOT_BLOCKS from
-  `offset`; one snapshot is taken per `id` (offset 0) and kept for its later chunks.
+  GPU) as KV-event block ids with their block counts (and, where P follows them, the mm
+  identifiers the blocks carry), as of its KV-event batch `stamp` (every batch before it
+  applied, none from it on), in chunks of at most MAX_SNAPSHOT_BLOCKS from `offset`; one
+  snapshot is taken per `id` (offset 0) and kept for its later chunks.
 - `ECSnapshotQuery {id, offset}` -> `ECSnapshot` or `DemandError`: the same for P's encoder
   cache (`EventfulEncoderCacheManager`), stamped with its encoder-cache-event batch.
 
@@ -230,6 +231,19 @@ class SnapshotQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     offset: _Count = 0
 
 
+# One KVSnapshot chunk's identifiers: a table of distinct identifiers (MAX_SNAPSHOT_IDENT_BYTES
+# in all) and, per block that carries any, indices into it (MAX_SNAPSHOT_IDENT_REFS
+# in all, at most MAX_SNAPSHOT_IDENTS_PER_BLOCK a block: ~3.5 MB with their block indices).
+# P ends a chunk early to stay within them; with the ids and counts a chunk stays under
+# MAX_ANSWER_BYTES.
+MAX_SNAPSHOT_IDENTS = 4096
+MAX_SNAPSHOT_IDENT_REFS = 2 * MAX_SNAPSHOT_BLOCKS
+MAX_SNAPSHOT_IDENTS_PER_BLOCK = 256  # events.index.MAX_EXTRA_KEYS_PER_BLOCK
+MAX_SNAPSHOT_IDENT_BYTES = 4 << 20  # the table's UTF-8 bytes (an identifier: up to 4 a char)
+_BlockIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SNAPSHOT_BLOCKS)]
+_IdentIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SNAPSHOT_IDENTS)]
+
+
 class KVSnapshot(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """One chunk of P's prefix cache (group 0, the GPU medium) as of KV-event batch `stamp`.
 
@@ -238,6 +252,14 @@ class KVSnapshot(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     block hash's 64-bit event id and `counts[i]` how many of P's blocks hold it (a hash two
     blocks hold gets two BlockRemoved). `incarnation` names P's process (another one: another
     snapshot, never mixed); `blocks` is P's KV cache size, the bound on `total`.
+
+    The mm identifiers the blocks carry (what BlockStored's `extra_keys` named), so that a view
+    bootstrapped from the snapshot knows them as one that applied every batch from 0 does:
+    `identifiers_followed` says P followed them (the same in every chunk; False, and nothing
+    below, from a P that did not, or an older one: the view's identifiers stay unknown);
+    `identifiers` is this chunk's table of them and `carried` lists, for each of this chunk's
+    blocks that carries any (by its index in `block_ids`, ascending), the indices of its
+    identifiers in the table. A block not listed carries none.
     """
 
     id: _Id
@@ -249,6 +271,20 @@ class KVSnapshot(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     block_ids: Annotated[list[_EventId], msgspec.Meta(max_length=MAX_SNAPSHOT_BLOCKS)] = []
     counts: Annotated[
         list[Annotated[int, msgspec.Meta(ge=1, le=2**31)]],
+        msgspec.Meta(max_length=MAX_SNAPSHOT_BLOCKS),
+    ] = []
+    identifiers_followed: bool = False
+    identifiers: Annotated[list[_Ident], msgspec.Meta(max_length=MAX_SNAPSHOT_IDENTS)] = []
+    carried: Annotated[
+        list[
+            tuple[
+                _BlockIndex,
+                Annotated[
+                    list[_IdentIndex],
+                    msgspec.Meta(min_length=1, max_length=MAX_SNAPSHOT_IDENTS_PER_BLOCK),
+                ],
+            ]
+        ],
         msgspec.Meta(max_length=MAX_SNAPSHOT_BLOCKS),
     ] = []
 
@@ -499,11 +535,44 @@ def _check_snapshot(chunk: KVSnapshot) -> None:
         )
     if n == 0 and chunk.offset < chunk.total:
         raise MalformedAnswer(f"snapshot chunk at {chunk.offset} of {chunk.total} is empty")
+    if chunk.identifiers_followed or chunk.identifiers or chunk.carried:
+        _check_snapshot_identifiers(chunk)
+
+
+def _check_snapshot_identifiers(chunk: KVSnapshot) -> None:
+    """A chunk's identifiers: a table of distinct identifiers, each block listed once (in
+    ascending order) and naming table entries, each once, MAX_SNAPSHOT_IDENT_REFS in all."""
+    if not chunk.identifiers_followed:
+        raise MalformedAnswer("snapshot carries identifiers but says it did not follow them")
+    table = chunk.identifiers
+    if len(set(table)) != len(table):
+        raise MalformedAnswer("snapshot identifiers repeat an identifier")
+    n, k = len(chunk.block_ids), len(table)
+    last, refs = -1, 0
+    for j, (block, idents) in enumerate(chunk.carried):
+        if not last < block < n:
+            raise MalformedAnswer(
+                f"snapshot carried[{j}] names block {block}: not after {last} and below {n}"
+            )
+        last = block
+        refs += len(idents)
+        if refs > MAX_SNAPSHOT_IDENT_REFS:
+            raise MalformedAnswer(
+                f"snapshot carried names more than {MAX_SNAPSHOT_IDENT_REFS} identifiers in all"
+            )
+        if max(idents) >= k or len(set(idents)) != len(idents):
+            raise MalformedAnswer(
+                f"snapshot carried[{j}] = {idents[:8]}: indices must be distinct and below {k}"
+            )
 
 
 __all__ = [
     "MAX_SNAPSHOT_BLOCKS",
     "MAX_SNAPSHOT_ENTRIES",
+    "MAX_SNAPSHOT_IDENTS",
+    "MAX_SNAPSHOT_IDENTS_PER_BLOCK",
+    "MAX_SNAPSHOT_IDENT_BYTES",
+    "MAX_SNAPSHOT_IDENT_REFS",
     "AdmissionRecord",
     "AdmissionRecords",
     "Answer",

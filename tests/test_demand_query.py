@@ -242,3 +242,98 @@ def test_query_for_a_rendered_request():
     assert q.lora_name == "sql-lora"  # P resolves the adapter's path from those it served
     assert q.items == [QueryItem("img-a", 2, 3, "video", [True, False, True])]
     assert decode_query(encode(q)) == q  # a well-formed query
+
+
+# ---- KVSnapshot's identifiers ------------------------------------------------------------------
+
+
+def _kv(**kw):
+    from mmreuse.demand_query import KVSnapshot
+
+    base = dict(id="s", stamp=3, incarnation="inc", total=3, offset=0, blocks=10,
+                block_ids=[7, 8, 9], counts=[1, 2, 1])  # fmt: skip
+    base.update(kw)
+    return KVSnapshot(**base)
+
+
+def test_a_snapshot_without_identifiers_is_the_old_format():
+    """An older P's chunk (no identifier fields) decodes as not followed; a new P's chunk that
+    follows none sends the old bytes plus one flag."""
+    from mmreuse.demand_query import KVSnapshot
+
+    class OldKVSnapshot(msgspec.Struct, tag="KVSnapshot", omit_defaults=True):
+        id: str
+        stamp: int
+        incarnation: str
+        total: int
+        offset: int
+        blocks: int
+        block_ids: list[int] = []
+        counts: list[int] = []
+
+    old = msgspec.msgpack.encode(OldKVSnapshot("s", 3, "inc", 3, 0, 10, [7, 8, 9], [1, 2, 1]))
+    got = decode_answer(old)
+    assert isinstance(got, KVSnapshot) and not got.identifiers_followed
+    assert got.identifiers == [] and got.carried == [] and got.block_ids == [7, 8, 9]
+    assert encode(_kv()) == old  # not followed: the old format, byte for byte
+
+
+def test_a_snapshot_with_identifiers_round_trips():
+    chunk = _kv(identifiers_followed=True, identifiers=["img-a", "img-b"],
+                carried=[(0, [0]), (2, [1, 0])])  # fmt: skip
+    got = decode_answer(encode(chunk))
+    assert got == chunk and got.carried == [(0, [0]), (2, [1, 0])]
+    followed_none = decode_answer(encode(_kv(identifiers_followed=True)))
+    assert followed_none.identifiers_followed and followed_none.carried == []
+
+
+BAD_IDENTIFIERS = [
+    ("carried, not followed", dict(identifiers=["a"], carried=[(0, [0])]), "did not follow"),
+    ("a table, not followed", dict(identifiers=["a"]), "did not follow"),
+    ("block past the chunk", dict(carried=[(3, [0])]), "below 3"),
+    ("blocks out of order", dict(carried=[(1, [0]), (0, [0])]), "not after 1"),
+    ("a block twice", dict(carried=[(1, [0]), (1, [0])]), "not after 1"),
+    ("index past the table", dict(carried=[(0, [1])]), "below 1"),
+    ("an index twice", dict(identifiers=["a", "b"], carried=[(0, [1, 1])]), "distinct"),
+    ("a table repeating", dict(identifiers=["a", "a"]), "repeat"),
+    ("no identifiers for a block", dict(carried=[(0, [])]), "length"),
+    ("a negative index", dict(carried=[(0, [-1])]), ">= 0"),
+    ("an empty identifier", dict(identifiers=[""]), "length"),
+    ("an identifier too long", dict(identifiers=["x" * (MAX_IDENT_CHARS + 1)]), "length"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, fields, match", BAD_IDENTIFIERS, ids=[b[0] for b in BAD_IDENTIFIERS]
+)
+def test_a_snapshot_with_malformed_identifiers_is_refused(name, fields, match):
+    fields = {"identifiers_followed": "not followed" not in name, "identifiers": ["a"], **fields}
+    payload = msgspec.msgpack.encode(_kv(**fields))  # the Struct does not check on build
+    with pytest.raises(MalformedAnswer, match=match):
+        decode_answer(payload)
+
+
+def test_a_snapshot_bounds_its_identifiers(monkeypatch):
+    from mmreuse import demand_query as dq
+
+    too_many = _kv(identifiers_followed=True, identifiers=[f"i{n}" for n in range(4097)])
+    with pytest.raises(MalformedAnswer, match="length"):
+        decode_answer(msgspec.msgpack.encode(too_many))
+    refs = _kv(identifiers_followed=True, identifiers=["a", "b"],
+               carried=[(0, [0, 1]), (1, [0, 1])])  # fmt: skip
+    assert decode_answer(encode(refs)) == refs
+    monkeypatch.setattr(dq, "MAX_SNAPSHOT_IDENT_REFS", 3)  # past it in all, not per block
+    with pytest.raises(MalformedAnswer, match="more than 3 identifiers in all"):
+        decode_answer(encode(refs))
+    per_block = dq.MAX_SNAPSHOT_IDENTS_PER_BLOCK
+    wide = _kv(identifiers_followed=True, identifiers=[f"i{n}" for n in range(per_block + 1)],
+               carried=[(0, list(range(per_block + 1)))])  # fmt: skip
+    with pytest.raises(MalformedAnswer, match="length"):
+        decode_answer(msgspec.msgpack.encode(wide))
+
+
+def test_the_snapshot_bound_per_block_is_the_index_s():
+    from mmreuse.demand_query import MAX_SNAPSHOT_IDENTS_PER_BLOCK
+    from mmreuse.events.index import MAX_EXTRA_KEYS_PER_BLOCK
+
+    assert MAX_SNAPSHOT_IDENTS_PER_BLOCK == MAX_EXTRA_KEYS_PER_BLOCK
