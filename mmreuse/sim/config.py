@@ -22,11 +22,12 @@ from ..decision import POLICIES
 from ..errors import InvalidArgument, InvalidArgumentType
 from ..validate import check_bool, check_float, check_int, check_str, fail_type, fail_value, show
 
-WORKLOADS = ("chat", "fanout", "agentic", "trace")
+WORKLOADS = ("chat", "fanout", "agentic", "servegen-photos", "trace")
 ROUTINGS = ("affine", "random")
 IMAGE_TOKENS = ("fixed576", "qwen2vl")  # and "fixed:N" (`parse_image_tokens`)
 MAX_FIXED_IMAGE_TOKENS = 1 << 20  # "fixed:N": far past any model's image, and a bounded int
 MAX_MEAN_TURNS = 500.0
+SERVEGEN_HOURS = 24  # ServeGen's day (mmreuse.sim.servegen.HOURS)
 
 
 def _field(obj: Any, name: str) -> str:
@@ -156,7 +157,8 @@ class WorkloadConfig:
     """The request stream (`mmreuse.sim.workload.generate`). `image_tokens`, the tokens of each
     generated image: "fixed576" (576), "fixed:N" (N, an int in [1, MAX_FIXED_IMAGE_TOKENS]
     written in plain decimal: "fixed:16" fits the CPU cluster's tiny model), or "qwen2vl" (a
-    random resolution per image, 64..2304 tokens). A trace's images carry their own counts."""
+    random resolution per image, 64..2304 tokens). A trace's images carry their own counts,
+    and so do servegen-photos' (ServeGen's image tokens, `mmreuse.sim.workload`)."""
 
     kind: str = "chat"
     requests: int = 2000  # turns in total
@@ -169,6 +171,14 @@ class WorkloadConfig:
     think_time_s: float = 8.0  # mean, exponential
     fanout_pool: int = 50  # fanout: distinct images, Zipf-popular
     trace_path: str | None = None
+    # servegen-photos (mmreuse.sim.workload): request shapes and arrivals from this entry of
+    # the ServeGen table, its arrival process starting at this hour of ServeGen's day
+    servegen_client: str = "all"
+    servegen_hour: int = 0
+    # servegen-photos: caps for a small server (0: none); a draw above one is clipped to it
+    max_images: int = 0  # per request
+    max_text_tokens: int = 0  # per user turn
+    max_output_tokens: int = 0  # per assistant turn
 
     def __post_init__(self) -> None:
         _check_choice(self, "kind", WORKLOADS, f"one of {WORKLOADS}")
@@ -190,6 +200,19 @@ class WorkloadConfig:
                 )
         if self.kind == "trace" and not self.trace_path:
             raise InvalidArgument("WorkloadConfig.trace_path is required with kind='trace'")
+        check_str(_field(self, "servegen_client"), self.servegen_client, nonempty=True)
+        _check_ints(self, "max_images", "max_text_tokens", "max_output_tokens", lo=0)
+        object.__setattr__(
+            self,
+            "servegen_hour",
+            check_int(_field(self, "servegen_hour"), self.servegen_hour, 0, SERVEGEN_HOURS - 1),
+        )
+        if self.kind == "servegen-photos":
+            from .servegen import shipped_table
+
+            names = shipped_table().names
+            if self.servegen_client not in names:
+                fail_value(_field(self, "servegen_client"), f"one of {names}", self.servegen_client)
 
     @property
     def fixed_image_tokens(self) -> int | None:

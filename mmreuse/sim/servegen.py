@@ -13,7 +13,8 @@ docs/simulator.md says how to regenerate it.
 The sampler draws each field independently from its marginal (the data holds no joint law),
 token counts by linear interpolation of the quantile table, rounded; arrivals per hour as a
 Gamma renewal process with the hour's rate and CV, restarted at each hour (as ServeGen's own
-generator does per window), the day repeating. Nothing here is wired into the simulator yet.
+generator does per window), the day repeating. The simulator's `servegen-photos` workload
+(`mmreuse.sim.workload`) draws its sessions from it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 from importlib import resources
 from typing import Any
 
@@ -41,6 +43,7 @@ __all__ = [
     "load_table",
     "parse_table",
     "sample_requests",
+    "shipped_table",
 ]
 
 FORMAT = "mmreuse.servegen/1"
@@ -297,6 +300,13 @@ def load_table() -> ServeGenTable:
     """The table shipped in the package (mmreuse/sim/data/servegen_mm_image.json), checked."""
     text = resources.files("mmreuse.sim").joinpath("data").joinpath(TABLE_NAME).read_text("utf-8")
     return parse_table(json.loads(text))
+
+
+@cache
+def shipped_table() -> ServeGenTable:
+    """`load_table()`, read and checked once per process: the shipped file does not change, and
+    every servegen-photos WorkloadConfig and stream asks for it."""
+    return load_table()
 
 
 # --- sampling ----------------------------------------------------------------------------------

@@ -1,5 +1,16 @@
 """Request streams for the simulator: multi-turn chat, shared-image fan-out, agentic screenshots,
-and replay of a JSONL trace. Every turn resends the whole conversation history (as chat APIs do).
+follow-up questions about photos with ServeGen's request shapes (`servegen-photos`), and replay
+of a JSONL trace. Every turn resends the whole conversation history (as chat APIs do).
+
+`servegen-photos` (`servegen_photos`): each session opens with one ServeGen request (its images,
+each with ServeGen's image tokens, its text and output tokens: `mmreuse.sim.servegen`, the
+table's `servegen_client` entry), then asks follow-up questions about the same images: text
+only, text and output tokens again ServeGen's; 1 + Poisson(mean_turns - 1) turns. Sessions
+arrive by ServeGen's arrival process (the hour's inter-arrival CV, the day's hourly profile from
+`servegen_hour` on), scaled so that the starting hour's rate is `sessions_per_s`; follow-ups
+come an exponential think time (mean `think_time_s`) after the previous turn. `max_images`,
+`max_text_tokens` and `max_output_tokens` clip draws for a small server (0: no cap); a turn has
+at least one text token.
 
 Trace schema (JSONL, one turn per line, turns of a session in arrival order):
     {"session": "s1", "arrival_s": 0.0, "text_tokens": 120,
@@ -35,6 +46,7 @@ from ..occurrence import MMOccurrence
 from ..validate import check_float, check_int, check_str, fail_type, fail_value, show
 from .config import WorkloadConfig
 from .memory import Budget, fmt_bytes
+from .servegen import ServeGenRequest, sample_requests, shipped_table
 
 IMAGE_TOKEN = 151655
 VOCAB = 150000
@@ -134,6 +146,8 @@ def generate(cfg: WorkloadConfig, seed: int, budget: Budget | None = None) -> li
     allows (`mmreuse.sim.memory.check`) is refused while it is read."""
     if cfg.kind == "trace":
         return _from_trace(cfg, budget)
+    if cfg.kind == "servegen-photos":
+        return servegen_photos(cfg, seed, budget)
     rng = random.Random(f"{seed}-{cfg.kind}")
     fixed = cfg.fixed_image_tokens
     out: list[tuple[float, int, Session, int, int, int]] = []
@@ -184,6 +198,79 @@ def generate(cfg: WorkloadConfig, seed: int, budget: Budget | None = None) -> li
             t += rng.expovariate(1.0 / cfg.think_time_s) * 1000.0
         total += turns
         sid += 1
+    out.sort(key=lambda x: (x[0], x[1], x[3]))
+    return [
+        SimRequest(i, s, turn, t, n, k)
+        for i, (t, _, s, turn, n, k) in enumerate(out[: cfg.requests])
+    ]
+
+
+def _cap(value: int, cap: int) -> int:
+    """`value` clipped to `cap` (0: no cap)."""
+    return min(value, cap) if cap else value
+
+
+def servegen_rate_scale(cfg: WorkloadConfig) -> float:
+    """What multiplies ServeGen's hourly rates so that `cfg.servegen_hour`'s is
+    `cfg.sessions_per_s` (the day's mean where that hour has no arrivals)."""
+    dist = shipped_table().client(cfg.servegen_client)
+    base = dist.hourly_rate[cfg.servegen_hour] or dist.mean_rate
+    return cfg.sessions_per_s / base
+
+
+def servegen_photos(
+    cfg: WorkloadConfig, seed: int, budget: Budget | None = None
+) -> list[SimRequest]:
+    """The `servegen-photos` stream (the module docstring): exactly cfg.requests requests,
+    sorted by arrival, the same for the same (cfg, seed). Image ids are unique per session
+    (`sha256("servegen-photos/<seed>/<session>/<k>")`), so every session's first turn brings
+    new images and its follow-ups reuse them. A stream that needs more memory than `budget`
+    allows is refused (InvalidArgument on `WorkloadConfig.requests`) as it is drawn."""
+    if cfg.kind != "servegen-photos":
+        fail_value("WorkloadConfig.kind", "'servegen-photos'", cfg.kind)
+    seed = check_int("seed", seed, 0)
+    dist = shipped_table().client(cfg.servegen_client)
+    rng = random.Random(f"{seed}-{cfg.kind}")
+    turns: list[int] = []
+    while sum(turns) < cfg.requests:
+        turns.append(1 + _poisson(rng, cfg.mean_turns - 1))
+    scale = servegen_rate_scale(cfg)
+    # the sessions' openings (arrivals and shapes), then the follow-ups' shapes (arrivals unused)
+    first = sample_requests(dist, len(turns), seed, start_hour=cfg.servegen_hour, rate_scale=scale)
+    follow = iter(sample_requests(dist, sum(turns) - len(turns), seed + 1, rate_scale=1.0))
+    out: list[tuple[float, int, Session, int, int, int]] = []
+    needed = 0.0
+    for sid, (n_turns, opening) in enumerate(zip(turns, first, strict=True)):
+        builder = _SessionBuilder(sid, rng)
+        session = builder.session
+        t = opening.arrival_s * 1000.0
+        for turn in range(n_turns):
+            shape: ServeGenRequest = opening if turn == 0 else next(follow)
+            text = max(1, _cap(shape.text_tokens, cfg.max_text_tokens))
+            builder.text(text)
+            images = []
+            if turn == 0:
+                tokens = shape.image_tokens[: cfg.max_images or None]
+                for k, n in enumerate(tokens):
+                    images.append(builder.image(_image_id(cfg.kind, seed, sid, k), n))
+            out.append((t, sid, session, turn, len(session.tokens), len(session.mm)))
+            output = _cap(shape.output_tokens, cfg.max_output_tokens)
+            builder.text(output)
+            session.turns.append(Turn(text, tuple(images), output))
+            if budget is not None:
+                needed += (
+                    budget.per_request
+                    + budget.per_token * (text + sum(n for _, n in images) + output)
+                    + budget.per_occurrence * len(images)
+                    + (budget.per_session if turn == 0 else 0)
+                )
+                if needed > budget.available:
+                    raise InvalidArgument(
+                        f"WorkloadConfig.requests: the stream's first {len(out)} requests need "
+                        f"about {fmt_bytes(needed)} of memory, more than the "
+                        f"{fmt_bytes(budget.available)} left for it, got {cfg.requests}"
+                    )
+            t += rng.expovariate(1.0 / cfg.think_time_s) * 1000.0
     out.sort(key=lambda x: (x[0], x[1], x[3]))
     return [
         SimRequest(i, s, turn, t, n, k)

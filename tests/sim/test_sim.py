@@ -421,9 +421,11 @@ def pinned_trace(tmp):
 PINNED = {
     # rule S (docs/demand-semantics.md §1.8) moved one occurrence from p_embedding to external;
     # the config's new cluster key e_reads_external_store (false) changed the bytes, not the
-    # rows (without the key the file hashes as before: af04f55a... and 8c2882e2...)
-    "chat": ("c7c7c9a0a571243271cdb384eac30cada7982cf57e3ff322f4aaec50dc8c8fe9", pinned_chat),
-    "fanout": ("b6e363a272903eba3d3da7c858b151e41b341c0466cfc6050d43c3a379634a93", pinned_fanout),
+    # rows (without the key the file hashes as before: af04f55a... and 8c2882e2...); so did the
+    # servegen-photos workload keys (servegen_client, servegen_hour, max_images,
+    # max_text_tokens, max_output_tokens: without them c7c7c9a0... and b6e363a2..., as before)
+    "chat": ("0ef301cdb1390589d7fa47ed492d4502fb0ef03750e940bcd416d4b978231d1c", pinned_chat),
+    "fanout": ("fa137e00e5d4c1925d5b2074fee9c58f8db139eb808386fdf7b40975055b0ce6", pinned_fanout),
     "trace-dup": ("3fb485411e578b149caf73fc6760b45f2ca4d3ca769d53ab792ea540cdde938e", pinned_trace),
 }
 
