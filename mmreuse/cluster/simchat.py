@@ -12,7 +12,14 @@ uuid (`<run>-<image id>`) come from the image id alone, so an image shared by se
 item to vLLM's caches, and the run's name keeps each run's caches cold (as `cache_salt` does for
 the prefix cache). The chat template's own tokens (roles, the default system prompt, vision
 markers) come on top of the simulator's counts: `text_tokens` and `image_tokens` are the
-simulator's."""
+simulator's.
+
+With `photos=True` every image is instead one of scikit-image's sample photographs
+(`mmreuse.cluster.photos`: JPEG or PNG bytes as shipped, chosen from the image id), under the
+same uuid: the image processor resizes it to its max pixels (16 tokens on the tiny model), so
+the simulator's token counts (ServeGen's, in `servegen-photos`) are not the prompt's, and the
+decode is a real photo's. With `answer_tokens=True` a request asks for its turn's answer
+(`output_tokens`, at least 1 and at most `max_tokens`) instead of `max_tokens`."""
 
 from __future__ import annotations
 
@@ -22,14 +29,14 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from typing import Any
 
 from ..errors import InvalidArgument
 from ..sim.workload import SimRequest, Turn
-from ..validate import check_int, check_str, fail_type, fail_value, show
+from ..validate import check_bool, check_int, check_str, fail_type, fail_value, show
 from .client import image_part
 from .model import model_files
 
@@ -161,19 +168,35 @@ def _check_request(i: int, r: Any, sizes: dict[str, int]) -> list[Turn]:
 
 
 def chat_requests(
-    requests: Sequence[SimRequest], run: str, *, model: str = "tiny", max_tokens: int = 1
+    requests: Sequence[SimRequest],
+    run: str,
+    *,
+    model: str = "tiny",
+    max_tokens: int = 1,
+    photos: bool = False,
+    answer_tokens: bool = False,
 ) -> list[ChatRequest]:
     """Each request of a simulator stream, in order, as a chat request of run `run` (its
-    `cache_salt`, and the prefix of its images' uuids); the module docstring says how."""
+    `cache_salt`, and the prefix of its images' uuids); the module docstring says how, and what
+    `photos` and `answer_tokens` change."""
     run = _check_run(run)
     model = check_str("model", model, nonempty=True)
     max_tokens = check_int("max_tokens", max_tokens, 1)
+    photos = check_bool("photos", photos)
+    answer_tokens = check_bool("answer_tokens", answer_tokens)
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
         fail_type("requests", "a sequence of SimRequest", requests)
     sizes: dict[str, int] = {}
     checked = [_check_request(i, r, sizes) for i, r in enumerate(requests)]
-    for ident, n in sizes.items():
-        image_size(ident, n)  # every image refused before any PNG is made
+    url: Callable[[str, int], str] = image_url
+    if photos:
+        from .photos import photo_for, photo_url
+
+        def url(ident: str, n: int) -> str:
+            return photo_url(photo_for(ident))
+    else:
+        for ident, n in sizes.items():
+            image_size(ident, n)  # every image refused before any PNG is made
     texts: dict[tuple[int, int, str, int], str] = {}  # a session's texts, for all its requests
 
     def turn_text(sid: int, turn: int, role: str, n: int) -> str:
@@ -200,7 +223,7 @@ def chat_requests(
                 content.append({"type": "text", "text": turn_text(sid, j, "user", t.text_tokens)})
             for ident, n in t.images:
                 uuid = f"{run}-{ident}"
-                content.append(image_part(image_url(ident, n), uuid))
+                content.append(image_part(url(ident, n), uuid))
                 uuids.append(uuid)
                 image_tokens += n
             messages.append({"role": "user", "content": content})
@@ -208,7 +231,9 @@ def chat_requests(
         body = {
             "model": model,
             "messages": messages,
-            "max_tokens": max_tokens,
+            "max_tokens": min(max_tokens, max(1, turns[-1].output_tokens))
+            if answer_tokens
+            else max_tokens,
             "temperature": 0,
             "return_token_ids": True,
             "cache_salt": run,

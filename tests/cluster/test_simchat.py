@@ -3,6 +3,7 @@ counts, image sizes, shared-image uuids, resent histories, refusals."""
 
 import base64
 import dataclasses
+import importlib.util
 import json
 import struct
 import zlib
@@ -304,3 +305,49 @@ def ends_of(session):
         out.append((length, images))
         length += t.output_tokens
     return out
+
+
+needs_skimage = pytest.mark.skipif(
+    importlib.util.find_spec("skimage") is None,
+    reason="scikit-image (the bench extra) is not installed",
+)
+
+
+@needs_skimage
+def test_servegen_photos_become_real_photographs_under_run_scoped_uuids():
+    """servegen-photos: ServeGen's image tokens are far past what the tiny model keeps, so
+    its images are sent as the shipped photographs (no size check), one photo per image id."""
+    from mmreuse.cluster.photos import PHOTOS, load_photos, photo_for
+
+    requests = generate(
+        WorkloadConfig(kind="servegen-photos", requests=60, mean_turns=3.0, max_images=4), 0
+    )
+    assert max(m.length for r in requests for m in r.mm) > 16  # the tiny model could not
+    out = chat_requests(requests, RUN, max_tokens=16, photos=True, answer_tokens=True)
+    shipped = load_photos()
+    seen = 0
+    for r, c in zip(requests, out, strict=True):
+        parts = [p for m in c.body["messages"] if m["role"] == "user" for p in m["content"]]
+        images = [p for p in parts if p["type"] == "image_url"]
+        assert [p["uuid"] for p in images] == [f"{RUN}-{m.identifier}" for m in r.mm]
+        for p, m in zip(images, r.mm, strict=True):
+            k = photo_for(m.identifier)
+            head, b64 = p["image_url"]["url"].split(",", 1)
+            assert head == f"data:{PHOTOS[k].mime};base64"
+            assert base64.b64decode(b64) == shipped[k]
+            seen += 1
+        own = r.session.turns[r.turn].output_tokens
+        assert c.body["max_tokens"] == min(16, max(1, own))
+        assert c.image_tokens == sum(m.length for m in r.mm)  # the simulator's counts
+    assert seen > 30
+    plain = chat_requests(stream("chat"), RUN, max_tokens=3)
+    assert {c.body["max_tokens"] for c in plain} == {3}
+    with pytest.raises(InvalidArgument, match=r"image .* tokens"):  # PNGs of that size: refused
+        chat_requests(requests, RUN)
+
+
+def test_photo_and_answer_flags_are_checked():
+    with pytest.raises(InvalidArgumentType, match=r"^photos"):
+        chat_requests(stream("chat", requests=3), RUN, photos=1)
+    with pytest.raises(InvalidArgumentType, match=r"^answer_tokens"):
+        chat_requests(stream("chat", requests=3), RUN, answer_tokens="yes")
