@@ -38,7 +38,7 @@ from ..integrations.plugin_config import DEMAND_ID_KEY  # P reads it from vllm_x
 from .config import PrefillInstance, ProxyConfig
 from .content import MediaFetcher, name_by_content
 from .demand import DemandClient
-from .encoder import EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
+from .encoder import EMPTY, EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
 from .media import (
     EMBEDS_PARTS,
@@ -135,6 +135,9 @@ class Proxy:
                 block_size=config.block_size,
                 metrics=self.metrics,
                 availability=self.availability,
+                # what the arrival-time split reads (index, demand)
+                track_identifiers=Policy(config.policy).renders
+                and not Policy(config.policy).e_at_once,
             )
             for i, instance in enumerate(config.instances)
         ]
@@ -325,6 +328,8 @@ class Proxy:
         encoded: EncodeResult | None = None  # E's answers, when already in (opportunistic)
         if cfg.policy is Policy.OPPORTUNISTIC and items:
             decision, encoded = await self._opportunistic(req, items, uuids, req_id)
+        elif items and self.planner.splits:
+            decision, encoded = await self._split(req, items, uuids, req_id)
         else:
             decision = await self.planner.decide(req, items, uuids)
         if decision.render_s:
@@ -500,6 +505,53 @@ class Proxy:
         if skipped:
             m.e_skipped.inc(skipped)
         return result
+
+    async def _split(
+        self, req: dict[str, Any], items: list[dict[str, Any]], uuids: list[str], req_id: str
+    ) -> tuple[Decision, EncodeResult | None]:
+        """Index / demand: the items held nowhere the chosen P could use go to E at arrival;
+        the render and the plan (or P's answer) for the others run while E works, and what
+        they add for E follows. None for the E result where the request was not split."""
+        m, planner = self.metrics, self.planner
+        ta = time.perf_counter()
+        arrival = await planner.arrival(req, items, uuids)
+        if arrival is None:
+            m.arrival_split("whole").inc()
+            return await planner.decide(req, items, uuids), None
+        early = self.encoders.start(req, items, arrival.now, req_id, uuids) if arrival.now else None
+        te = time.perf_counter()
+        m.stage["arrival"].observe(te - ta)
+        now = len(arrival.now) + len(arrival.dup_of)
+        m.arrival_items.labels("e_now").inc(now)
+        m.arrival_items.labels("waited").inc(len(arrival.rest))
+        m.arrival_split("none_new" if not now else "split" if arrival.rest else "all_new").inc()
+        try:
+            if arrival.rest:
+                decision = await planner.decide(req, items, uuids, arrival=arrival)
+            else:
+                decision = planner.at_arrival(req, uuids, arrival)
+            sent = set(arrival.now)
+            later = [i for i in decision.e_indices if i not in sent]
+            rest = await self.encoders.encode(req, items, later, req_id, uuids)
+            first = EMPTY if early is None else await early.finish()
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
+        result = EncodeResult(
+            {**first.item_meta, **rest.item_meta},
+            {**first.ec_params, **rest.ec_params},
+            first.subrequests + rest.subrequests,
+        )
+        if decision.e_indices:
+            m.stage["encode"].observe(time.perf_counter() - te)
+            m.e_subrequests.inc(result.subrequests)
+            m.e_sent.inc(len(decision.e_indices))
+            planner.record_e(decision)
+        skipped = len(items) - len(decision.e_indices)
+        if skipped:
+            m.e_skipped.inc(skipped)
+        return decision, result
 
     async def _opportunistic(
         self, req: dict[str, Any], items: list[dict[str, Any]], uuids: list[str], req_id: str

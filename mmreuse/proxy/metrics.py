@@ -16,7 +16,7 @@ _BUCKETS = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 
-STAGES = ("media", "render", "decide", "encode", "prefill", "decode", "total")
+STAGES = ("media", "arrival", "render", "decide", "encode", "prefill", "decode", "total")
 
 
 class ProxyMetrics:
@@ -53,7 +53,7 @@ class ProxyMetrics:
         )
         self.stage_seconds = Histogram(
             "mmreuse_proxy_stage_seconds",
-            "per-stage latency: media (--uuid-policy content: fetch and name), render, decide, encode, prefill, decode (to the first byte when "
+            "per-stage latency: media (--uuid-policy content: fetch and name), arrival (index / demand: the split before E gets its new items), render, decide, encode, prefill, decode (to the first byte when "
             "streaming), total",
             ["stage"],
             buckets=_BUCKETS,
@@ -167,6 +167,22 @@ class ProxyMetrics:
             "P's answer ruled them out); also counted as sent",
             registry=r,
         )
+        self.arrival_items = Counter(
+            "mmreuse_proxy_arrival_items_total",
+            "index / demand: media items at arrival, before any render: e_now (held nowhere the "
+            "chosen P could use: sent to E at once, or sharing one so sent), waited (waited for "
+            "the render and the plan, or P's answer)",
+            ["action"],
+            registry=r,
+        )
+        self.arrival_requests = Counter(
+            "mmreuse_proxy_arrival_requests_total",
+            "index / demand: requests with media by their split at arrival: all_new (every "
+            "item went to E at once; not rendered), split (some did), none_new (every item "
+            "waited), whole (not split: processor kwargs, or unplannable uuids / salt)",
+            ["split"],
+            registry=r,
+        )
         # Children bound once: a `.labels()` lookup per use costs more than the update.
         self.stage = {stage: self.stage_seconds.labels(stage) for stage in STAGES}
         self.e_sent = self.e_items.labels("sent")
@@ -184,6 +200,9 @@ class ProxyMetrics:
 
     def occurrence(self, klass: str) -> Any:
         return self._child(self.occurrences, klass)
+
+    def arrival_split(self, split: str) -> Any:
+        return self._child(self.arrival_requests, split)
 
     def opportunistic(self, outcome: str) -> Any:
         return self._child(self.opportunistic_outcomes, outcome)

@@ -11,6 +11,14 @@ query id travels to P in `vllm_xargs` so that P checks the answer's proof at adm
 `opportunistic` makes the same decision while E already encodes everything (the app abandons
 what the answer rules out). No usable answer: every item to E, as eager. `affine` routing picks
 the P/PD with the longest live prefix hit.
+
+Under `index` and `demand`, a request is first split at arrival (`Planner.arrival`), before any
+render: every item whose identifier the chosen P provably cannot use (no KV block of it carries
+the identifier, not in its encoder cache, not in the shared store) goes to E at once; only the
+others wait for the render and the plan (or P's answer), which run while E works, and a request
+with no such other item is not rendered at all. Under `affine` routing the P is chosen there,
+from the same identifier index. Acting early only on "held nowhere" keeps the safe direction:
+it can cost an encode, never a skip.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..availability import EmbeddingAvailability
@@ -84,6 +92,29 @@ class Decision:
     request_id: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """What is decided when a request arrives, before any render (`Planner.arrival`).
+
+    Attributes:
+        instance: the P (or PD) chosen (random, or from the identifier index under affine).
+        now: items E gets at once, one per identifier (request order): no place the chosen P
+            could use holds it.
+        dup_of: every other item of those identifiers -> the item sent (it shares its embedding).
+        rest: items that wait for the render and the plan (or P's answer).
+        external: what the shared store said it holds of the request (None: not asked, or no
+            answer), for the plan to reuse.
+        blind: split on a view that was not complete (it may miss what P holds).
+    """
+
+    instance: int
+    now: tuple[int, ...] = ()
+    dup_of: Mapping[int, int] = field(default_factory=dict)
+    rest: tuple[int, ...] = ()
+    external: frozenset[str] | None = None
+    blind: bool = False
+
+
 class Planner:
     """Makes each request's Decision from the config, the views, E-side availability and, under
     demand and opportunistic, each P's answer (`demand`: one DemandClient per instance; under
@@ -138,6 +169,116 @@ class Planner:
         inst = self.random_instance() if instance is None else instance
         return _decision(inst, dispatch_all(len(items)))
 
+    @property
+    def splits(self) -> bool:
+        """Whether requests are split at arrival (`arrival`): under the policies that hold a
+        request for a render (index, demand)."""
+        return self.policy.renders and not self.policy.e_at_once
+
+    async def arrival(
+        self,
+        request: Mapping[str, Any],
+        items: Sequence[Mapping[str, Any]],
+        uuids: Sequence[str],
+    ) -> Arrival | None:
+        """The arrival-time split (see the module's docstring), or None where the request takes
+        the whole path (no media; processor kwargs, which rehash identifiers so that they cannot
+        be known without P; uuids or a salt the proxy does not plan on). With a shared store,
+        it is asked about the request's identifiers first, unless no item could go to E now."""
+        split = self.split(request, items, uuids)
+        if split is None or not split.now or self.store is None:
+            return split
+        external = await self.store.held(set(uuids))
+        if external is None and not self.policy.reads_view:  # demand: no answer, no proof
+            return Arrival(split.instance, rest=tuple(range(len(items))))
+        return self.split(request, items, uuids, instance=split.instance, external=external)
+
+    def split(
+        self,
+        request: Mapping[str, Any],
+        items: Sequence[Mapping[str, Any]],
+        uuids: Sequence[str],
+        *,
+        instance: int | None = None,
+        external: frozenset[str] | None = None,
+    ) -> Arrival | None:
+        """`arrival` from what the proxy knows without asking anyone: its views of P (KV
+        blocks by identifier, P's encoder cache) and `external` (the store's answer, if any).
+        `instance`: the P already chosen (else chosen here)."""
+        if (
+            not items
+            or request.get("mm_processor_kwargs")
+            or request.get("media_io_kwargs")
+            or _unplannable(request, uuids) is not None
+        ):
+            return None
+        distinct = set(uuids)
+        if instance is None:
+            instance = self._arrival_instance(distinct)
+        view = self.views[instance]
+        avail = self._availability(view, request.get("cache_salt"), distinct)
+        # An unusable view is planned under index as holding nothing, an incomplete one on
+        # what it knows (blind); but where P is asked (demand, or index while the view is
+        # incomplete), only a complete view proves anything.
+        kv_blind = self.policy.reads_view and not view.usable
+        if (self._asks or self._ask_instead(instance)) and not view.complete:
+            new: set[str] = set()
+        else:
+            p_local, held = avail.p_local, external or ()
+            new = {
+                u
+                for u in distinct
+                if u not in p_local and u not in held and (kv_blind or not view.may_hold(u))
+            }
+        first: dict[str, int] = {}
+        for i, u in enumerate(uuids):  # one uuid on two different items: render judges it
+            if u in new and items[first.setdefault(u, i)] != items[i]:
+                new.discard(u)
+        now: list[int] = []
+        first.clear()
+        dup_of: dict[int, int] = {}
+        rest: list[int] = []
+        for i, u in enumerate(uuids):
+            if u not in new:
+                rest.append(i)
+            elif u in first:
+                dup_of[i] = first[u]
+            else:
+                first[u] = i
+                now.append(i)
+        blind = bool(now) and view.usable and not view.complete
+        return Arrival(instance, tuple(now), dup_of, tuple(rest), external, blind)
+
+    def _arrival_instance(self, identifiers: set[str]) -> int:
+        """Random routing: a random P. Affine: the P whose view knows a block carrying the most
+        of these identifiers (ties at random), instead of a render and a prefix match."""
+        if self.config.routing != "affine" or len(self.views) == 1:
+            return self.random_instance()
+        scores = [sum(map(view.holds_identifier, identifiers)) for view in self.views]
+        best = max(scores)
+        return self._rng.choice([i for i, sc in enumerate(scores) if sc == best])
+
+    def at_arrival(
+        self, request: Mapping[str, Any], uuids: Sequence[str], arrival: Arrival
+    ) -> Decision:
+        """The Decision of a request whose every item went to E at arrival (none waits): no
+        render, no plan; E-cached where E's side says it holds the identifier."""
+        e_side = self._availability(
+            self.views[arrival.instance], request.get("cache_salt"), set(uuids)
+        ).e_cached
+        klasses = [ItemClass.DUPLICATE] * len(uuids)
+        for i in arrival.now:
+            klasses[i] = ItemClass.E_CACHED if uuids[i] in e_side else ItemClass.E_COMPUTE
+        return Decision(
+            arrival.instance,
+            arrival.now,
+            dup_of=arrival.dup_of,
+            klasses=tuple(klasses),
+            identifiers=tuple(uuids),
+            cache_salt=request.get("cache_salt"),
+            blind=arrival.blind,
+        )
+
     async def decide(
         self,
         request: Mapping[str, Any],
@@ -146,11 +287,14 @@ class Planner:
         *,
         instance: int | None = None,
         on_routed: Callable[[int], None] | None = None,
+        arrival: Arrival | None = None,
     ) -> Decision:
         """`uuids`: the items' uuids when the caller has them (else computed here). `instance`:
         the random draw, when the caller made it. `on_routed(instance)` is called once, as soon
         as the instance is known (before render under random routing, after it under affine),
-        so that a caller racing this decision can proceed without its answer."""
+        so that a caller racing this decision can proceed without its answer. `arrival`: the
+        split made at arrival (its instance is kept, its `now` items are E's whatever the plan
+        says; requires `uuids`)."""
         fired = False
 
         def routed(i: int) -> None:
@@ -159,7 +303,13 @@ class Planner:
                 fired = True
                 on_routed(i)
 
-        decision = await self._decide(request, items, uuids, instance, routed)
+        if arrival is not None:
+            if uuids is None:
+                raise InvalidArgument("decide: an arrival split needs the items' uuids")
+            instance = arrival.instance
+        decision = await self._decide(request, items, uuids, instance, routed, arrival)
+        if arrival is not None:
+            decision = _with_arrival(decision, arrival, uuids or ())
         routed(decision.instance)
         return decision
 
@@ -170,6 +320,7 @@ class Planner:
         uuids: Sequence[str] | None,
         instance: int | None,
         routed: Callable[[int], None],
+        arrival: Arrival | None = None,
     ) -> Decision:
         if not self._needs_render or (not items and self.config.routing == "random"):
             return self.eager(items, instance)
@@ -196,14 +347,20 @@ class Planner:
         try:
             memo: dict = {}  # the hashes, per block size: affine routing's are the plan's
             rendered, occ_items, instance = self._route(
-                rendered, items, instance, request, uuids, memo
+                rendered, items, instance, request, uuids, memo, reroute=arrival is None
             )
             routed(instance)
+            early = frozenset(uuids[i] for i in arrival.now) if arrival else frozenset()
             if rendered.occurrences and (self._asks or self._ask_instead(instance)):
-                decision = await self._ask(rendered, occ_items, items, instance)
+                decision = await self._ask(rendered, occ_items, items, instance, early)
             else:
-                external = None
-                if self.store is not None and rendered.occurrences and self.policy.reads_view:
+                external = None if arrival is None else arrival.external
+                if (
+                    external is None
+                    and self.store is not None
+                    and rendered.occurrences
+                    and self.policy.reads_view
+                ):
                     external = await self.store.held(
                         {occ.identifier for occ in rendered.occurrences}
                     )
@@ -292,12 +449,14 @@ class Planner:
         request: Mapping[str, Any],
         uuids: Sequence[str],
         memo: dict,
+        *,
+        reroute: bool = True,
     ) -> tuple[RenderedPrompt, list[int], int]:
         """The render, checked against the request; each occurrence's item; the instance (the
-        one with the longest live hit under affine routing)."""
+        one with the longest live hit under affine routing, unless chosen at arrival)."""
         occ_items = _occurrence_items(rendered, items)
         rendered = _checked(rendered, uuids, occ_items, request)
-        if self.config.routing == "affine" and len(self.views) > 1:
+        if reroute and self.config.routing == "affine" and len(self.views) > 1:
             hits = []
             for view in self.views:
                 hashes = self._hashes(rendered, view, memo)
@@ -313,14 +472,17 @@ class Planner:
         occ_items: list[int],
         items: Sequence[Mapping[str, Any]],
         instance: int,
+        early: frozenset[str] = frozenset(),
     ) -> Decision:
         """Ask the instance's P what it needs from E; its answer, as a Decision. No usable
-        answer: every item to E (no_plan says why)."""
+        answer: every item to E (no_plan says why). `early`: identifiers sent to E at arrival,
+        told to P as E's (so that it asks only about the rest)."""
         identifiers = _identifiers(rendered, occ_items, len(items))
         idents = {occ.identifier for occ in rendered.occurrences}
         # what E holds of this request only (looked up for its identifiers alone)
         e_side = self._availability(self.views[instance], rendered.cache_salt, idents)
-        query = query_for(rendered, new_hex(128), e_cached=sorted(e_side.e_cached))
+        e_cached = sorted(e_side.e_cached | (early & idents))
+        query = query_for(rendered, new_hex(128), e_cached=e_cached)
         client = self.demand[instance]
         assert client is not None  # _ask_instead, or the policy asks every instance
         try:
@@ -469,6 +631,35 @@ def _decision(instance: int, d: Dispatch, **fields: Any) -> Decision:
     return Decision(instance, d.e_items, d.raw_items, d.shares, d.classes, **fields)
 
 
+def _with_arrival(d: Decision, arrival: Arrival, uuids: Sequence[str]) -> Decision:
+    """`d` (the plan, or P's answer, for the whole request) with the arrival's items kept at
+    E: each identifier goes to E once, through the item sent at arrival when there is one;
+    every other item of it shares that embedding."""
+    if not arrival.now:
+        return d
+    sent = {uuids[i]: i for i in arrival.now}
+    e = list(arrival.now)
+    dup: dict[int, int] = dict(arrival.dup_of)
+    for i in d.e_indices:
+        first = sent.get(uuids[i])
+        if first is None:
+            e.append(i)
+        elif first != i:
+            dup[i] = first
+    e_set = set(e)
+    for k, v in (d.dup_of or {}).items():
+        if k not in dup and k not in e_set:
+            dup[k] = sent.get(uuids[v], v)
+    raw = frozenset(i for i in d.raw_with_uuid if i not in dup and i not in e_set)
+    return _replace(
+        d,
+        e_indices=tuple(sorted(e_set)),
+        raw_with_uuid=raw,
+        dup_of=dup,
+        blind=d.blind or arrival.blind,
+    )
+
+
 def _replace(d: Decision, **changes: Any) -> Decision:
     fields = {f: getattr(d, f) for f in Decision.__slots__}
     fields.update(changes)
@@ -533,4 +724,4 @@ def _identifiers(rendered: RenderedPrompt, occ_items: list[int], n: int) -> tupl
     return tuple(out)
 
 
-__all__ = ["Decision", "Planner"]
+__all__ = ["Arrival", "Decision", "Planner"]

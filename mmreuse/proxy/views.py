@@ -35,13 +35,15 @@ class InstanceView:
         block_size: int | None,
         metrics: ProxyMetrics,
         availability: EmbeddingAvailability | None = None,
+        track_identifiers: bool = False,
     ) -> None:
         """`instance`: its URL and endpoints (`ProxyConfig.instances`); the encoder-cache events
-        feed `availability` (none given: not followed)."""
+        feed `availability` (none given: not followed). `track_identifiers`: follow which mm
+        identifiers P's blocks carry (`may_hold`; what the arrival-time split reads)."""
         self.name, self.instance = name, instance
         self.hash_algo, self.hash_seed = hash_algo, hash_seed
         self.configured_block_size = block_size
-        self.index = RemoteKVIndex(name)
+        self.index = RemoteKVIndex(name, track_identifiers=track_identifiers)
         self._metrics = metrics
         self._lock = threading.Lock()
         self.hasher: BlockHasher | None = None
@@ -202,6 +204,29 @@ class InstanceView:
             and self.check is not None
             and self.check.status.ok
             and self.hybrid is None
+        )
+
+    def may_hold(self, identifier: str) -> bool:
+        """Whether P may hold a KV block carrying mm `identifier`, on any medium, as far as the
+        view can tell: False where it knows no block does (complete or not: an incomplete view
+        knows less, so it answers False more often, as a plan on it sends E more); True where
+        it cannot tell (unusable, identifiers not followed, or unknown since a snapshot)."""
+        if not self.usable:
+            return True
+        index = self.index
+        if not index.track_identifiers:
+            return True
+        return any(index.may_hold(identifier, medium) for medium in index.media())
+
+    def holds_identifier(self, identifier: str) -> bool:
+        """Whether a block P holds is known to carry mm `identifier` (affine routing's score:
+        what the view positively knows, complete or not)."""
+        if not self.usable or not self.index.track_identifiers:
+            return False
+        index = self.index
+        return any(
+            index.identifiers_known(medium) and index.may_hold(identifier, medium)
+            for medium in index.media()
         )
 
     def hit_blocks(self, hashes: Sequence[bytes]) -> int:

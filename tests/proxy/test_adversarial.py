@@ -111,6 +111,7 @@ async def test_placeholders_out_of_item_order_keep_each_item_its_identifier():
 async def test_a_deeply_nested_render_answer_costs_the_plan_not_the_request():
     deep = b'{"token_ids":[1],"features":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     async with index_proxy() as s:
+        await s.hold(0, [sha(A)], 3)  # P may hold A: the request waits for its render
         s.pd[0].render = lambda body: deep
         r = await s.post(chat(TEXT, img(A)))
         assert r.status == 200, await r.text()
@@ -151,6 +152,7 @@ async def test_render_disagreeing_with_the_request_sends_everything(features):
         return {"token_ids": [1] * 100, "features": features}
 
     async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)  # P may hold A and B: both wait for the render
         s.pd[0].render = answer
         assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
         assert e_sent(s) == [sha(A), sha(B)]

@@ -122,6 +122,7 @@ async def test_render_request_carries_the_proxys_uuids():
         max_tokens=9,
     )
     async with index_proxy() as s:
+        await s.hold(0, [sha(B)], 3)  # P may hold B: the request is rendered (A, new, is not)
         r = await s.post(body)
         assert r.status == 200
         await r.read()
@@ -181,15 +182,16 @@ async def test_a_matching_configuration_verifies():
 
 
 async def test_affine_routing_picks_the_pd_holding_the_prefix():
-    # Two PDs; only PD1's view holds [A, B]'s prefix. Every request goes to PD1, although the
-    # routing RNG (which picks where to render) lands on PD0 for some of them.
+    # Two PDs; only PD1's view holds blocks carrying A and B. Every request goes to PD1, chosen
+    # at arrival from the identifier index (the routing RNG, which would pick PD0 for some of
+    # them, is not asked), and is rendered there.
     async with index_proxy(2, flags=("--routing", "affine"), seed=3) as s:
         await s.hold(1, [sha(A), sha(B)], 4)
         for _ in range(6):
             assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
         assert len(s.pd[1].chats()) == 6 and s.pd[0].chats() == []
         renders = [f for f in s.pd for x in f.seen if x.path.endswith("/render")]
-        assert s.pd[0] in renders and len(renders) == 6
+        assert renders == [s.pd[1]] * 6
         assert e_sent(s) == [sha(B)] * 6  # A is covered at PD1
         assert s.sample("mmreuse_proxy_occurrences_total", klass="kv_covered") == 6
 
@@ -300,6 +302,7 @@ async def test_cache_salt_is_part_of_the_key():
 )
 async def test_a_garbled_render_costs_the_plan_not_the_request(answer):
     async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)  # P may hold both: the request waits for render
         s.pd[0].render = answer
         assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
         assert e_sent(s) == [sha(A), sha(B)]
@@ -381,6 +384,7 @@ async def test_conflicting_embed_counts_fall_back_to_eager():
         return out
 
     async with index_proxy() as s:
+        await s.hold(0, [sha(C)], 3)  # P may hold C: the request waits for its render
         s.pd[0].render = conflicting
         assert (await s.post(chat(TEXT, img(C), img(C)))).status == 200
         assert e_sent(s) == [sha(C), sha(C)]
@@ -409,7 +413,10 @@ async def test_a_render_past_its_timeout_costs_the_plan_not_the_request(fakes):
     app = build_app(parse_args(argv, env={}))
     async with proxy_client(app) as client:
         t0 = time.monotonic()
-        r = await client.post("/v1/chat/completions", json=chat(TEXT, img(A)))
+        # (processor kwargs: identifiers cannot be known without P, so the item waits for the
+        # render; a new item without them would go to E at arrival, unrendered)
+        body = chat(TEXT, img(A), mm_processor_kwargs={"max_pixels": 4096})
+        r = await client.post("/v1/chat/completions", json=body)
         assert r.status == 200 and time.monotonic() - t0 < 3.0
         assert [p["uuid"] for x in e.chats() for p in x.body["messages"][0]["content"]] == [sha(A)]
         registry = app[PROXY_KEY].registry

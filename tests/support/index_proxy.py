@@ -148,10 +148,12 @@ async def index_proxy(
     before: Sequence[Sequence[Any]] = (),
     buffer_steps: int = 10_000,
     demand: bool = False,
+    pd_class: type[Fake] = Fake,
 ) -> AsyncIterator[Setup]:
     """E + PD (or E + P + D with `prefill`: then `pd` are the P fakes, `d` the decode one).
     `before`: event batches each publisher sent before the proxy started (a late join, with
-    replay buffers of `buffer_steps`); `demand`: each PD has a fake demand endpoint (`ps`)."""
+    replay buffers of `buffer_steps`); `demand`: each PD has a fake demand endpoint (`ps`);
+    `pd_class`: the PD (or P) fakes' class."""
     ctx = zmq.Context()
     pubs = [TestPublisher(ctx, buffer_steps=buffer_steps) for _ in range(n_pd)] if events else []
     for pub in pubs:
@@ -161,7 +163,7 @@ async def index_proxy(
     ps = [FakeP(actx) for _ in range(n_pd)] if actx is not None else []
     e = await Fake("e").start()
     role = "p" if prefill else "pd"
-    pds = [await Fake(role, render=render if renders else None).start() for _ in range(n_pd)]
+    pds = [await pd_class(role, render=render if renders else None).start() for _ in range(n_pd)]
     d = [await Fake("d").start()] if prefill else []
     argv = [
         "--encode-servers-urls", e.url,
