@@ -159,3 +159,54 @@ def test_longest_prefix_2048(benchmark, kind):
     )
     query = chain if kind == "event_ids" else [bytes(24) + h.to_bytes(8, "big") for h in chain]
     assert benchmark(idx.longest_prefix, query) == 2048
+
+
+def _published_batches(keys, num_batches=16, seed=0):
+    """Store batches as P's scheduler publishes them (before encoding: extra keys as vLLM's
+    tuples, int hashes), then the batches removing the same blocks."""
+    rng = random.Random(seed)
+    stores = []
+    for _ in range(num_batches):
+        events = []
+        for _ in range(BATCH_EVENTS):
+            extra = _extra_keys(rng, keys)
+            events.append(
+                BlockStored(
+                    block_hashes=[rng.getrandbits(64) for _ in range(BLOCKS_PER_EVENT)],
+                    parent_block_hash=None,
+                    token_ids=[0] * (16 * BLOCKS_PER_EVENT),
+                    block_size=16,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                    extra_keys=extra,
+                )
+            )
+        stores.append(events)
+    removes = [[BlockRemoved(block_hashes=e.block_hashes, medium="GPU") for e in b] for b in stores]
+    return stores, removes
+
+
+@pytest.mark.parametrize("keys", ["text", "mm"])
+def test_p_follows_published_identifiers(benchmark, keys):
+    """P's cost of following its blocks' identifiers for its KV snapshot
+    (`events.snapshot.PublishedIdentifiers.follow`, under the scheduler's lock after each
+    publish): 16 batches of 64 BlockStored (16 blocks each), then 16 of their BlockRemoved.
+    Per event: the mean divided by `events_per_round`."""
+    from mmreuse.events.snapshot import PublishedIdentifiers
+
+    stores, removes = _published_batches(keys)
+    events = sum(len(b) for b in stores + removes)
+
+    def run():
+        follower = PublishedIdentifiers(1 << 20)
+        for b in stores:
+            follower.follow(b)
+        held = follower.carriers()
+        for b in removes:
+            follower.follow(b)
+        return held, follower.carriers()
+
+    held, after = benchmark(run)
+    assert after == {} and (len(held) > 0) == (keys == "mm")
+    benchmark.extra_info["events_per_round"] = events

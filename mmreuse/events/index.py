@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._table import HashTable
@@ -166,7 +166,7 @@ class RemoteKVIndex:
                 return
             k = entry[0] if len(entry) == 1 else None
             if (
-                type(k) is list  # vLLM's usual entry: one mm key, as decoded
+                (type(k) is list or type(k) is tuple)  # vLLM's usual entry: one mm key
                 and len(k) == 2
                 and type(k[0]) is str
                 and type(k[1]) is int
@@ -367,11 +367,25 @@ class RemoteKVIndex:
             return tuple(sorted(m for m, t in self._media.items() if t.live))
 
     def load(
-        self, block_ids: Sequence[int], counts: Sequence[int], medium: str = MEDIUM_GPU
+        self,
+        block_ids: Sequence[int],
+        counts: Sequence[int],
+        medium: str = MEDIUM_GPU,
+        identifiers: Mapping[int, Sequence[str]] | None = None,
     ) -> None:
         """Replace everything with a snapshot (`demand_query.KVSnapshot`): `block_ids[i]` (an
-        event id) held by `counts[i]` blocks on `medium`. Refused whole (InvalidArgument) if the
-        lengths differ, an id repeats or is not an event id, or a count is not an int >= 1."""
+        event id) held by `counts[i]` blocks on `medium`.
+
+        `identifiers`: the mm identifiers each held block carries, for the ids that carry any
+        (P followed them: `medium`'s identifiers are then known, as if every event had been
+        applied from 0); None when the snapshot carries none (an older P, or one that did not
+        follow them: unknown until the next reset, as `identifiers_known` says).
+
+        Refused whole (InvalidArgument naming the field; nothing changes) if the lengths differ,
+        an id repeats or is not an event id, a count is not an int >= 1, or `identifiers` names
+        a block not in `block_ids` (or one twice), or gives a block other than 1 to
+        MAX_EXTRA_KEYS_PER_BLOCK distinct non-empty str identifiers of at most MAX_IDENT_CHARS.
+        """
         check_str("medium", medium, nonempty=True)
         if len(medium) > MAX_MEDIUM_CHARS:
             raise InvalidArgument(f"medium must be at most {MAX_MEDIUM_CHARS} characters")
@@ -385,14 +399,74 @@ class RemoteKVIndex:
                     raise InvalidArgument(f"counts[{i}] must be an int >= 1, got {show(n)}")
         if len(set(ids)) != len(ids):
             raise InvalidArgument("block_ids repeat an id (a snapshot names each once)")
+        carried = None if identifiers is None else self._check_carried(identifiers, ids)
         table = HashTable(2 * len(ids))
         table.put_many(ids, values)
         with self._lock:
             self._media = {medium: table} if ids else {}
             self._forget_identifiers()
-            if ids:  # a snapshot carries no extra keys (yet): which blocks carry what is unknown
+            if not ids:
+                return
+            if carried is None or not self.track_identifiers:
+                # which blocks carry what is unknown (an older P's snapshot, or not followed)
                 self._ids_unknown.add(medium)
                 self._skip(SKIP_SNAPSHOT, len(ids))
+                return
+            if carried:
+                idents: dict[str, int] = {}
+                for held in carried.values():
+                    for ident in held:
+                        idents[ident] = idents.get(ident, 0) + 1
+                self._carried[medium] = carried
+                self._ident_counts[medium] = idents
+
+    @staticmethod
+    def _check_carried(
+        identifiers: Mapping[int, Sequence[str]], ids: list[int]
+    ) -> dict[int, tuple[str, ...]]:
+        """`load`'s `identifiers`, checked against its block ids: event id -> identifiers."""
+        if not isinstance(identifiers, Mapping):
+            fail_type("identifiers", "a mapping of block id to identifiers, or None", identifiers)
+        if len(identifiers) > len(ids):
+            raise InvalidArgument(
+                f"identifiers names {len(identifiers)} blocks, more than the {len(ids)} block_ids"
+            )
+        held = set(ids)
+        carried: dict[int, tuple[str, ...]] = {}
+        for key, idents in identifiers.items():
+            eid = to_event_id(key, "identifiers (a block id)")
+            if eid not in held:
+                raise InvalidArgument(f"identifiers names block {show(key)}, not in block_ids")
+            if eid in carried:
+                raise InvalidArgument(f"identifiers names block {show(key)} twice")
+            field = f"identifiers[{show(key)}]"
+            if type(idents) is not list and type(idents) is not tuple:
+                fail_type(field, "a list of identifiers", idents)
+            if not 1 <= len(idents) <= MAX_EXTRA_KEYS_PER_BLOCK:
+                raise InvalidArgument(
+                    f"{field} has {len(idents)} identifiers, not 1 to {MAX_EXTRA_KEYS_PER_BLOCK}"
+                )
+            for ident in idents:
+                if type(ident) is not str or not 1 <= len(ident) <= MAX_IDENT_CHARS:
+                    raise InvalidArgument(
+                        f"{field} holds {show(ident)}, not a non-empty str of at most "
+                        f"{MAX_IDENT_CHARS} characters"
+                    )
+            if len(set(idents)) != len(idents):
+                raise InvalidArgument(f"{field} repeats an identifier: {show(idents)}")
+            carried[eid] = tuple(idents)
+        return carried
+
+    def carriers(self, medium: str = MEDIUM_GPU) -> dict[int, tuple[str, ...]] | None:
+        """Every held event id on `medium` that carries identifiers, and which (a copy: what a
+        snapshot gives `load`); None where they are not known (`identifiers_known` False)."""
+        check_str("medium", medium)
+        if not self.track_identifiers:
+            return None
+        with self._lock:
+            if medium in self._ids_unknown:
+                return None
+            return dict(self._carried.get(medium, {}))
 
     def counts(self, medium: str = MEDIUM_GPU) -> dict[int, int]:
         """Every event id held on `medium` and how many blocks hold it (for checks and tests)."""
@@ -410,9 +484,9 @@ class RemoteKVIndex:
         False means no block this index holds carries it: that P's prefix cache provably has
         none of it only if the caller has checked that the view is complete (no gap, no missed
         batch, a subscriber that is live: the index cannot know); otherwise it may still be
-        cached. True where unknown: `identifiers_known(medium)` False (after `load`, a store
-        without extra keys, malformed ones), or an identifier longer than MAX_IDENT_CHARS (never
-        followed). Like the hashes, it can over-report (see the class's caveat), never under.
+        cached. True where unknown: `identifiers_known(medium)` False (after a `load` without
+        identifiers, a store without extra keys, malformed ones), or an identifier longer than
+        MAX_IDENT_CHARS (never followed). Like the hashes, it can over-report (see the class's caveat), never under.
         """
         check_str("identifier", identifier)
         check_str("medium", medium)
@@ -427,8 +501,8 @@ class RemoteKVIndex:
             return counts is not None and identifier in counts
 
     def identifiers_known(self, medium: str = MEDIUM_GPU) -> bool:
-        """Whether `may_hold(..., medium)` can answer False: not after `load` (a snapshot carries
-        no extra keys yet), a BlockStored without `extra_keys` (vLLM < 0.17, offloading media)
+        """Whether `may_hold(..., medium)` can answer False: not after a `load` without
+        identifiers (an older P's snapshot, or one not following them), a BlockStored without `extra_keys` (vLLM < 0.17, offloading media)
         or with malformed ones, until the next `clear` or AllBlocksCleared."""
         check_str("medium", medium)
         if not self.track_identifiers:

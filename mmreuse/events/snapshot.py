@@ -8,19 +8,30 @@ snapshot (stamp, incarnation, ids, counts) or raises `SnapshotRefused` with a na
 `malformed` (a frame that is no answer, a chunk that does not continue the last one or changes
 its stamp / incarnation / total), `bound` (more ids or entries than `max_blocks`, refused at
 the first chunk from its `total`, or answers past `max_bytes` in all), `stop`.
+
+The P side of a KV snapshot's identifiers is here too (vLLM-free, so tested and measured
+without vLLM): `PublishedIdentifiers` follows the mm identifiers of the blocks P holds from the
+KV-event batches P publishes, and `identifier_chunk` cuts a snapshot's chunk so that its
+identifiers stay within the wire's bounds.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
 from ..demand_query import (
     MAX_ANSWER_BYTES,
+    MAX_IDENT_CHARS,
+    MAX_SNAPSHOT_IDENT_BYTES,
+    MAX_SNAPSHOT_IDENT_REFS,
+    MAX_SNAPSHOT_IDENTS,
     DemandError,
     ECEntry,
     ECSnapshot,
@@ -32,18 +43,24 @@ from ..demand_query import (
     encode,
 )
 from ..validate import check_float, check_int
+from .index import RemoteKVIndex
+from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A whole snapshot as of event batch `stamp`: P's prefix cache (`block_ids`, `counts`),
-    or its encoder cache (`entries`)."""
+    """A whole snapshot as of event batch `stamp`: P's prefix cache (`block_ids`, `counts`,
+    and `identifiers`: the mm identifiers of the block ids that carry any, None where P did not
+    follow them), or its encoder cache (`entries`)."""
 
     stamp: int
     incarnation: str
     block_ids: list[int]
     counts: list[int]
     entries: list[ECEntry]
+    identifiers: dict[int, tuple[str, ...]] | None = None
 
 
 class SnapshotRefused(Exception):
@@ -88,6 +105,7 @@ def fetch_snapshot(
     ids: list[int] = []
     counts: list[int] = []
     entries: list[ECEntry] = []
+    carried: dict[int, tuple[str, ...]] = {}  # the KV snapshot's identifiers, per block id
     first: KVSnapshot | ECSnapshot | None = None
     nbytes = 0
     try:
@@ -108,16 +126,18 @@ def fetch_snapshot(
                         "bound", f"snapshot of {chunk.total} {what} > max_blocks={max_blocks}"
                     )
                 first = chunk
-            elif (chunk.stamp, chunk.incarnation, chunk.total) != (
+            elif (chunk.stamp, chunk.incarnation, chunk.total, _followed(chunk)) != (
                 first.stamp,
                 first.incarnation,
                 first.total,
+                _followed(first),
             ):
                 raise SnapshotRefused(
                     "malformed",
                     f"chunk at {chunk.offset} is of another snapshot (stamp {chunk.stamp}, "
-                    f"incarnation {chunk.incarnation!r}, total {chunk.total}; the first: "
-                    f"{first.stamp}, {first.incarnation!r}, {first.total})",
+                    f"incarnation {chunk.incarnation!r}, total {chunk.total}, identifiers "
+                    f"{_followed(chunk)}; the first: {first.stamp}, {first.incarnation!r}, "
+                    f"{first.total}, {_followed(first)})",
                 )
             if chunk.offset != have:
                 raise SnapshotRefused(
@@ -127,11 +147,13 @@ def fetch_snapshot(
                 ids += chunk.block_ids
                 counts += chunk.counts
                 got = len(chunk.block_ids)
+                carried.update(chunk_identifiers(chunk))
             else:
                 entries += chunk.entries
                 got = len(chunk.entries)
             if have + got >= first.total:
-                return Snapshot(first.stamp, first.incarnation, ids, counts, entries)
+                followed = carried if _followed(first) else None
+                return Snapshot(first.stamp, first.incarnation, ids, counts, entries, followed)
             if got == 0:
                 raise SnapshotRefused("malformed", f"an empty chunk at {have} of {first.total}")
     except zmq.ZMQError as e:
@@ -165,3 +187,141 @@ def _receive(
             raise SnapshotRefused("malformed", f"a {type(answer).__name__} for a snapshot")
         assert isinstance(answer, KVSnapshot | ECSnapshot)
         return answer, len(frame)
+
+
+def chunk_identifiers(chunk: KVSnapshot) -> dict[int, tuple[str, ...]]:
+    """A KVSnapshot chunk's identifiers, per block id (the chunk as `decode_answer` checked it:
+    every index in range)."""
+    table, named = chunk.identifiers, chunk.block_ids
+    return {named[block]: tuple([table[r] for r in refs]) for block, refs in chunk.carried}
+
+
+def _followed(chunk: KVSnapshot | ECSnapshot) -> bool:
+    return isinstance(chunk, KVSnapshot) and chunk.identifiers_followed
+
+
+# ---- P's side: the identifiers of a KV snapshot ------------------------------------------------
+
+
+class PublishedIdentifiers:
+    """Which mm identifiers each block P holds carries, followed from the KV-event batches P
+    publishes (vLLM's block pool keeps a block's hash, not the extra keys that made it), so
+    that P's KVSnapshot can carry them (`DemandScheduler`, `"snapshot_identifiers"`).
+
+    It is a `RemoteKVIndex(track_identifiers=True)` fed the batches as P publishes them, in
+    order (`follow`, called right after each publish, under the lock the snapshot is taken
+    under): its `carriers` are then exactly what a view that applied every batch from 0 holds,
+    as of the last batch published, the snapshot's stamp. Only the GPU medium (the prefix
+    cache's; a snapshot holds no other) is followed.
+
+    Bounded by P's block count: past `max_hashes` held hashes (events that over-report, such
+    as re-announced blocks never removed twice) it stops following, until the next
+    AllBlocksCleared; stopped, or where the identifiers are unknown (a store without
+    `extra_keys`, malformed ones), `carriers` is None and P's snapshot says it did not follow
+    them. `follow` never raises: P's engine calls it.
+    """
+
+    def __init__(self, max_hashes: int) -> None:
+        self.max_hashes = check_int("max_hashes", max_hashes, 0)
+        self._index = RemoteKVIndex("published", max_media=1, track_identifiers=True)
+        self.stopped: str | None = None  # why it stopped following, until a clear
+
+    def follow(self, events: Iterable[Any]) -> None:
+        """One published batch's events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared,
+        or this package's: read by field), in order."""
+        try:
+            self._follow(events)
+        except Exception as e:  # never into P's engine: stop following, say why
+            self._stop(f"{type(e).__name__}: {e}")
+
+    def _follow(self, events: Iterable[Any]) -> None:
+        converted: list[Any] = []
+        for e in events:
+            kind = type(e).__name__
+            if kind == "AllBlocksCleared":
+                if self.stopped is not None:  # a fresh start: follow again from here
+                    self.stopped = None
+                    self._index.clear()
+                    converted.clear()
+                    continue
+                converted.append(AllBlocksCleared())
+                continue
+            if self.stopped is not None:
+                continue
+            medium = e.medium
+            if medium is not None and medium != MEDIUM_GPU:
+                continue  # a connector's media: no snapshot holds them
+            if kind == "BlockStored":
+                converted.append(
+                    BlockStored(
+                        block_hashes=e.block_hashes,
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=e.block_size,
+                        lora_id=None,
+                        medium=medium,
+                        lora_name=None,
+                        extra_keys=e.extra_keys,
+                    )
+                )
+            elif kind == "BlockRemoved":
+                converted.append(BlockRemoved(block_hashes=e.block_hashes, medium=medium))
+            else:
+                self._stop(f"an unexpected KV event {kind}")
+                return
+        if self.stopped is not None or not converted:
+            return
+        self._index.apply(KVEventBatch(ts=0.0, events=converted))
+        held = self._index.size(MEDIUM_GPU)
+        if held > self.max_hashes:
+            self._stop(f"{held} hashes held, more than P's {self.max_hashes} blocks")
+
+    def _stop(self, why: str) -> None:
+        if self.stopped is None:
+            logger.warning("mmreuse: KV snapshots carry no identifiers until a reset: %s", why)
+        self.stopped = why
+        self._index.clear()
+
+    def carriers(self) -> dict[int, tuple[str, ...]] | None:
+        """Every held event id that carries identifiers, and which; None where not known."""
+        if self.stopped is not None:
+            return None
+        return self._index.carriers(MEDIUM_GPU)
+
+
+def identifier_chunk(
+    block_ids: Sequence[int],
+    carried: Mapping[int, Sequence[str]],
+    offset: int,
+    limit: int,
+) -> tuple[int, list[str], list[tuple[int, list[int]]]]:
+    """A KVSnapshot chunk's identifiers: the chunk of `block_ids` from `offset` (at most `limit`
+    ids) ends early where its identifier table would pass MAX_SNAPSHOT_IDENTS entries or
+    MAX_SNAPSHOT_IDENT_BYTES, or its references MAX_SNAPSHOT_IDENT_REFS (a block names at most
+    MAX_SNAPSHOT_IDENTS_PER_BLOCK: every chunk holds a block at least). Returns (end, the table,
+    the `carried` pairs). An identifier the wire cannot carry (over MAX_IDENT_CHARS, never held
+    by `PublishedIdentifiers`) is left out: a view never follows one."""
+    table: dict[str, int] = {}
+    pairs: list[tuple[int, list[int]]] = []
+    nbytes = refs = 0
+    end = min(len(block_ids), offset + limit)
+    for i in range(offset, end):
+        idents = carried.get(block_ids[i])
+        if not idents:
+            continue
+        wanted = [x for x in dict.fromkeys(idents) if 0 < len(x) <= MAX_IDENT_CHARS]
+        new = [x for x in wanted if x not in table]
+        grow = sum(len(x.encode()) for x in new)
+        if i > offset and (
+            len(table) + len(new) > MAX_SNAPSHOT_IDENTS
+            or nbytes + grow > MAX_SNAPSHOT_IDENT_BYTES
+            or refs + len(wanted) > MAX_SNAPSHOT_IDENT_REFS
+        ):
+            return i, list(table), pairs
+        for x in new:
+            table[x] = len(table)
+        nbytes += grow
+        refs += len(wanted)
+        if wanted:
+            pairs.append((i - offset, [table[x] for x in wanted]))
+    return end, list(table), pairs

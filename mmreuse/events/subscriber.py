@@ -46,7 +46,11 @@ refused, malformed, past its deadline or its bounds, of another incarnation, sta
 `max_stamp_ahead` past the stream or not reached by it within `snapshot_deadline_s`, or whose
 stamp the replay cannot reach, leaves the view incomplete (reset if it had been loaded),
 counted in `mmreuse_kv_event_snapshots_total{outcome}` (`incarnation`, `stamp`, ...), and is
-asked again after `snapshot_retry_s`.
+asked again after `snapshot_retry_s`. A snapshot carries the mm identifiers its blocks carry
+where P follows them (`KVSnapshot.identifiers_followed`): a view tracking identifiers then
+knows them as if it had applied every batch from 0 (one held aside keeps them until it is put
+in place); from a P that does not, they stay unknown until the next reset. Identifiers that do
+not fit the snapshot's blocks refuse the snapshot whole (`malformed`).
 
 Should the loop itself die (its socket failing), the view is reset too, `error` holds the cause,
 `is_alive` is False, `mmreuse_kv_event_subscriber_up` drops to 0, and `check()`,
@@ -707,8 +711,9 @@ class KVEventSubscriber:
         )
 
     def _load_snapshot(self, snap: Snapshot) -> None:
-        """Put a whole snapshot in place of the view (ValueError: refused, nothing changed)."""
-        self.index.load(snap.block_ids, snap.counts)
+        """Put a whole snapshot in place of the view (ValueError: refused, nothing changed),
+        with the identifiers its blocks carry where P followed them."""
+        self.index.load(snap.block_ids, snap.counts, identifiers=snap.identifiers)
 
     def _snapshot_failed(self, e: SnapshotRefused, *, reset: bool) -> None:
         self.metrics.snapshots.labels(self._label, e.reason).inc()

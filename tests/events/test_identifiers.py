@@ -408,3 +408,256 @@ def test_identifiers_are_not_followed_unless_asked():
     assert not idx.identifiers_known() and idx.may_hold("anything")
     with pytest.raises(TypeError, match="track_identifiers"):
         RemoteKVIndex(track_identifiers="yes")  # type: ignore[arg-type]
+
+
+# ---- loaded from a snapshot that carries them -------------------------------------------------
+
+
+def test_load_with_identifiers_knows_them():
+    idx = RemoteKVIndex(track_identifiers=True)
+    apply(idx, stored([1], [mm("old")]))
+    idx.load([4, 5, 6], [1, 2, 1], identifiers={5: ("a", "b"), 6: ["a"]})
+    assert idx.identifiers_known() and idx.identifiers() == {"a": 2, "b": 1}
+    assert idx.may_hold("a") and not idx.may_hold("old") and not idx.may_hold("c")
+    assert idx.carriers() == {5: ("a", "b"), 6: ("a",)} and idx.identifier_skips() == {}
+    apply(idx, removed([5]))  # held by two blocks: still carries a and b
+    assert idx.identifiers() == {"a": 2, "b": 1}
+    apply(idx, removed([5, 6]), stored([7], [mm("c")]))
+    assert idx.identifiers() == {"c": 1} and not idx.may_hold("a")
+    idx.load([8], [1], identifiers={})  # followed, and no block carries any
+    assert idx.identifiers_known() and idx.identifiers() == {} and not idx.may_hold("c")
+    assert idx.carriers("CPU") == {}
+
+
+def test_load_identifiers_by_digest_and_other_media():
+    idx = RemoteKVIndex(track_identifiers=True)
+    digest = bytes(24) + (9).to_bytes(8, "big")
+    idx.load([digest], [1], medium="CPU", identifiers={9: ["a"]})
+    assert idx.identifiers("CPU") == {"a": 1} and idx.identifiers_known("CPU")
+    assert not idx.may_hold("a") and idx.identifiers_known()  # GPU: nothing held
+
+
+def test_load_without_tracking_ignores_identifiers():
+    idx = RemoteKVIndex()
+    idx.load([4], [1], identifiers={4: ["a"]})
+    assert not idx.identifiers_known() and idx.may_hold("zzz") and idx.carriers() is None
+    with pytest.raises(ValueError, match="not in block_ids"):
+        idx.load([4], [1], identifiers={5: ["a"]})  # still checked: junk is junk
+
+
+LOAD_JUNK = [
+    ("not a mapping", [4], "identifiers must be a mapping"),
+    ("a block not held", {6: ["a"]}, "names block 6, not in block_ids"),
+    ("more blocks than held", {4: ["a"], 5: ["a"], 6: ["a"]}, "more than the 2 block_ids"),
+    ("a block twice", {4: ["a"], bytes(24) + (4).to_bytes(8, "big"): ["b"]}, "block .* twice"),
+    ("a bad block id", {-1: ["a"]}, r"identifiers \(a block id\)"),
+    ("a str, not a list", {4: "a"}, r"identifiers\[4\] must be a list"),
+    ("no identifiers", {4: []}, r"identifiers\[4\] has 0 identifiers"),
+    ("too many", {4: [f"i{n}" for n in range(257)]}, r"identifiers\[4\] has 257"),
+    ("an empty one", {4: [""]}, r"identifiers\[4\] holds ''"),
+    ("not a str", {4: [3]}, r"identifiers\[4\] holds 3"),
+    ("too long", {4: ["x" * (MAX_IDENT_CHARS + 1)]}, r"identifiers\[4\] holds"),
+    ("repeated", {4: ["a", "a"]}, r"identifiers\[4\] repeats"),
+]
+
+
+@pytest.mark.parametrize("name, junk, match", LOAD_JUNK, ids=[j[0] for j in LOAD_JUNK])
+def test_load_refuses_junk_identifiers_whole(name, junk, match):
+    idx = RemoteKVIndex(track_identifiers=True)
+    apply(idx, stored([1], [mm("a")]))
+    with pytest.raises(ValueError, match=match):
+        idx.load([4, 5], [1, 1], identifiers=junk)
+    assert idx.counts() == {1: 1} and idx.identifiers() == {"a": 1}, name  # unchanged
+
+
+# ---- P's side: following the batches it publishes, chunking them for its snapshot ------------
+
+
+def test_p_follows_the_identifiers_it_publishes():
+    from mmreuse.events.snapshot import PublishedIdentifiers
+
+    p = PublishedIdentifiers(max_hashes=8)
+    assert p.carriers() == {}
+    # as P publishes them: vLLM's tuples, a connector's medium (not followed)
+    p.follow([stored([1, 2], [None, (("a", 0),)]), stored([3], [(("b", 0),)], medium="CPU")])
+    p.follow([stored([2, 4], [(("a", 0),), (("a", -16), ("c", 0))])])
+    assert p.carriers() == {2: ("a",), 4: ("a", "c")} and p.stopped is None
+    p.follow([removed([2])])
+    assert p.carriers() == {2: ("a",), 4: ("a", "c")}  # stored twice: held still
+    p.follow([removed([2, 4]), removed([3], medium="CPU")])
+    assert p.carriers() == {}
+    p.follow([stored([5], None)])  # no extra keys published: unknown, until a clear
+    assert p.carriers() is None
+    p.follow([AllBlocksCleared(), stored([6], [mm("d")])])
+    assert p.carriers() == {6: ("d",)}
+
+
+def test_p_stops_following_past_its_blocks_until_a_clear():
+    from mmreuse.events.snapshot import PublishedIdentifiers
+
+    p = PublishedIdentifiers(max_hashes=2)
+    p.follow([stored([1, 2], [mm("a"), None])])
+    assert p.carriers() == {1: ("a",)}
+    p.follow([stored([3], [mm("b")])])  # a third hash held: events over-report, not followed
+    assert p.carriers() is None and "more than P's 2 blocks" in p.stopped
+    p.follow([removed([3])])
+    assert p.carriers() is None  # stays stopped: what it forgot is not known again
+    p.follow([stored([9], [mm("x")]), AllBlocksCleared(), stored([4], [mm("c")])])
+    assert p.carriers() == {4: ("c",)} and p.stopped is None
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        [object()],
+        [stored([-1], [mm("a")])],
+        [BlockRemoved(block_hashes="nope", medium="GPU")],
+        [stored([1], [mm("a")], medium="X" * 100)],
+    ],
+    ids=["not an event", "a negative hash", "hashes not a list", "a medium too long"],
+)
+def test_p_following_junk_never_raises(junk):
+    from mmreuse.events.snapshot import PublishedIdentifiers
+
+    p = PublishedIdentifiers(max_hashes=8)
+    p.follow([stored([1], [mm("a")])])
+    p.follow(junk)
+    assert p.carriers() in (None, {1: ("a",)})
+    if p.carriers() is None:
+        assert p.stopped
+
+
+def _chunks_of(ids, counts, carried, limit):
+    """A snapshot's chunks as P serves them (`identifier_chunk`), through the wire."""
+    from mmreuse.demand_query import KVSnapshot, decode_answer, encode
+    from mmreuse.events.snapshot import identifier_chunk
+
+    out, offset = [], 0
+    while offset < len(ids) or not out:
+        end, table, pairs = identifier_chunk(ids, carried, offset, limit)
+        chunk = KVSnapshot("s", 1, "inc", len(ids), offset, 1 << 20, ids[offset:end],
+                           counts[offset:end], True, table, pairs)  # fmt: skip
+        out.append(decode_answer(encode(chunk)))
+        if end == offset:
+            break
+        offset = end
+    return out
+
+
+def test_identifier_chunks_end_early_within_their_bounds(monkeypatch):
+    from mmreuse.events import snapshot as snap
+
+    ids = list(range(100, 120))
+    carried = {i: (f"x{i % 7}", f"y{i % 3}") for i in ids if i % 4}
+    monkeypatch.setattr(snap, "MAX_SNAPSHOT_IDENTS", 5)
+    monkeypatch.setattr(snap, "MAX_SNAPSHOT_IDENT_REFS", 6)
+    chunks = _chunks_of(ids, [1] * 20, carried, limit=8)
+    assert len(chunks) > 3 and all(c.block_ids for c in chunks)
+    assert [i for c in chunks for i in c.block_ids] == ids
+    for c in chunks:
+        assert len(c.identifiers) <= 5 and sum(len(r) for _, r in c.carried) <= 6
+    merged = {}
+    for c in chunks:
+        merged.update(snap.chunk_identifiers(c))
+    assert merged == carried
+
+
+def test_identifier_chunks_fit_the_answer_frame():
+    """Every block carrying its own identifier of MAX_IDENT_CHARS 4-byte characters: the chunk
+    ends at MAX_SNAPSHOT_IDENT_BYTES, and its frame fits what a client accepts."""
+    from mmreuse.demand_query import MAX_ANSWER_BYTES, MAX_SNAPSHOT_IDENT_BYTES, encode
+    from mmreuse.events.snapshot import identifier_chunk
+
+    ids = list(range(3000))
+    carried = {i: (f"{i:08d}" + "\U0001f600" * (MAX_IDENT_CHARS - 8),) for i in ids}
+    end, table, _ = identifier_chunk(ids, carried, 0, 262_144)
+    size = sum(len(x.encode()) for x in table)
+    assert 0 < end < 3000 and size <= MAX_SNAPSHOT_IDENT_BYTES
+    assert size + len(table[0].encode()) > MAX_SNAPSHOT_IDENT_BYTES  # full, not short
+    chunks = _chunks_of(ids, [1] * 3000, carried, 262_144)
+    assert len(chunks) == 3 and all(len(encode(c)) < MAX_ANSWER_BYTES for c in chunks)
+
+
+def test_identifier_chunks_leave_out_what_no_view_follows():
+    from mmreuse.events.snapshot import identifier_chunk
+
+    long = "x" * (MAX_IDENT_CHARS + 1)
+    end, table, pairs = identifier_chunk([1, 2, 3], {1: (long,), 2: (long, "a"), 9: ("z",)}, 0, 9)
+    assert (end, table, pairs) == (3, ["a"], [(1, [0])])
+
+
+# ---- a snapshot, then live events: what every event from 0 gives ------------------------------
+
+
+def _vllm_events(op, hashes, salted, carries, data):
+    """One op as P publishes it (vLLM's tuples) -- the decoded form is what a view gets."""
+    if op == "clear":
+        return [AllBlocksCleared()]
+    if op == "remove":
+        return [removed(hashes)]
+    keys = []
+    for h in hashes:
+        idents = sorted(carries.get(h, ()))
+        if not idents and not salted:
+            keys.append(None)
+            continue
+        items = ["adapter-1"] if salted else []
+        for ident in idents:
+            items += [(ident, -7)] * data.draw(st.integers(1, 2))
+        keys.append(tuple(items))
+    return [stored(hashes, keys)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    carries=st.dictionaries(HASHES, st.frozensets(IDENTS, max_size=3)),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("store"), st.lists(HASHES, max_size=5), st.booleans()),
+            st.tuples(st.just("remove"), st.lists(HASHES, max_size=5), st.just(False)),
+            st.tuples(st.just("clear"), st.just([]), st.just(False)),
+        ),
+        max_size=30,
+    ),
+    limit=st.integers(1, 4),
+    data=st.data(),
+)
+def test_a_snapshot_then_live_events_is_every_event_from_0(carries, ops, limit, data):
+    """P follows its published batches (`PublishedIdentifiers`); at any batch a snapshot is
+    taken, chunked and sent over the wire, loaded into a fresh view, which then applies the
+    batches after it: its identifiers, counts and `may_hold` equal those of the view that
+    applied every batch from 0, after every batch."""
+    from mmreuse.events.snapshot import PublishedIdentifiers, chunk_identifiers
+
+    p = PublishedIdentifiers(max_hashes=1000)
+    full = RemoteKVIndex(track_identifiers=True)
+    booted: RemoteKVIndex | None = None
+    cut = data.draw(st.integers(0, len(ops)))
+    for i in range(len(ops) + 1):
+        if i == cut:  # the snapshot: P as of the batches published so far
+            held = p._index.counts()
+            ids = list(held)
+            carried = p.carriers()
+            assert carried is not None
+            chunks = _chunks_of(ids, [held[x] for x in ids], carried, limit)
+            merged = {}
+            for c in chunks:
+                merged.update(chunk_identifiers(c))
+            booted = RemoteKVIndex(track_identifiers=True)
+            booted.load(ids, [held[x] for x in ids], identifiers=merged)
+        if i == len(ops):
+            break
+        op, hashes, salted = ops[i]
+        events = _vllm_events(op, hashes, salted, carries, data)
+        p.follow(events)
+        wire = decode_batch(encode_batch(KVEventBatch(ts=0.0, events=events)))
+        full.apply(wire)
+        if booted is not None:
+            booted.apply(wire)
+            assert booted.counts() == full.counts()
+            assert booted.identifiers() == full.identifiers()
+            assert booted.identifiers_known() and full.identifiers_known()
+            for ident in "abcde":
+                assert booted.may_hold(ident) == full.may_hold(ident)
+    assert booted is not None and booted.identifiers() == full.identifiers()
+    assert p.carriers() == full.carriers()

@@ -11,13 +11,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
 from mmreuse.demand_query import DemandError, KVSnapshot, SnapshotQuery, decode_query, encode
-from mmreuse.events import BlockRemoved, KVEventSubscriber, RemoteKVIndex
-from mmreuse.events.snapshot import SnapshotRefused, fetch_snapshot
+from mmreuse.events import AllBlocksCleared, BlockRemoved, KVEventSubscriber, RemoteKVIndex
+from mmreuse.events.snapshot import SnapshotRefused, fetch_snapshot, identifier_chunk
 from mmreuse.metrics import Metrics
 from tests.support.kv_publisher import TestPublisher, batch, stored
 from tests.support.waiting import wait_for
@@ -25,11 +26,14 @@ from tests.support.waiting import wait_for
 
 class SnapshotP:
     """A P's publisher and its demand endpoint's snapshot answers. `script(query, truthful)`,
-    when set, answers instead (a list of answers or raw frames; [] answers nothing)."""
+    when set, answers instead (a list of answers or raw frames; [] answers nothing). Its
+    snapshots carry the identifiers its blocks carry while it knows them (`identifiers`:
+    False answers as an older P does)."""
 
     def __init__(self, ctx: zmq.Context, buffer_steps: int = 2) -> None:
         self.pub = TestPublisher(ctx, buffer_steps=buffer_steps)
-        self.truth = RemoteKVIndex("truth")
+        self.truth = RemoteKVIndex("truth", track_identifiers=True)
+        self.identifiers = True
         self.published = 0
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -54,9 +58,16 @@ class SnapshotP:
         with self.lock:
             held = sorted(self.truth.counts().items())
             stamp = self.published
+            carried = self.truth.carriers() if self.identifiers else None
         part = held[query.offset : query.offset + self.chunk]
+        table, pairs = [], []
+        if carried is not None:
+            ids = [i for i, _ in held]
+            end, table, pairs = identifier_chunk(ids, carried, query.offset, self.chunk)
+            assert end == query.offset + len(part)
         return KVSnapshot(query.id, stamp, "inc-1", len(held), query.offset, 1000,
-                          [i for i, _ in part], [n for _, n in part])  # fmt: skip
+                          [i for i, _ in part], [n for _, n in part], carried is not None,
+                          table, pairs)  # fmt: skip
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -102,8 +113,8 @@ def metrics():
     return Metrics(CollectorRegistry())
 
 
-def subscribe(ctx, p, metrics, **kw) -> tuple[RemoteKVIndex, KVEventSubscriber]:
-    idx = RemoteKVIndex("p0")
+def subscribe(ctx, p, metrics, track=False, **kw) -> tuple[RemoteKVIndex, KVEventSubscriber]:
+    idx = RemoteKVIndex("p0", track_identifiers=track)
     kw = {"snapshot_endpoint": p.endpoint, "snapshot_retry_s": 0.2, "snapshot_deadline_s": 2.0,
           **kw}  # fmt: skip
     sub = KVEventSubscriber(p.pub.endpoint, p.pub.replay_endpoint, index=idx, metrics=metrics,
@@ -356,3 +367,120 @@ def test_fetch_snapshot_validates_its_arguments():
     with pytest.raises(SnapshotRefused) as e:
         fetch_snapshot("tcp://127.0.0.1:1", deadline_s=0.2, quiet_s=0.1)
     assert e.value.reason == "timeout"
+
+
+# ---- identifiers: a late view learns which ones P holds ---------------------------------------
+
+
+def mm(ident: str) -> tuple:
+    return ((ident, 0),)
+
+
+def served_mm_before(p) -> None:
+    """`served_before`, the blocks carrying images: 0, 3 and 6 img-0 or img-1, 4 both."""
+    keys = {0: mm("img-0"), 3: mm("img-1"), 4: (("img-0", -16), ("img-1", 0)), 6: mm("img-0")}
+    for i in range(8):
+        p.publish(stored([i], extra_keys=[keys.get(i)]))
+    p.publish(BlockRemoved(block_hashes=[0], medium="GPU"))
+    p.publish()
+    p.publish()
+
+
+def test_a_late_join_learns_the_identifiers_p_holds(ctx, p, metrics):
+    served_mm_before(p)
+    idx, sub = subscribe(ctx, p, metrics, track=True)
+    try:
+        assert wait_for(lambda: sub.complete)
+        assert idx.identifiers_known() and idx.identifiers() == {"img-0": 2, "img-1": 2}
+        assert idx.identifiers() == p.truth.identifiers() and not idx.may_hold("img-2")
+        p.publish(
+            BlockRemoved(block_hashes=[3, 4], medium="GPU"), stored([20], extra_keys=[mm("img-2")])
+        )
+        assert wait_for(lambda: idx.contains(20))
+        assert idx.identifiers() == p.truth.identifiers() == {"img-0": 1, "img-2": 1}
+        assert not idx.may_hold("img-1") and idx.identifiers_known() and sub.complete
+    finally:
+        sub.stop()
+
+
+def test_an_older_p_s_snapshot_leaves_identifiers_unknown(ctx, p, metrics):
+    served_mm_before(p)
+    p.identifiers = False  # a P that does not follow them: its chunks as before
+    idx, sub = subscribe(ctx, p, metrics, track=True)
+    try:
+        assert wait_for(lambda: sub.complete) and idx.counts() == p.truth.counts()
+        assert not idx.identifiers_known() and idx.may_hold("img-9") and idx.identifiers() == {}
+        p.publish(AllBlocksCleared(), stored([30], extra_keys=[mm("img-3")]))
+        assert wait_for(lambda: idx.contains(30))
+        assert idx.identifiers_known() and idx.identifiers() == {"img-3": 1}
+    finally:
+        sub.stop()
+
+
+def test_a_snapshot_held_aside_keeps_its_identifiers(ctx, p, metrics):
+    served_mm_before(p)
+    p.publish(stored([30], extra_keys=[mm("img-5")]), drop=True)  # in the snapshot only
+    p.publish(stored([31], extra_keys=[mm("img-6")]), drop=True)
+    p.chunk = 100
+    raced: list[int] = []
+
+    def racing(q, truth):  # stamped ahead of the stream: held until it gets there
+        if not raced:
+            raced.append(p.publish(stored([32], extra_keys=[mm("img-7")])))
+        return [p.truthful(q)]
+
+    p.script = racing
+    idx, sub = subscribe(ctx, p, metrics, track=True)
+    try:
+        assert wait_for(lambda: sub.complete)
+        assert sub.applied_seq == raced[0] and idx.identifiers_known()
+        assert idx.identifiers() == p.truth.identifiers()
+        assert idx.may_hold("img-5") and idx.may_hold("img-6") and idx.may_hold("img-7")
+    finally:
+        sub.stop()
+
+
+BAD_IDENTIFIERS = [
+    ("the flag flips", lambda q, t: _replace(t, identifiers_followed=False, identifiers=[],
+                                             carried=[]) if q.offset else t),
+    ("past the table", lambda q, t: _replace(t, carried=[(0, [len(t.identifiers)])])),
+    ("past the chunk", lambda q, t: _replace(t, carried=[(len(t.block_ids), [0])])),
+    ("not followed, yet named", lambda q, t: _replace(t, identifiers_followed=False)
+     if t.carried else t),
+    ("a table too long", lambda q, t: _replace(t, identifiers=[f"i{n}" for n in range(4097)])),
+    ("an identifier too long", lambda q, t: _replace(t, identifiers=["x" * 1025])),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, mutate", BAD_IDENTIFIERS, ids=[b[0] for b in BAD_IDENTIFIERS])
+def test_bad_identifiers_refuse_the_snapshot(ctx, p, metrics, name, mutate):
+    # never a view with identifiers it cannot trust: refused whole, the view incomplete (its
+    # identifiers unknown) until P answers well
+    served_mm_before(p)
+    p.script = _chunks(lambda q, t: msgspec.msgpack.encode(mutate(q, t)))
+    idx, sub = subscribe(ctx, p, metrics, track=True)
+    try:
+        assert wait_for(lambda: outcome(metrics, "malformed") >= 1), name
+        # incomplete: what the index knows is the stream's since it joined, never the snapshot's
+        assert not sub.complete and idx.identifiers() == {} and not idx.contains(4)
+        assert outcome(metrics, "ok") == 0
+        p.script = None
+        assert wait_for(lambda: sub.complete), name
+        assert idx.identifiers_known() and idx.identifiers() == p.truth.identifiers()
+    finally:
+        sub.stop()
+
+
+def test_a_block_named_in_two_chunks_refuses_the_snapshot_with_its_identifiers(ctx, p, metrics):
+    # each chunk's identifiers name its own blocks only (by index), so the one inconsistency
+    # left is across chunks: a block (and what it carries) twice. Well formed chunk by chunk;
+    # `load` refuses it whole
+    served_mm_before(p)
+    p.script = _chunks(lambda q, t: _replace(t, offset=q.offset, block_ids=[4, 4, 4][: len(t.block_ids)],
+                                             counts=t.counts))  # fmt: skip
+    idx, sub = subscribe(ctx, p, metrics, track=True)
+    try:
+        assert wait_for(lambda: outcome(metrics, "malformed") >= 1)
+        assert not sub.complete and idx.identifiers() == {} and not idx.contains(4)
+    finally:
+        sub.stop()
