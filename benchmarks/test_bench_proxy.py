@@ -118,3 +118,52 @@ def _percentiles(n: int = 3000) -> None:
 
 if __name__ == "__main__":
     _percentiles()
+
+
+@pytest.fixture(scope="module", params=[0.0, 0.5, 1.0], ids=["cold", "half", "all"])
+def split_planner(request):
+    """A proxy (index) with one PD whose complete view holds the first `fraction` of the
+    prompt's blocks, published with their extra keys (so identifiers are followed)."""
+    config = parse_args(
+        ["--encode-servers-urls", "http://e", "--decode-servers-urls", "http://pd",
+         "--policy", "index", "--kv-events-endpoints", "tcp://127.0.0.1:1",
+         "--hash-seed", "0", "--block-size", str(BLOCK)]
+    )  # fmt: skip
+    proxy = Proxy(config)
+    view = proxy.views[0]
+    view.subscriber = SimpleNamespace(is_alive=True, error=None, complete=True)
+    req, render = _request_and_render()
+    rendered = from_render(render)
+    assert view.hasher is not None and view.index.track_identifiers
+    tokens = list(rendered.token_ids)
+    hashes = view.hasher.hash_prompt(tokens, mm=rendered.occurrences)
+    keys = view.hasher.block_extra_keys(tokens, mm=rendered.occurrences)
+    n = int(len(hashes) * request.param)
+    if n:
+        extra = [
+            None if k is None else [[x[1], x[2]] if x[0] == "mm" else x[1] for x in k]
+            for k in keys[:n]
+        ]
+        stored = BlockStored(
+            [to_event_id(h) for h in hashes[:n]], None, tokens[: n * BLOCK], BLOCK, None,
+            None, None, extra_keys=extra,
+        )  # fmt: skip
+        view.index.apply(KVEventBatch(0.0, [stored]))
+    assert view.usable and view.complete and view.index.identifiers_known()
+    items = req["messages"][0]["content"][::2]
+    return proxy.planner, req, items, [item["uuid"] for item in items], request.param
+
+
+@pytest.mark.parametrize("images", [1, 16])
+def test_arrival_split(benchmark, split_planner, images):
+    """The arrival-time split of a request with `images` images (of the 16 above): the view's
+    identifier lookups, P's encoder-cache records, the dedup; the issue's bound is 20 us per
+    item (BENCHMARKS.md)."""
+    planner, req, items, uuids, held = split_planner
+    items, uuids = items[:images], uuids[:images]
+    arrival = benchmark(planner.split, req, items, uuids)
+    assert arrival is not None
+    if held == 0.0:
+        assert len(arrival.now) == images
+    if held == 1.0:
+        assert arrival.now == ()

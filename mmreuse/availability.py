@@ -295,6 +295,22 @@ class EmbeddingAvailability:
             e_cached=e_cached,
         )
 
+    def p_holds(
+        self, p_instance: str, identifiers: Iterable[str], *, cache_salt: str | None = None
+    ) -> frozenset[str]:
+        """Which of `identifiers` P `p_instance`'s encoder cache holds for this tenant: the
+        `p_local` keys of `availability_for`, without building an Availability (the proxy's
+        arrival-time split asks it for every request)."""
+        ids = _check_ids("identifiers", identifiers)
+        with self._lock:
+            cache = self._caches.get(
+                ("p", _check_name("p_instance", p_instance), Tenant(cache_salt, None))
+            )
+            if cache is None:
+                return frozenset()
+            cache.expire()
+            return frozenset(i for i in ids if i in cache)
+
     def _ids(self, kind: str, name: str, tenant: Tenant, ids: list[str] | None) -> frozenset[str]:
         cache = self._caches.get((kind, name, tenant))
         if cache is None:

@@ -183,3 +183,16 @@ def test_tenant_is_a_frozen_value():
     assert Tenant("s", None) == Tenant("s")
     with pytest.raises(ValueError, match="lora_name"):
         Tenant(None, 5)
+
+
+def test_p_holds_answers_the_p_local_keys_of_availability_for():
+    avail = EmbeddingAvailability()
+    avail.update_p("P0", added={"a": 4, "b": 8})
+    avail.update_p("P0", added={"c": 2}, cache_salt="t")
+    ids = ["a", "c", "z"]
+    assert avail.p_holds("P0", ids) == set(avail.availability_for("P0", identifiers=ids).p_local)
+    assert avail.p_holds("P0", ids) == {"a"}
+    assert avail.p_holds("P0", ids, cache_salt="t") == {"c"}
+    assert avail.p_holds("P1", ids) == frozenset()
+    with pytest.raises(InvalidArgument, match="identifiers"):
+        avail.p_holds("P0", [1])  # type: ignore[list-item]

@@ -216,20 +216,21 @@ class Planner:
         if instance is None:
             instance = self._arrival_instance(distinct)
         view = self.views[instance]
-        avail = self._availability(view, request.get("cache_salt"), distinct)
-        # An unusable view is planned under index as holding nothing, an incomplete one on
-        # what it knows (blind); but where P is asked (demand, or index while the view is
-        # incomplete), only a complete view proves anything.
-        kv_blind = self.policy.reads_view and not view.usable
-        if (self._asks or self._ask_instead(instance)) and not view.complete:
+        usable, complete = view.usable, view.complete
+        has_endpoint = bool(self.demand) and self.demand[instance] is not None
+        if (self._asks and not (usable and complete)) or (
+            self.policy.reads_view and has_endpoint and usable and not complete
+        ):  # P is asked (demand; index on an incomplete view): only a complete view proves
             new: set[str] = set()
         else:
-            p_local, held = avail.p_local, external or ()
-            new = {
-                u
-                for u in distinct
-                if u not in p_local and u not in held and (kv_blind or not view.may_hold(u))
-            }
+            # P's encoder cache, from its events (untenanted, as vLLM's cache is)
+            salt = None if view.ec_subscriber is not None else request.get("cache_salt")
+            new = distinct - self.availability.p_holds(view.name, distinct, cache_salt=salt)
+            if external:
+                new -= external
+            if usable:  # unusable: planned under index as holding nothing (demand: above)
+                unheld = view.kv_unheld(new)  # incomplete: planned blind on what it knows
+                new = set() if unheld is None else unheld
         first: dict[str, int] = {}
         for i, u in enumerate(uuids):  # one uuid on two different items: render judges it
             if u in new and items[first.setdefault(u, i)] != items[i]:
@@ -246,7 +247,7 @@ class Planner:
             else:
                 first[u] = i
                 now.append(i)
-        blind = bool(now) and view.usable and not view.complete
+        blind = bool(now) and usable and not complete
         return Arrival(instance, tuple(now), dup_of, tuple(rest), external, blind)
 
     def _arrival_instance(self, identifiers: set[str]) -> int:

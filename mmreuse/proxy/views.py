@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..availability import EmbeddingAvailability
@@ -206,17 +206,15 @@ class InstanceView:
             and self.hybrid is None
         )
 
-    def may_hold(self, identifier: str) -> bool:
-        """Whether P may hold a KV block carrying mm `identifier`, on any medium, as far as the
-        view can tell: False where it knows no block does (complete or not: an incomplete view
-        knows less, so it answers False more often, as a plan on it sends E more); True where
-        it cannot tell (unusable, identifiers not followed, or unknown since a snapshot)."""
-        if not self.usable:
-            return True
+    def kv_unheld(self, identifiers: Iterable[str]) -> set[str] | None:
+        """Which of `identifiers` no KV block in the view carries, on any medium (an incomplete
+        view answers from what it knows: less, so it names more); None where it cannot tell
+        (identifiers not followed). The caller checks `usable` and `complete`."""
         index = self.index
         if not index.track_identifiers:
-            return True
-        return any(index.may_hold(identifier, medium) for medium in index.media())
+            return None
+        media = index.media()
+        return {u for u in identifiers if not any(index.may_hold(u, m) for m in media)}
 
     def holds_identifier(self, identifier: str) -> bool:
         """Whether a block P holds is known to carry mm `identifier` (affine routing's score:
