@@ -5,7 +5,9 @@ from what the real cluster did.
 Per policy: the caches are reset (P's prefix and encoder caches, E's encoder cache, through
 vLLM's dev endpoints; E's EC store emptied) and every image uuid and the cache salt are scoped
 to the policy's run, so nothing carries over. The stream (`mmreuse.cluster.simchat`) is sent
-open-loop: request i leaves at i / rate seconds, whether or not earlier ones are done.
+open-loop: request i leaves at i / rate seconds (or at the stream's own arrival times, as
+`servegen-photos` has them), whether or not earlier ones are done. TTFT per request class
+(every item new, some, none; `mmreuse.cluster.classes`) comes from `observe`.
 
 Where each occurrence's embedding came from, per request (the simulator's buckets and rules,
 `mmreuse.sim.accounting`): P's admission record (`DemandScheduler` with `admission_records`:
@@ -39,9 +41,11 @@ from typing import Any
 
 from ..accounting import Bucket, Delivery, PolicyResult, account_request
 from ..decision import ItemClass, parse_item_class, parse_policy
+from ..errors import InvalidArgument
 from ..proxy.metrics import sample_sum
 from ..sim.report import percentile, summarize
 from ..validate import check_float, check_str
+from .classes import Observed
 from .client import render
 from .simchat import ChatRequest
 
@@ -166,6 +170,25 @@ def _e_sent(req: ChatRequest, out: RequestOutcome) -> tuple[set[str], dict[str, 
     return set(), None
 
 
+def observe(req: ChatRequest, out: RequestOutcome) -> Observed:
+    """One request's outcome as `mmreuse.cluster.classes` reads it: its TTFT (None unless
+    answered), its items, how many items E got for it (E's own records where it keeps them,
+    else the proxy's decision), and the proxy's render of it (None: not rendered)."""
+    if out.e_records:
+        e_items = sum(len(rec.identifiers) for rec in out.e_records)
+    elif out.decision is not None:
+        e_items = len(out.decision.e_indices)
+    else:
+        e_items = 0
+    render_s = getattr(out.decision, "render_s", 0.0) if out.decision is not None else 0.0
+    return Observed(
+        ttft_ms=out.ttft_ms if out.status == 200 else None,
+        items=len(req.uuids),
+        e_items=e_items,
+        render_ms=render_s * 1e3 if render_s else None,
+    )
+
+
 def attribute(
     policy: str, requests: Sequence[ChatRequest], outcomes: Sequence[RequestOutcome]
 ) -> PolicyResult:
@@ -279,11 +302,11 @@ async def _open_loop(
     url: str,
     requests: Sequence[ChatRequest],
     outcomes: Sequence[RequestOutcome],
-    rate: float,
+    offsets: Sequence[float],
     run: str,
     progress: Callable[[int, int], None] | None,
 ) -> None:
-    """Send the stream to the proxy at `url`, request i at i / rate s (open loop)."""
+    """Send the stream to the proxy at `url`, request i at offsets[i] s (open loop)."""
     import aiohttp
 
     t0 = time.perf_counter()
@@ -291,7 +314,7 @@ async def _open_loop(
     async with aiohttp.ClientSession(timeout=timeout) as session:
         tasks = []
         for i, (req, out) in enumerate(zip(requests, outcomes, strict=True)):
-            delay = t0 + i / rate - time.perf_counter()
+            delay = t0 + offsets[i] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.ensure_future(_send(session, url, req, f"{run}-{req.rid}", out)))
@@ -307,7 +330,7 @@ async def _drive(
     proxy_args: list[str],
     env: dict[str, str],
     requests: Sequence[ChatRequest],
-    rate: float,
+    offsets: Sequence[float],
     run: str,
     progress: Callable[[int, int], None] | None,
 ) -> tuple[list[RequestOutcome], str]:
@@ -334,7 +357,7 @@ async def _drive(
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
         await asyncio.sleep(1.0)  # the proxy's subscribers connect (slow joiner)
-        await _open_loop(f"http://127.0.0.1:{port}", requests, outcomes, rate, run, progress)
+        await _open_loop(f"http://127.0.0.1:{port}", requests, outcomes, offsets, run, progress)
         metrics = generate_latest(app[PROXY_KEY].metrics.registry).decode()
     finally:
         await runner.cleanup()
@@ -345,7 +368,7 @@ def _drive_reference(
     cluster: Any,
     env: dict[str, str],
     requests: Sequence[ChatRequest],
-    rate: float,
+    offsets: Sequence[float],
     run: str,
     progress: Callable[[int, int], None] | None,
 ) -> list[RequestOutcome]:
@@ -386,7 +409,7 @@ def _drive_reference(
                     raise RuntimeError("vLLM's reference proxy did not become healthy in 60 s")
                 time.sleep(0.2)
             outcomes = [RequestOutcome(r.rid) for r in requests]
-            asyncio.run(_open_loop(url, requests, outcomes, rate, run, progress))
+            asyncio.run(_open_loop(url, requests, outcomes, offsets, run, progress))
         finally:
             from .instance import stop_group
 
@@ -415,15 +438,24 @@ def run_policy(
     run: str,
     progress: Callable[[int, int], None] | None = None,
     proxy_args: Sequence[str] | None = None,
+    offsets: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """One policy's run on `cluster` (a started `mmreuse.cluster.Cluster`): its summary row
-    (the simulator's keys, plus what only a real run has) and its PolicyResult. `proxy_args`:
-    the proxy's cluster flags (default `cluster.proxy_args()`, every P/PD). `policy`
-    "reference": vLLM's reference proxy in front of the same servers, in place of mmreuse's."""
+    (the simulator's keys, plus what only a real run has), its PolicyResult, the answers and
+    each request's outcome. `proxy_args`: the proxy's cluster flags (default
+    `cluster.proxy_args()`, every P/PD). `policy` "reference": vLLM's reference proxy in front
+    of the same servers, in place of mmreuse's. Request i leaves at `offsets[i]` s
+    (`send_offsets`), or at i / rate s without them."""
     reference = policy == REFERENCE
     policy = REFERENCE if reference else parse_policy(policy).value
     check_str("run", run, nonempty=True)
     rate = check_float("rate", rate, 0, lo_open=True)
+    if offsets is None:
+        offsets = [i / rate for i in range(len(requests))]
+    elif len(offsets) != len(requests):
+        raise InvalidArgument(
+            f"offsets must hold one time per request ({len(requests)}), got {len(offsets)}"
+        )
     reset_caches(cluster)
     ps = [i.spec for i in cluster.instances.values() if i.spec.role == "prefill"]
     es = [i.spec for i in cluster.instances.values() if i.spec.role == "encoder"]
@@ -436,11 +468,11 @@ def run_policy(
     env = {"ENCODER_MAX_BATCH_SIZE": "2"}  # the tiny E's 64-token budget fits 2 images
     t0 = time.perf_counter()
     if reference:
-        outcomes, metrics = _drive_reference(cluster, env, requests, rate, run, progress), ""
+        outcomes, metrics = _drive_reference(cluster, env, requests, offsets, run, progress), ""
     else:
         base = list(cluster.proxy_args() if proxy_args is None else proxy_args)
         args = [*base, "--policy", policy]
-        outcomes, metrics = asyncio.run(_drive(args, env, requests, rate, run, progress))
+        outcomes, metrics = asyncio.run(_drive(args, env, requests, offsets, run, progress))
     wall = time.perf_counter() - t0
     time.sleep(1.0)  # the last records and log lines land
     p_recs = _by_tag([r for recs in _records_since(endpoints, heads) for r in recs], False)
@@ -488,13 +520,26 @@ def run_policy(
             "e_store_hits": e_classes.count("p_external") if e_endpoints else None,
             "e_cache_hits": e_classes.count("p_local") if e_endpoints else None,
             "ttft_p90_ms": percentile(result.ttft_ms, 90),
+            # the proxy's render stage (mmreuse_proxy_stage_seconds{stage="render"}): P's
+            # processor on every image of the requests it rendered (None: the reference's)
+            "renders": None
+            if reference
+            else int(sample_sum(metrics, "mmreuse_proxy_stage_seconds_count", stage="render")),
+            "render_s_sum": None
+            if reference
+            else round(sample_sum(metrics, "mmreuse_proxy_stage_seconds_sum", stage="render"), 6),
             "failed_requests": sum(1 for o in outcomes if o.status != 200),
             "unrecorded_requests": sum(1 for o in outcomes if not o.records),
             "wall_s": round(wall, 3),
             "cpu_scale_latencies": True,
         }
     )
-    return {"row": row, "result": result, "outputs": [o.text for o in outcomes]}
+    return {
+        "row": row,
+        "result": result,
+        "outputs": [o.text for o in outcomes],
+        "outcomes": outcomes,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -620,6 +665,7 @@ def simulate_like(
     e_cache_embeds: int = STORE_EMBEDS,
     seed: int = 0,
     store: tuple[int, int] | None = None,
+    offsets: Sequence[float] | None = None,
 ) -> list[dict[str, Any]]:
     """`mmreuse simulate` on the same stream, configured like the real cluster: the same
     arrivals (request i at i / rate s), P's real KV blocks, block size and encoder cache (its
@@ -627,13 +673,17 @@ def simulate_like(
     ECExampleConnector's, unbounded, as both E's cache and the external store P loads from.
     `store` (E's encoder cache, the store's capacity), in embeddings: the Mooncake Store's,
     E's own cache beside a bounded store that E reads before a forward and P loads from. The
-    simulator's summary rows."""
+    simulator's summary rows. `offsets`: when each request left (s), where not i / rate."""
     import dataclasses
 
     from ..sim import run
     from ..sim.config import ClusterConfig, SimConfig
 
-    timed = [dataclasses.replace(r, arrival_ms=i * 1000.0 / rate) for i, r in enumerate(stream)]
+    if offsets is None:
+        offsets = [i / rate for i in range(len(stream))]
+    timed = [
+        dataclasses.replace(r, arrival_ms=t * 1000.0) for r, t in zip(stream, offsets, strict=True)
+    ]
     p = sizes[0]
     cluster = ClusterConfig(
         num_encoders=1,
@@ -716,6 +766,7 @@ __all__ = [
     "RequestOutcome",
     "attribute",
     "comparison",
+    "observe",
     "p_sizes",
     "rendered_stream",
     "reset_caches",

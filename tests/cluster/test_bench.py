@@ -200,3 +200,45 @@ async def test_a_stream_that_fails_after_its_200_is_a_failed_request(lines, stat
         assert (out.status, out.text) == (status, text) and out.ttft_ms is not None
     finally:
         await runner.cleanup()
+
+
+def test_observe_reads_ttft_items_e_and_render():
+    from mmreuse.cluster.bench import observe
+    from mmreuse.cluster.classes import Observed
+
+    r = req(0, "a", "b", "c")
+    o = out(0, [0, 2], "abc", ["p_external"] * 3, ttft=42.0)
+    o.decision.render_s = 0.0125
+    assert observe(r, o) == Observed(42.0, 3, 2, 12.5)
+    o.e_records = [e_rec("ab", ["e_compute"] * 2, [0, 1]), e_rec("c", ["p_local"])]
+    assert observe(r, o).e_items == 3  # E's own account wins over the decision
+    failed = out(0, [0], "abc", ["p_external"] * 3, status=-2, ttft=5.0)
+    failed.decision.render_s = 0.0
+    assert observe(r, failed) == Observed(None, 3, 1, None)  # failed: no TTFT; not rendered
+    assert observe(r, RequestOutcome(0, 200, 7.0)) == Observed(7.0, 3, 0, None)  # no decision
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--repeats", "0"], "--repeats: must be >= 1"),
+        (
+            ["--servegen-client", "client-12"],
+            "--servegen-client: only with --workload servegen-photos",
+        ),
+        (
+            ["--workload", "servegen-photos", "--servegen-client", "x"],
+            "servegen_client must be one of",
+        ),
+    ],
+)
+def test_bench_cluster_refuses_bad_repeats_and_clients(capsys, argv, words):
+    assert cli.main(["bench-cluster", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_run_refuses_offsets_that_do_not_match_the_stream():
+    from mmreuse.cluster.bench import run_policy
+
+    with pytest.raises(ValueError, match=r"^offsets must hold one time per request \(2\), got 1"):
+        run_policy(NS(), "eager", [req(0), req(1)], rate=1.0, run="r", offsets=[0.0])

@@ -1,0 +1,285 @@
+"""TTFT per request class for `mmreuse bench-cluster`: does a policy delay the requests whose
+images are new (the RFC's Q3), and how much does it save on the others?
+
+Each request of a stream is classed by its media items at arrival (`classify`): `new` (every
+item's uuid is seen for the first time in the run), `mixed` (some are), `reused` (none are), and
+`text` (no media). The stream is the same in every run, so the classes are too.
+
+Runs are repeated and interleaved (`interleave`: eager, index, demand, reference, eager, ...),
+each from cold caches; per policy and class (`summarize`): the median over runs of each run's
+median TTFT, its spread (min-max over runs), the median over runs of each run's p90; and the
+paired difference against a baseline policy (`eager`, vLLM's `reference`): per run r, the
+median over the class's requests i of TTFT(policy, r, i) - TTFT(baseline, r, i), then its median
+and spread over runs. Pairing request by request takes out what the stream itself varies (one
+request has a long prompt, another many images), so a difference of a few ms shows where the
+TTFTs themselves spread over hundreds. Also per class: how many items E got, and the proxy's
+render time (median per run), where it rendered.
+
+Pure functions on plain values: `mmreuse.cluster.bench` turns each run's outcomes into
+`Observed` values.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidArgument
+from ..validate import check_float, check_int, check_str, fail_type, fail_value
+
+__all__ = [
+    "BASELINES",
+    "CLASSES",
+    "MIXED",
+    "NEW",
+    "REUSED",
+    "TEXT",
+    "ClassRun",
+    "Observed",
+    "class_runs",
+    "class_table",
+    "classify",
+    "interleave",
+    "paired_median",
+    "send_offsets",
+    "summarize",
+]
+
+NEW, MIXED, REUSED, TEXT = "new", "mixed", "reused", "text"
+CLASSES = (NEW, MIXED, REUSED, TEXT)
+BASELINES = ("eager", "reference")  # what every policy is paired against, when it ran
+
+
+def classify(uuids: Sequence[Sequence[str]]) -> list[str]:
+    """Each request's class, the requests in arrival order, each given by its media items'
+    uuids: `new` if none of its uuids came in an earlier request, `reused` if all did, `mixed`
+    otherwise, `text` without media. (An item repeated within a request counts as its first
+    occurrence's: the request brings it.)"""
+    if isinstance(uuids, (str, bytes)) or not isinstance(uuids, Sequence):
+        fail_type("uuids", "a sequence of uuid sequences", uuids)
+    seen: set[str] = set()
+    out = []
+    for i, items in enumerate(uuids):
+        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+            fail_type(f"uuids[{i}]", "a sequence of uuids", items)
+        for j, u in enumerate(items):
+            check_str(f"uuids[{i}][{j}]", u, nonempty=True)
+        if not items:
+            out.append(TEXT)
+            continue
+        known = [u in seen for u in items]
+        out.append(REUSED if all(known) else NEW if not any(known) else MIXED)
+        seen.update(items)
+    return out
+
+
+def send_offsets(arrivals_s: Sequence[float]) -> list[float]:
+    """When each request leaves (s, from the first): its arrival less the first's. Arrivals
+    must be finite and non-decreasing (a stream sorted by arrival)."""
+    if isinstance(arrivals_s, (str, bytes)) or not isinstance(arrivals_s, Sequence):
+        fail_type("arrivals_s", "a sequence of numbers", arrivals_s)
+    out: list[float] = []
+    for i, a in enumerate(arrivals_s):
+        a = check_float(f"arrivals_s[{i}]", a, 0)
+        if out and a < arrivals_s[i - 1]:
+            fail_value(f"arrivals_s[{i}]", f">= arrivals_s[{i - 1}] ({arrivals_s[i - 1]})", a)
+        out.append(a)
+    return [a - out[0] for a in out]
+
+
+def interleave(policies: Sequence[str], repeats: int) -> list[tuple[int, str]]:
+    """The runs in order, (repeat, policy): every policy once per round, in the given order,
+    `repeats` rounds. Alternating spreads a drift of the machine (another job, a warming cache)
+    over every policy instead of charging it to the one that ran last."""
+    repeats = check_int("repeats", repeats, 1)
+    if isinstance(policies, (str, bytes)) or not isinstance(policies, Sequence) or not policies:
+        fail_value("policies", "a non-empty sequence of policy names", policies)
+    for i, p in enumerate(policies):
+        check_str(f"policies[{i}]", p, nonempty=True)
+    if len(set(policies)) != len(policies):
+        fail_value("policies", "distinct policy names", list(policies))
+    return [(r, p) for r in range(repeats) for p in policies]
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """One request in one run: its TTFT (None: it failed, or streamed no token), its media
+    items, how many of them E got, and the proxy's render of it (None: not rendered)."""
+
+    ttft_ms: float | None
+    items: int
+    e_items: int
+    render_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClassRun:
+    """One class in one run: requests, those answered, their TTFT median and p90 (None when
+    none answered), items and E's items in all, the median render (None: none rendered)."""
+
+    requests: int
+    answered: int
+    ttft_median_ms: float | None
+    ttft_p90_ms: float | None
+    items: int
+    e_items: int
+    render_median_ms: float | None
+
+
+def _p90(values: Sequence[float]) -> float:
+    """The 90th percentile, linearly interpolated (numpy's default)."""
+    xs = sorted(values)
+    k = (len(xs) - 1) * 0.9
+    lo = math.floor(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _check_run(classes: Sequence[str], run: Sequence[Observed], field: str) -> None:
+    if len(run) != len(classes):
+        raise InvalidArgument(
+            f"{field} must hold one observation per request ({len(classes)}), got {len(run)}"
+        )
+    for i, o in enumerate(run):
+        if not isinstance(o, Observed):
+            fail_type(f"{field}[{i}]", "an Observed", o)
+    for i, c in enumerate(classes):
+        if c not in CLASSES:
+            fail_value(f"classes[{i}]", f"one of {CLASSES}", c)
+
+
+def class_runs(classes: Sequence[str], run: Sequence[Observed]) -> dict[str, ClassRun]:
+    """Per class (those with requests), what one run did to its requests."""
+    _check_run(classes, run, "run")
+    out = {}
+    for cls in CLASSES:
+        mine = [o for c, o in zip(classes, run, strict=True) if c == cls]
+        if not mine:
+            continue
+        ttfts = [o.ttft_ms for o in mine if o.ttft_ms is not None]
+        renders = [o.render_ms for o in mine if o.render_ms is not None]
+        out[cls] = ClassRun(
+            requests=len(mine),
+            answered=len(ttfts),
+            ttft_median_ms=statistics.median(ttfts) if ttfts else None,
+            ttft_p90_ms=_p90(ttfts) if ttfts else None,
+            items=sum(o.items for o in mine),
+            e_items=sum(o.e_items for o in mine),
+            render_median_ms=statistics.median(renders) if renders else None,
+        )
+    return out
+
+
+def paired_median(
+    classes: Sequence[str], run: Sequence[Observed], base: Sequence[Observed]
+) -> dict[str, float | None]:
+    """Per class (those with requests): the median over its requests i answered in both runs
+    of run[i].ttft - base[i].ttft (None where no request was answered in both)."""
+    _check_run(classes, run, "run")
+    _check_run(classes, base, "base")
+    out: dict[str, float | None] = {}
+    for cls in CLASSES:
+        diffs = [
+            o.ttft_ms - b.ttft_ms
+            for c, o, b in zip(classes, run, base, strict=True)
+            if c == cls and o.ttft_ms is not None and b.ttft_ms is not None
+        ]
+        if cls in classes:
+            out[cls] = statistics.median(diffs) if diffs else None
+    return out
+
+
+def _spread(values: Sequence[float | None]) -> dict[str, Any] | None:
+    """{"median", "min", "max"} over runs of the values that exist (None: none does)."""
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return None
+    return {
+        "median": round(statistics.median(xs), 3),
+        "min": round(min(xs), 3),
+        "max": round(max(xs), 3),
+    }
+
+
+def summarize(
+    classes: Sequence[str], runs: Mapping[str, Sequence[Sequence[Observed]]]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per policy, per class: over the policy's runs (`runs[policy][r]`, run r of every policy
+    paired with run r of each baseline), the median TTFT (median over runs of each run's median,
+    and its min-max), the p90 likewise, the paired differences against each baseline of
+    `BASELINES` that ran (`vs_eager_ms`, `vs_reference_ms`: each run's median paired difference,
+    their median and min-max over runs), items and E's items (median over runs), the render's
+    median, failed requests over all runs. JSON-ready."""
+    if not isinstance(runs, Mapping):
+        fail_type("runs", "a mapping of policy -> runs", runs)
+    per_run = {p: [class_runs(classes, r) for r in rs] for p, rs in runs.items()}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for policy, rs in runs.items():
+        paired = {
+            b: [paired_median(classes, r, base) for r, base in zip(rs, runs[b], strict=False)]
+            for b in BASELINES
+            if b in runs and b != policy
+        }
+        out[policy] = {}
+        for cls in CLASSES:
+            stats = [r[cls] for r in per_run[policy] if cls in r]
+            if not stats:
+                continue
+
+            def med(values: list[float | None]) -> float | None:
+                xs = [v for v in values if v is not None]
+                return round(statistics.median(xs), 3) if xs else None
+
+            entry: dict[str, Any] = {
+                "requests": stats[0].requests,
+                "runs": len(stats),
+                "failed": sum(s.requests - s.answered for s in stats),
+                "ttft_median_ms": _spread([s.ttft_median_ms for s in stats]),
+                "ttft_p90_ms": _spread([s.ttft_p90_ms for s in stats]),
+                "items": stats[0].items,
+                "e_items": med([float(s.e_items) for s in stats]),
+                "render_median_ms": med([s.render_median_ms for s in stats]),
+            }
+            for b in BASELINES:
+                entry[f"vs_{b}_ms"] = (
+                    _spread([d.get(cls) for d in paired[b]]) if b in paired else None
+                )
+            out[policy][cls] = entry
+    return out
+
+
+def _fmt(x: float | None, width: int) -> str:
+    return f"{'-' if x is None else f'{x:.1f}':>{width}}"
+
+
+def _fmt_spread(s: dict[str, Any] | None, signed: bool = False) -> str:
+    if s is None:
+        return f"{'-':>22}"
+    sign = "+" if signed else ""
+    return f"{s['median']:{sign}.1f} [{s['min']:{sign}.1f}, {s['max']:{sign}.1f}]".rjust(22)
+
+
+def class_table(summary: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """`summarize`'s result as a text table: one line per class and policy."""
+    head = (
+        f"{'class':<7} {'policy':<13} {'reqs':>4} {'TTFT median [min, max]':>22} "
+        f"{'p90':>7} {'vs eager [min, max]':>22} {'vs reference [min, max]':>22} "
+        f"{'items':>5} {'E':>5} {'render':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for cls in CLASSES:
+        for policy, per in summary.items():
+            e = per.get(cls)
+            if e is None:
+                continue
+            p90 = e["ttft_p90_ms"]["median"] if e["ttft_p90_ms"] else None
+            lines.append(
+                f"{cls:<7} {policy:<13} {e['requests']:>4} {_fmt_spread(e['ttft_median_ms'])} "
+                f"{_fmt(p90, 7)} {_fmt_spread(e['vs_eager_ms'], True)} "
+                f"{_fmt_spread(e['vs_reference_ms'], True)} {e['items']:>5} "
+                f"{_fmt(e['e_items'], 5)} {_fmt(e['render_median_ms'], 6)}"
+            )
+    return "\n".join(lines)
