@@ -311,6 +311,21 @@ class EmbeddingAvailability:
             cache.expire()
             return frozenset(i for i in ids if i in cache)
 
+    def e_holds(
+        self,
+        e_instances: Sequence[str],
+        identifiers: Iterable[str],
+        *,
+        cache_salt: str | None = None,
+    ) -> frozenset[str]:
+        """Which of `identifiers` any of `e_instances` holds for this tenant: the `e_cached` of
+        `availability_for`, without a P instance (the proxy's E side asks it)."""
+        names = _check_ids("e_instances", e_instances)
+        ids = _check_ids("identifiers", identifiers)
+        tenant = Tenant(cache_salt, None)
+        with self._lock:
+            return frozenset().union(*(self._ids("e", e, tenant, ids) for e in names))
+
     def _ids(self, kind: str, name: str, tenant: Tenant, ids: list[str] | None) -> frozenset[str]:
         cache = self._caches.get((kind, name, tenant))
         if cache is None:

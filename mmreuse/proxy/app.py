@@ -40,6 +40,7 @@ from .content import MediaFetcher, name_by_content
 from .demand import DemandClient
 from .encoder import EMPTY, EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
+from .eside import ESide
 from .media import (
     EMBEDS_PARTS,
     item_uuid,
@@ -141,14 +142,8 @@ class Proxy:
             )
             for i, instance in enumerate(config.instances)
         ]
-        self.e_views: list[EncoderView] = (
-            [
-                EncoderView(f"E{i}", e, availability=self.availability, metrics=self.metrics)
-                for i, e in enumerate(config.encoders)
-            ]
-            if config.e_events and (config.policy.reads_view or config.policy.asks_p)
-            else []  # eager plans nothing on the E side
-        )
+        self.e_side = ESide(config, self.availability, self.metrics)
+        self.e_views: list[EncoderView] = self.e_side.views
         self.rng = random.Random(config.seed)
         # Asked only under demand / opportunistic (the config holds an endpoint for each then).
         # Asked under demand / opportunistic (the config holds an endpoint for each then), and
@@ -192,6 +187,7 @@ class Proxy:
             clients,
             models=ModelCatalog(self._get),
             store=self.store,
+            e_side=self.e_side,
         )
         self.encoders = EncoderFanout(
             config.encode_urls,
@@ -838,11 +834,7 @@ class Proxy:
                 "routing": cfg.routing,
                 "status": "degraded" if problems else "ok",
                 "problems": problems,
-                # What E holds: E's own encoder-cache events (every replica sees the same), else
-                # this process's record of what it sent (replicas each know only their own).
-                "e_side": ("events" if cfg.e_events else "per-replica")
-                if cfg.policy.reads_view or cfg.policy.asks_p
-                else None,
+                "e_side": self.e_side.health(),  # events, per-replica, or None (eager)
                 "views": views,
                 **({"e_views": e_views} if e_views else {}),
                 **({"e_store": store} if store is not None else {}),

@@ -41,14 +41,13 @@ from ..render import RENDER_PATH, RenderedPrompt, from_render_json, render_body
 from .config import ProxyConfig
 from .demand import DemandClient, DemandUnavailable
 from .encoder import new_hex
+from .eside import ESide
 from .media import MODALITY, item_uuid, with_uuids
 from .models import ModelCatalog
 from .store import StoreTruth
 from .views import InstanceView
 
 logger = logging.getLogger("mmreuse.proxy")
-
-E_LOCATION = "E"  # the E side as one location: vLLM's example encoders share one EC store
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,11 +131,13 @@ class Planner:
         *,
         models: ModelCatalog | None = None,
         store: StoreTruth | None = None,
+        e_side: ESide | None = None,
     ) -> None:
         """`models`: what each P/PD serves, so that a request naming a LoRA adapter is not
         planned on the base model's blocks (None: every request's model is taken as base).
         `store`: the shared embedding store, asked what it holds of each request planned on
-        the view (what P's EC connector loads: `p_external`)."""
+        the view (what P's EC connector loads: `p_external`). `e_side`: what E holds (None:
+        one made from the config, without E views)."""
         self.store = store
         self.config = config
         self.models = models
@@ -155,12 +156,7 @@ class Planner:
         if self._asks and any(c is None for c in self.demand):
             raise InvalidArgument(f"policy {self.policy!r} asks every P/PD: a client is missing")
         self._needs_render = self.policy.renders or config.routing == "affine"
-        # The E side: each E's encoder cache from its events (untenanted, as vLLM's cache is;
-        # every replica sees the same), else what this process sent to E (one location: the
-        # reference's encoders share one EC store).
-        self.e_locations: str | tuple[str, ...] = (
-            tuple(f"E{i}" for i in range(len(config.encoders))) if config.e_events else E_LOCATION
-        )
+        self.e_side = e_side if e_side is not None else ESide(config, availability, None)
 
     def random_instance(self) -> int:
         return self._rng.randrange(len(self.config.prefill_instances))
@@ -264,9 +260,7 @@ class Planner:
     ) -> Decision:
         """The Decision of a request whose every item went to E at arrival (none waits): no
         render, no plan; E-cached where E's side says it holds the identifier."""
-        e_side = self._availability(
-            self.views[arrival.instance], request.get("cache_salt"), set(uuids)
-        ).e_cached
+        e_side = self.e_side.cached(set(uuids), request.get("cache_salt"))
         klasses = [ItemClass.DUPLICATE] * len(uuids)
         for i in arrival.now:
             klasses[i] = ItemClass.E_CACHED if uuids[i] in e_side else ItemClass.E_COMPUTE
@@ -481,8 +475,7 @@ class Planner:
         identifiers = _identifiers(rendered, occ_items, len(items))
         idents = {occ.identifier for occ in rendered.occurrences}
         # what E holds of this request only (looked up for its identifiers alone)
-        e_side = self._availability(self.views[instance], rendered.cache_salt, idents)
-        e_cached = sorted(e_side.e_cached | (early & idents))
+        e_cached = sorted(self.e_side.cached(idents, rendered.cache_salt) | (early & idents))
         query = query_for(rendered, new_hex(128), e_cached=e_cached)
         client = self.demand[instance]
         assert client is not None  # _ask_instead, or the policy asks every instance
@@ -571,38 +564,29 @@ class Planner:
         self, view: InstanceView, cache_salt: str | None, identifiers: set[str]
     ) -> Availability:
         """What `view`'s P, the external store and E hold of these identifiers, for a request
-        of this salt (looked up one by one: the records hold thousands)."""
-        avail, e_loc, ids = self.availability, self.e_locations, identifiers
-        if cache_salt is None:
-            return avail.availability_for(view.name, e_loc, identifiers=ids)
-        events_e = self.config.e_events
-        tenanted = avail.availability_for(
-            view.name, None if events_e else e_loc, cache_salt=cache_salt, identifiers=ids
-        )
-        if view.ec_subscriber is None and not events_e:
-            return tenanted
-        # vLLM's encoder caches are not scoped by cache salt: P's and E's entries from their
-        # events (recorded without a tenant) serve this request too; what the proxy itself
-        # sent to E stays per tenant.
-        shared = avail.availability_for(view.name, e_loc if events_e else None, identifiers=ids)
-        p_side = shared if view.ec_subscriber is not None else tenanted
+        of this salt (looked up one by one: the records hold thousands). P's encoder cache,
+        from its events, is untenanted as vLLM's is; the store's records are per tenant; E's
+        side answers for itself (`ESide`)."""
+        avail, ids = self.availability, identifiers
+        p_salt = None if view.ec_subscriber is not None else cache_salt
+        p_side = avail.availability_for(view.name, cache_salt=p_salt, identifiers=ids)
+        external = p_side.p_external
+        if p_salt != cache_salt:
+            external = avail.availability_for(
+                view.name, cache_salt=cache_salt, identifiers=ids
+            ).p_external
         return Availability(
             p_local=p_side.p_local,
             p_local_freeable=p_side.p_local_freeable,
-            p_external=tenanted.p_external,
-            e_cached=shared.e_cached if events_e else tenanted.e_cached,
+            p_external=external,
+            e_cached=self.e_side.cached(ids, cache_salt),
         )
 
     def record_e(self, decision: Decision) -> None:
-        """E now holds what it was sent (the E-side availability index plans with), unless
-        E's own events say what it holds."""
-        if self.config.e_events:
-            return
+        """E now holds what it was sent (where the E side is this process's record of it)."""
         if decision.identifiers and decision.e_indices:
-            self.availability.update_e(
-                E_LOCATION,
-                added=[decision.identifiers[i] for i in decision.e_indices],
-                cache_salt=decision.cache_salt,
+            self.e_side.sent(
+                [decision.identifiers[i] for i in decision.e_indices], decision.cache_salt
             )
 
 
