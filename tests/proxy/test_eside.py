@@ -22,7 +22,7 @@ def side(policy: str, *extra: str) -> tuple[ESide, EmbeddingAvailability]:
 
 
 def test_eager_plans_nothing_on_the_e_side():
-    e, avail = side("eager")
+    e, _ = side("eager")
     assert (e.kind, e.health(), e.views) == ("none", None, [])
     e.sent(["a"], None)
     assert e.cached(["a"]) == frozenset()
