@@ -32,6 +32,29 @@ SKIP_MALFORMED = "extra keys malformed"
 SKIP_SNAPSHOT = "loaded from a snapshot"
 
 
+def entry_identifiers(entry: list[Any] | tuple[Any, ...]) -> tuple[tuple[str, ...], int] | None:
+    """The distinct identifiers of one block's extra keys (vLLM 0.33.0's untagged items: an
+    mm key `(identifier, offset)`; LoRA names, salts, digests ignored) and how many were over
+    MAX_IDENT_CHARS (not followed); None if malformed."""
+    idents: tuple[str, ...] = ()
+    long = 0
+    for k in entry:
+        kind = type(k)
+        if kind is list or kind is tuple:  # an mm key, (identifier, offset)
+            if len(k) != 2:
+                return None
+            ident, off = k
+            if type(ident) is not str or type(off) is not int or not ident:
+                return None
+            if len(ident) > MAX_IDENT_CHARS:
+                long += 1
+            elif ident not in idents:
+                idents += (ident,)
+        elif kind is not str and kind is not bytes:  # not a LoRA name, salt, digest
+            return None
+    return idents, long
+
+
 class RemoteKVIndex:
     """The block hashes an instance holds, as its KV events tell (per medium: GPU, CPU, ...).
 
@@ -206,24 +229,13 @@ class RemoteKVIndex:
                 return
 
     def _entry_identifiers(self, entry: list[Any] | tuple[Any, ...]) -> tuple[str, ...] | None:
-        """The distinct identifiers of one block's extra keys, None if malformed; an
-        identifier over MAX_IDENT_CHARS is skipped and counted."""
-        idents: tuple[str, ...] = ()
-        for k in entry:
-            kind = type(k)
-            if kind is list or kind is tuple:  # an mm key, (identifier, offset)
-                if len(k) != 2:
-                    return None
-                ident, off = k
-                if type(ident) is not str or type(off) is not int or not ident:
-                    return None
-                if len(ident) > MAX_IDENT_CHARS:
-                    self._skip(SKIP_LONG_IDENT)
-                elif ident not in idents:
-                    idents += (ident,)
-            elif kind is not str and kind is not bytes:  # not a LoRA name, salt, digest
-                return None
-        return idents
+        """`entry_identifiers`, counting the identifiers too long to follow."""
+        found = entry_identifiers(entry)
+        if found is None:
+            return None
+        if found[1]:
+            self._skip(SKIP_LONG_IDENT, found[1])
+        return found[0]
 
     def _release_identifiers(
         self,

@@ -26,12 +26,14 @@ from typing import Any
 
 import zmq
 
+from ..blockhash import to_event_ids
 from ..demand_query import (
     MAX_ANSWER_BYTES,
     MAX_IDENT_CHARS,
     MAX_SNAPSHOT_IDENT_BYTES,
     MAX_SNAPSHOT_IDENT_REFS,
     MAX_SNAPSHOT_IDENTS,
+    MAX_SNAPSHOT_IDENTS_PER_BLOCK,
     DemandError,
     ECEntry,
     ECSnapshot,
@@ -43,8 +45,8 @@ from ..demand_query import (
     encode,
 )
 from ..validate import check_float, check_int
-from .index import RemoteKVIndex
-from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from .index import entry_identifiers
+from .wire import MEDIUM_GPU
 
 logger = logging.getLogger(__name__)
 
@@ -208,13 +210,18 @@ class PublishedIdentifiers:
     publishes (vLLM's block pool keeps a block's hash, not the extra keys that made it), so
     that P's KVSnapshot can carry them (`DemandScheduler`, `"snapshot_identifiers"`).
 
-    It is a `RemoteKVIndex(track_identifiers=True)` fed the batches as P publishes them, in
-    order (`follow`, called right after each publish, under the lock the snapshot is taken
-    under): its `carriers` are then exactly what a view that applied every batch from 0 holds,
-    as of the last batch published, the snapshot's stamp. Only the GPU medium (the prefix
-    cache's; a snapshot holds no other) is followed.
+    Fed the batches as P publishes them, in order (`follow`, right after each publish, under
+    the lock the snapshot is taken under), its `carriers` are what `RemoteKVIndex.carriers`
+    gives a view that applied every batch from 0, as of the last batch published: the
+    snapshot's stamp. Only the GPU medium (the prefix cache's; a snapshot holds no other).
 
-    Bounded by P's block count: past `max_hashes` held hashes (events that over-report, such
+    Leaner than a RemoteKVIndex, because it runs in P's engine: it counts only the hashes that
+    carry identifiers (how many blocks hold each, so that one leaves with its last
+    BlockRemoved), so a text-only store costs one scan of its extra keys and a removal one C
+    call while no hash carries any. That relies on vLLM's rule that a block hash includes its
+    extra keys: a hash is stored with its identifiers every time, never without them.
+
+    Bounded by P's block count: past `max_hashes` such hashes (events that over-report, such
     as re-announced blocks never removed twice) it stops following, until the next
     AllBlocksCleared; stopped, or where the identifiers are unknown (a store without
     `extra_keys`, malformed ones), `carriers` is None and P's snapshot says it did not follow
@@ -223,70 +230,109 @@ class PublishedIdentifiers:
 
     def __init__(self, max_hashes: int) -> None:
         self.max_hashes = check_int("max_hashes", max_hashes, 0)
-        self._index = RemoteKVIndex("published", max_media=1, track_identifiers=True)
+        # event id -> [blocks holding it, the identifiers it carries], for those carrying any
+        self._held: dict[int, list[Any]] = {}
         self.stopped: str | None = None  # why it stopped following, until a clear
 
     def follow(self, events: Iterable[Any]) -> None:
         """One published batch's events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared,
         or this package's: read by field), in order."""
         try:
-            self._follow(events)
+            for e in events:
+                self._follow(e)
         except Exception as e:  # never into P's engine: stop following, say why
             self._stop(f"{type(e).__name__}: {e}")
 
-    def _follow(self, events: Iterable[Any]) -> None:
-        converted: list[Any] = []
-        for e in events:
-            kind = type(e).__name__
-            if kind == "AllBlocksCleared":
-                if self.stopped is not None:  # a fresh start: follow again from here
-                    self.stopped = None
-                    self._index.clear()
-                    converted.clear()
-                    continue
-                converted.append(AllBlocksCleared())
-                continue
-            if self.stopped is not None:
-                continue
-            medium = e.medium
-            if medium is not None and medium != MEDIUM_GPU:
-                continue  # a connector's media: no snapshot holds them
-            if kind == "BlockStored":
-                converted.append(
-                    BlockStored(
-                        block_hashes=e.block_hashes,
-                        parent_block_hash=None,
-                        token_ids=[],
-                        block_size=e.block_size,
-                        lora_id=None,
-                        medium=medium,
-                        lora_name=None,
-                        extra_keys=e.extra_keys,
-                    )
-                )
-            elif kind == "BlockRemoved":
-                converted.append(BlockRemoved(block_hashes=e.block_hashes, medium=medium))
-            else:
-                self._stop(f"an unexpected KV event {kind}")
-                return
-        if self.stopped is not None or not converted:
+    def _follow(self, e: Any) -> None:
+        kind = type(e).__name__
+        if kind == "AllBlocksCleared":
+            self._held.clear()
+            self.stopped = None  # a fresh start: follow again from here
             return
-        self._index.apply(KVEventBatch(ts=0.0, events=converted))
-        held = self._index.size(MEDIUM_GPU)
-        if held > self.max_hashes:
-            self._stop(f"{held} hashes held, more than P's {self.max_hashes} blocks")
+        if self.stopped is not None:
+            return
+        if kind not in ("BlockStored", "BlockRemoved"):
+            self._stop(f"an unexpected KV event {kind}")
+            return
+        medium = e.medium
+        if medium is not None and medium != MEDIUM_GPU:
+            return  # a connector's media: no snapshot holds them
+        held, hashes = self._held, e.block_hashes
+        if kind == "BlockRemoved":
+            if held:
+                for eid in to_event_ids(hashes):
+                    entry = held.get(eid)
+                    if entry is not None:
+                        entry[0] -= 1
+                        if not entry[0]:
+                            del held[eid]
+            return
+        keys, n = e.extra_keys, len(hashes)
+        if not n:
+            return
+        if keys is None:
+            self._stop("a BlockStored without extra keys")
+            return
+        if (type(keys) is not list and type(keys) is not tuple) or len(keys) != n:
+            self._stop("a BlockStored with malformed extra keys")
+            return
+        if keys.count(None) == n:  # text only: the common case, one C call
+            return
+        ids = to_event_ids(hashes)
+        last: tuple[str, ...] = ()  # the previous block's: an item spans many blocks
+        idents: tuple[str, ...]
+        for i, entry in enumerate(keys):
+            if entry is None:
+                continue
+            shape = type(entry)
+            if (shape is not list and shape is not tuple) or len(
+                entry
+            ) > MAX_SNAPSHOT_IDENTS_PER_BLOCK:
+                self._stop("a BlockStored with malformed extra keys")
+                return
+            k = entry[0] if len(entry) == 1 else None
+            if (
+                (type(k) is tuple or type(k) is list)  # vLLM's usual entry: one mm key
+                and len(k) == 2
+                and len(last) == 1
+                and k[0] == last[0]
+                and type(k[0]) is str
+                and type(k[1]) is int
+            ):
+                idents = last  # the previous block's identifier: checked already
+            else:
+                found = entry_identifiers(entry)
+                if found is None:
+                    self._stop("a BlockStored with malformed extra keys")
+                    return
+                idents = last = found[0]
+            if not idents:
+                continue
+            was = held.get(ids[i])
+            if was is None:
+                held[ids[i]] = [1, idents]
+                continue
+            was[0] += 1
+            extra = tuple(x for x in idents if x not in was[1])
+            if extra:  # not vLLM's rule (same hash, same keys): the union, bounded
+                was[1] += extra
+                if len(was[1]) > MAX_SNAPSHOT_IDENTS_PER_BLOCK:
+                    self._stop("a hash named with ever new identifiers")
+                    return
+        if len(held) > self.max_hashes:
+            self._stop(f"{len(held)} hashes held, more than P's {self.max_hashes} blocks")
 
     def _stop(self, why: str) -> None:
         if self.stopped is None:
             logger.warning("mmreuse: KV snapshots carry no identifiers until a reset: %s", why)
         self.stopped = why
-        self._index.clear()
+        self._held.clear()
 
     def carriers(self) -> dict[int, tuple[str, ...]] | None:
         """Every held event id that carries identifiers, and which; None where not known."""
         if self.stopped is not None:
             return None
-        return self._index.carriers(MEDIUM_GPU)
+        return {eid: entry[1] for eid, entry in self._held.items()}
 
 
 def identifier_chunk(

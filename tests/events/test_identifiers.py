@@ -495,10 +495,10 @@ def test_p_follows_the_identifiers_it_publishes():
 def test_p_stops_following_past_its_blocks_until_a_clear():
     from mmreuse.events.snapshot import PublishedIdentifiers
 
-    p = PublishedIdentifiers(max_hashes=2)
-    p.follow([stored([1, 2], [mm("a"), None])])
-    assert p.carriers() == {1: ("a",)}
-    p.follow([stored([3], [mm("b")])])  # a third hash held: events over-report, not followed
+    p = PublishedIdentifiers(max_hashes=2)  # counts the hashes carrying identifiers only
+    p.follow([stored([1, 2, 3], [mm("a"), None, mm("b")])])
+    assert p.carriers() == {1: ("a",), 3: ("b",)}
+    p.follow([stored([4], [mm("c")])])  # a third such hash: events over-report, not followed
     assert p.carriers() is None and "more than P's 2 blocks" in p.stopped
     p.follow([removed([3])])
     assert p.carriers() is None  # stays stopped: what it forgot is not known again
@@ -634,8 +634,8 @@ def test_a_snapshot_then_live_events_is_every_event_from_0(carries, ops, limit, 
     booted: RemoteKVIndex | None = None
     cut = data.draw(st.integers(0, len(ops)))
     for i in range(len(ops) + 1):
-        if i == cut:  # the snapshot: P as of the batches published so far
-            held = p._index.counts()
+        if i == cut:  # the snapshot: P as of the batches published so far (its blocks: as
+            held = full.counts()  # every batch from 0 has them, P's residency index in vLLM)
             ids = list(held)
             carried = p.carriers()
             assert carried is not None
