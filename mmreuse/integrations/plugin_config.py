@@ -6,7 +6,10 @@ Imports neither vLLM nor torch: the proxy and the cluster tools (which write the
 
 The settings the plug-ins read under `additional_config["mmreuse"]`:
 - `DemandScheduler` (`mmreuse.integrations.vllm_demand`): `demand_endpoint` (its ZMQ ROUTER),
-  `admission_records` (record what P did with every request);
+  `admission_records` (record what P did with every request), `snapshot_identifiers` (its KV
+  snapshots carry the mm identifiers of its blocks: a late proxy learns which identifiers P
+  holds; costs P about 1 us and 100 bytes per block carrying an identifier, so off unless
+  true);
 - `EventfulEncoderCacheManager` (`mmreuse.integrations.vllm_ec`):
   `encoder_cache_events_endpoint`, `encoder_cache_events_replay_endpoint`,
   `encoder_cache_events_topic`.
@@ -19,7 +22,7 @@ from typing import Any
 
 from ..validate import fail_type
 
-__all__ = ["CONFIG_KEY", "DEMAND_ID_KEY", "read_config"]
+__all__ = ["CONFIG_KEY", "DEMAND_ID_KEY", "read_config", "read_flag"]
 
 CONFIG_KEY = "mmreuse"  # additional_config[CONFIG_KEY]: the plug-ins' settings
 DEMAND_ID_KEY = "mmreuse_demand_id"  # vllm_xargs[DEMAND_ID_KEY]: the demand query's id
@@ -41,3 +44,14 @@ def read_config(vllm_config: Any) -> dict[str, Any]:
     if not isinstance(ours, Mapping):
         fail_type(f"additional_config[{CONFIG_KEY!r}]", "a dict (a JSON object)", ours)
     return dict(ours)
+
+
+def read_flag(vllm_config: Any, key: str, default: bool = False) -> bool:
+    """A yes/no setting under `additional_config["mmreuse"]` (`default` when absent). A value
+    that is not a JSON boolean is refused (`InvalidArgumentType` naming
+    `additional_config['mmreuse'][key]`): "false" or 0 must not switch a feature on or off by
+    accident."""
+    value = read_config(vllm_config).get(key, default)
+    if not isinstance(value, bool):
+        fail_type(f"additional_config[{CONFIG_KEY!r}][{key!r}]", "true or false", value)
+    return value

@@ -35,7 +35,13 @@ KV-event batch it is consistent with, so that a proxy that joined late is comple
 and the scheduler calls it from `update_from_output`, holding the lock: counting the calls gives
 the stamp. The block counts come from the residency index; the block pool's events not yet
 published (queued by `schedule` for the next batch) are undone on the copy, so the snapshot is
-P as of the last batch published.
+P as of the last batch published. With `"snapshot_identifiers": true` the snapshot also carries
+the mm identifiers its blocks carry: the block pool keeps no extra keys per block, so P follows
+them from the batches it publishes (`events.snapshot.PublishedIdentifiers`, fed right after
+each publish, under the lock: as of the same stamp), bounded by its block count. Opt-in: under
+the engine's lock it costs about 15 ns per text block but about 1 us per block that carries an
+identifier (stored and removed; benchmarks/test_bench_events.py), and about 100 bytes per such
+block held, for proxies that ask for identifiers.
 """
 
 from __future__ import annotations
@@ -80,9 +86,10 @@ from ..demand_query import (
     max_query_bytes,
     occurrences_of,
 )
+from ..events.snapshot import PublishedIdentifiers, identifier_chunk
 from ..plan import plan_admission
 from ..residency import BlockIndex
-from .plugin_config import DEMAND_ID_KEY, read_config
+from .plugin_config import DEMAND_ID_KEY, read_config, read_flag
 from .vllm import availability_from_engine, encoder_cache_space, occurrences_from_request
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
@@ -112,6 +119,11 @@ _LOCKED = (
     "reset_connector_cache",
     "set_pause_state",
 )
+
+
+# A snapshot as taken: (stamp, event ids, block counts, the ids' identifiers or None where P
+# does not follow them).
+_Taken = tuple[int, list[int], list[int], dict[int, tuple[str, ...]] | None]
 
 
 @dataclass(slots=True)
@@ -178,13 +190,13 @@ class DemandScheduler(Scheduler):
         self._incarnation = f"{os.getpid()}-{secrets.token_hex(8)}"
         self._snapshot_chunk = MAX_SNAPSHOT_BLOCKS  # block ids per KVSnapshot (tests: fewer)
         self._ec_snapshot_chunk = MAX_SNAPSHOT_ENTRIES  # entries per ECSnapshot
-        self._last_snapshot: tuple[float, tuple[int, list[int], list[int]]] | None = None
+        self._last_snapshot: tuple[float, _Taken] | None = None
         self._ec_snapshots: cachetools.LRUCache[str, tuple[int, list[Any]]] = cachetools.LRUCache(
             SNAPSHOTS_KEPT
         )
-        self._snapshots: cachetools.LRUCache[str, tuple[int, list[int], list[int]]] = (
-            cachetools.LRUCache(SNAPSHOTS_KEPT)
-        )
+        self._snapshots: cachetools.LRUCache[str, _Taken] = cachetools.LRUCache(SNAPSHOTS_KEPT)
+        # the identifiers of P's blocks, for its snapshots ("snapshot_identifiers": opt-in)
+        self._identifiers = self._make_identifiers(vllm_config)
         self._count_published()
         self._server: _DemandServer | None = None
         endpoint = read_config(vllm_config).get("demand_endpoint")
@@ -202,12 +214,30 @@ class DemandScheduler(Scheduler):
         if publisher is None:
             return
         publish = publisher.publish
+        identifiers = self._identifiers
 
         def counted(batch: Any) -> None:
             publish(batch)
             self._kv_published += 1
+            if identifiers is not None:  # as of the same batch: what a snapshot's stamp says
+                identifiers.follow(batch.events)
 
         publisher.publish = counted
+
+    def _make_identifiers(self, vllm_config: Any) -> PublishedIdentifiers | None:
+        """P's follower of its blocks' identifiers, where asked and a snapshot can be taken."""
+        if not read_flag(vllm_config, "snapshot_identifiers"):
+            return None
+        pool = self.kv_cache_manager.block_pool
+        if self._index is None or not getattr(pool, "enable_kv_cache_events", False):
+            logger.warning(
+                "mmreuse: snapshot_identifiers is set, but P takes no KV snapshots (index %s, "
+                "KV events %s)",
+                self._index_note,
+                "on" if getattr(pool, "enable_kv_cache_events", False) else "off",
+            )
+            return None
+        return PublishedIdentifiers(int(pool.num_gpu_blocks))
 
     def _make_query_hasher(self, vllm_config: Any) -> Callable[[Any], list[Any]] | None:
         cache = vllm_config.cache_config
@@ -665,10 +695,14 @@ class DemandScheduler(Scheduler):
         held = self._snapshots.get(query.id)
         if held is None:
             return DemandError(query.id, "snapshot: no longer held (ask again from offset 0)")
-        stamp, ids, counts = held
+        stamp, ids, counts, carried = held
         if query.offset > len(ids):
             return DemandError(query.id, f"snapshot: offset {query.offset} > total {len(ids)}")
         end = query.offset + self._snapshot_chunk
+        table: list[str] = []
+        pairs: list[tuple[int, list[int]]] = []
+        if carried is not None:  # a chunk ends early where its identifiers reach their bounds
+            end, table, pairs = identifier_chunk(ids, carried, query.offset, self._snapshot_chunk)
         return KVSnapshot(
             id=query.id,
             stamp=stamp,
@@ -678,6 +712,9 @@ class DemandScheduler(Scheduler):
             blocks=int(self.kv_cache_manager.block_pool.num_gpu_blocks),
             block_ids=ids[query.offset : end],
             counts=counts[query.offset : end],
+            identifiers_followed=carried is not None,
+            identifiers=table,
+            carried=pairs,
         )
 
     def _ec_snapshot(self, query: ECSnapshotQuery) -> ECSnapshot | DemandError:
@@ -704,9 +741,9 @@ class DemandScheduler(Scheduler):
             [ECEntry(h, n, f) for h, n, f in part],
         )  # fmt: skip
 
-    def _take_snapshot(self) -> tuple[int, list[int], list[int]] | str:
-        """(stamp, event ids, block counts) of the prefix cache as of the last KV-event batch
-        published, or why there is none. Holding the lock."""
+    def _take_snapshot(self) -> _Taken | str:
+        """(stamp, event ids, block counts, their identifiers) of the prefix cache as of the
+        last KV-event batch published, or why there is none. Holding the lock."""
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
         from ..blockhash import to_event_id
@@ -740,7 +777,10 @@ class DemandScheduler(Scheduler):
                     counts[ident] = n
                 else:
                     counts.pop(ident, None)
-        return self._kv_published, list(counts), list(counts.values())
+        # the identifiers as of the same batch (followed from the batches published); None
+        # where not followed or not known
+        carried = None if self._identifiers is None else self._identifiers.carriers()
+        return self._kv_published, list(counts), list(counts.values()), carried
 
     def _records_since(self, query: RecordsQuery) -> AdmissionRecords:
         held = self._records

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
-from mmreuse.integrations.plugin_config import CONFIG_KEY, DEMAND_ID_KEY, read_config
+from mmreuse.integrations.plugin_config import CONFIG_KEY, DEMAND_ID_KEY, read_config, read_flag
 
 
 def test_the_keys():
@@ -69,3 +69,17 @@ def test_what_the_cluster_writes_is_what_the_plugins_read(tmp_path):
     ours = read_config(SimpleNamespace(additional_config=extra))
     assert ours["demand_endpoint"] == "tcp://*:6"
     assert ours["encoder_cache_events_endpoint"] == "tcp://*:4"
+
+
+def test_a_flag_is_a_json_boolean():
+    def cfg(**ours):
+        return SimpleNamespace(additional_config={CONFIG_KEY: ours})
+
+    assert read_flag(cfg(), "snapshot_identifiers") is False  # absent: the default
+    assert read_flag(cfg(), "snapshot_identifiers", default=True) is True
+    assert read_flag(SimpleNamespace(), "snapshot_identifiers") is False
+    assert read_flag(cfg(snapshot_identifiers=True), "snapshot_identifiers") is True
+    assert read_flag(cfg(snapshot_identifiers=False), "snapshot_identifiers", True) is False
+    for value in ("false", 0, 1, None, "true"):  # never a feature switched by a lookalike
+        with pytest.raises(InvalidArgumentType, match=r"\['snapshot_identifiers'\] must be true"):
+            read_flag(cfg(snapshot_identifiers=value), "snapshot_identifiers")

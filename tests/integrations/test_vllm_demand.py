@@ -109,3 +109,151 @@ def test_a_snapshot_and_the_events_after_its_stamp_are_the_whole_stream(oracle_p
     assert "publishes no events" in c["no_ec_events_error"], c
     # taking one holds the engine's lock: an unchanged P shares its last, a changed one waits
     assert c["unchanged_shared"] and c["changed"] and c["changed_limited"], c
+
+
+_IDENTIFIERS_CHECK = """
+import json, random, sys
+sys.path.insert(0, sys.argv[1])
+import msgspec
+import demand_scheduler_check as dsc
+from vllm.config import KVEventsConfig
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from mmreuse.demand_query import KVSnapshot, SnapshotQuery, decode_answer, encode
+from mmreuse.errors import InvalidArgumentType
+from mmreuse.events import RemoteKVIndex
+from mmreuse.events.snapshot import chunk_identifiers
+from mmreuse.events.wire import decode_batch
+from mmreuse.integrations import vllm_demand
+from mmreuse.integrations.vllm import DemandScheduler
+
+flag = {"value": True}
+plain = dsc.VllmConfig
+def with_flag(**kw):  # make_scheduler's config, with "snapshot_identifiers"
+    ours = dict(kw["additional_config"]["mmreuse"])
+    if flag["value"] is not None:
+        ours["snapshot_identifiers"] = flag["value"]
+    kw["additional_config"] = {"mmreuse": ours}
+    return plain(**kw)
+dsc.VllmConfig = with_flag
+
+def scheduler():
+    return dsc.make_scheduler(DemandScheduler, dsc.tiny_model_dir(), num_blocks=40,
+        cache_size=96, kv_events=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+
+def snapshot(sched, sid):
+    chunks, offset = [], 0
+    while True:
+        chunk = decode_answer(sched._handle(encode(SnapshotQuery(sid, offset))))
+        assert isinstance(chunk, KVSnapshot), chunk
+        chunks.append(chunk)
+        offset += len(chunk.block_ids)
+        if offset >= chunk.total:
+            return chunks
+
+seed = int(sys.argv[2])
+rng = random.Random(seed)
+vllm_demand.SNAPSHOT_MIN_INTERVAL_S = 0.0
+init_none_hash(sha256)
+hasher = get_request_block_hasher(dsc.BLOCK, sha256)
+sched = scheduler()
+sched._snapshot_chunk = 7
+batches = []
+counted = sched.kv_event_publisher.publish
+def record(batch):
+    batches.append(msgspec.msgpack.encode(batch))
+    counted(batch)
+sched.kv_event_publisher.publish = record
+full = RemoteKVIndex("full", track_identifiers=True)
+views = []  # (stamp, bootstrapped view)
+c = {"snapshots": 0, "followed": 0, "with_identifiers": 0, "max_identifiers": 0,
+     "mismatch": 0, "p_mismatch": 0, "chunked": 0}
+applied = 0
+
+def take(where):
+    chunks = snapshot(sched, f"s{len(views)}-{where}")
+    first = chunks[0]
+    ids = [i for ch in chunks for i in ch.block_ids]
+    counts = [n for ch in chunks for n in ch.counts]
+    c["snapshots"] += 1
+    c["chunked"] += len(chunks) > 1
+    c["followed"] += all(ch.identifiers_followed for ch in chunks)
+    merged = {}
+    for ch in chunks:
+        merged.update(chunk_identifiers(ch))
+    c["with_identifiers"] += bool(merged)
+    c["max_identifiers"] = max(c["max_identifiers"], len({x for v in merged.values() for x in v}))
+    view = RemoteKVIndex("boot", track_identifiers=True)
+    view.load(ids, counts, identifiers=merged if first.identifiers_followed else None)
+    views.append((first.stamp, view))
+
+def catch_up():
+    global applied
+    for seq in range(applied, len(batches)):
+        batch = decode_batch(batches[seq])
+        full.apply(batch)
+        for stamp, view in views:
+            if seq >= stamp:
+                view.apply(batch)
+    applied = len(batches)
+    want = (full.counts(), full.identifiers(), full.identifiers_known())
+    c["mismatch"] += sum(
+        (v.counts(), v.identifiers(), v.identifiers_known()) != want for _, v in views)
+    c["p_mismatch"] += sched._identifiers.carriers() != full.carriers()
+
+stream = dsc.Stream(rng)
+rid = 0
+for _turn in range(int(sys.argv[3])):
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        tokens, items = stream.next()
+        sched.add_request(dsc.request(f"r{rid}", tokens, items, hasher))
+        rid += 1
+    for _ in range(4):
+        out = sched.schedule()
+        if rng.random() < 0.15:
+            take("mid")
+        sched.update_from_output(out, dsc.runner_output(out))
+        if rng.random() < 0.15:
+            take("after")
+        catch_up()
+c["batches"] = len(batches)
+c["full_known"] = full.identifiers_known()
+c["full_identifiers"] = len(full.identifiers())
+# without the setting (the default) a snapshot says it followed none; a setting that is not
+# a JSON boolean stops P at start-up
+flag["value"] = None
+quiet = scheduler()
+c["default_followed"] = decode_answer(quiet._handle(encode(SnapshotQuery("q")))).identifiers_followed
+flag["value"] = "yes"
+try:
+    scheduler()
+    c["non_bool"] = "started"
+except InvalidArgumentType as e:
+    c["non_bool"] = str(e)
+print(json.dumps(c))
+"""
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_snapshot_carries_the_identifiers_of_every_event_from_0(oracle_python, seed):
+    """With `snapshot_identifiers`, DemandScheduler's KV snapshot (taken after
+    update_from_output, and between schedule and update_from_output: events pending) carries
+    the identifiers its blocks carry, as of its stamp: a view loaded from it, then every batch
+    from its stamp on, has the identifiers (and counts) of the view of every batch vLLM
+    published from 0, at every later step; P's own follower equals that view after each step."""
+    c = oracle_json(
+        oracle_python,
+        "-c",
+        _IDENTIFIERS_CHECK,
+        str(REPO / "tools/oracle"),
+        str(seed),
+        "100",
+        timeout=600,
+    )
+    assert c["mismatch"] == 0 and c["p_mismatch"] == 0, c
+    assert c["followed"] == c["snapshots"] >= 40 and c["chunked"] >= 10, c
+    # the stream exercises it: vLLM publishes its mm keys, snapshots name several images
+    assert c["full_known"] and c["with_identifiers"] >= 20 and c["max_identifiers"] >= 3, c
+    assert c["default_followed"] is False, c
+    assert "snapshot_identifiers" in c["non_bool"] and "true or false" in c["non_bool"], c
