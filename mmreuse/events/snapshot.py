@@ -260,11 +260,14 @@ class PublishedIdentifiers:
         held, hashes = self._held, e.block_hashes
         if kind == "BlockRemoved":
             if held:
-                for eid in to_event_ids(hashes):
-                    entry = held.get(eid)
-                    if entry is not None:
-                        entry[0] -= 1
-                        if not entry[0]:
+                ids = to_event_ids(hashes)
+                hit = held.keys() & ids  # in C, over the event's ids: mostly text blocks
+                if hit:
+                    repeats = len(set(ids)) != len(ids)  # a hash twice in one event: rare
+                    for eid in hit:
+                        entry = held[eid]
+                        entry[0] -= ids.count(eid) if repeats else 1
+                        if entry[0] <= 0:
                             del held[eid]
             return
         keys, n = e.extra_keys, len(hashes)

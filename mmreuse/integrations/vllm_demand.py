@@ -39,9 +39,10 @@ P as of the last batch published. With `"snapshot_identifiers": true` the snapsh
 the mm identifiers its blocks carry: the block pool keeps no extra keys per block, so P follows
 them from the batches it publishes (`events.snapshot.PublishedIdentifiers`, fed right after
 each publish, under the lock: as of the same stamp), bounded by its block count. Opt-in: under
-the engine's lock it costs about 15 ns per text block but about 1 us per block that carries an
-identifier (stored and removed; benchmarks/test_bench_events.py), and about 100 bytes per such
-block held, for proxies that ask for identifiers.
+the engine's lock it costs about 15 ns per block of a text-only store, but about 1 us per block
+stored that carries an identifier and 0.4 us per block removed while any is held (on a slow
+2-core machine: benchmarks/test_bench_events.py), and about 100 bytes per such block held, for
+proxies that ask for identifiers.
 """
 
 from __future__ import annotations
