@@ -267,6 +267,8 @@ def server_argv(
         # what each instance did with every request: P's classes at admission, and E's
         # (its encoder cache, the store, or a forward), which bench-cluster attributes from
         ours["admission_records"] = True
+        if spec.role == "prefill":  # a late proxy learns which identifiers P's blocks carry
+            ours["snapshot_identifiers"] = True
         argv += ["--scheduler-cls", SCHEDULER_CLS]
     if ours:
         argv += ["--additional-config", json.dumps({CONFIG_KEY: ours})]

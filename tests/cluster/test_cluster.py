@@ -275,6 +275,7 @@ def test_cluster_runs_demand_scheduler_per_p_with_one_additional_config(tmp_path
     ours = json.loads(argv0[argv0.index("--additional-config") + 1])["mmreuse"]
     assert ours["demand_endpoint"] == f"tcp://*:{p0.demand_port}"
     assert ours["encoder_cache_events_endpoint"] == f"tcp://*:{p0.ec_events_port}"
+    assert ours["snapshot_identifiers"] is True  # a late proxy learns P's identifiers
     assert "--scheduler-cls" not in argv1 and "--additional-config" not in argv1
     assert p0.demand_endpoint == f"tcp://127.0.0.1:{p0.demand_port}" and p1.demand_endpoint is None
     ports = [p for s in c.specs() for p in (s.port, s.kv_events_port, s.replay_port, s.ec_events_port, s.ec_replay_port, s.demand_port) if p]  # fmt: skip

@@ -57,7 +57,12 @@ def test_a_late_and_a_restarted_proxy_plan_on_what_p_cached_before_them(
             "asked": sample_sum(text, "mmreuse_proxy_demand_answers_total"),
             "no_plan": sample_sum(text, "mmreuse_proxy_fallbacks_total", kind="no_plan"),
             "errors": sample_sum(text, "mmreuse_proxy_requests_total", outcome="server_error"),
+            "split": sample_sum(text, "mmreuse_proxy_arrival_requests_total", split="split"),
+            "e_now": sample_sum(text, "mmreuse_proxy_arrival_items_total", action="e_now"),
         }
+        # P's snapshot carried the identifiers its blocks carry (snapshot_identifiers): each
+        # request's new image went to E at arrival, its history waited for the plan.
+        assert got["split"] == SESSIONS and got["e_now"] == SESSIONS, (name, got)
         # Its view came from P's snapshot, and every decision was planned on it (none blind,
         # none asked of P): each session's history images (turns 0..turn-1) are KV-covered.
         assert got["snapshots"] >= 1 and got["blind"] == 0 and got["asked"] == 0, (name, got)

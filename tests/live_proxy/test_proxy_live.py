@@ -49,6 +49,11 @@ def test_index_sends_e_less_with_identical_outputs(policy_run, empty_store):
         assert index["e_forwards"] <= eager["e_forwards"], (index, eager)
     # Nothing skipped was missing at P: P never ran its own encoder.
     assert index["p_forwards"]["P0"] == 0 and eager["p_forwards"]["P0"] == 0
+    # Turn 0's image is new at P (its uuid carries the run): it went to E at arrival and the
+    # request was not rendered; every later turn resends images P holds, and was split.
+    assert index["arrival"]["all_new"] == 2, index["arrival"]
+    assert index["arrival"]["split"] == 2 * 3, index["arrival"]
+    assert index["renders"] == 2 * 3 and eager["renders"] == 0
 
 
 def test_affine_routing_returns_sessions_to_their_prefix(policy_run):

@@ -105,6 +105,11 @@ def run_policy(
         "ok": sample_sum(text, "mmreuse_proxy_requests_total", outcome="ok"),
         "mismatches": sample_sum(text, "mmreuse_proxy_hash_config_mismatches"),
         "kv_covered": sample_sum(text, "mmreuse_proxy_occurrences_total", klass="kv_covered"),
+        "arrival": {
+            split: sample_sum(text, "mmreuse_proxy_arrival_requests_total", split=split)
+            for split in ("all_new", "split", "none_new", "whole")
+        },
+        "renders": sample_sum(text, "mmreuse_proxy_stage_seconds_count", stage="render"),
     }
 
 
