@@ -180,6 +180,35 @@ def reference(stack: ExitStack, e_url: str, pd_url: str, log: Path) -> str:
     raise RuntimeError(f"the reference proxy did not start (see {log})")
 
 
+def baseline(stack: ExitStack, checkout: Path, args: list[str], log: Path) -> str:
+    """`mmreuse proxy ARGS` run from another checkout of mmreuse (its own process group), for
+    a before/after comparison: `python -m` puts the working directory first on sys.path."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mmreuse.cli", "proxy", "--host", "127.0.0.1",
+           "--port", str(port), *args]  # fmt: skip
+    out = stack.enter_context(open(log, "wb"))  # noqa: SIM115
+    proc = subprocess.Popen(
+        cmd, cwd=checkout, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+    def stop() -> None:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+
+    stack.callback(stop)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the baseline proxy exited: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return url
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"the baseline proxy did not start (see {log})")
+
+
 def paired(rows: dict, policy: str, base: str, klass: str, key: str) -> list[float]:
     """Per (conversation, turn) of `klass`: policy's `key` minus base's, in ms."""
     return [
@@ -190,12 +219,36 @@ def paired(rows: dict, policy: str, base: str, klass: str, key: str) -> list[flo
     ]  # fmt: skip
 
 
+def results(
+    by_class: dict[str, dict[str, Any]], splits: dict[str, Any], config: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON tools/findings.py reads: `config`, and one row per proxy (`policy`), its
+    figures per class and, for mmreuse's, its split at arrival."""
+    rows = []
+    for policy in next(iter(by_class.values()), {}):
+        row: dict[str, Any] = {"policy": policy}
+        for klass, per in by_class.items():
+            row[klass] = per[policy]
+        if policy in splits:
+            row["arrival"] = splits[policy]
+        rows.append(row)
+    return {"config": config, "policies": rows}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        type=Path,
+        help="also run index and demand from this checkout of mmreuse (as index@base, "
+        "demand@base; it needs the built extensions: copy mmreuse/*.so into it)",
+    )
     a = ap.parse_args()
-    rows: dict[str, dict[tuple[int, int, str], dict[str, float | None]]] = {p: {} for p in POLICIES}
+    policies = POLICIES + (("index@base", "demand@base") if a.baseline else ())
+    rows: dict[str, dict[tuple[int, int, str], dict[str, float | None]]] = {p: {} for p in policies}
     with tempfile.TemporaryDirectory(prefix="mmreuse-e-arrival-") as tmp, ExitStack() as stack:
         c = stack.enter_context(Cluster(Path(tmp) / "cluster", encoders=1, prefills=1))
         args = c.proxy_args()
@@ -207,11 +260,16 @@ def main() -> int:
         for policy in POLICIES[1:]:
             log = Path(tmp) / f"{policy}.log"
             urls[policy] = stack.enter_context(proxy_process([*args, "--policy", policy], log))
+        for policy in policies[len(POLICIES) :]:
+            log = Path(tmp) / f"{policy}.log"
+            flags = [*args, "--policy", policy.split("@")[0]]
+            urls[policy] = baseline(stack, a.baseline, flags, log)
         time.sleep(2.0)  # the proxies' subscribers connect
+        n = len(policies)
         for k in range(a.conversations):
-            order = POLICIES[k % 4 :] + POLICIES[: k % 4]
+            order = policies[k % n :] + policies[: k % n]
             for policy in order:
-                tag = f"{policy}-{time.time_ns()}"
+                tag = f"{policy.replace('@', '-')}-{time.time_ns()}"
                 for t, body in enumerate(conversation(tag, k)):
                     rid = f"{tag}-c{k}-t{t}"
                     t0, first = ttft(urls[policy], body, rid)
@@ -222,12 +280,12 @@ def main() -> int:
                     }
             print(f"conversation {k + 1}/{a.conversations} done", file=sys.stderr, flush=True)
         splits = {}
-        for policy in POLICIES[1:]:
+        for policy in policies[1:]:
             with urllib.request.urlopen(urls[policy] + "/metrics", timeout=10) as r:
                 text = r.read().decode()
             with urllib.request.urlopen(urls[policy] + "/health", timeout=10) as r:
                 health = json.loads(r.read())["mmreuse"]
-            splits[policy] = {
+            splits[policy] = {  # (0 from a baseline without the split)
                 s: sample_sum(text, "mmreuse_proxy_arrival_requests_total", split=s)
                 for s in ("all_new", "split", "none_new", "whole")
             }
@@ -243,7 +301,7 @@ def main() -> int:
           "TTFT vs reference, paired p50 ms |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for klass in CLASSES:
-        for policy in POLICIES:
+        for policy in policies:
             mine = [v for ck, v in rows[policy].items() if ck[2] == klass]
             delays = [d * 1e3 for v in mine if (d := v["e_delay"]) is not None]
             ttfts = [d * 1e3 for v in mine if (d := v["ttft"]) is not None]
@@ -263,9 +321,9 @@ def main() -> int:
     print("\nthe split at arrival, per mmreuse proxy (requests):")
     for policy, got in splits.items():
         print(f"  {policy}: {got}")
-    out["arrival"] = splits
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2))
+        config = {"conversations": a.conversations, "classes": list(CLASSES), "photos": len(PHOTOS)}
+        Path(a.json).write_text(json.dumps(results(out, splits, config), indent=2))
     return 0
 
 
