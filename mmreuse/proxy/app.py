@@ -510,7 +510,12 @@ class Proxy:
         they add for E follows. None for the E result where the request was not split."""
         m, planner = self.metrics, self.planner
         ta = time.perf_counter()
-        arrival = await planner.arrival(req, items, uuids)
+        try:
+            arrival = await planner.arrival(req, items, uuids)
+        except Exception:  # a bug here costs the split, never the request
+            logger.exception("[%s] arrival split failed; the request takes the whole path", req_id)
+            m.errors.labels("arrival").inc()
+            arrival = None
         if arrival is None:
             m.arrival_split("whole").inc()
             return await planner.decide(req, items, uuids), None

@@ -119,7 +119,8 @@ class ProxyMetrics:
         )
         self.errors = Counter(
             "mmreuse_proxy_errors_total",
-            "errors by stage (media, render, plan, demand, encode, prefill, decode, proxy)",
+            "errors by stage (media, arrival, render, plan, demand, encode, prefill, decode, "
+            "proxy)",
             ["stage"],
             registry=r,
         )

@@ -171,3 +171,19 @@ async def test_demand_on_an_incomplete_view_sends_nothing_early():
         assert s.sample("mmreuse_proxy_arrival_items_total", action="e_now") == 0
         assert s.sample("mmreuse_proxy_arrival_requests_total", split="none_new") == 1
         assert e_sent(s) == [sha(A), sha(C)]  # P's answer: both needed
+
+
+async def test_a_failing_split_costs_the_split_not_the_request(monkeypatch):
+    # A bug in the split (here: the view raising) is logged and counted; the request takes the
+    # whole path (render and plan) and is served.
+    async with index_proxy() as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("a bug in the split")
+
+        monkeypatch.setattr(s.proxy.planner, "split", broken)
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert s.sample("mmreuse_proxy_errors_total", stage="arrival") == 1
+        assert s.sample("mmreuse_proxy_arrival_requests_total", split="whole") == 1
+        assert renders(s) == 1 and e_sent(s) == [sha(B)]  # the plan's, as before the split
