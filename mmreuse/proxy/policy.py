@@ -104,6 +104,8 @@ class Arrival:
         external: what the shared store said it holds of the request (None: not asked, or no
             answer), for the plan to reuse.
         blind: split on a view that was not complete (it may miss what P holds).
+        e_cached: the identifiers of `now` E held when they were sent (their class is
+            e_cached, the others' e_compute: what E's side said then, not once E has them).
     """
 
     instance: int
@@ -112,6 +114,7 @@ class Arrival:
     rest: tuple[int, ...] = ()
     external: frozenset[str] | None = None
     blind: bool = False
+    e_cached: frozenset[str] = frozenset()
 
 
 class Planner:
@@ -244,7 +247,8 @@ class Planner:
                 first[u] = i
                 now.append(i)
         blind = bool(now) and usable and not complete
-        return Arrival(instance, tuple(now), dup_of, tuple(rest), external, blind)
+        e_cached = self.e_side.cached(first, request.get("cache_salt")) if now else frozenset()
+        return Arrival(instance, tuple(now), dup_of, tuple(rest), external, blind, e_cached)
 
     def _arrival_instance(self, identifiers: set[str]) -> int:
         """Random routing: a random P. Affine: the P whose view knows a block carrying the most
@@ -260,15 +264,11 @@ class Planner:
     ) -> Decision:
         """The Decision of a request whose every item went to E at arrival (none waits): no
         render, no plan; E-cached where E's side says it holds the identifier."""
-        e_side = self.e_side.cached(set(uuids), request.get("cache_salt"))
-        klasses = [ItemClass.DUPLICATE] * len(uuids)
-        for i in arrival.now:
-            klasses[i] = ItemClass.E_CACHED if uuids[i] in e_side else ItemClass.E_COMPUTE
         return Decision(
             arrival.instance,
             arrival.now,
             dup_of=arrival.dup_of,
-            klasses=tuple(klasses),
+            klasses=_arrival_classes((ItemClass.DUPLICATE,) * len(uuids), arrival, uuids),
             identifiers=tuple(uuids),
             cache_salt=request.get("cache_salt"),
             blind=arrival.blind,
@@ -636,13 +636,29 @@ def _with_arrival(d: Decision, arrival: Arrival, uuids: Sequence[str]) -> Decisi
         if k not in dup and k not in e_set:
             dup[k] = sent.get(uuids[v], v)
     raw = frozenset(i for i in d.raw_with_uuid if i not in dup and i not in e_set)
+    klasses = d.klasses or (ItemClass.UNCLASSIFIED,) * len(uuids)
     return _replace(
         d,
         e_indices=tuple(sorted(e_set)),
         raw_with_uuid=raw,
         dup_of=dup,
         blind=d.blind or arrival.blind,
+        klasses=_arrival_classes(klasses, arrival, uuids),
     )
+
+
+def _arrival_classes(
+    klasses: Sequence[ItemClass], arrival: Arrival, uuids: Sequence[str]
+) -> tuple[ItemClass, ...]:
+    """`klasses` with the arrival's items classed as they were when sent: e_cached where E
+    held the identifier then, else e_compute, and their duplicates `duplicate` (a plan made
+    while E encodes them would see them cached at E by then)."""
+    out = list(klasses)
+    for i in arrival.now:
+        out[i] = ItemClass.E_CACHED if uuids[i] in arrival.e_cached else ItemClass.E_COMPUTE
+    for i in arrival.dup_of:
+        out[i] = ItemClass.DUPLICATE
+    return tuple(out)
 
 
 def _replace(d: Decision, **changes: Any) -> Decision:

@@ -187,3 +187,22 @@ async def test_a_failing_split_costs_the_split_not_the_request(monkeypatch):
         assert s.sample("mmreuse_proxy_errors_total", stage="arrival") == 1
         assert s.sample("mmreuse_proxy_arrival_requests_total", split="whole") == 1
         assert renders(s) == 1 and e_sent(s) == [sha(B)]  # the plan's, as before the split
+
+
+def test_items_sent_at_arrival_keep_the_class_they_had_when_sent():
+    # The plan runs while E encodes the new item: by then E's events may say E holds it, but
+    # it was sent as e_compute (and what E already held when it was sent, as e_cached).
+    from mmreuse.decision import ItemClass as K
+    from mmreuse.proxy.policy import Arrival, Decision, _with_arrival
+
+    uuids = ["x", "y", "x", "z"]
+    planned = Decision(
+        0, (0, 1), dup_of={2: 0}, klasses=(K.E_CACHED, K.E_CACHED, K.DUPLICATE, K.KV_COVERED),
+        raw_with_uuid=frozenset({3}),
+    )  # fmt: skip
+    arrival = Arrival(0, now=(0, 1), dup_of={2: 0}, rest=(3,), e_cached=frozenset({"y"}))
+    merged = _with_arrival(planned, arrival, uuids)
+    assert merged.klasses == (K.E_COMPUTE, K.E_CACHED, K.DUPLICATE, K.KV_COVERED)
+    assert (merged.e_indices, dict(merged.dup_of or {}), merged.raw_with_uuid) == (
+        (0, 1), {2: 0}, frozenset({3}),
+    )  # fmt: skip
