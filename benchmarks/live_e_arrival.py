@@ -155,14 +155,15 @@ def ttft(url: str, body: dict[str, Any], request_id: str) -> tuple[float, float]
                 return t0, t
 
 
-def reference(stack: ExitStack, e_url: str, pd_url: str, log: Path) -> str:
-    port = _free_port()
-    argv = [
-        str(reference_python()), str(fetch_reference()), "--host", "127.0.0.1",
-        "--port", str(port), "--encode-servers-urls", e_url, "--decode-servers-urls", pd_url,
-    ]  # fmt: skip
+def _spawn(
+    stack: ExitStack, what: str, cmd: list[str], port: int, log: Path, cwd: Path | None = None
+) -> str:
+    """Run `cmd` (a proxy listening on `port`) in its own process group, stopped by it when
+    `stack` closes; its URL once /health answers."""
     out = stack.enter_context(open(log, "wb"))  # noqa: SIM115
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
     def stop() -> None:
         os.killpg(proc.pid, 15)  # its own process group, never by name
@@ -172,41 +173,33 @@ def reference(stack: ExitStack, e_url: str, pd_url: str, log: Path) -> str:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return url
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError(f"the reference proxy did not start (see {log})")
-
-
-def baseline(stack: ExitStack, checkout: Path, args: list[str], log: Path) -> str:
-    """`mmreuse proxy ARGS` run from another checkout of mmreuse (its own process group), for
-    a before/after comparison: `python -m` puts the working directory first on sys.path."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "mmreuse.cli", "proxy", "--host", "127.0.0.1",
-           "--port", str(port), *args]  # fmt: skip
-    out = stack.enter_context(open(log, "wb"))  # noqa: SIM115
-    proc = subprocess.Popen(
-        cmd, cwd=checkout, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-    def stop() -> None:
-        os.killpg(proc.pid, 15)
-        proc.wait(30)
-
-    stack.callback(stop)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the baseline proxy exited: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"the {what} exited: {log.read_text()[-2000:]}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2):
                 return url
         except OSError:
             time.sleep(0.3)
-    raise RuntimeError(f"the baseline proxy did not start (see {log})")
+    raise RuntimeError(f"the {what} did not start (see {log})")
+
+
+def reference(stack: ExitStack, e_url: str, pd_url: str, log: Path) -> str:
+    """vLLM's reference proxy in front of `e_url` and `pd_url`."""
+    port = _free_port()
+    argv = [
+        str(reference_python()), str(fetch_reference()), "--host", "127.0.0.1",
+        "--port", str(port), "--encode-servers-urls", e_url, "--decode-servers-urls", pd_url,
+    ]  # fmt: skip
+    return _spawn(stack, "reference proxy", argv, port, log)
+
+
+def baseline(stack: ExitStack, checkout: Path, args: list[str], log: Path) -> str:
+    """`mmreuse proxy ARGS` run from another checkout of mmreuse, for a before/after
+    comparison: `python -m` puts the working directory first on sys.path."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "mmreuse.cli", "proxy", "--host", "127.0.0.1",
+           "--port", str(port), *args]  # fmt: skip
+    return _spawn(stack, "baseline proxy", cmd, port, log, cwd=checkout)
 
 
 def paired(rows: dict, policy: str, base: str, klass: str, key: str) -> list[float]:

@@ -48,17 +48,23 @@ def _request_and_render(seed: int = 0):
     return request, render
 
 
-@pytest.fixture(scope="module", params=[0.0, 0.5, 1.0], ids=["cold", "half", "all"])
-def planner(request):
-    """A proxy with one PD whose live view holds the first `fraction` of the prompt's blocks."""
+def _index_proxy(**subscriber: object) -> Proxy:
+    """An `index` proxy with one PD whose view runs without ZMQ (its subscriber faked)."""
     config = parse_args(
         ["--encode-servers-urls", "http://e", "--decode-servers-urls", "http://pd",
          "--policy", "index", "--kv-events-endpoints", "tcp://127.0.0.1:1",
          "--hash-seed", "0", "--block-size", str(BLOCK)]
     )  # fmt: skip
     proxy = Proxy(config)
+    proxy.views[0].subscriber = SimpleNamespace(is_alive=True, error=None, **subscriber)
+    return proxy
+
+
+@pytest.fixture(scope="module", params=[0.0, 0.5, 1.0], ids=["cold", "half", "all"])
+def planner(request):
+    """A proxy with one PD whose live view holds the first `fraction` of the prompt's blocks."""
+    proxy = _index_proxy()
     view = proxy.views[0]
-    view.subscriber = SimpleNamespace(is_alive=True, error=None)  # the view, without ZMQ
     req, render = _request_and_render()
     rendered = from_render(render)
     assert view.hasher is not None
@@ -124,14 +130,8 @@ if __name__ == "__main__":
 def split_planner(request):
     """A proxy (index) with one PD whose complete view holds the first `fraction` of the
     prompt's blocks, published with their extra keys (so identifiers are followed)."""
-    config = parse_args(
-        ["--encode-servers-urls", "http://e", "--decode-servers-urls", "http://pd",
-         "--policy", "index", "--kv-events-endpoints", "tcp://127.0.0.1:1",
-         "--hash-seed", "0", "--block-size", str(BLOCK)]
-    )  # fmt: skip
-    proxy = Proxy(config)
+    proxy = _index_proxy(complete=True)
     view = proxy.views[0]
-    view.subscriber = SimpleNamespace(is_alive=True, error=None, complete=True)
     req, render = _request_and_render()
     rendered = from_render(render)
     assert view.hasher is not None and view.index.track_identifiers

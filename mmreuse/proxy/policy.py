@@ -216,9 +216,8 @@ class Planner:
             instance = self._arrival_instance(distinct)
         view = self.views[instance]
         usable, complete = view.usable, view.complete
-        has_endpoint = bool(self.demand) and self.demand[instance] is not None
-        if (self._asks and not (usable and complete)) or (
-            self.policy.reads_view and has_endpoint and usable and not complete
+        if (self._asks and not (usable and complete)) or self._ask_instead(
+            instance, usable=usable, complete=complete
         ):  # P is asked (demand; index on an incomplete view): only a complete view proves
             new: set[str] = set()
         else:
@@ -370,17 +369,18 @@ class Planner:
         t2 = time.perf_counter()
         return _replace(decision, render_s=t1 - t0, decide_s=t2 - t1)
 
-    def _ask_instead(self, instance: int) -> bool:
+    def _ask_instead(
+        self, instance: int, *, usable: bool | None = None, complete: bool | None = None
+    ) -> bool:
         """Under index: ask P rather than plan on its view while that view is incomplete (a
-        late join, a gap), where the instance has a demand endpoint."""
+        late join, a gap), where the instance has a demand endpoint. `usable`, `complete`:
+        the view's, when the caller has read them already."""
+        if not (self.policy.reads_view and self.demand and self.demand[instance] is not None):
+            return False
         view = self.views[instance]
-        return (
-            self.policy.reads_view
-            and bool(self.demand)
-            and self.demand[instance] is not None
-            and view.usable
-            and not view.complete
-        )
+        usable = view.usable if usable is None else usable
+        complete = view.complete if complete is None else complete
+        return usable and not complete
 
     def _renderer(self, instance: int) -> str:
         """The server that renders for `instance` (and whose models the catalog reads)."""
