@@ -83,6 +83,15 @@ def test_a_forward_p_did_not_need_is_redundant_and_a_failed_skip_is_wrong():
             ["--pd-urls", "http://p:1", "--demand-endpoints", "tcp://p:2"],
             "--encode-urls and --pd-urls",
         ),
+        (["--repeats", "0"], "--repeats: must be >= 1"),
+        (
+            ["--servegen-client", "client-12"],
+            "--servegen-client: only with --workload servegen-photos",
+        ),
+        (
+            ["--workload", "servegen-photos", "--servegen-client", "x"],
+            "servegen_client must be one of",
+        ),
     ],
 )
 def test_bench_cluster_refuses_bad_arguments_before_starting(capsys, argv, words):
@@ -216,25 +225,6 @@ def test_observe_reads_ttft_items_e_and_render():
     failed.decision.render_s = 0.0
     assert observe(r, failed) == Observed(None, 3, 1, None)  # failed: no TTFT; not rendered
     assert observe(r, RequestOutcome(0, 200, 7.0)) == Observed(7.0, 3, 0, None)  # no decision
-
-
-@pytest.mark.parametrize(
-    "argv, words",
-    [
-        (["--repeats", "0"], "--repeats: must be >= 1"),
-        (
-            ["--servegen-client", "client-12"],
-            "--servegen-client: only with --workload servegen-photos",
-        ),
-        (
-            ["--workload", "servegen-photos", "--servegen-client", "x"],
-            "servegen_client must be one of",
-        ),
-    ],
-)
-def test_bench_cluster_refuses_bad_repeats_and_clients(capsys, argv, words):
-    assert cli.main(["bench-cluster", *argv]) == 2
-    assert words in capsys.readouterr().err
 
 
 def test_a_run_refuses_offsets_that_do_not_match_the_stream():

@@ -248,19 +248,21 @@ def test_junk_through_the_wire_never_raises():
 
 HASHES = st.integers(0, 7)
 IDENTS = st.sampled_from(["a", "b", "c", "d"])
+# (op, hashes, salted): stores (some with a salt or adapter key), removes and clears
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("store"), st.lists(HASHES, max_size=5), st.booleans()),
+        st.tuples(st.just("remove"), st.lists(HASHES, max_size=5), st.just(False)),
+        st.tuples(st.just("clear"), st.just([]), st.just(False)),
+    ),
+    max_size=30,
+)
 
 
 @settings(max_examples=300, deadline=None)
 @given(
     carries=st.dictionaries(HASHES, st.frozensets(IDENTS, max_size=3)),
-    ops=st.lists(
-        st.one_of(
-            st.tuples(st.just("store"), st.lists(HASHES, max_size=5), st.booleans()),
-            st.tuples(st.just("remove"), st.lists(HASHES, max_size=5), st.just(False)),
-            st.tuples(st.just("clear"), st.just([]), st.just(False)),
-        ),
-        max_size=30,
-    ),
+    ops=OPS,
     data=st.data(),
 )
 def test_may_hold_matches_a_brute_force_model(carries, ops, data):
@@ -611,14 +613,7 @@ def _vllm_events(op, hashes, salted, carries, data):
 @settings(max_examples=200, deadline=None)
 @given(
     carries=st.dictionaries(HASHES, st.frozensets(IDENTS, max_size=3)),
-    ops=st.lists(
-        st.one_of(
-            st.tuples(st.just("store"), st.lists(HASHES, max_size=5), st.booleans()),
-            st.tuples(st.just("remove"), st.lists(HASHES, max_size=5), st.just(False)),
-            st.tuples(st.just("clear"), st.just([]), st.just(False)),
-        ),
-        max_size=30,
-    ),
+    ops=OPS,
     limit=st.integers(1, 4),
     data=st.data(),
 )
