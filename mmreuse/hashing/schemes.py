@@ -6,8 +6,9 @@ maps them to ids of its own, so no id is defined here.
 vLLM changed how it keys a block several times (multimodal key shape and its
 boundary tests, LoRA key, tags, prompt embeds, lookahead, NONE_HASH seeding). A
 `HashScheme` records one generation; `BlockHasher(scheme=...)` reproduces it. The
-version ranges were read off every released wheel from 0.10.2 to 0.33.0, and
-tools/make_scheme_vectors.py runs each generation's own code to make the test vectors.
+version ranges were read off every released wheel from 0.10.2 to 0.34.0, and
+tools/make_scheme_vectors.py runs each generation's own code to make the test vectors (0.34.0
+also publishes its rule as vectors, tests/data/vllm-0.34.0-prompt-block-hash-vectors.json).
 All generations hash pure text (no LoRA, salt or embeddings) identically.
 `scheme_for_vllm(vllm.__version__)` names the generation of a running vLLM.
 """
@@ -66,12 +67,13 @@ _SHA_FNS = ("sha256", "sha256_cbor")
 SCHEMES: dict[str, HashScheme] = {
     s.name: s
     for s in (
-        # Tagged keys (vLLM PR "tag block-hash extra keys"); lookahead keys exist from 0.33.0 only.
+        # Tagged keys (vLLM PR "tag block-hash extra keys"); lookahead keys exist from 0.33.0 on.
+        # 0.34.0 reads tokens from an int32 buffer, same keys (its own vectors pin them).
         HashScheme(
             name="vllm-0.33",
-            vllm_versions="0.31.0 - 0.33.0 (lookahead > 0: 0.33.0)",
+            vllm_versions="0.31.0 - 0.34.0 (lookahead > 0: 0.33.0 on)",
             vllm_min="0.31.0",
-            vllm_max="0.33.0",
+            vllm_max="0.34.0",
             mm_key="tagged",
             mm_bounds="exclusive",
             lora_key="tagged",
@@ -222,7 +224,7 @@ def vllm_version_key(version: object) -> _Key:
 def scheme_for_vllm(version: object, *, nearest: bool = False) -> HashScheme:
     """The scheme of the vLLM whose `vllm.__version__` is `version`: the generation whose
     released range holds it (a local build such as "0.32.0+cpu" as its release; a dev or
-    pre-release of X.Y.Z just before X.Y.Z). A version in no range (newer than 0.33.0, older
+    pre-release of X.Y.Z just before X.Y.Z). A version in no range (newer than 0.34.0, older
     than 0.10.2, or between two ranges) raises InvalidArgument naming it, unless `nearest`:
     then the last generation that began at or before it (the oldest for an older one)."""
     key = vllm_version_key(version)
@@ -244,5 +246,5 @@ def _by_age() -> list[HashScheme]:
 
 
 def vllm_ranges() -> str:
-    """The vLLM versions of every scheme, newest first: "vllm-0.33: 0.31.0 - 0.33.0, ..."."""
+    """The vLLM versions of every scheme, newest first: "vllm-0.33: 0.31.0 - 0.34.0, ..."."""
     return ", ".join(f"{s.name}: {s.vllm_min} - {s.vllm_max}" for s in reversed(_by_age()))

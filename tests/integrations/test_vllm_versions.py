@@ -43,6 +43,10 @@ LOCKED = _locked()
 @pytest.mark.parametrize(
     "version, scheme",
     [
+        ("0.34.0", "vllm-0.33"),  # TokenBuffer tokens, the same keys
+        ("0.34.0+cpu", "vllm-0.33"),
+        ("0.34.0rc1", "vllm-0.33"),
+        ("0.33.1", "vllm-0.33"),
         ("0.33.0", "vllm-0.33"),
         ("0.32.0", "vllm-0.33"),
         ("0.32.0+cpu", "vllm-0.33"),  # a local build is its release
@@ -84,10 +88,10 @@ def test_every_scheme_range_is_its_own_and_matches_its_text(name):
 @pytest.mark.parametrize(
     "version, nearest",
     [
-        ("0.34.0", "vllm-0.33"),
-        ("0.33.1", "vllm-0.33"),
-        ("0.33.0.post1", "vllm-0.33"),
-        ("0.34.0.dev3+gabc", "vllm-0.33"),
+        ("0.35.0", "vllm-0.33"),
+        ("0.34.1", "vllm-0.33"),
+        ("0.34.0.post1", "vllm-0.33"),
+        ("0.35.0.dev3+gabc", "vllm-0.33"),
         ("0.31.0rc1", "vllm-0.30"),  # before the first 0.33-scheme release: not known
         ("0.10.1", "vllm-0.10"),
         ("0.9.2", "vllm-0.10"),
@@ -98,7 +102,7 @@ def test_a_version_in_no_range_is_refused_naming_it(version, nearest):
         scheme_for_vllm(version)
     msg = str(err.value)
     assert msg.startswith("vllm_version must be") and repr(version) in msg
-    assert "vllm-0.33: 0.31.0 - 0.33.0" in msg and "vllm-0.10: 0.10.2 - 0.11.0" in msg
+    assert "vllm-0.33: 0.31.0 - 0.34.0" in msg and "vllm-0.10: 0.10.2 - 0.11.0" in msg
     assert scheme_for_vllm(version, nearest=True).name == nearest
 
 
@@ -118,16 +122,16 @@ def test_version_order_is_pep_440s():
 
 def test_the_fast_hasher_refuses_an_unknown_vllm_unless_told(caplog):
     with pytest.raises(InvalidArgument) as err:
-        scheme_for_running_vllm("0.34.0", environ={})
+        scheme_for_running_vllm("0.35.0", environ={})
     msg = str(err.value)
-    assert msg.startswith("vllm.__version__ must be") and "got '0.34.0'" in msg
+    assert msg.startswith("vllm.__version__ must be") and "got '0.35.0'" in msg
     assert vllm_ranges() in msg and "MMREUSE_ALLOW_UNVERIFIED_VLLM=1" in msg
     with caplog.at_level(logging.WARNING, logger="vllm.mmreuse.integrations.vllm_hasher"):
-        got = scheme_for_running_vllm("0.34.0", environ={"MMREUSE_ALLOW_UNVERIFIED_VLLM": "1"})
+        got = scheme_for_running_vllm("0.35.0", environ={"MMREUSE_ALLOW_UNVERIFIED_VLLM": "1"})
     assert got.name == "vllm-0.33"
-    assert any("0.34.0" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert any("0.35.0" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
     with pytest.raises(InvalidArgument, match="MMREUSE_ALLOW_UNVERIFIED_VLLM must be"):
-        scheme_for_running_vllm("0.34.0", environ={"MMREUSE_ALLOW_UNVERIFIED_VLLM": "maybe"})
+        scheme_for_running_vllm("0.35.0", environ={"MMREUSE_ALLOW_UNVERIFIED_VLLM": "maybe"})
 
 
 # ---- DemandScheduler's scheduler check ---------------------------------------------------------
