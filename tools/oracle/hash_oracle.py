@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Block hashes from the real vLLM 0.33.0, for checking mmreuse against it.
+"""Block hashes from the real vLLM (0.33.0, 0.34.0), for checking mmreuse against it.
 
-Runs inside the oracle venv that tools/oracle/setup.sh builds. It hashes nothing itself: for
+Runs inside an oracle venv that tools/oracle/setup.sh builds (one per vLLM version). It hashes nothing itself: for
 each case it builds a real `EngineCoreRequest`, sends it through vLLM's msgpack wire (as the
 API server does to the engine core; `"wire": false` skips that), seeds `NONE_HASH` with vLLM's
 `init_none_hash` under the case's PYTHONHASHSEED, and lets `Request.from_engine_core_request`
@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
-VLLM_VERSION = "0.33.0"
+VLLM_VERSIONS = ("0.33.0", "0.34.0")  # the oracle venvs tools/oracle/setup.sh builds
 HASH_FNS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DTYPES = ("float32", "float16", "bfloat16")
 CASE_FIELDS = frozenset(
@@ -124,10 +124,10 @@ def vllm_api() -> VllmApi:
     from vllm.v1.request import Request
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    if vllm.__version__ != VLLM_VERSION:
+    if vllm.__version__ not in VLLM_VERSIONS:
         print(
             f"hash_oracle: warning: vllm {vllm.__version__} imported, the oracle is for "
-            f"{VLLM_VERSION}",
+            f"{', '.join(VLLM_VERSIONS)}",
             file=sys.stderr,
         )
     return VllmApi(
@@ -398,6 +398,18 @@ def _mm_list(mm: object) -> list:
 # ---- vLLM's answer ------------------------------------------------------------------------
 
 
+def wire_tokens(tokens: Any) -> Any:
+    """Prompt token ids as vLLM's frontend sends them: a list up to 0.33, an int32 numpy array
+    from 0.34 on (its `EngineCoreRequest.prompt_token_ids` is an ndarray on the wire; an id
+    outside int32 raises OverflowError there, as in vLLM's own `Request`)."""
+    V = vllm_api()
+    if "ndarray" not in str(V.EngineCoreRequest.__annotations__.get("prompt_token_ids", "")):
+        return list(tokens)
+    import numpy as np
+
+    return np.asarray(list(tokens), dtype=np.int32)
+
+
 def engine_core_request(case: Case, prompt_len: int | None = None) -> tuple[Any, Any]:
     """The case's first `prompt_len` tokens (default: its prompt) as a real EngineCoreRequest,
     and its prompt-embeds tensor (or None)."""
@@ -428,7 +440,7 @@ def engine_core_request(case: Case, prompt_len: int | None = None) -> tuple[Any,
     embeds = None if case.prompt_embeds is None else case.prompt_embeds.tensor()
     request = V.EngineCoreRequest(
         request_id="oracle",
-        prompt_token_ids=None if case.tokens is None else list(case.tokens[:n]),
+        prompt_token_ids=None if case.tokens is None else wire_tokens(case.tokens[:n]),
         mm_features=features or None,
         sampling_params=V.SamplingParams(max_tokens=1 << 20),
         pooling_params=None,

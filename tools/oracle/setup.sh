@@ -1,31 +1,49 @@
 #!/usr/bin/env bash
-# Build (or re-check) the side venv in which the tests talk to the real vLLM 0.33.0.
+# Build (or re-check) a side venv in which the tests talk to a real vLLM, one per version.
 #
-#   bash tools/oracle/setup.sh [VENV]      default: ~/.cache/mmreuse/venv-oracle-0.33.0
+#   bash tools/oracle/setup.sh [VERSION] [VENV]
+#       VERSION  0.33.0 (default) or 0.34.0: the vLLMs the oracle tools are checked against
+#       VENV     default: ~/.cache/mmreuse/venv-oracle-VERSION
+#   (an older form, `setup.sh VENV`, still means VERSION 0.33.0)
 #
-# What goes in (CPU only, Python 3.11, about 2 GB):
+# What goes in (CPU only, Python 3.11, about 2 GB each):
 #   torch 2.13.0                 `pip install torch==2.13.0` (the machine's pip configuration
-#                                serves the +cpu wheel where it has one)
-#   vllm 0.33.0                  the registry's wheel, fetched once with `pip download --no-deps
+#                                serves the +cpu wheel where it has one). vLLM 0.34.0's wheel
+#                                asks for torch 2.14.0, but everything the oracles import (its
+#                                CPU-side Python: block hashing, Request, scheduler, block pool,
+#                                encoder cache, EC connectors, KV events) runs on 2.13.0, which
+#                                keeps one torch for the project and both oracles.
+#   vllm VERSION                 the registry's wheel, fetched once with `pip download --no-deps
 #                                --only-binary=:all:` into VENV/.cache, sha256 checked, installed
 #                                with --no-deps
-#   tools/oracle/requirements.lock   exact pins, --no-deps
+#   tools/oracle/requirements.lock   exact pins, --no-deps (tools/oracle/requirements-VERSION.lock
+#                                instead, where a version needs other pins)
 # then an import check and `hash_oracle.py --self-test`. A stamp in VENV records what was
 # checked; when it matches, a re-run only runs the self-test. When it does not (a new lock, an
 # existing venv built another way), installed versions are compared with the pins and only the
 # differing packages are installed.
 # Env: PYTHON (interpreter for a new venv), VLLM_WHEEL (a local copy of the wheel, still
 #      sha256 checked), MMREUSE_ORACLE_FORCE=1 (re-check the pins even if the stamp matches).
+# Adding a vLLM version: a line in the case below (wheel name and sha256 from PyPI), then
+# docs/development.md "Adding a vLLM version".
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="${1:-$HOME/.cache/mmreuse/venv-oracle-0.33.0}"
-LOCK="$HERE/requirements.lock"
+case "${1:-}" in
+  [0-9]*.[0-9]*.[0-9]*) VLLM_PIN="$1"; VENV="${2:-$HOME/.cache/mmreuse/venv-oracle-$1}" ;;
+  "") VLLM_PIN="0.33.0"; VENV="$HOME/.cache/mmreuse/venv-oracle-0.33.0" ;;
+  *) VLLM_PIN="0.33.0"; VENV="$1" ;;
+esac
+case "$VLLM_PIN" in
+  0.33.0) VLLM_WHEEL_SHA256="4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa" ;;
+  0.34.0) VLLM_WHEEL_SHA256="79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2" ;;
+  *) echo "oracle setup: VERSION must be 0.33.0 or 0.34.0, got '$VLLM_PIN'" >&2; exit 2 ;;
+esac
+VLLM_WHEEL_NAME="vllm-$VLLM_PIN-cp38-abi3-manylinux_2_28_x86_64.whl"
+LOCK="$HERE/requirements-$VLLM_PIN.lock"
+[ -f "$LOCK" ] || LOCK="$HERE/requirements.lock"
 ORACLE="$HERE/hash_oracle.py"
 TORCH_PIN="2.13.0"
-VLLM_PIN="0.33.0"
-VLLM_WHEEL_NAME="vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-VLLM_WHEEL_SHA256="4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa"
 STAMP="$VENV/.mmreuse-oracle-stamp"
 
 STEP="start"
@@ -100,7 +118,7 @@ if [ "$have" = "$VLLM_PIN" ]; then
 else
   WHEEL="${VLLM_WHEEL:-$VENV/.cache/$VLLM_WHEEL_NAME}"
   if [ ! -f "$WHEEL" ]; then
-    step "download vllm==$VLLM_PIN (about 340 MB)"
+    step "download vllm==$VLLM_PIN (240-340 MB)"
     say "downloading vllm==$VLLM_PIN into $VENV/.cache"
     mkdir -p "$VENV/.cache"
     "${PIP[@]}" download --no-deps --only-binary=:all: "vllm==$VLLM_PIN" -d "$VENV/.cache"
