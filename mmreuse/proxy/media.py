@@ -1,8 +1,9 @@
 """The media items of a chat request, their uuids, and the rewrite P/PD receives.
 
-Byte-for-byte the rules of vLLM's reference EPD proxy (0.33.0, `disagg_epd_proxy.py`): the uuid
-of an item is the client's `uuid`, else sha256 of its URL (or of its JSON); P's KV block keys
-and the EC connector's files are keyed by it, so it must be the same here.
+Byte-for-byte the rules of vLLM's reference EPD proxy (0.33.0 and 0.34.0,
+`disagg_epd_proxy.py`): the uuid of an item is the client's `uuid`, else sha256 of its URL (or
+of its JSON); P's KV block keys and the EC connector's files are keyed by it, so it must be the
+same here.
 """
 
 from __future__ import annotations

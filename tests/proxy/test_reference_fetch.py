@@ -14,7 +14,7 @@ import pytest
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.proxy import reference
 
-VERSION = "0.33.0"
+VERSION = reference.DEFAULT_VERSION  # the fake index serves the default version
 TOP = f"vllm-{VERSION}"
 EXAMPLE = f"{TOP}/examples/disaggregated/disaggregated_encoder"
 PROXY_SRC = b"# the reference proxy\nprint('proxy')\n"
