@@ -10,33 +10,55 @@ deployment can move between mmreuse's EC connector and vLLM's store backend:
 `StoreCalls` runs every call on one thread of its own and waits at most `timeout` for it: a
 master that stalls or has gone makes a call a miss, counted by reason, and the store is then
 left alone for `backoff` seconds (every call a miss at once) instead of stalling vLLM's
-scheduler step after step. Nothing here imports vLLM or Mooncake.
+scheduler step after step.
+
+**Namespace cards.** vLLM's namespace for a model changes with its version (0.34 hashes the
+multimodal config into the `@encoder:` part by another rule than 0.32 and 0.33), so two vLLM
+versions sharing one store would each miss every embedding the other stores, silently.
+`NamespaceCards` makes that visible: each instance keeps a card, a tiny object (its vLLM's
+namespace rule, version and namespace, ~250 bytes of JSON) under
+
+    mmreuse-card@{namespace without its @encoder: part}@rule:{rule}@t:{floor(unix time / period)}
+
+written once per `period` (a put; the card of `period` x 3 before is removed), and looks for a
+card of every other rule it knows in the time buckets around now (one `batch_is_exist`, each
+`period` / 2 at most): a card of another rule written within the last one to two periods is an
+instance that misses what this one stores. The key carries the time, so no card is ever
+rewritten (a put, never an update of an object another client may hold a lease on) and a card
+of an instance that stopped lapses by itself. Nothing here imports vLLM or Mooncake.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from .validate import check_float, check_int, check_str, fail_value
 
 __all__ = [
+    "CARD_PREFIX",
     "DTYPE_CODES",
     "HEADER",
     "LOAD_MISS_LOG",
     "MAGIC",
     "UNAVAILABLE_LOG",
+    "NamespaceCard",
+    "NamespaceCards",
     "StoreCalls",
     "StoreObjectError",
     "StoredEmbedding",
     "embedding_key",
+    "namespace_model",
     "pack_embedding",
     "unpack_embedding",
 ]
@@ -52,6 +74,13 @@ KEY_SEPARATOR = "@id:"
 LOAD_MISS_LOG = "mmreuse: store miss at load"
 # ... and when an item P cannot encode (an embedding reference, no media) is not in the store
 UNAVAILABLE_LOG = "mmreuse: store lost a reference-only item"
+
+# Mooncake's return codes (its ErrorCode) that a put may meet in a healthy store
+OK, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS = 0, -200, -705
+
+CARD_PREFIX = "mmreuse-card@"
+CARD_MAX_BYTES = 4096
+_ENCODER_PART = "@encoder:"
 
 T = TypeVar("T")
 
@@ -165,6 +194,15 @@ class StoreCalls:
             if self._client is None and self._busy is None:
                 self._busy = self._pool.submit(self._run, lambda _client: None)
 
+    def ready(self, wait: float) -> bool:
+        """Wait at most `wait` seconds for the call in flight (the client's set-up, after
+        `warm`) to end; whether a client is connected then."""
+        with self._lock:
+            busy = self._busy
+        if busy is not None:
+            wait_futures([busy], timeout=wait)
+        return self._client is not None
+
     def _run(self, fn: Callable[[Any], T]) -> T:
         if self._client is None:
             self._client = self._connect()
@@ -196,3 +234,162 @@ class StoreCalls:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def namespace_model(namespace: str) -> str | None:
+    """What of vLLM's embedding namespace for a model every vLLM version writes alike: the
+    namespace without its `@encoder:` part (the hash of the multimodal config, which vLLM 0.34
+    computes by another rule than 0.33). None for a namespace without one (not vLLM's)."""
+    head, sep, tail = namespace.rpartition(_ENCODER_PART)
+    if not sep:
+        return None
+    _, at, rest = tail.partition("@")
+    return head + (f"@{rest}" if at else "")
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceCard:
+    """What an instance's card says: its vLLM's namespace rule, its vLLM version, the
+    namespace it keys embeddings by, and when it wrote the card (unix seconds)."""
+
+    rule: str
+    vllm: str
+    namespace: str
+    written: float = 0.0
+
+    def pack(self) -> bytes:
+        fields = {"mmreuse_card": 1, "rule": self.rule, "vllm": self.vllm}
+        fields |= {"namespace": self.namespace, "written": round(self.written, 3)}
+        return json.dumps(fields, sort_keys=True).encode()
+
+    @staticmethod
+    def unpack(data: Any) -> NamespaceCard:
+        """Decode a card; StoreObjectError when `data` is not one."""
+        if not isinstance(data, (bytes, bytearray, memoryview)) or not data:
+            raise StoreObjectError("card is empty or not bytes")
+        if len(data) > CARD_MAX_BYTES:
+            raise StoreObjectError(f"card of {len(data)} bytes is over {CARD_MAX_BYTES}")
+        try:
+            obj = json.loads(bytes(data))
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise StoreObjectError(f"card is not JSON: {type(exc).__name__}") from None
+        if not isinstance(obj, dict) or obj.get("mmreuse_card") != 1:
+            raise StoreObjectError("object is not a namespace card")
+        rule, vllm, namespace, written = (
+            obj.get(k) for k in ("rule", "vllm", "namespace", "written")
+        )
+        if not (isinstance(rule, str) and isinstance(vllm, str) and isinstance(namespace, str)):
+            raise StoreObjectError("card lacks its rule, vllm or namespace")
+        if not isinstance(written, (int, float)) or isinstance(written, bool):
+            raise StoreObjectError("card lacks its time")
+        return NamespaceCard(rule, vllm, namespace, float(written))
+
+
+class NamespaceCards:
+    """One instance's namespace card in a store, and the look for cards of other namespace
+    rules for the same model (see the module docstring). `card` is this instance's (its
+    `written` is set at each write); `rules`, every rule to look for (its own is left out);
+    `period`, the card's time bucket in seconds; `clock`, unix time. Every call goes through
+    `calls` (bounded; a failed one is an unanswered look or an unwritten card, never a raise).
+    """
+
+    def __init__(
+        self,
+        calls: StoreCalls,
+        card: NamespaceCard,
+        rules: Iterable[str],
+        *,
+        period: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        model = namespace_model(card.namespace)
+        if model is None:
+            fail_value(
+                "card.namespace", "a vLLM embedding namespace (with @encoder:)", card.namespace
+            )
+        self.calls = calls
+        self.card = card
+        self.model = model
+        self.others = tuple(sorted(set(rules) - {card.rule}))
+        self.period = check_float("period", period, 0, lo_open=True)
+        self.clock = clock
+        self._written: int | None = None  # the time bucket this instance last wrote a card in
+        self._due = float("-inf")
+        self.stats: Counter[str] = Counter()
+
+    def key(self, rule: str, bucket: int) -> str:
+        return f"{CARD_PREFIX}{self.model}@rule:{rule}@t:{bucket}"
+
+    def _bucket(self, now: float) -> int:
+        return math.floor(now / self.period)
+
+    def find_other(self) -> tuple[bool, NamespaceCard | None]:
+        """(whether the store answered, a fresh card of another rule or None). A card whose
+        object cannot be read or decoded is named by its key: its rule, version and
+        namespace "?" (the key alone says that another rule's instance wrote it)."""
+        if not self.others:
+            return True, None
+        now = self.clock()
+        bucket = self._bucket(now)
+        # the next bucket too: a writer whose clock runs ahead by up to a period
+        found = [(r, self.key(r, b)) for r in self.others for b in (bucket + 1, bucket, bucket - 1)]
+        keys = [k for _, k in found]
+        self.stats["looks"] += 1
+        states: Any = self.calls.call("batch_is_exist", lambda s: s.batch_is_exist(keys), [])
+        if not isinstance(states, list) or len(states) != len(keys):
+            self.stats["unanswered"] += 1
+            return False, None
+        for (rule, key), state in zip(found, states, strict=True):
+            if state == 1:
+                self.stats["found"] += 1
+                return True, self._read(rule, key)
+        return True, None
+
+    def _read(self, rule: str, key: str) -> NamespaceCard:
+        data = self.calls.call("get", lambda s: s.get(key), b"")
+        try:
+            card = NamespaceCard.unpack(data)
+        except StoreObjectError:
+            return NamespaceCard(rule, "?", "?")
+        return replace(card, rule=rule)
+
+    def write(self) -> bool:
+        """Put this instance's card for the current time bucket (once a bucket; a card of the
+        same rule already there is as good) and remove this rule's card of three buckets
+        before. Whether the store holds one for this bucket now."""
+        now = self.clock()
+        bucket = self._bucket(now)
+        if self._written == bucket:
+            return True
+        key, data = self.key(self.card.rule, bucket), replace(self.card, written=now).pack()
+        rc = self.calls.call("put", lambda s: s.put(key, data), None)
+        if rc not in (OK, OBJECT_ALREADY_EXISTS):
+            self.stats["unwritten"] += 1
+            return False
+        self.stats["written"] += 1
+        self._written = bucket
+        old = self.key(self.card.rule, bucket - 3)
+        self.calls.call("remove", lambda s: s.remove(old), None)
+        return True
+
+    def due(self) -> bool:
+        """Whether `refresh` is due (half a period after the last)."""
+        return self.clock() >= self._due
+
+    def start(self) -> tuple[bool, NamespaceCard | None]:
+        """At an instance's start: look for another rule's card (`find_other`); write this
+        instance's only where the store answered and holds none (a refused instance leaves
+        no card)."""
+        self._due = self.clock() + self.period / 2
+        answered, other = self.find_other()
+        if answered and other is None:
+            self.write()
+        return answered, other
+
+    def refresh(self) -> tuple[bool, NamespaceCard | None]:
+        """While the instance runs: look for another rule's card, then write this
+        instance's (whatever was found: the other instance then finds this one's too)."""
+        self._due = self.clock() + self.period / 2
+        answered, other = self.find_other()
+        self.write()
+        return answered, other

@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from collections import Counter
 
 import pytest
 from hypothesis import given
@@ -14,9 +15,12 @@ from hypothesis import strategies as st
 from mmreuse.embedding_store import (
     HEADER,
     MAGIC,
+    NamespaceCard,
+    NamespaceCards,
     StoreCalls,
     StoreObjectError,
     embedding_key,
+    namespace_model,
     pack_embedding,
     unpack_embedding,
 )
@@ -157,3 +161,218 @@ def test_warm_connects_without_waiting():
 def test_settings_are_checked():
     with pytest.raises(InvalidArgument, match="timeout"):
         StoreCalls(lambda: None, timeout=0)
+
+
+def test_ready_waits_for_the_set_up_in_flight():
+    gate = threading.Event()
+    calls = StoreCalls(lambda: gate.wait(5) and "c", timeout=1.0)
+    calls.warm()
+    assert not calls.ready(0.05)  # still setting up: not connected, and no wait past 0.05 s
+    gate.set()
+    assert calls.ready(2.0) and calls.connected
+    calls.close()
+    failing = StoreCalls(lambda: 1 / 0, timeout=1.0)
+    failing.warm()
+    assert not failing.ready(2.0)  # the set-up failed: not ready, and no raise
+    failing.close()
+
+
+# ---- namespace cards -----------------------------------------------------------------------
+
+NS_033 = (
+    "embedding@model:tiny@revision:default@encoder:9718b4d865edd0070aac6f4dd005d93b"
+    "@dtype:torch.float16@protocol:v3"
+)
+NS_034 = (
+    "embedding@model:tiny@revision:default@encoder:"
+    "4f11544c5ce21e6df33ae333e1855b5e3ee358528368671b86075ea77280697e@dtype:torch.float16"
+    "@protocol:v3"
+)
+RULES = ("md5-list", "sha256-json")
+
+
+class MemoryStore:
+    """The Mooncake client calls the cards make, on a dict; `calls` counts them."""
+
+    def __init__(self):
+        self.objects: dict[str, bytes] = {}
+        self.calls: list[str] = []
+        self.fail = False
+
+    def _call(self, name):
+        self.calls.append(name)
+        if self.fail:
+            raise ConnectionError("master down")
+
+    def batch_is_exist(self, keys):
+        self._call("batch_is_exist")
+        return [int(k in self.objects) for k in keys]
+
+    def get(self, key):
+        self._call("get")
+        return self.objects.get(key, b"")
+
+    def put(self, key, data):
+        self._call("put")
+        if key in self.objects:
+            return -705  # OBJECT_ALREADY_EXISTS: Mooncake's put never replaces
+        self.objects[key] = bytes(data)
+        return 0
+
+    def remove(self, key):
+        self._call("remove")
+        return 0 if self.objects.pop(key, None) is not None else -704
+
+
+def cards(store, clock, namespace, rule, vllm, period=60.0):
+    calls = StoreCalls(lambda: store, timeout=1.0)
+    card = NamespaceCard(rule, vllm, namespace)
+    return NamespaceCards(calls, card, RULES, period=period, clock=clock)
+
+
+@pytest.mark.parametrize(
+    ("namespace", "model"),
+    [
+        (NS_033, "embedding@model:tiny@revision:default@dtype:torch.float16@protocol:v3"),
+        (NS_034, "embedding@model:tiny@revision:default@dtype:torch.float16@protocol:v3"),
+        (  # a model without a multimodal config; a cache prefix
+            "pfx@embedding@model:m@revision:r@encoder:encoder:default@dtype:torch.bfloat16"
+            "@protocol:v3",
+            "pfx@embedding@model:m@revision:r@dtype:torch.bfloat16@protocol:v3",
+        ),
+        ("my-shared-namespace", None),  # one a user set: no card
+    ],
+)
+def test_the_card_key_is_the_namespace_without_its_encoder_hash(namespace, model):
+    assert namespace_model(namespace) == model
+
+
+def test_a_card_round_trips_and_junk_is_refused_by_name():
+    card = NamespaceCard("sha256-json", "0.34.0", NS_034, 1.5)
+    data = card.pack()
+    assert len(data) < 400 and NamespaceCard.unpack(data) == card
+    for junk, match in [
+        (b"", "empty"),
+        (b"x" * 5000, "over 4096"),
+        (b"\xff\xfe", "not JSON"),
+        (b"[" * 3000, "not JSON"),
+        (b'{"rule": "md5-list"}', "not a namespace card"),
+        (b'{"mmreuse_card": 1, "rule": 1, "vllm": "v", "namespace": "n", "written": 0}', "rule"),
+        (
+            b'{"mmreuse_card": 1, "rule": "r", "vllm": "v", "namespace": "n", "written": true}',
+            "time",
+        ),
+    ]:
+        with pytest.raises(StoreObjectError, match=match):
+            NamespaceCard.unpack(junk)
+
+
+@given(st.binary(max_size=300))
+def test_any_bytes_are_a_card_or_refused(data):
+    try:
+        card = NamespaceCard.unpack(data)
+    except StoreObjectError:
+        return
+    back = NamespaceCard.unpack(card.pack())  # what decodes is a card
+    assert (back.rule, back.vllm, back.namespace) == (card.rule, card.vllm, card.namespace)
+
+
+def test_two_rules_on_one_store_the_second_finds_the_first_by_name():
+    store, clock = MemoryStore(), Clock()
+    clock.now = 1_000_000.0
+    old = cards(store, clock, NS_033, "md5-list", "0.33.0")
+    assert old.start() == (True, None)  # alone: it writes its card
+    assert [k for k in store.objects] == [old.key("md5-list", 1_000_000 // 60)]
+    clock.now += 25
+    new = cards(store, clock, NS_034, "sha256-json", "0.34.0")
+    answered, other = new.start()
+    assert answered and other == NamespaceCard("md5-list", "0.33.0", NS_033, 1_000_000.0)
+    assert len(store.objects) == 1  # a refused instance leaves no card
+    # and the other way round: the running one finds the newcomer's card at its refresh
+    new.write()
+    clock.now += 40
+    assert old.due()
+    answered, other = old.refresh()
+    assert answered and (other.rule, other.vllm, other.namespace) == (
+        "sha256-json",
+        "0.34.0",
+        NS_034,
+    )
+
+
+def test_the_same_rule_shares_one_card_and_finds_nothing():
+    store, clock = MemoryStore(), Clock()
+    e = cards(store, clock, NS_034, "sha256-json", "0.34.0")
+    p = cards(store, clock, NS_034, "sha256-json", "0.34.0")
+    assert e.start() == (True, None) and p.start() == (True, None)
+    assert len(store.objects) == 1 and p.stats["written"] == 1  # its put met E's card: as good
+    # 0.32 and 0.33 build namespaces by the same rule: the same card, no conflict
+    v32 = cards(store, clock, NS_033, "md5-list", "0.32.0")
+    v33 = cards(store, clock, NS_033, "md5-list", "0.33.0")
+    store.objects.clear()
+    assert v32.start() == (True, None) and v33.start() == (True, None)
+
+
+def test_another_model_is_no_conflict():
+    store, clock = MemoryStore(), Clock()
+    cards(store, clock, NS_033, "md5-list", "0.33.0").start()
+    other_model = NS_034.replace("model:tiny", "model:other")
+    assert cards(store, clock, other_model, "sha256-json", "0.34.0").start() == (True, None)
+
+
+def test_a_stale_card_is_ignored_and_removed_by_its_own_rule():
+    store, clock = MemoryStore(), Clock()
+    old = cards(store, clock, NS_033, "md5-list", "0.33.0")
+    old.start()  # written at t=0 (bucket 0), then its instance stops
+    clock.now = 119.0  # bucket 1: the card is one bucket old, still fresh
+    new = cards(store, clock, NS_034, "sha256-json", "0.34.0")
+    assert new.find_other()[1] is not None
+    clock.now = 120.0  # bucket 2: two buckets old, stale
+    assert new.start() == (True, None)
+    # an instance of the old rule that keeps running removes its rule's cards 3 buckets old
+    survivor = cards(store, clock, NS_033, "md5-list", "0.33.0")
+    clock.now = 180.0
+    survivor.write()
+    assert old.key("md5-list", 0) not in store.objects
+
+
+def test_a_card_from_a_clock_a_little_ahead_is_fresh():
+    store, ahead, behind = MemoryStore(), Clock(), Clock()
+    ahead.now, behind.now = 1_000.0 + 50, 1_000.0
+    cards(store, ahead, NS_033, "md5-list", "0.33.0").start()  # bucket 17, reader's 16
+    assert cards(store, behind, NS_034, "sha256-json", "0.34.0").start()[1] is not None
+
+
+def test_an_unreadable_card_is_named_by_its_key():
+    store, clock = MemoryStore(), Clock()
+    c = cards(store, clock, NS_034, "sha256-json", "0.34.0")
+    store.objects[c.key("md5-list", 0)] = b"junk"
+    assert c.start() == (True, NamespaceCard("md5-list", "?", "?"))
+
+
+def test_a_failing_store_is_an_unanswered_look_never_a_raise():
+    store, clock = MemoryStore(), Clock()
+    c = cards(store, clock, NS_034, "sha256-json", "0.34.0")
+    store.fail = True
+    assert c.start() == (False, None)
+    assert store.calls == ["batch_is_exist"] and c.stats["unanswered"] == 1  # and no put
+    assert c.refresh() == (False, None)  # backing off: no call at all, and no card written
+    assert c.stats["unwritten"] == 1
+
+
+def test_a_card_costs_one_look_each_half_period_and_one_put_each_period():
+    store, clock = MemoryStore(), Clock()
+    c = cards(store, clock, NS_034, "sha256-json", "0.34.0", period=60.0)
+    c.start()
+    seen = []
+    for t in range(0, 600):  # ten minutes of steps, one a second
+        clock.now = float(t)
+        if c.due():
+            c.refresh()
+            seen.append(t)
+    assert seen == list(range(30, 600, 30))
+    counts = Counter(store.calls)
+    # 20 looks (one batch_is_exist of 3 keys each), one put per bucket, each followed by the
+    # remove of the rule's card 3 buckets before (found or not): at most 3 cards stay
+    assert counts == {"batch_is_exist": 20, "put": 10, "remove": 10}
+    assert len(store.objects) <= 3
