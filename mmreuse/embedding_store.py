@@ -1,8 +1,9 @@
 """Embeddings in the Mooncake Store: their keys, their object format, and calls into a store
 that may be slow, down or hostile, each bounded in time.
 
-Keys and objects are vLLM's own (`mooncake_store_embedding` in vLLM 0.32 and 0.33), so a
-deployment can move between mmreuse's EC connector and vLLM's store backend:
+Keys and objects are vLLM's own (`mooncake_store_embedding`, the same format in vLLM 0.32 -
+0.34), so a deployment can move between mmreuse's EC connector and vLLM's store backend of
+the same vLLM version (the namespace is not the same across versions: see the cards below):
 
     key    = f"{namespace}@id:{identifier}"
     object = struct "<IIQQ" (magic 0x4D4F4F4E, dtype code, tokens, hidden) + the raw 2-D tensor

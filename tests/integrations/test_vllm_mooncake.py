@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.oracle import oracle_json
+from tests.support.oracle import oracle_json, oracle_pythons
 from tests.support.paths import ORACLE_TOOLS
 
 _CONNECTOR_CHECK = r"""
@@ -220,16 +220,15 @@ OTHER = {"0.32.0": "0.34.0", "0.33.0": "0.34.0", "0.34.0": "0.33.0"}  # a versio
 
 
 @pytest.fixture(scope="module")
-def store_dump(tmp_path_factory):
-    return tmp_path_factory.mktemp("mooncake-store") / "store.json"
-
-
-@pytest.fixture(scope="module")
-def v2(oracle_python, store_dump):
-    return oracle_json(
-        oracle_python, str(V2_CHECK), "flow", "start", "cards", "--store-out", str(store_dump),
+def v2(oracle_python, tmp_path_factory):
+    """The check's answer, and (`dump`) the store it left: this version's card and an
+    embedding, for the other version's venv."""
+    dump = tmp_path_factory.mktemp("mooncake-store") / "store.json"
+    got = oracle_json(
+        oracle_python, str(V2_CHECK), "flow", "start", "cards", "--store-out", str(dump),
         timeout=900,
     )  # fmt: skip
+    return {**got, "dump": str(dump)}
 
 
 @pytest.mark.oracle
@@ -339,13 +338,13 @@ def test_namespace_cards_refuse_another_rule_by_name_and_let_the_rest_start(v2):
 
 
 @pytest.mark.oracle
-def test_a_store_of_the_other_vllm_version_is_refused_by_name_or_shared_when_set(v2, store_dump):
+def test_a_store_of_the_other_vllm_version_is_refused_by_name_or_shared_when_set(v2):
     """The other oracle venv (0.33.0 <-> 0.34.0) meets the store this one filled."""
     other = OTHER[v2["vllm"]]
-    python = ORACLE_VENVS / f"venv-oracle-{other}" / "bin" / "python"
+    python = oracle_pythons().get(other) or ORACLE_VENVS / f"venv-oracle-{other}/bin/python"
     if not python.exists():
         pytest.skip(f"no vLLM {other} oracle venv at {python}")
-    got = oracle_json(python, str(V2_CHECK), "cross", "--store-in", str(store_dump), timeout=900)
+    got = oracle_json(python, str(V2_CHECK), "cross", "--store-in", v2["dump"], timeout=900)
     cross = got["cross"]
     theirs_version, theirs = cross["theirs"]
     ours = cross["ours"]
