@@ -3,6 +3,8 @@
 .venv/bin/python -m pytest benchmarks/test_bench_hashing.py --benchmark-enable
 """
 
+import array
+
 import pytest
 from hashing_workload import make_request
 
@@ -59,3 +61,17 @@ def test_short_prompt_overhead(benchmark):
     tokens = [1] * 64
     mm = [MMOccurrence("img", 8, 20)]
     benchmark(hasher.hash_prompt, tokens, mm=mm)
+
+
+@pytest.mark.parametrize("hash_fn", ["sha256", "xxhash"])
+@pytest.mark.parametrize("container", ["list", "int32 array"])
+def test_hash_blocks_int32_array_vs_list_32k(benchmark, hash_fn, container):
+    """`RequestKeys.hash_blocks` on the same 32k tokens (16 images) as a list of ints (vLLM 0.33's
+    `Request._all_token_ids`) and as an int32 `array.array` (0.34's `TokenBuffer`), read in
+    place: what `fast_request_block_hasher` calls in vLLM's engine core."""
+    tokens, mm = make_request(num_images=16)
+    hasher = BlockHasher(hash_fn, 16, seed="0")
+    keys = hasher._spec.request(mm, None, None)
+    source = tokens if container == "list" else array.array("i", tokens)
+    hashes = benchmark(keys.hash_blocks, source)
+    assert hashes == hasher.hash_prompt(tokens, mm=mm)

@@ -12,7 +12,8 @@
 // - HashSpec.request(mm, lora, salt) -> RequestKeys: one request's extra-key material, parsed
 //   and pre-serialized once per request (None where only the reference path can hash it);
 // - RequestKeys.hash_blocks(tokens, prior, validate_from, embeds): the hashes of the full
-//   blocks after `prior`.
+//   blocks after `prior`, the token ids read from a list of ints or, in place, from an int32 /
+//   int64 buffer (vLLM 0.34's TokenBuffer; see TokenSource).
 // The name tables below are the only mapping from scheme names to the ids used here; the module
 // exports them (HASH_FUNCTIONS, MM_KEYS, ...) with the size limits, so Python never restates them.
 // Anything it cannot write in one pickle frame makes hash_blocks return None, and the Python
@@ -785,11 +786,13 @@ size_t block_bound(const Config& c, const Keys& k) {
          + kSimdSlack;
 }
 
-// The common token id -- an exact int in [0, 2**30) -- read in a tight loop without a call or
+// ---- token ids: a list of ints or a buffer of int32 / int64 -----------------------------------
+
+// The common list item -- an exact int in [0, 2**30) -- read in a tight loop without a call or
 // an error path. Writes items[from:to] to out until the first other item; returns its index
-// (`to` when there is none). Everything else goes through read_tokens.
-inline Py_ssize_t read_small_tokens(PyObject* const* items, Py_ssize_t from, Py_ssize_t to,
-                                    int64_t* out) {
+// (`to` when there is none). Everything else goes through read_list_tokens.
+inline Py_ssize_t read_small_list(PyObject* const* items, Py_ssize_t from, Py_ssize_t to,
+                                  int64_t* out) {
   Py_ssize_t i = from;
   for (; i < to; ++i) {
     PyObject* o = items[i];
@@ -831,10 +834,14 @@ inline bool small_int(PyObject* o, int64_t* v) {
 #endif
 }
 
-// Read tokens items[from:to] (exact ints; [0, 2**63-1] unless allow_any) into out (may be null:
+// The end of the error for a token id below 0 (or beyond int64) where the spec allows none.
+constexpr const char kAllowAnyHint[] =
+    "(pass allow_any_token_id=True to hash what vLLM's hasher would)";
+
+// Read list items[from:to] (exact ints; [0, 2**63-1] unless allow_any) into out (may be null:
 // validate only). Returns 1 ok, 0 when a valid token does not fit int64, -1 with an exception set.
-int read_tokens(PyObject* const* items, Py_ssize_t from, Py_ssize_t to, bool allow_any,
-                int64_t* out) {
+int read_list_tokens(PyObject* const* items, Py_ssize_t from, Py_ssize_t to, bool allow_any,
+                     int64_t* out) {
   int ok = 1;
   for (Py_ssize_t i = from; i < to; ++i) {
     PyObject* item = items[i];
@@ -850,10 +857,8 @@ int read_tokens(PyObject* const* items, Py_ssize_t from, Py_ssize_t to, bool all
       if (v == -1 && PyErr_Occurred()) return -1;
     }
     if (!allow_any && (overflow != 0 || v < 0)) {
-      PyErr_Format(g_invalid_argument,
-                   "tokens[%zd] must be a token id in [0, 2**63-1], got %R (pass "
-                   "allow_any_token_id=True to hash what vLLM's hasher would)",
-                   i, item);
+      PyErr_Format(g_invalid_argument, "tokens[%zd] must be a token id in [0, 2**63-1], got %R %s",
+                   i, item, kAllowAnyHint);
       return -1;
     }
     if (overflow != 0) ok = 0;
@@ -861,6 +866,184 @@ int read_tokens(PyObject* const* items, Py_ssize_t from, Py_ssize_t to, bool all
   }
   return ok;
 }
+
+// One element of a buffer of T (the buffer need not be aligned for T).
+template <class T>
+inline int64_t load(const char* data, Py_ssize_t i) {
+  T v;
+  std::memcpy(&v, data + i * static_cast<Py_ssize_t>(sizeof(T)), sizeof(T));
+  return static_cast<int64_t>(v);
+}
+
+// A buffer's ids [from, to) into out until the first negative one; returns its index (`to` when
+// there is none). Branch-free over the chunk (it vectorizes), then a scan only where one is below
+// 0. Every int32 / int64 fits the writers' int64.
+template <class T>
+Py_ssize_t read_small_buffer(const char* data, Py_ssize_t from, Py_ssize_t to, int64_t* out) {
+  int64_t any = 0;
+  for (Py_ssize_t i = from; i < to; ++i) {
+    const int64_t v = load<T>(data, i);
+    out[i - from] = v;
+    any |= v;
+  }
+  if (any >= 0) return to;
+  Py_ssize_t i = from;
+  while (i < to && out[i - from] >= 0) ++i;
+  return i;
+}
+
+// A buffer's ids [from, to) into out (may be null: validate only), each >= 0 unless allow_any.
+// Returns 1 ok, -1 with an exception set (never 0: every id fits int64).
+template <class T>
+int read_buffer_tokens(const char* data, Py_ssize_t from, Py_ssize_t to, bool allow_any,
+                       int64_t* out) {
+  for (Py_ssize_t i = from; i < to; ++i) {
+    const int64_t v = load<T>(data, i);
+    if (!allow_any && v < 0) {
+      PyErr_Format(g_invalid_argument,
+                   "tokens[%zd] must be a token id in [0, 2**63-1], got %lld %s", i,
+                   static_cast<long long>(v), kAllowAnyHint);
+      return -1;
+    }
+    if (out != nullptr) out[i - from] = v;
+  }
+  return 1;
+}
+
+constexpr const char kTokensExpected[] =
+    "tokens must be a list of int token ids or a 1-D C-contiguous buffer of signed 32- or 64-bit "
+    "ints (array.array 'i' / 'l' / 'q', vLLM's TokenBuffer, numpy int32 / int64)";
+
+// The element size of a buffer format that is one native-order signed int of 4 or 8 bytes
+// ('i', 'l', 'q', optionally after '@', '=' or the host's byte-order prefix), else 0.
+Py_ssize_t int_format_size(const char* format) {
+  if (format == nullptr) return 0;  // unsigned bytes
+  const bool little = PY_LITTLE_ENDIAN != 0;
+  bool standard = false;  // '=', '<', '>', '!': standard sizes ('l' is 4 bytes)
+  if (*format == '@') {
+    ++format;
+  } else if (*format == '=' || *format == (little ? '<' : '>') || (!little && *format == '!')) {
+    standard = true;
+    ++format;
+  }
+  if (format[0] == '\0' || format[1] != '\0') return 0;
+  switch (format[0]) {
+    case 'i':
+      return standard ? 4 : static_cast<Py_ssize_t>(sizeof(int));
+    case 'l':
+      return standard ? 4 : static_cast<Py_ssize_t>(sizeof(long));
+    case 'q':
+      return 8;
+    default:
+      return 0;
+  }
+}
+
+// Where hash_blocks reads its token ids from: a list of ints (vLLM up to 0.33's
+// Request._all_token_ids) or any object exporting a 1-D C-contiguous buffer of signed 32- or
+// 64-bit ints (0.34's TokenBuffer, array.array, numpy), read in place through the buffer
+// protocol and released with the source, on every path. The block loop sees one interface:
+// - read_small(from, to, out): the ids it can take without a check -- a list's exact ints in
+//   [0, 2**30), a buffer's ids >= 0 -- into out until the first other one; returns its index.
+// - read(from, to, allow_any, out): every id, checked (out may be null: validate only); 1 ok,
+//   0 when a valid id does not fit int64 (a list's big int), -1 with an exception set.
+// A list is read through its item array: the caller must not run Python code between open()
+// and the last read (see hash_blocks_impl). A held buffer cannot be resized by its exporter.
+class TokenSource {
+ public:
+  TokenSource() = default;
+  TokenSource(const TokenSource&) = delete;
+  TokenSource& operator=(const TokenSource&) = delete;
+  ~TokenSource() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+
+  // `obj` is borrowed (the caller keeps it alive). False with InvalidArgumentType set for
+  // anything else, naming its type and buffer format.
+  bool open(PyObject* obj) {
+    if (PyList_Check(obj)) {
+      kind_ = Kind::kList;
+      items_ = PySequence_Fast_ITEMS(obj);
+      n_ = PyList_GET_SIZE(obj);
+      return true;
+    }
+    if (!PyObject_CheckBuffer(obj)) {
+      PyErr_Format(g_invalid_argument_type, "%s, got %s", kTokensExpected, Py_TYPE(obj)->tp_name);
+      return false;
+    }
+    // PyBUF_ND: the exporter refuses unless it is C-contiguous (no strides to follow).
+    if (PyObject_GetBuffer(obj, &view_, PyBUF_ND | PyBUF_FORMAT) < 0) return refuse(obj);
+    held_ = true;
+    const Py_ssize_t itemsize = int_format_size(view_.format);
+    if (view_.ndim != 1 || view_.shape == nullptr || itemsize == 0 || itemsize != view_.itemsize ||
+        view_.len != view_.shape[0] * itemsize) {
+      PyErr_Format(g_invalid_argument_type, "%s, got %s of format '%s' (itemsize %zd, ndim %d)",
+                   kTokensExpected, Py_TYPE(obj)->tp_name,
+                   view_.format != nullptr ? view_.format : "B", view_.itemsize, view_.ndim);
+      return false;
+    }
+    kind_ = itemsize == 4 ? Kind::kInt32 : Kind::kInt64;
+    data_ = static_cast<const char*>(view_.buf);
+    n_ = view_.shape[0];
+    return true;
+  }
+
+  Py_ssize_t size() const { return n_; }
+
+  Py_ssize_t read_small(Py_ssize_t from, Py_ssize_t to, int64_t* out) const {
+    switch (kind_) {
+      case Kind::kList:
+        return read_small_list(items_, from, to, out);
+      case Kind::kInt32:
+        return read_small_buffer<int32_t>(data_, from, to, out);
+      case Kind::kInt64:
+        return read_small_buffer<int64_t>(data_, from, to, out);
+    }
+    return from;
+  }
+
+  int read(Py_ssize_t from, Py_ssize_t to, bool allow_any, int64_t* out) const {
+    switch (kind_) {
+      case Kind::kList:
+        return read_list_tokens(items_, from, to, allow_any, out);
+      case Kind::kInt32:
+        return read_buffer_tokens<int32_t>(data_, from, to, allow_any, out);
+      case Kind::kInt64:
+        return read_buffer_tokens<int64_t>(data_, from, to, allow_any, out);
+    }
+    return -1;
+  }
+
+ private:
+  enum class Kind { kList, kInt32, kInt64 };
+
+  // A buffer the exporter would not give as C-contiguous (BufferError, or numpy's ValueError):
+  // asked again with strides, only to name its format in the error. Other errors propagate.
+  bool refuse(PyObject* obj) {
+    if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError))
+      return false;
+    PyErr_Clear();
+    Py_buffer any;
+    if (PyObject_GetBuffer(obj, &any, PyBUF_RECORDS_RO) < 0) {
+      PyErr_Clear();
+      PyErr_Format(g_invalid_argument_type, "%s, got %s whose buffer is not C-contiguous",
+                   kTokensExpected, Py_TYPE(obj)->tp_name);
+      return false;
+    }
+    PyErr_Format(g_invalid_argument_type,
+                 "%s, got %s of format '%s' (ndim %d) that is not C-contiguous", kTokensExpected,
+                 Py_TYPE(obj)->tp_name, any.format != nullptr ? any.format : "B", any.ndim);
+    PyBuffer_Release(&any);
+    return false;
+  }
+
+  Kind kind_ = Kind::kList;
+  PyObject* const* items_ = nullptr;
+  const char* data_ = nullptr;
+  Py_ssize_t n_ = 0;
+  Py_buffer view_{};
+  bool held_ = false;
+};
 
 // The digest of data as a new bytes object (written in place: no copy through a buffer).
 PyObject* digest(Fn fn, const char* data, size_t size) {
@@ -904,15 +1087,13 @@ PyObject* hash_blocks_impl(RequestKeysObject* self, PyObject* tokens_obj, PyObje
   const int64_t bs = c.block_size, la = c.lookahead;
   MMREUSE_DCHECK(bs >= 1 && bs <= kMaxBlockTokens && la >= 0 && la <= kMaxLookahead);
 
-  if (!PyList_Check(tokens_obj)) {
-    PyErr_Format(g_invalid_argument_type, "tokens must be a list, got %s",
-                 Py_TYPE(tokens_obj)->tp_name);
-    return nullptr;
-  }
-  // The list is only read, and nothing below runs Python code before it is done with the
-  // items (errors format them, then return), so they stay put.
-  PyObject* const* items = PySequence_Fast_ITEMS(tokens_obj);
-  const Py_ssize_t ntok = PyList_GET_SIZE(tokens_obj);
+  // The inputs are only read, and nothing below runs Python code before it is done with them:
+  // errors format them, then return, and no object the cyclic GC tracks is allocated (on
+  // CPython 3.11 that can run a collection, whose finalizers could change a list) until the
+  // result list, built last. So a list's items, `prior` and `embeds` stay put.
+  TokenSource src;
+  if (!src.open(tokens_obj)) return nullptr;
+  const Py_ssize_t ntok = src.size();
 
   // The chain so far: start after prior's blocks, from its last hash (or NONE_HASH).
   Py_ssize_t nprior = 0;
@@ -969,17 +1150,15 @@ PyObject* hash_blocks_impl(RequestKeysObject* self, PyObject* tokens_obj, PyObje
 
   // Tokens outside the hashed range are validated here; those inside, as each block reads them.
   const bool allow_any = c.allow_any;
-  int conv =
-      read_tokens(items, std::min<Py_ssize_t>(validate_from, start), start, allow_any, nullptr);
-  if (conv == 1)
-    conv = read_tokens(items, std::max<Py_ssize_t>(hi, validate_from), ntok, allow_any, nullptr);
+  int conv = src.read(std::min<Py_ssize_t>(validate_from, start), start, allow_any, nullptr);
+  if (conv == 1) conv = src.read(std::max<Py_ssize_t>(hi, validate_from), ntok, allow_any, nullptr);
   if (conv < 0) return nullptr;
   if (conv == 0) Py_RETURN_NONE;  // a huge int: the reference path writes LONG1 / bignums
 
-  PyRef result(PyList_New(nblocks));
-  if (!result) return nullptr;
-  // Tokens are read a chunk of whole blocks at a time (about kChunkTokens, in L1), by the
-  // tight loop when they are all small ids, else block by block by read_tokens.
+  std::vector<PyRef> hashes;  // bytes objects, not tracked by the GC
+  hashes.reserve(static_cast<size_t>(nblocks));
+  // Tokens are read a chunk of whole blocks at a time (about kChunkTokens, in L1), by
+  // read_small when they are all ids it takes unchecked, else block by block by read.
   constexpr Py_ssize_t kChunkTokens = 2048;
   const Py_ssize_t chunk_blocks = bs >= kChunkTokens ? 1 : kChunkTokens / bs;
   std::vector<int64_t> toks(static_cast<size_t>(chunk_blocks * bs + la));
@@ -1011,13 +1190,13 @@ PyObject* hash_blocks_impl(RequestKeysObject* self, PyObject* tokens_obj, PyObje
       chunk_start = bstart;
       const Py_ssize_t stop = start + chunk_end * bs + la;
       MMREUSE_DCHECK(stop <= ntok && static_cast<size_t>(stop - bstart) <= toks.size());
-      chunk_small = read_small_tokens(items, bstart, stop, toks.data()) == stop;
+      chunk_small = src.read_small(bstart, stop, toks.data()) == stop;
     }
     const int64_t* bt;
     if (chunk_small) {
       bt = toks.data() + (bstart - chunk_start);
     } else {
-      conv = read_tokens(items, bstart, bend + la, allow_any, toks.data());
+      conv = src.read(bstart, bend + la, allow_any, toks.data());
       if (conv < 0) return nullptr;
       if (conv == 0) Py_RETURN_NONE;
       bt = toks.data();
@@ -1038,11 +1217,14 @@ PyObject* hash_blocks_impl(RequestKeysObject* self, PyObject* tokens_obj, PyObje
     MMREUSE_DCHECK(out.p <= buf_end);
     PyObject* h = digest(c.fn, buf.data(), static_cast<size_t>(out.p - buf.data()));
     if (h == nullptr) return nullptr;
-    PyList_SET_ITEM(result.get(), b, h);
+    hashes.emplace_back(h);
     prev = PyBytes_AS_STRING(h);
     prev_len = static_cast<size_t>(PyBytes_GET_SIZE(h));
   }
-  return result.release();
+  PyObject* result = PyList_New(nblocks);  // no input is read after this
+  if (result == nullptr) return nullptr;
+  for (Py_ssize_t b = 0; b < nblocks; ++b) PyList_SET_ITEM(result, b, hashes[b].release());
+  return result;
 }
 
 // C++ exceptions (std::bad_alloc, std::length_error) never cross into Python.
@@ -1092,11 +1274,12 @@ PyObject* keys_spec(PyObject* o, void*) {
 
 constexpr const char kHashBlocksDoc[] =
     "hash_blocks(tokens, prior=None, validate_from=0, embeds=None, /) -> list[bytes] | None\n\n"
-    "The hashes of the full blocks of `tokens` (a list of ints) after the block hashes `prior`\n"
-    "(None or a list: the chain continues from its last hash, else from NONE_HASH). Tokens\n"
-    "from `validate_from` on are checked; `embeds` is one 32-byte prompt-embeds digest per new\n"
-    "block. None: only the reference path can hash this (an id beyond int64, a pickle frame\n"
-    "over 64 KiB).";
+    "The hashes of the full blocks of `tokens` after the block hashes `prior` (None or a list:\n"
+    "the chain continues from its last hash, else from NONE_HASH). `tokens` is a list of ints or\n"
+    "a 1-D C-contiguous buffer of signed 32- / 64-bit ints (array.array 'i' / 'l' / 'q', vLLM's\n"
+    "TokenBuffer, numpy int32 / int64), read in place. Tokens from `validate_from` on are\n"
+    "checked; `embeds` is one 32-byte prompt-embeds digest per new block. None: only the\n"
+    "reference path can hash this (an id beyond int64, a pickle frame over 64 KiB).";
 
 PyMethodDef kKeysMethods[] = {
     {"hash_blocks", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(keys_hash_blocks)),

@@ -3,6 +3,8 @@
 from collections.abc import Sequence
 from typing import Any
 
+from _typeshed import ReadableBuffer
+
 DEBUG_BUILD: bool
 HASH_FUNCTIONS: tuple[str, ...]
 MM_KEYS: tuple[str, ...]
@@ -24,7 +26,9 @@ class RequestKeys:
     def num_mm(self) -> int: ...
     def hash_blocks(
         self,
-        tokens: list[int],
+        # a list of ints, or a 1-D C-contiguous buffer of signed 32- / 64-bit ints
+        # (array.array 'i' / 'l' / 'q', vLLM 0.34's TokenBuffer, numpy int32 / int64), read in place
+        tokens: list[int] | ReadableBuffer,
         prior: list[bytes] | None = None,
         validate_from: int = 0,
         embeds: list[bytes] | None = None,
