@@ -1,7 +1,13 @@
-"""Run in the vLLM 0.33.0 oracle venv (PYTHONPATH = the mmreuse checkout): mmreuse's
+"""Run in a vLLM oracle venv (0.33.0 or 0.34.0; PYTHONPATH = the mmreuse checkout): mmreuse's
 `fast_request_block_hasher` against vLLM's own `get_request_block_hasher` on real `Request`
-objects, prompt and decode steps, every hash function, lookahead 0-2, multimodal features,
-cache salt and LoRA; prints one JSON line of counts (and timings with --time)."""
+objects (on 0.34 they hold their token ids in a `TokenBuffer`, an int32 array), prompt and
+decode steps, every hash function, lookahead 0-2, multimodal features, cache salt, LoRA and
+negative / int32-edge token ids; prints one JSON line of counts (and timings with --time).
+A request counts as "fast" when every hasher call on it was served by mmreuse's fast path,
+"fallback" when vLLM's own hasher served one (the reasons are in "fallbacks").
+
+    PYTHONHASHSEED=0 PYTHONPATH=. VENV/bin/python tools/oracle/fast_hasher_check.py [--time]
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import random
 import sys
 import time
 
+import vllm
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
@@ -17,7 +24,8 @@ from vllm.utils.hashing import sha256, sha256_cbor, xxhash, xxhash_cbor
 from vllm.v1.core import kv_cache_utils as K
 from vllm.v1.request import Request
 
-from mmreuse.integrations.vllm_hasher import fast_request_block_hasher
+from mmreuse import _hashcore
+from mmreuse.integrations.vllm_hasher import STATS, fallbacks, fast_request_block_hasher
 
 FNS = {"sha256": sha256, "sha256_cbor": sha256_cbor, "xxhash": xxhash, "xxhash_cbor": xxhash_cbor}
 
@@ -34,6 +42,9 @@ def feature(ident: str, offset: int, length: int) -> MultiModalFeatureSpec:
 
 def make_request(rng: random.Random, n: int, k: int, salt: bool, lora: bool, shared: bool, hasher):
     tokens = [rng.randrange(0, 150_000) for _ in range(n)]
+    if n % 11 == 0:  # negative placeholder ids (vLLM's tests use them) and int32's edges
+        for i in rng.sample(range(n), min(n, 8)):
+            tokens[i] = rng.choice((-1, -7, -(2**31), 2**31 - 1, 2**15, 2**30))
     feats, pos = [], 0
     ids = [fresh(f"img-{rng.randrange(4)}") for _ in range(k)]
     if shared and k >= 2:
@@ -60,6 +71,7 @@ def make_request(rng: random.Random, n: int, k: int, salt: bool, lora: bool, sha
 def check(seed: int = 0) -> dict:
     rng = random.Random(seed)
     counts = {"requests": 0, "blocks": 0, "fast": 0, "fallback": 0, "mismatch": 0}
+    tokens_types = set()
     for fn in FNS.values():
         K.init_none_hash(fn)
         for la in (0, 1, 2, True):
@@ -71,7 +83,9 @@ def check(seed: int = 0) -> dict:
                     state = rng.getstate()
                     r1 = make_request(rng, *args, ref)
                     rng.setstate(state)
+                    before = dict(STATS)
                     r2 = make_request(rng, *args, ours)
+                    tokens_types.add(type(r2._all_token_ids).__name__)
                     for _ in range(rng.randrange(0, 40)):
                         t = rng.randrange(0, 150_000)
                         r1.append_output_token_ids(t)
@@ -80,12 +94,17 @@ def check(seed: int = 0) -> dict:
                     counts["blocks"] += len(r1.block_hashes)
                     if r1.block_hashes != r2.block_hashes:
                         counts["mismatch"] += 1
-                    used = getattr(r2, "_mmreuse_request_keys", False) is not False
-                    counts["fast" if used else "fallback"] += 1
+                    fell_back = STATS["vllm"] > before["vllm"]
+                    assert fell_back or STATS["fast"] > before["fast"], "the hasher never ran"
+                    counts["fallback" if fell_back else "fast"] += 1
+    counts["vllm"] = vllm.__version__
+    counts["tokens"] = sorted(tokens_types)
+    counts["fallbacks"] = {k: v for k, v in fallbacks().items() if v}
+    counts["stats"] = dict(STATS)
     return counts
 
 
-def timing() -> dict:
+def timing(repeat: int = 20) -> dict:
     """Engine-core time per request: the initial hashing of a new prompt, vLLM's vs mmreuse's."""
     out = {}
     rng = random.Random(1)
@@ -104,23 +123,32 @@ def timing() -> dict:
             if k:
                 gap = (n - k * size) // (k + 1)
                 feats = [feature(fresh(f"img-{i}"), gap + i * (gap + size), size) for i in range(k)]
-            best = {}
-            for who, h in (("vllm", ref), ("mmreuse", ours)) * 20:
+            best: dict = {}
+            for who, h in (("vllm", ref), ("mmreuse", ours)) * repeat:
                 r = Request(request_id="r", prompt_token_ids=list(tokens), sampling_params=SamplingParams(), pooling_params=None, mm_features=list(feats))  # fmt: skip
+                fast = STATS["fast"]
                 t0 = time.perf_counter()
                 hashes = h(r)
                 dt = time.perf_counter() - t0
+                if who == "mmreuse":  # a fallback timed as "mmreuse" would be vLLM's own
+                    assert STATS["fast"] == fast + 1, (label, name, fallbacks())
                 best[who] = min(best.get(who, dt), dt)
-                best[f"{who}_n"] = len(hashes)
+                best.setdefault("hashes", hashes)
+                assert hashes == best["hashes"] and len(hashes) == n // 16, (label, name)
             out[f"{label} {name}"] = {
                 "vllm_ms": best["vllm"] * 1e3,
                 "mmreuse_ms": best["mmreuse"] * 1e3,
+                "speedup": best["vllm"] / best["mmreuse"],
             }
+            out["tokens"] = type(r._all_token_ids).__name__
+    out["vllm"] = vllm.__version__
+    out["simd"] = _hashcore.simd_available()  # the AVX-512 VBMI2 token writer, else the scalar
+    out["repeat"] = repeat
     return out
 
 
 if __name__ == "__main__":
     result = {"check": check()}
     if "--time" in sys.argv:
-        result["timing"] = timing()
+        result["timing"] = timing(int(sys.argv[sys.argv.index("--repeat") + 1]) if "--repeat" in sys.argv else 20)  # fmt: skip
     print(json.dumps(result))
