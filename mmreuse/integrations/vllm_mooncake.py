@@ -42,7 +42,8 @@ runner's hook order and the namespace on vLLM's rule, neither checked there; so 
 Model Runner V2 with `enable_tower_connector_lora` (that runner sets the encoder's LoRA mapping
 before the hook, so a missed load would be encoded without its adapter). The override for both:
 `"allow_unverified_vllm": true` in `ec_connector_extra_config` or MMREUSE_ALLOW_UNVERIFIED_VLLM=1
-(it starts with a warning naming what was not verified).
+(it starts with a warning naming what was not verified). A vLLM whose namespace function
+fails (moved, changed) is refused whatever the override, naming `embedding_namespace`.
 
 **One store, two vLLM versions.** vLLM 0.34 builds the namespace's `@encoder:` part by another
 rule than 0.32 and 0.33, so instances of both on one store would miss each other's embeddings,
@@ -311,8 +312,14 @@ class MooncakeStoreConnector(ECExampleConnector):
         super().__init__(vllm_config=vllm_config, role=role)
         transfer = vllm_config.ec_transfer_config
         self.settings = StoreSettings.read(transfer.ec_connector_extra_config)
-        self.namespace = self.settings.namespace or _namespace(vllm_config)
         self.vllm_version = _running_vllm()
+        try:
+            self.namespace = self.settings.namespace or _namespace(vllm_config)
+        except Exception as exc:  # an unverified vLLM that moved or changed it
+            raise InvalidArgument(
+                f"vLLM {self.vllm_version}'s build_embedding_namespace failed ({exc!r}): set "
+                f"{_FIELD}['embedding_namespace'] (the same on every instance)"
+            ) from exc
         self.runner = _model_runner(vllm_config)
         self._check_start(vllm_config)
         # the scheduler only asks; the worker process mounts the segment

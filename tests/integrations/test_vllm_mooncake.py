@@ -240,6 +240,15 @@ def test_a_producer_saves_what_the_v2_runner_encodes(v2):
 
 
 @pytest.mark.oracle
+def test_a_v2_producer_puts_back_what_it_holds_and_the_store_lost(v2):
+    flow = v2["flow"]
+    # E's encoder cache holds img-a: nothing encoded, no save_caches; start_save_caches (called
+    # by the hook with the runner's cache) finds it gone from the store and puts it back
+    assert flow["e2"]["encoded"] == [] and flow["e2"]["scheduled_before"] == {}
+    assert flow["e2_stored"] is True and flow["e2_puts"] == 3
+
+
+@pytest.mark.oracle
 def test_a_v2_consumer_loads_and_encodes_what_was_evicted_before_its_load(v2):
     flow = v2["flow"]
     # P's scheduler planned two loads and one encode; img-b left the store before the load
@@ -291,6 +300,11 @@ def test_the_verified_vllm_is_logged_and_another_refused_unless_overridden(v2):
     )
     assert start["override"] == "MooncakeStoreConnector" and start["override_log"] == ["WARNING"]
     assert "enable_tower_connector_lora on Model Runner V2" in start["tower_lora"][0]
+    assert start["no_namespace"].startswith(
+        f"RAISED InvalidArgument: vLLM {version}'s build_embedding_namespace failed ("
+    )
+    assert "['embedding_namespace'] (the same on every instance)" in start["no_namespace"]
+    assert start["no_namespace_set"] == "shared-ns"
 
 
 @pytest.mark.oracle

@@ -401,6 +401,14 @@ def flow() -> dict:
     out["p_loaded_equal"] = torch.equal(p_run.cache.encoder_outputs["img-a"], encode("img-a", 5))
     out["p_log"] = [m for lvl, m in LOG.take() if m.startswith(LOAD_MISS_LOG)]
 
+    # E again, for img-a, which the store lost since: E's encoder cache holds it, so nothing
+    # is encoded and save_caches never fires; the hook's start_save_caches puts it back
+    del FakeStore.objects[embedding_key(ns, "img-a")]
+    e_sched.add_request(request("e-2", [("img-a", 5)]))
+    out["e2"], out["e2_finished"] = step(e_sched, e_run)
+    out["e2_stored"] = embedding_key(ns, "img-a") in FakeStore.objects
+    out["e2_puts"] = e_run.connector.stats["puts"]
+
     # a reference-only item the store lost fails its request; the request beside it runs
     p_sched.ec_connector._metadata_resolver._cache["image"] = {"image_grid_thw"}
     p_sched.add_request(request("p-ref", [("img-lost", 4)], ref={"img-lost"}))
@@ -433,6 +441,16 @@ def start() -> dict:
         out["override_log"] = [lvl for lvl, m in LOG.take() if "unverified" in m]
     finally:
         vm._running_vllm = real
+
+    # a vLLM whose build_embedding_namespace fails: refused, naming the setting that replaces it
+    namespace_of = vm._namespace
+    vm._namespace = lambda cfg: cfg.no_such_part
+    try:
+        out["no_namespace"] = raised(lambda: MooncakeStoreConnector(cfg, ECConnectorRole.WORKER))
+        named = config(llama, "ec_both", {"embedding_namespace": "shared-ns"})
+        out["no_namespace_set"] = MooncakeStoreConnector(named, ECConnectorRole.WORKER).namespace
+    finally:
+        vm._namespace = namespace_of
 
     # a consumer on Model Runner V2 with the encoder's LoRA: refused (V2 sets it before the hook)
     out["tower_lora"] = vm.start_problems(
