@@ -122,7 +122,7 @@ VERIFIED_VLLM: dict[str, str] = {
 # the object format mmreuse's codec writes, the namespace's `@protocol:` part
 PROTOCOL = "v3"
 _ALLOW_KEY = "allow_unverified_vllm"  # in ec_connector_extra_config
-_OVERRIDE = f"ec_connector_extra_config {{{_ALLOW_KEY!r}: true}} or {ALLOW_ENV}=1"
+_OVERRIDE = f'ec_connector_extra_config {{"{_ALLOW_KEY}": true}} or {ALLOW_ENV}=1'
 # how long a scheduler waits at start-up for its Mooncake client, for the namespace card check
 _SETUP_WAIT_S = 10.0
 # a namespace card's time bucket: every instance must use the same (it is in the card's key)

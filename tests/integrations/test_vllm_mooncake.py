@@ -296,7 +296,7 @@ def test_the_verified_vllm_is_logged_and_another_refused_unless_overridden(v2):
         "RAISED InvalidArgument: vllm.__version__ must be a vLLM MooncakeStoreConnector was "
         "verified with (0.32.0, 0.33.0, 0.34.0), got '0.35.0': vLLM 0.35.0 is not a version "
         "MooncakeStoreConnector was verified with. To start anyway, set ec_connector_extra_config "
-        "{'allow_unverified_vllm': true} or MMREUSE_ALLOW_UNVERIFIED_VLLM=1"
+        '{"allow_unverified_vllm": true} or MMREUSE_ALLOW_UNVERIFIED_VLLM=1'
     )
     assert start["override"] == "MooncakeStoreConnector" and start["override_log"] == ["WARNING"]
     assert "enable_tower_connector_lora on Model Runner V2" in start["tower_lora"][0]
