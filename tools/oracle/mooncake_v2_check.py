@@ -495,6 +495,7 @@ def cards(store_out: str | None) -> dict:
     FakeStore.objects.clear()
     LOG.take()
     first = MooncakeStoreConnector(config(pg, "ec_producer", ident), ECConnectorRole.SCHEDULER)
+    first_written = vm._wall()  # (just after its card)
     out["card_keys"] = [k for k in FakeStore.objects if k.startswith("mmreuse-card@")]
     out["card_bytes"] = [len(FakeStore.objects[k]) for k in out["card_keys"]]
     # the same rule: a second instance starts
@@ -559,7 +560,7 @@ def cards(store_out: str | None) -> dict:
         worker = MooncakeStoreConnector(config(pg, "ec_producer", ident), ECConnectorRole.WORKER)
         worker.save_caches({"shared-img": encode("shared-img", 4)}, "shared-img")
         Path(store_out).write_text(json.dumps({
-            "vllm": vllm.__version__, "namespace": first.namespace, "written": vm._wall(),
+            "vllm": vllm.__version__, "namespace": first.namespace, "written": first_written,
             "objects": {k: base64.b64encode(v).decode() for k, v in FakeStore.objects.items()},
         }))  # fmt: skip
     return out
