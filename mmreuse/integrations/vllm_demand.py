@@ -53,6 +53,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,6 +180,10 @@ class DemandScheduler(Scheduler):
         self._next_record = 0
         self._admitting: dict[str, tuple[int, list[str], list[str]]] = {}  # at the lookup
         self._prefilling: dict[str, AdmissionRecord] = {}  # admitted, prefill not done
+        # the requests recorded, by id (the Request itself, held weakly: gone with it). A
+        # preempted request that resumes is not recorded again: vLLM 0.34 (and 0.33 on Model
+        # Runner V2) lists it among the new requests, 0.33 on V1 among the resumed ones
+        self._recorded: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
         self._checked: dict[str, bool] = {}  # admitted this step: its proof held
         # a larger frame is no well-formed query for this P: refused unread (and by the ROUTER)
         self._max_query_bytes = max_query_bytes(self.max_model_len)
@@ -376,7 +381,15 @@ class DemandScheduler(Scheduler):
         return result
 
     def _note_admission(self, request: Any, hit: int) -> None:
-        """The classes of `request`'s items at this lookup (kept if it is admitted now)."""
+        """The classes of `request`'s items at this lookup (kept if it is admitted now). A
+        request already recorded is resuming after a preemption: its record stays the one
+        of its first admission (and, while that prefill is not done, gets the items encoded
+        for it from now on too)."""
+        rid = request.request_id
+        held = self._recorded.get(rid)
+        if held is not None and held is request:
+            self._admitting.pop(rid, None)
+            return
         try:
             c = min(hit, request.num_tokens - 1)
             occs = occurrences_from_request(request)
@@ -410,6 +423,7 @@ class DemandScheduler(Scheduler):
             self._next_record += 1
             self._records.append(rec)
             self._prefilling[new.req_id] = rec
+            self._recorded[new.req_id] = request
         for req_id, inputs in getattr(output, "scheduled_encoder_inputs", {}).items():
             open_rec = self._prefilling.get(req_id)
             if open_rec is not None:
@@ -559,16 +573,22 @@ class DemandScheduler(Scheduler):
                     mm_position=PlaceholderRange(occ.offset, occ.length, is_embed=mask),
                 )
             )
-        request = Request(
-            request_id=f"mmreuse-demand-{query.id}",
-            prompt_token_ids=list(query.token_ids),
-            sampling_params=SamplingParams(max_tokens=1),
-            pooling_params=None,
-            mm_features=features or None,
-            lora_request=lora,
-            cache_salt=query.cache_salt,
-            block_hasher=self._query_hasher,
-        )
+        try:
+            request = Request(
+                request_id=f"mmreuse-demand-{query.id}",
+                prompt_token_ids=list(query.token_ids),
+                sampling_params=SamplingParams(max_tokens=1),
+                pooling_params=None,
+                mm_features=features or None,
+                lora_request=lora,
+                cache_salt=query.cache_salt,
+                block_hasher=self._query_hasher,
+            )
+        except OverflowError as e:  # vLLM 0.34 on: token ids in an int32 buffer
+            raise MalformedQuery(
+                f"token_ids holds an id this vLLM's Request cannot hold ({e}); no request P "
+                "serves has one"
+            ) from None
         return occs, request
 
     def _demand_at(self, occs: list[Any], n: int, c: int, e_cached: Any = ()) -> Any:
@@ -593,8 +613,11 @@ class DemandScheduler(Scheduler):
         manager = self.kv_cache_manager
         hit_tokens, hit_blocks = 0, list[Any]()
         if self._query_hasher is not None and manager.prefix_cache_lookup_enabled(request):
+            # the longest hit vLLM's lookup allows: its own bound where it has one (0.34 on:
+            # the request's prefix_cache_hit_limit too), else all tokens but the last
+            bound = getattr(request, "get_max_cache_hit_length", None)
             found = manager.coordinator.find_longest_cache_hit(
-                request.block_hashes, request.num_tokens - 1
+                request.block_hashes, bound() if callable(bound) else request.num_tokens - 1
             )
             hit_tokens, hit_blocks = int(found[1]), found[0][0] if found[0] else []
         demand = self._demand_at(occs, request.num_tokens, hit_tokens, query.e_cached)

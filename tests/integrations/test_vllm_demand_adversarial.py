@@ -1,5 +1,5 @@
 """DemandScheduler under a hostile demand client (oracle venv:
-tools/oracle/demand_adversarial_check.py drives it side by side with vLLM 0.33.0's Scheduler and
+tools/oracle/demand_adversarial_check.py drives it side by side with vLLM's Scheduler and
 throws malformed, oversized and out-of-range frames at `_handle` and over the real ROUTER socket
 between steps, then a burst of 2,000 unread queries while the engine steps): nothing escapes,
 every answer is a DemandError or a valid answer of the expected kind, answers change nothing in

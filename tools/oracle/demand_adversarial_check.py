@@ -1,4 +1,4 @@
-"""Run in the vLLM 0.33.0 oracle venv (PYTHONPATH = the mmreuse checkout): `DemandScheduler` under
+"""Run in a vLLM oracle venv (0.33.0, 0.34.0; PYTHONPATH = the mmreuse checkout): `DemandScheduler` under
 a hostile demand client, side by side with vLLM's real `Scheduler` driven identically.
 
 Between engine steps, hostile frames go to `DemandScheduler._handle` directly and over the real
@@ -59,6 +59,23 @@ SLOW_S = 1.0  # an answer (or engine step) slower than this is a finding
 MB = 1 << 20
 BURST = 2000
 MAX_MODEL_LEN = 2048  # make_scheduler's
+
+
+def _big_token_ids() -> tuple[str, str | None]:
+    """What a query with token ids past int32 gets from this vLLM: an answer where its
+    `Request` holds any int (0.33), a DemandError naming token_ids where it holds int32 and
+    raises OverflowError (0.34 on)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    try:
+        Request("probe", [2**31], SamplingParams(max_tokens=1), None)
+    except OverflowError:
+        return ("error", "token_ids")
+    return ("answer", None)
+
+
+BIG_TOKEN_IDS = _big_token_ids()
 
 
 def _q(base_tokens: list[int], base_items: list[tuple[str, int, int]], **over: Any) -> bytes:
@@ -185,7 +202,10 @@ def hostile_frames(tokens: list[int], items: list, rng: random.Random) -> list[t
         # identities
         ("unknown_lora", q(lora_name="no-such-adapter"), (err, "lora_name")),
         ("duplicate_items", q40(items=[_item("a", 2, 4), _item("a", 10, 4)]), (ok, None)),
-        ("token_id_2p63", q(token_ids=[2**63 - 1] * len(t)), (ok, None)),
+        # vLLM 0.34 on holds token ids in int32: a larger one makes no Request there
+        ("token_id_2p63", q(token_ids=[2**63 - 1] * len(t)), BIG_TOKEN_IDS),
+        ("token_id_2p31", q(token_ids=[2**31] * len(t)), BIG_TOKEN_IDS),
+        ("token_id_int32_max", q(token_ids=[2**31 - 1] * len(t)), (ok, None)),
         ("one_token", q(token_ids=[7], items=[]), (ok, None)),
         ("one_token_item", q(token_ids=[7], items=[_item("a", 0, 1)]), (ok, None)),
         ("not_remembered", q(remember=False), (ok, None)),

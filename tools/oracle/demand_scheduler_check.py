@@ -1,6 +1,9 @@
-"""Run in the vLLM 0.33.0 oracle venv (PYTHONPATH = the mmreuse checkout): `DemandScheduler`
-against vLLM's real `Scheduler`, side by side, on the same multi-turn multimodal stream (real
-`Request`s, a small KV pool and encoder cache so that evictions happen).
+"""Run in a vLLM oracle venv (0.33.0, 0.34.0; PYTHONPATH = the mmreuse checkout):
+`DemandScheduler` against vLLM's real `Scheduler`, side by side, on the same multi-turn
+multimodal stream (real `Request`s, a small KV pool and encoder cache so that evictions happen).
+
+    python tools/oracle/demand_scheduler_check.py [SEED TURNS ASYNC]
+    python tools/oracle/demand_scheduler_check.py preemption [SEED [v1|v2|default]]
 
 Checked, and printed as one JSON line of counts:
 - behaviour: both schedulers produce the same SchedulerOutput every step (requests, tokens,
@@ -11,12 +14,21 @@ Checked, and printed as one JSON line of counts:
   the items P encodes itself equal the answer's;
 - proofs are sound: an admitted request whose proof still held got the answer's C;
 - the residency index equals vLLM's prefix cache after every step (`check_index`);
+- admission records: one per request, as `Truth` says;
 - the answer thread: queries over the real ROUTER socket, malformed ones get DemandErrors.
+`preemption` forces preemptions instead (see `preemption`): one record per request however
+often it is preempted and resumed, and demand counters that count each request once.
+
+Where the two vLLMs differ, the check reads what this one has: `ModelRunnerOutput`'s fields
+(0.34 dropped `req_id_to_index`), the prefix-cache map through its public `contain` (0.34
+holds block ids), where a resumed request is listed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import random
 import socket
 import sys
@@ -26,6 +38,7 @@ from pathlib import Path
 
 import msgspec
 import torch
+import vllm
 import zmq
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem, PlaceholderRange
@@ -69,13 +82,19 @@ def tiny_model_dir() -> str:
 
 
 def make_scheduler(
-    cls, model: str, num_blocks: int, cache_size: int, async_: bool = False, kv_events=None
+    cls,
+    model: str,
+    num_blocks: int,
+    cache_size: int,
+    async_: bool = False,
+    kv_events=None,
+    max_batched: int = 2048,
 ):
     model_config = ModelConfig(
         model=model, dtype="float16", seed=42, skip_tokenizer_init=True, max_model_len=2048
     )
     sched = SchedulerConfig(
-        max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
+        max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=2048,
         enable_chunked_prefill=True, async_scheduling=async_, is_encoder_decoder=False,
         watermark=0.0,
     )  # fmt: skip
@@ -127,8 +146,8 @@ class Stream:
         return tokens, items
 
 
-def request(rid: str, tokens, items, hasher, demand_id: str | None = None):
-    params = SamplingParams(max_tokens=2, ignore_eos=True,
+def request(rid: str, tokens, items, hasher, demand_id: str | None = None, max_tokens: int = 2):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                             extra_args={"mmreuse_demand_id": demand_id} if demand_id else None)  # fmt: skip
     # Each identifier a str object of its own, as a request decoded from the front end has
     # (vLLM's pickle-based hash memoizes one object named twice: another hash).
@@ -158,7 +177,7 @@ def pool_state(s) -> tuple:
     while node is not None and node is not q.fake_free_list_tail:
         order.append(node.block_id)
         node = node.next_free_block
-    cached = sorted((bytes(k), b.block_id) for k, b in _map_items(pool.cached_block_hash_to_block))
+    cached = cached_entries(pool)
     stats = s.kv_cache_manager.prefix_cache_stats
     ecm = s.encoder_cache_manager
     return (
@@ -169,13 +188,18 @@ def pool_state(s) -> tuple:
     )  # fmt: skip
 
 
-def _map_items(m):
-    for key, v in m._cache.items():
-        if isinstance(v, dict):
-            for b in v.values():
-                yield key, b
-        else:
-            yield key, v
+def cached_entries(pool) -> list[tuple[bytes, int]]:
+    """The prefix cache's (key, block id) entries, through the map's public `contain` (its
+    storage differs: blocks in 0.33, block ids and a duplicates map in 0.34): each block's
+    own hash and the extra keys the pool notes for it, where the map holds that block under
+    them; and the map's size, so that an entry no block names still shows."""
+    m = pool.cached_block_hash_to_block
+    extra = getattr(pool, "cached_block_hashes_by_block", {})
+    found = []
+    for b in pool.blocks:
+        keys = ([] if b.block_hash is None else [b.block_hash]) + sorted(extra.get(b.block_id, ()))
+        found += [(bytes(k), b.block_id) for k in keys if m.contain(k, b.block_id)]
+    return [*sorted(found), (b"len", len(m))]
 
 
 def output_key(out) -> tuple:
@@ -188,11 +212,78 @@ def output_key(out) -> tuple:
     )
 
 
+# ModelRunnerOutput's fields: vLLM 0.34 dropped `req_id_to_index` (update_from_output indexes
+# req_ids itself); 0.33 requires it
+_RUNNER_FIELDS = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+
+
 def runner_output(out) -> ModelRunnerOutput:
     ids = list(out.num_scheduled_tokens)
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=[[7] for _ in ids], logprobs=None,
-                             prompt_logprobs_dict={}, pooler_output=[])  # fmt: skip
+    extra = {}
+    if "req_id_to_index" in _RUNNER_FIELDS:
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=[[7] for _ in ids], logprobs=None,
+                             prompt_logprobs_dict={}, pooler_output=[], **extra)  # fmt: skip
+
+
+class Truth:
+    """What vLLM's scheduler did, step by step, that P's admission records must say: per
+    request the C of its first admission and the items encoded for it while that first
+    prefill was open (a record's `encoded`: a request preempted then resumed keeps its one
+    record, which gets what is encoded for it until its prompt is computed once), and its
+    resumptions (listed with the new requests by 0.34 and 0.33 on Model Runner V2, with the
+    resumed ones by 0.33 on V1)."""
+
+    def __init__(self, sched) -> None:
+        self.sched = sched  # vLLM's own scheduler, driven like P's
+        self.admitted: dict[str, int] = {}  # request -> C when first scheduled
+        self.encoded: dict[str, set[int]] = {}  # request -> items encoded, over all steps
+        self.first_prefill: dict[str, set[int]] = {}  # ... while its first prefill was open
+        self.prefilled: set[str] = set()  # requests whose first prefill is done
+        self.resumed_as_new = self.resumed_as_resumed = 0
+        self.resumed_while_prefilling = 0  # resumptions before the first prefill was done
+        self.encoded_after_resume = 0  # items encoded for those once resumed
+        self._open_resumed: set[str] = set()  # resumed before their first prefill was done
+
+    def saw(self, out) -> None:
+        """One step's SchedulerOutput (after schedule, before update_from_output)."""
+        resumed: set[str] = set(getattr(out.scheduled_cached_reqs, "resumed_req_ids", ()))
+        self.resumed_as_resumed += len(resumed)
+        for r in out.scheduled_new_reqs:
+            if r.req_id in self.admitted:
+                self.resumed_as_new += 1
+                resumed.add(r.req_id)
+            self.admitted.setdefault(r.req_id, r.num_computed_tokens)
+        self.resumed_while_prefilling += len(resumed - self.prefilled)
+        self._open_resumed |= resumed - self.prefilled
+        for r, inputs in out.scheduled_encoder_inputs.items():
+            self.encoded.setdefault(r, set()).update(inputs)
+            if r not in self.prefilled:
+                self.first_prefill.setdefault(r, set()).update(inputs)
+                self.encoded_after_resume += len(inputs) if r in self._open_resumed else 0
+        for r in self.admitted:  # the prompt scheduled whole once: the record closes
+            req = self.sched.requests.get(r)
+            if req is None or req.num_computed_tokens >= req.num_prompt_tokens:
+                self.prefilled.add(r)
+
+    def check_records(self, records, c: dict) -> None:
+        """P's records against it: one per admitted request, its first C, its items."""
+        by_name = {r.request_id: r for r in records}
+        c["records"] = len(records)
+        c["admitted_requests"] = len(self.admitted)
+        c["duplicate_records"] = len(records) - len(by_name)
+        c["record_c_mismatch"] = sum(
+            1
+            for n, a in self.admitted.items()
+            if n not in by_name or by_name[n].num_computed_tokens != a
+        )
+        c["record_encoded_mismatch"] = sum(
+            1 for n, r in by_name.items() if set(r.encoded) != self.first_prefill.get(n, set())
+        )
+        c["resumed_as_new"] = self.resumed_as_new
+        c["resumed_as_resumed"] = self.resumed_as_resumed
+        c["resumed_while_prefilling"] = self.resumed_while_prefilling
+        c["encoded_after_resume"] = self.encoded_after_resume
 
 
 def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
@@ -208,19 +299,17 @@ def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
          "output_mismatch": 0, "index_mismatch": 0, "unsound": 0, "kv_hits": 0, "reused": 0,
          "e_compute": 0, "socket_answers": 0, "socket_errors": 0}  # fmt: skip
     c["scheduler"] = type(ours).__name__
+    c["vllm"] = vllm.__version__
     rid = 0
-    admitted: dict[str, int] = {}  # request -> C when first scheduled
-    encoded: dict[str, set[int]] = {}  # request -> items P encoded itself, over all steps
+    truth = Truth(ref)
+    admitted, encoded = truth.admitted, truth.encoded
     checked: list[tuple[str, DemandAnswer]] = []  # answered while P was idle, added first
 
     def step() -> None:
         a, b = ours.schedule(), ref.schedule()
         if output_key(a) != output_key(b):
             c["output_mismatch"] += 1
-        for r in a.scheduled_new_reqs:
-            admitted.setdefault(r.req_id, r.num_computed_tokens)
-        for r, inputs in a.scheduled_encoder_inputs.items():
-            encoded.setdefault(r, set()).update(inputs)
+        truth.saw(b)
         ours.update_from_output(a, runner_output(a))
         ref.update_from_output(b, runner_output(b))
         c["steps"] += 1
@@ -268,24 +357,13 @@ def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
             if DEBUG:
                 print("MISMATCH", name, admitted.get(name), ans.num_computed_tokens,
                       encoded.get(name), expect, ans.classes, file=sys.stderr)  # fmt: skip
-    # admission records: one per admitted request, with the C it was admitted with; for the
-    # requests answered while P was idle, the classes the answer gave
+    # admission records: one per admitted request, with the C it was first admitted with;
+    # for the requests answered while P was idle, the classes the answer gave
     recs = decode_answer(ours._handle(encode(RecordsQuery("r", 0, 65536))))
-    by_name: dict = {}
-    for r in recs.records:  # the first admission of each (a resumed request has another)
-        by_name.setdefault(r.request_id, r)
-    c["records"] = len(recs.records)
-    c["record_c_mismatch"] = sum(
-        1 for n, a in admitted.items() if n not in by_name or by_name[n].num_computed_tokens != a
-    )
+    truth.check_records(recs.records, c)
+    by_name = {r.request_id: r for r in recs.records}
     c["record_answer_mismatch"] = sum(
         1 for n, ans in checked if not ans.encoder_cache_short and by_name[n].classes != ans.classes
-    )
-    rec_encoded: dict[str, set[int]] = {}  # over every admission of a request
-    for r in recs.records:
-        rec_encoded.setdefault(r.request_id, set()).update(r.encoded)
-    c["record_encoded_mismatch"] = sum(
-        1 for n, e in rec_encoded.items() if e != encoded.get(n, set())
     )
     st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
     c["stats"] = st
@@ -314,6 +392,73 @@ def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
     return c
 
 
+def preemption(seed: int = 0, requests: int = 40, runner: str = "default") -> dict:
+    """Preemptions forced on vLLM's real scheduler: a KV pool (14 blocks) too small for the
+    requests running together as they decode, prefill chunked (48 tokens a step) and a small
+    encoder cache, so that requests are preempted while decoding and while prefilling, and
+    resume. DemandScheduler, side by side with vLLM's Scheduler: the same outputs, one
+    admission record per request (its first admission's C, the items encoded while its
+    first prefill was open, a resumption before that included), and its demand counters
+    (each request answered first) count each request once. `runner`: "v1" / "v2" set
+    VLLM_USE_V2_MODEL_RUNNER (0.33 lists a resumed request with the resumed ones on V1, with
+    the new ones on V2; 0.34 has V2 only)."""
+    if not hasattr(VllmConfig, "use_v2_model_runner"):  # 0.34 on: Model Runner V2 only
+        if runner == "v1":
+            return {"vllm": vllm.__version__, "skipped": "this vLLM has no Model Runner V1"}
+    elif runner != "default":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    rng = random.Random(seed)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    model = tiny_model_dir()
+    kw = {"num_blocks": 14, "cache_size": 48, "max_batched": 24}
+    ours, ref = make_scheduler(DemandScheduler, model, **kw), make_scheduler(Scheduler, model, **kw)
+    images = {f"img-{i}": rng.choice([8, 16, 24]) for i in range(8)}
+    c = {"vllm": vllm.__version__, "v2_model_runner": getattr(ref, "use_v2_model_runner", True),
+         "steps": 0, "output_mismatch": 0, "index_mismatch": 0, "requests": 0}  # fmt: skip
+    truth = Truth(ref)
+
+    def step() -> None:
+        a, b = ours.schedule(), ref.schedule()
+        c["output_mismatch"] += output_key(a) != output_key(b)
+        truth.saw(b)
+        ours.update_from_output(a, runner_output(a))
+        ref.update_from_output(b, runner_output(b))
+        c["steps"] += 1
+        st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
+        c["index_mismatch"] += st["index_mismatches"]
+
+    for k in range(requests):
+        tokens = [1, 2, 3 + k % 7] + [rng.randrange(4, 900) for _ in range(rng.randrange(4, 20))]
+        items = []
+        for _ in range(rng.choice([1, 2, 2])):
+            ident = rng.choice(sorted(images))
+            items.append((ident, len(tokens), images[ident]))
+            tokens += [PAD] * images[ident] + [rng.randrange(4, 900) for _ in range(4)]
+        name, qid = f"r{k}", f"q{k}"
+        answer = decode_answer(ours._handle(encode(query(qid, tokens, items))))
+        assert isinstance(answer, DemandAnswer), answer
+        max_tokens = rng.randrange(8, 40)
+        ours.add_request(request(name, tokens, items, hasher, qid, max_tokens))
+        ref.add_request(request(name, tokens, items, hasher, None, max_tokens))
+        c["requests"] += 1
+        for _ in range(rng.choice([1, 2, 3])):
+            step()
+    for _ in range(400):  # drain
+        if not ours.has_requests():
+            break
+        step()
+    c["unfinished"] = ours.get_num_unfinished_requests()
+    recs = decode_answer(ours._handle(encode(RecordsQuery("r", 0, 65536))))
+    truth.check_records(recs.records, c)
+    st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s"))))
+    c["stats"] = {k: st.get(k) for k in ("admitted", "proof_valid", "changed")}
+    return c
+
+
 if __name__ == "__main__":
-    args = [int(a) for a in sys.argv[1:]]
-    print(json.dumps(main(*args)))
+    if sys.argv[1:2] == ["preemption"]:  # preemption SEED RUNNER
+        seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+        print(json.dumps(preemption(seed, runner=sys.argv[3] if len(sys.argv) > 3 else "default")))
+    else:
+        print(json.dumps(main(*[int(a) for a in sys.argv[1:]])))
