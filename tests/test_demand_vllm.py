@@ -1,4 +1,5 @@
-"""compute_demand vs vLLM 0.33.0's own Scheduler._try_schedule_encoder_inputs (oracle venv)."""
+"""compute_demand vs vLLM's own Scheduler._try_schedule_encoder_inputs (oracle venvs: 0.33.0,
+0.34.0)."""
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings

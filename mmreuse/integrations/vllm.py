@@ -1,6 +1,6 @@
 """vLLM adapter: plan_admission on a live vLLM `Request`, its encoder cache and EC connector.
 
-Duck-typed against vLLM 0.33.0 (no vLLM import): `Request.mm_features` / `.num_tokens`,
+Duck-typed against vLLM 0.32.0 - 0.34.0 (no vLLM import): `Request.mm_features` / `.num_tokens`,
 `EncoderCacheManager.cached` / `.num_embeds_by_hash` / `.freeable`, and
 `ECConnectorBase.has_cache_item(identifier)`.
 

@@ -435,7 +435,7 @@ def test_subscriber_bad_arguments(kwargs, match):
 @pytest.mark.oracle
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_longest_prefix_equals_vllm_block_pool_hits(oracle_python, seed):
-    """Replay vLLM 0.33.0's real BlockPool events; at every admission, RemoteKVIndex fed by them
+    """Replay vLLM's real BlockPool events (0.33.0, 0.34.0); at every admission, RemoteKVIndex fed by them
     hits as many leading blocks as vLLM's prefix cache, with the query hashed by mmreuse."""
     import subprocess
 

@@ -1,8 +1,9 @@
 """HashConfigCheck: re-hash what P's BlockStored events publish with the proxy's configuration,
 and BlockHasher.hash_block (one block as vLLM's hash_block_tokens).
 
-Events come from three sources: vLLM 0.33.0's real BlockPool (the oracle venv: mm keys, salts,
-prompt embeds, prefix hits, decode steps, LoRA, lookahead, a coarser KV group, bytes hashes),
+Events come from three sources: vLLM's real BlockPool (the oracle venvs, 0.33.0 and 0.34.0:
+mm keys, salts, prompt embeds, prefix hits, decode steps, LoRA, lookahead, a coarser KV group,
+bytes hashes),
 events built here exactly as that BlockPool builds them (mmreuse's hasher is vLLM's, byte for
 byte: test_conformance.py), and the recorded 0.33.0 wire fixtures, whose hashes are random
 stand-ins (they test the wire, not the hasher), so they may never verify."""
@@ -743,7 +744,7 @@ def test_random_events_never_raise_and_bound_the_work(
         assert s.first_mismatch and "\n" not in s.first_mismatch
 
 
-# ---- against vLLM 0.33.0's real BlockPool ------------------------------------------------------
+# ---- against vLLM's real BlockPool (0.33.0, 0.34.0) ------------------------------------------
 
 # Runs in the oracle venv: argv = [repo, JSON configs]. For each config, the requests go through
 # a real Request (vLLM's msgpack wire, get_request_block_hasher) into a real BlockPool with KV

@@ -1,5 +1,5 @@
 """Encoder-cache events: the wire (mmreuse.events.ec_wire) and EventfulEncoderCacheManager,
-whose events must describe vLLM 0.33.0's real encoder cache exactly (oracle venv:
+whose events must describe vLLM's real encoder cache exactly (oracle venvs, 0.33.0 and 0.34.0:
 tools/oracle/ec_events_check.py drives the real manager and checks after every flush, then a
 replay from seq 0)."""
 

@@ -1,4 +1,4 @@
-"""Run in the vLLM 0.33.0 oracle venv (PYTHONPATH = the mmreuse checkout): what DemandScheduler
+"""Run in a vLLM oracle venv (0.33.0, 0.34.0; PYTHONPATH = the mmreuse checkout): what DemandScheduler
 adds to vLLM's Scheduler per engine step (schedule + update_from_output: the lock, the residency
 index fed by the block pool, proof checks at admission), and what one answer costs, idle and
 while the engine thread steps.

@@ -1,4 +1,4 @@
-"""Run in the vLLM 0.33.0 oracle venv (PYTHONPATH = the mmreuse checkout): drive
+"""Run in a vLLM oracle venv (0.33.0, 0.34.0; PYTHONPATH = the mmreuse checkout): drive
 `EventfulEncoderCacheManager` (vLLM's real `EncoderCacheManager` underneath) through a random
 scheduler-like sequence of hits, allocations with evictions, frees and resets, with real
 `Request`s; receive its events over vLLM's own ZMQ publisher; after every flush, the state the
@@ -128,7 +128,8 @@ def main(seed: int = 0, steps: int = 400) -> dict:
     dealer.send_multipart([b"", (0).to_bytes(8, "big")])
     rebuilt: dict = {}
     while dealer.poll(2000):
-        *_, seq, payload = dealer.recv_multipart()  # (b"", topic, seq, payload) in vLLM 0.33
+        # (b"", topic, seq, payload) in vLLM 0.33 and 0.34
+        *_, seq, payload = dealer.recv_multipart()
         if int.from_bytes(seq, "big", signed=True) == -1:
             break
         apply_ec_batch(rebuilt, decode_ec_batch(payload))

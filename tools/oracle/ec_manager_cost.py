@@ -1,4 +1,4 @@
-"""Run in the vLLM 0.33.0 oracle venv (PYTHONPATH = the mmreuse checkout): what
+"""Run in a vLLM oracle venv (0.33.0, 0.34.0; PYTHONPATH = the mmreuse checkout): what
 EventfulEncoderCacheManager adds to vLLM's EncoderCacheManager per scheduler call, publisher
 attached (vLLM's ZmqEventPublisher on loopback, no subscriber): the same scripted sequence of
 hits, allocations with evictions, frees and per-step flushes through both; best of 7."""

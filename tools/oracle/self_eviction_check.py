@@ -1,4 +1,4 @@
-"""Run in the vLLM 0.33.0 oracle venv (PYTHONPATH = the mmreuse checkout): rule S, what vLLM's
+"""Run in a vLLM oracle venv (0.33.0, 0.34.0; PYTHONPATH = the mmreuse checkout): rule S, what vLLM's
 real Scheduler does when a request's own encoder-cache allocations evict an entry a later item
 of the same request would have reused (docs/demand-semantics.md §1.8).
 

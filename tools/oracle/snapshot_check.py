@@ -1,4 +1,4 @@
-"""Run in the vLLM 0.33.0 oracle venv (PYTHONPATH = the mmreuse checkout): `DemandScheduler`'s
+"""Run in a vLLM oracle venv (0.33.0, 0.34.0; PYTHONPATH = the mmreuse checkout): `DemandScheduler`'s
 KV snapshots against vLLM's own KV events, on the multi-turn multimodal stream of
 `demand_scheduler_check.py` (a small KV pool, so that blocks are evicted and re-stored).
 

@@ -1,4 +1,4 @@
-"""Run mmreuse.integrations.vllm on real vLLM 0.33.0 objects (inside the oracle venv).
+"""Run mmreuse.integrations.vllm on real vLLM objects (inside an oracle venv: 0.33.0, 0.34.0).
 
 PYTHONPATH=<repo> $ORACLE_PYTHON tools/oracle/vllm_adapter_check.py   -> one JSON object
 """
@@ -36,7 +36,7 @@ def main() -> int:
     def request(req_id, n, feats):
         ecr = V.EngineCoreRequest(
             request_id=req_id,
-            prompt_token_ids=[0] * n,
+            prompt_token_ids=hash_oracle.wire_tokens([0] * n),  # 0.34: int32 array
             mm_features=feats,
             sampling_params=V.SamplingParams(max_tokens=16),
             pooling_params=None,

@@ -1,4 +1,4 @@
-"""Drive vLLM 0.33.0's real BlockPool (prefix cache with KV events on) and record what it says.
+"""Drive vLLM's real BlockPool (0.33.0, 0.34.0; prefix cache with KV events on), record what it says.
 
 Runs inside the oracle venv:  $ORACLE_PYTHON tools/oracle/vllm_blockpool_oracle.py SEED
 Prints JSON steps, in order: {"batch": base64 msgpack KVEventBatch} for the events the pool

@@ -1,4 +1,4 @@
-"""Ask vLLM 0.33.0's real scheduler what it does with a request's encoder inputs.
+"""Ask vLLM's real scheduler (0.33.0, 0.34.0) what it does with a request's encoder inputs.
 
 Runs inside the oracle venv (vLLM installed), as a JSON-lines server:
 
@@ -55,7 +55,7 @@ def main() -> int:
     def request(req_id, n, feats):
         ecr = V.EngineCoreRequest(
             request_id=req_id,
-            prompt_token_ids=[0] * n,
+            prompt_token_ids=hash_oracle.wire_tokens([0] * n),  # 0.34: int32 array
             mm_features=feats or None,
             sampling_params=V.SamplingParams(max_tokens=16),
             pooling_params=None,
