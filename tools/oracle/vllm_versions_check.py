@@ -1,16 +1,23 @@
 """Run in a vLLM venv (PYTHONPATH = the mmreuse checkout): the plug-ins' start-up checks
-against the real vLLM they run in (tests/integrations/test_vllm_versions.py runs it in the oracle's 0.33.0).
+against the real vLLM they run in (tests/integrations/test_vllm_versions.py runs it in each
+oracle venv: 0.33.0, 0.34.0).
 
     python tools/oracle/vllm_versions_check.py SCENARIO
 
 Prints one JSON line. Scenarios (each in its own process: they patch vLLM):
 - `as-is`: the running vLLM's schedulers pass DemandScheduler's check; what it logged; the
-  fast hasher's scheme; every public scheduler method locked or known read-only.
+  fast hasher's scheme; every public scheduler method locked or known read-only; its
+  EncoderCacheManager passes EventfulEncoderCacheManager's check (`ec`).
 - `new-method`: a public method added to vLLM's Scheduler: DemandScheduler refuses to start
   (before vLLM's __init__ runs), naming it; with the config override and with the environment
   override it gets past the check (to vLLM's __init__, which the stand-in config fails).
 - `version:X`: vllm.__version__ faked to X: what DemandScheduler, the fast hasher's
   `register()` and `fast_request_block_hasher` do, and which scheme the hashes are.
+- `ec-version:X`, `ec-new-method`, `ec-new-init`: EventfulEncoderCacheManager on a vLLM
+  whose version is faked to X, whose EncoderCacheManager has a public method more, or whose
+  EncoderCacheManager.__init__ takes another argument (its create_manager passing it): what
+  `create_manager` gives vLLM (vLLM's own manager publishing nothing, or the plug-in's,
+  publishing) without, with the config and with the environment override; what it logged.
 """
 
 from __future__ import annotations
@@ -40,7 +47,11 @@ class _Lines(logging.Handler):
 
 
 LOG = _Lines()
-for name in (vllm_versions.logger.name, vllm_hasher.logger.name):
+for name in (
+    vllm_versions.logger.name,
+    vllm_hasher.logger.name,
+    "vllm.mmreuse.integrations.vllm_ec",
+):
     logging.getLogger(name).addHandler(LOG)
     logging.getLogger(name).setLevel(logging.DEBUG)
 
@@ -88,8 +99,19 @@ def as_is() -> dict:
             n for n in _LOCKED if hasattr(Scheduler, n) and n not in vars(DemandScheduler)
         ),
         "scheme": vllm_hasher._running_scheme().name,
+        "ec_problems": vllm_versions.check_encoder_cache(vllm.__version__, ec_surface()),
+        "ec": ec_manager(),
         "log": LOG.lines,
     }
+
+
+def ec_surface() -> dict[str, str]:
+    from mmreuse.integrations.vllm_ec import EventfulEncoderCacheManager
+
+    manager = EventfulEncoderCacheManager(cache_size=1)
+    return vllm_versions.encoder_cache_surface(
+        EventfulEncoderCacheManager, manager._vllm_attributes
+    )
 
 
 def new_method() -> dict:
@@ -97,7 +119,7 @@ def new_method() -> dict:
         return None
 
     Scheduler.drain_everything = drain_everything  # type: ignore[attr-defined]
-    out = {"refused": construct(config())}
+    out: dict = {"version": vllm.__version__, "refused": construct(config())}
     out["config_override"] = construct(config({"allow_unverified_vllm": True}))
     os.environ[vllm_versions.ALLOW_ENV] = "1"
     out["env_override"] = construct(config())
@@ -181,6 +203,79 @@ def hashes_scheme() -> dict:
     return out
 
 
+def ec_manager(ours: dict | None = None) -> dict:
+    """What EventfulEncoderCacheManager.create_manager gives vLLM (P's settings `ours`, an
+    events endpoint among them): which class, whether it publishes, and that it works."""
+    import socket
+
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+    from vllm.v1.request import Request
+
+    from mmreuse.integrations.vllm_ec import EventfulEncoderCacheManager
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    cfg = SimpleNamespace(
+        additional_config={"mmreuse": {"encoder_cache_events_endpoint": f"tcp://*:{port}",
+                                       **(ours or {})}},
+        parallel_config=SimpleNamespace(data_parallel_rank=0),
+    )  # fmt: skip
+    try:
+        m = EventfulEncoderCacheManager.create_manager(cache_size=32, vllm_config=cfg)
+    except Exception as exc:
+        return {"outcome": "raised", "error": f"{type(exc).__name__}: {exc}"}
+    feat = MultiModalFeatureSpec(
+        data=None, modality="image", identifier="img", mm_position=PlaceholderRange(2, 8)
+    )
+    req = Request("r", [1] * 16, SamplingParams(max_tokens=1), None, mm_features=[feat])
+    ok = m.can_allocate(req, 0, 100, 0)  # the manager works as vLLM's: a hit after allocate
+    m.allocate(req, 0)
+    out = {
+        "outcome": "created",
+        "class": type(m).__name__,
+        "vllms_own": type(m) is EncoderCacheManager,
+        "publisher": getattr(m, "publisher", None) is not None,
+        "works": ok and m.check_and_update_cache(req, 0) and "img" in m.cached,
+    }
+    m.get_freed_mm_hashes()
+    if out["publisher"]:
+        out["published"] = m.published
+        m.publisher.shutdown()
+    return out
+
+
+def ec_scenario(scenario: str) -> dict:
+    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+
+    if scenario.startswith("ec-version:"):
+        vllm.__version__ = scenario.split(":", 1)[1]
+    elif scenario == "ec-new-method":
+        EncoderCacheManager.evict_all = lambda self, now=False: None  # type: ignore[attr-defined]
+    elif scenario == "ec-new-init":
+        init = EncoderCacheManager.__init__
+
+        def new_init(self, cache_size, budget):
+            init(self, cache_size)
+
+        EncoderCacheManager.__init__ = new_init  # type: ignore[method-assign]
+        EncoderCacheManager.create_manager = classmethod(  # type: ignore[method-assign]
+            lambda cls, *, cache_size, vllm_config: cls(cache_size=cache_size, budget=1)
+        )
+    else:
+        sys.exit(f"unknown scenario {scenario!r}")
+    out = {"version": vllm.__version__, "plain": ec_manager()}
+    out["config_override"] = ec_manager({"allow_unverified_vllm": True})
+    os.environ[vllm_versions.ALLOW_ENV] = "1"
+    out["env_override"] = ec_manager()
+    os.environ[vllm_versions.ALLOW_ENV] = "maybe"
+    out["env_mistyped"] = ec_manager()
+    out["log"] = LOG.lines
+    return out
+
+
 def main() -> None:
     scenario = sys.argv[1]
     if scenario == "as-is":
@@ -189,6 +284,8 @@ def main() -> None:
         out = new_method()
     elif scenario.startswith("version:"):
         out = faked_version(scenario.split(":", 1)[1])
+    elif scenario.startswith("ec-"):
+        out = ec_scenario(scenario)
     else:
         sys.exit(f"unknown scenario {scenario!r}")
     print(json.dumps(out))
