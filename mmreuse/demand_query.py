@@ -188,8 +188,9 @@ class RecordsQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
 
 class AdmissionRecord(msgspec.Struct, omit_defaults=True, gc=False):
-    """What P did with one request when it admitted it, whatever the proxy's policy (a
-    preempted request is admitted again when it resumes: another record).
+    """What P did with one request when it first admitted it, whatever the proxy's policy (one
+    record per request: a preempted request that resumes keeps its first record, which also
+    gets the items encoded while that first prefill is still open).
 
     `classes`: per item (vLLM's order, `identifiers`), `compute_demand` over P's state at
     admission with the C vLLM admitted it with (the E deliveries already in P's EC connector
