@@ -286,6 +286,19 @@ class Truth:
         c["encoded_after_resume"] = self.encoded_after_resume
 
 
+def lockstep(ours, ref, truth, c: dict) -> None:
+    """One engine step of DemandScheduler (`ours`) and vLLM's scheduler (`ref`) side by side:
+    their outputs compared, `truth` fed vLLM's, the index checked against P's prefix cache."""
+    a, b = ours.schedule(), ref.schedule()
+    c["output_mismatch"] += output_key(a) != output_key(b)
+    truth.saw(b)
+    ours.update_from_output(a, runner_output(a))
+    ref.update_from_output(b, runner_output(b))
+    c["steps"] += 1
+    st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
+    c["index_mismatch"] += st["index_mismatches"]
+
+
 def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
     rng = random.Random(seed)
     init_none_hash(sha256)
@@ -306,15 +319,7 @@ def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
     checked: list[tuple[str, DemandAnswer]] = []  # answered while P was idle, added first
 
     def step() -> None:
-        a, b = ours.schedule(), ref.schedule()
-        if output_key(a) != output_key(b):
-            c["output_mismatch"] += 1
-        truth.saw(b)
-        ours.update_from_output(a, runner_output(a))
-        ref.update_from_output(b, runner_output(b))
-        c["steps"] += 1
-        st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
-        c["index_mismatch"] += st["index_mismatches"]
+        lockstep(ours, ref, truth, c)
 
     for turn in range(turns):
         batch = [stream.next() for _ in range(rng.choice([1, 1, 2, 3]))]
@@ -419,14 +424,7 @@ def preemption(seed: int = 0, requests: int = 40, runner: str = "default") -> di
     truth = Truth(ref)
 
     def step() -> None:
-        a, b = ours.schedule(), ref.schedule()
-        c["output_mismatch"] += output_key(a) != output_key(b)
-        truth.saw(b)
-        ours.update_from_output(a, runner_output(a))
-        ref.update_from_output(b, runner_output(b))
-        c["steps"] += 1
-        st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
-        c["index_mismatch"] += st["index_mismatches"]
+        lockstep(ours, ref, truth, c)
 
     for k in range(requests):
         tokens = [1, 2, 3 + k % 7] + [rng.randrange(4, 900) for _ in range(rng.randrange(4, 20))]
