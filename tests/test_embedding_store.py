@@ -25,6 +25,7 @@ from mmreuse.embedding_store import (
     unpack_embedding,
 )
 from mmreuse.errors import InvalidArgument
+from tests.support.fake_mooncake import FakeMooncakeStore
 
 
 def test_key_is_vllms():
@@ -191,39 +192,6 @@ NS_034 = (
 RULES = ("md5-list", "sha256-json")
 
 
-class MemoryStore:
-    """The Mooncake client calls the cards make, on a dict; `calls` counts them."""
-
-    def __init__(self):
-        self.objects: dict[str, bytes] = {}
-        self.calls: list[str] = []
-        self.fail = False
-
-    def _call(self, name):
-        self.calls.append(name)
-        if self.fail:
-            raise ConnectionError("master down")
-
-    def batch_is_exist(self, keys):
-        self._call("batch_is_exist")
-        return [int(k in self.objects) for k in keys]
-
-    def get(self, key):
-        self._call("get")
-        return self.objects.get(key, b"")
-
-    def put(self, key, data):
-        self._call("put")
-        if key in self.objects:
-            return -705  # OBJECT_ALREADY_EXISTS: Mooncake's put never replaces
-        self.objects[key] = bytes(data)
-        return 0
-
-    def remove(self, key):
-        self._call("remove")
-        return 0 if self.objects.pop(key, None) is not None else -704
-
-
 def cards(store, clock, namespace, rule, vllm, period=60.0):
     calls = StoreCalls(lambda: store, timeout=1.0)
     card = NamespaceCard(rule, vllm, namespace)
@@ -278,7 +246,7 @@ def test_any_bytes_are_a_card_or_refused(data):
 
 
 def test_two_rules_on_one_store_the_second_finds_the_first_by_name():
-    store, clock = MemoryStore(), Clock()
+    store, clock = FakeMooncakeStore(), Clock()
     clock.now = 1_000_000.0
     old = cards(store, clock, NS_033, "md5-list", "0.33.0")
     assert old.start() == (True, None)  # alone: it writes its card
@@ -301,7 +269,7 @@ def test_two_rules_on_one_store_the_second_finds_the_first_by_name():
 
 
 def test_the_same_rule_shares_one_card_and_finds_nothing():
-    store, clock = MemoryStore(), Clock()
+    store, clock = FakeMooncakeStore(), Clock()
     e = cards(store, clock, NS_034, "sha256-json", "0.34.0")
     p = cards(store, clock, NS_034, "sha256-json", "0.34.0")
     assert e.start() == (True, None) and p.start() == (True, None)
@@ -314,14 +282,14 @@ def test_the_same_rule_shares_one_card_and_finds_nothing():
 
 
 def test_another_model_is_no_conflict():
-    store, clock = MemoryStore(), Clock()
+    store, clock = FakeMooncakeStore(), Clock()
     cards(store, clock, NS_033, "md5-list", "0.33.0").start()
     other_model = NS_034.replace("model:tiny", "model:other")
     assert cards(store, clock, other_model, "sha256-json", "0.34.0").start() == (True, None)
 
 
 def test_a_stale_card_is_ignored_and_removed_by_its_own_rule():
-    store, clock = MemoryStore(), Clock()
+    store, clock = FakeMooncakeStore(), Clock()
     old = cards(store, clock, NS_033, "md5-list", "0.33.0")
     old.start()  # written at t=0 (bucket 0), then its instance stops
     clock.now = 119.0  # bucket 1: the card is one bucket old, still fresh
@@ -337,21 +305,21 @@ def test_a_stale_card_is_ignored_and_removed_by_its_own_rule():
 
 
 def test_a_card_from_a_clock_a_little_ahead_is_fresh():
-    store, ahead, behind = MemoryStore(), Clock(), Clock()
+    store, ahead, behind = FakeMooncakeStore(), Clock(), Clock()
     ahead.now, behind.now = 1_000.0 + 50, 1_000.0
     cards(store, ahead, NS_033, "md5-list", "0.33.0").start()  # bucket 17, reader's 16
     assert cards(store, behind, NS_034, "sha256-json", "0.34.0").start()[1] is not None
 
 
 def test_an_unreadable_card_is_named_by_its_key():
-    store, clock = MemoryStore(), Clock()
+    store, clock = FakeMooncakeStore(), Clock()
     c = cards(store, clock, NS_034, "sha256-json", "0.34.0")
     store.objects[c.key("md5-list", 0)] = b"junk"
     assert c.start() == (True, NamespaceCard("md5-list", "?", "?"))
 
 
 def test_a_failing_store_is_an_unanswered_look_never_a_raise():
-    store, clock = MemoryStore(), Clock()
+    store, clock = FakeMooncakeStore(), Clock()
     c = cards(store, clock, NS_034, "sha256-json", "0.34.0")
     store.fail = True
     assert c.start() == (False, None)
@@ -361,7 +329,7 @@ def test_a_failing_store_is_an_unanswered_look_never_a_raise():
 
 
 def test_a_card_costs_one_look_each_half_period_and_one_put_each_period():
-    store, clock = MemoryStore(), Clock()
+    store, clock = FakeMooncakeStore(), Clock()
     c = cards(store, clock, NS_034, "sha256-json", "0.34.0", period=60.0)
     c.start()
     seen = []

