@@ -9,13 +9,11 @@ import contextlib
 import shutil
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..errors import InvalidArgument
-from .instance import HOST, free_ports, stop_group
+from .instance import HOST, free_ports, stop_group, wait_http
 
 CONFIG = """\
 global
@@ -81,20 +79,10 @@ def haproxy(backends: Sequence[str], run_dir: Path, *, timeout: float = 10.0) ->
     )
     url = f"http://{HOST}:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"haproxy exited: {(run_dir / 'haproxy.log').read_text()}")
-            try:
-                urllib.request.urlopen(url + "/", timeout=2).close()
-                break
-            except urllib.error.HTTPError:
-                break  # it answers (503: no replica up yet)
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"haproxy does not listen on {url}")
-            time.sleep(0.05)
+        wait_http(
+            url + "/", proc, time.monotonic() + timeout, name="haproxy",
+            log=run_dir / "haproxy.log", any_status=True, poll_s=0.05,
+        )  # fmt: skip
         yield url
     finally:
         stop_group(proc.pid, timeout=5.0, leader=proc)

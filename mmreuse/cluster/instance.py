@@ -40,6 +40,7 @@ __all__ = [
     "server_env",
     "start_instance",
     "stop_group",
+    "wait_http",
 ]
 
 Role = Literal["encoder", "prefill"]
@@ -333,6 +334,48 @@ def stop_group(
     if leader is not None:
         leader.wait(timeout=10)
     return killed
+
+
+def _log_tail(log: Path | None, chars: int = 3000) -> str:
+    if log is None:
+        return ""
+    try:
+        return f"; log {log}:\n{log.read_text(errors='replace')[-chars:]}"
+    except OSError:
+        return f"; log {log} (unreadable)"
+
+
+def wait_http(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    deadline: float,
+    *,
+    name: str,
+    log: Path | None = None,
+    any_status: bool = False,
+    poll_s: float = 0.2,
+) -> None:
+    """Poll GET `url` until it answers 200 (`any_status`: any HTTP answer, a 503 included: a
+    balancer with no backend up yet) while `proc`, the server started for it, runs. Raises
+    StartupError naming `name`, `url` and `log`'s tail when `proc` exits first or
+    `time.monotonic()` passes `deadline` (the process is left running: the caller stops it)."""
+    while True:
+        if proc.poll() is not None:
+            raise StartupError(
+                f"{name} exited (code {proc.returncode}) before {url} answered{_log_tail(log)}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError:
+            if any_status:
+                return
+        except OSError:  # refused, reset, timed out: not up yet
+            pass
+        if time.monotonic() > deadline:
+            raise StartupError(f"{name} did not answer {url} in time{_log_tail(log)}")
+        time.sleep(poll_s)
 
 
 @dataclass(slots=True)

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from .instance import HOST, free_ports
+from .instance import HOST, free_ports, stop_group, wait_http
 
 
 @contextlib.contextmanager
@@ -26,8 +24,8 @@ def proxy_process(
 ) -> Iterator[str]:
     """`mmreuse proxy ARGS` on `port` (default: a free one) on loopback, in its own process
     group (stopped by it), logging to `log_path`, with `env` added to this process's
-    environment; yields its URL once /health answers. Raises RuntimeError with the log's tail
-    if it exits or stays down."""
+    environment; yields its URL once /health answers. Raises StartupError (`wait_http`) with
+    the log's tail if it exits or stays down."""
     if port is None:
         (port,) = free_ports(1)
     cmd = [sys.executable, "-m", "mmreuse.cli", "proxy", "--host", HOST, "--port", str(port), *args]
@@ -42,26 +40,10 @@ def proxy_process(
         )
         url = f"http://{HOST}:{port}"
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"mmreuse proxy exited: {log_path.read_text()[-3000:]}")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"mmreuse proxy did not become healthy: {log_path}")
-                time.sleep(0.2)
+            wait_http(
+                url + "/health", proc, time.monotonic() + timeout, name="mmreuse proxy",
+                log=log_path,
+            )  # fmt: skip
             yield url
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+            stop_group(proc.pid, timeout=10.0, leader=proc)
