@@ -39,8 +39,8 @@ import aiohttp
 from aiohttp import web
 
 from mmreuse.cluster import Cluster
-from mmreuse.cluster.bench import _free_port
 from mmreuse.cluster.client import image_part
+from mmreuse.cluster.instance import free_ports, wait_http
 from mmreuse.cluster.photos import PHOTOS, photo_url
 from mmreuse.cluster.proxy import proxy_process
 from mmreuse.proxy.metrics import sample_sum
@@ -57,7 +57,7 @@ class Relay:
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.port = _free_port()
+        self.port = free_ports(1)[0]
         self.arrivals: dict[str, list[float]] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -171,21 +171,13 @@ def _spawn(
 
     stack.callback(stop)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the {what} exited: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return url
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"the {what} did not start (see {log})")
+    wait_http(url + "/health", proc, time.monotonic() + 90, name=f"the {what}", log=log)
+    return url
 
 
 def reference(stack: ExitStack, e_url: str, pd_url: str, log: Path) -> str:
     """vLLM's reference proxy in front of `e_url` and `pd_url`."""
-    port = _free_port()
+    port = free_ports(1)[0]
     argv = [
         str(reference_python()), str(fetch_reference()), "--host", "127.0.0.1",
         "--port", str(port), "--encode-servers-urls", e_url, "--decode-servers-urls", pd_url,
@@ -196,7 +188,7 @@ def reference(stack: ExitStack, e_url: str, pd_url: str, log: Path) -> str:
 def baseline(stack: ExitStack, checkout: Path, args: list[str], log: Path) -> str:
     """`mmreuse proxy ARGS` run from another checkout of mmreuse, for a before/after
     comparison: `python -m` puts the working directory first on sys.path."""
-    port = _free_port()
+    port = free_ports(1)[0]
     cmd = [sys.executable, "-m", "mmreuse.cli", "proxy", "--host", "127.0.0.1",
            "--port", str(port), *args]  # fmt: skip
     return _spawn(stack, "baseline proxy", cmd, port, log, cwd=checkout)

@@ -4,14 +4,12 @@ and `mmreuse hash-demo`."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
-import math
 import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from .hashing import HASH_FUNCTIONS, SCHEMES, BlockHasher, MMOccurrence, to_event_id
 from .hashing.schemes import DEFAULT_SCHEME
@@ -287,61 +285,12 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_WORKLOAD = {  # the simulator's generators, sized for the tiny CPU model (max_model_len 4096)
-    "mean_turns": 4.0,
-    "images_per_session": (1, 3),
-    "text_tokens": (20, 60),
-    "output_tokens": (10, 40),
-    "think_time_s": 2.0,
-}
-# servegen-photos on the tiny CPU model: three-turn sessions on average; ServeGen's draws clipped
-# to 4 images a request (E's 64-token batch: 4 of the tiny model's 16-token images), 256 text
-# tokens a turn and 16 output tokens an answer (the answer generated, and resent next turn)
-BENCH_SERVEGEN = {
-    "mean_turns": 3.0,
-    "think_time_s": 2.0,
-    "max_images": 4,
-    "max_text_tokens": 256,
-    "max_output_tokens": 16,
-}
-
-
 def bench_cluster(args: argparse.Namespace) -> int:
     """`mmreuse bench-cluster`: the stream through `mmreuse proxy` on a real vLLM-CPU cluster,
-    once per policy from cold caches (mmreuse/cluster/bench.py); the simulator's table."""
-    import dataclasses
-    import tempfile
-    import time
-
-    from .cluster import Cluster
-    from .cluster.bench import (
-        COMPARED,
-        RemoteCluster,
-        Unreachable,
-        comparison,
-        observe,
-        p_sizes,
-        rendered_stream,
-        run_policy,
-        simulate_like,
-    )
-    from .cluster.classes import (
-        CLASSES,
-        MIXED,
-        NEW,
-        Observed,
-        class_table,
-        classify,
-        interleave,
-        send_offsets,
-    )
-    from .cluster.classes import summarize as summarize_classes
-    from .cluster.model import HIDDEN
-    from .cluster.photos import PHOTOS, PhotosUnavailable, load_photos
-    from .cluster.simchat import chat_requests
-    from .decision import POLICIES as BENCH_POLICIES
-    from .sim import generate, table
-    from .sim.config import ConfigError, WorkloadConfig
+    once per policy from cold caches (mmreuse/cluster/bench_run.py); the simulator's table."""
+    from .cluster.bench_run import BenchOptions, run_bench
+    from .cluster.remote import Unreachable
+    from .decision import POLICIES
     from .sim.report import plot, write_json
 
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -349,173 +298,36 @@ def bench_cluster(args: argparse.Namespace) -> int:
             _check_output(flag, path)
     if args.plot is not None:
         _check_plot(args.plot)
-    if not (math.isfinite(args.rate) and args.rate > 0):
-        raise UsageError(f"--rate: must be a finite number of requests/s > 0, got {args.rate}")
-    kind = "trace" if args.trace else (args.workload or "chat")
-    photos = kind == "servegen-photos"
-    shape: dict[str, Any] = dict(BENCH_WORKLOAD)
-    if photos:  # sessions at rate / turns a session: --rate stays requests/s
-        shape |= BENCH_SERVEGEN
-        shape["sessions_per_s"] = args.rate / BENCH_SERVEGEN["mean_turns"]
-        shape["servegen_client"] = args.servegen_client
-    elif args.servegen_client != "all":
-        raise UsageError("--servegen-client: only with --workload servegen-photos")
+    options = BenchOptions(
+        policies=tuple(dict.fromkeys(args.policy or POLICIES)),
+        workload=args.workload,
+        trace=args.trace,
+        requests=args.requests,
+        image_tokens=args.image_tokens,
+        seed=args.seed,
+        rate=args.rate,
+        repeats=args.repeats,
+        servegen_client=args.servegen_client,
+        prefills=args.prefills,
+        run_dir=args.run_dir,
+        ec_connector=args.ec_connector,
+        e_store_bytes=args.e_store_bytes,
+        encode_urls=tuple(_url_list(args.encode_urls)),
+        pd_urls=tuple(_url_list(args.pd_urls)),
+        demand_endpoints=tuple(_url_list(args.demand_endpoints)),
+        proxy_flags=tuple(shlex.split(args.proxy_flags or "")),
+        compare_sim=args.compare_sim,
+    )
     try:
-        workload = WorkloadConfig(
-            kind=kind,
-            requests=args.requests,
-            image_tokens=args.image_tokens,
-            trace_path=args.trace,
-            **shape,
-        )
-    except (ConfigError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
-    if photos:
-        try:
-            load_photos()
-        except PhotosUnavailable as exc:
-            raise UsageError(f"--workload servegen-photos: {exc}") from None
-    policies = list(dict.fromkeys(args.policy or BENCH_POLICIES))
-    order = interleave(policies, args.repeats)
-    stream = generate(workload, args.seed)
-    if kind == "trace":
-        workload = dataclasses.replace(workload, requests=len(stream))
-    # servegen-photos keeps its own arrivals (ServeGen's process); the others leave at i / rate
-    offsets = send_offsets([r.arrival_ms / 1000.0 for r in stream]) if photos else None
-    max_tokens = BENCH_SERVEGEN["max_output_tokens"] if photos else BENCH_MAX_TOKENS
-    chat_kw: dict[str, Any] = {"max_tokens": max_tokens, "photos": photos, "answer_tokens": photos}
-    classes = classify([[m.identifier for m in r.mm] for r in stream])
-    rows, results = [], []
-    embed_bytes = 2 * HIDDEN  # one bf16 embedding row of the tiny model
-    e_size = None
-    progress = None if args.no_progress else _progress
-    remote = bool(args.encode_urls or args.pd_urls)
-    with contextlib.ExitStack() as stack:
-        if remote:  # a deployment given by URLs (mmreuse.cluster.bench.RemoteCluster)
-            try:
-                c: Any = RemoteCluster(
-                    _url_list(args.encode_urls),
-                    _url_list(args.pd_urls),
-                    _url_list(args.demand_endpoints),
-                    shlex.split(args.proxy_flags or ""),
-                )
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
-            try:
-                c.check_reachable()
-            except Unreachable as exc:
-                print(f"mmreuse bench-cluster: error: {exc}", file=sys.stderr)
-                return 1
-        else:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="mmreuse-bench-"))
-            run_dir = Path(args.run_dir) if args.run_dir else Path(tmp) / "cluster"
-            c = stack.enter_context(Cluster(run_dir, encoders=1, prefills=args.prefills, encoder_extra_args=("--max-num-batched-tokens", "64"), ec_connector=args.ec_connector, e_store_bytes=args.e_store_bytes))  # fmt: skip
-        runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
-        observed: dict[str, list[list[Observed]]] = {p: [] for p in policies}
-        warmup = min(BENCH_WARMUP_REQUESTS, len(stream)) if args.repeats > 1 else 0
-        if warmup:  # the servers' first requests pay one-off costs: charge them to no run
-            run = f"bench-warmup-{time.time_ns()}"
-            reqs = chat_requests(stream[:warmup], run, **chat_kw)
-            run_policy(c, policies[0], reqs, rate=args.rate, run=run, offsets=None if offsets is None else offsets[:warmup])  # fmt: skip
-        for repeat, policy in order:  # interleaved: every policy once a round, from cold caches
-            run = f"bench-{policy}-{repeat}-{time.time_ns()}"
-            reqs = chat_requests(stream, run, **chat_kw)
-            got = run_policy(c, policy, reqs, rate=args.rate, run=run, progress=progress, offsets=offsets)  # fmt: skip
-            if progress is not None:
-                print(file=sys.stderr)
-            runs[policy].append(got)
-            observed[policy].append([observe(q, o) for q, o in zip(reqs, got["outcomes"], strict=True)])  # fmt: skip
-        for policy in policies:  # the table and the plot show each policy's first run
-            first = runs[policy][0]
-            row = dict(first["row"])
-            if args.repeats > 1:
-                row["runs"] = [dict(g["row"]) for g in runs[policy]]
-            rows.append(row)
-            results.append(first["result"])
-        if args.compare_sim:
-            ps = [i.spec for i in c.instances.values() if i.spec.role == "prefill"]
-            sizes = p_sizes([str(p.demand_endpoint) for p in ps])
-            es = [i.spec for i in c.instances.values() if i.spec.role == "encoder"]
-            e_size = None  # E's own encoder cache, when the store is one E reads besides it
-            if not remote and c.store is not None:
-                e_size = p_sizes([str(es[0].demand_endpoint)])[0].encoder_cache_embeds
-            # the same prompts as P scheduled (the chat template's tokens included)
-            sim_stream = rendered_stream(ps[0].url, chat_requests(stream, "bench-sim", photos=photos), stream)  # fmt: skip
-    where = (
-        f"{len(_url_list(args.encode_urls))} E / {len(_url_list(args.pd_urls))} PD given by URL"
-        if remote
-        else f"1 E / {args.prefills} P (vLLM-CPU, tiny random-weight model)"
-    )
-    pace = (
-        f"ServeGen's arrivals ({args.servegen_client}) at {args.rate} requests/s"
-        if photos
-        else f"{args.rate} requests/s"
-    )
-    print(
-        f"mmreuse bench-cluster: workload {kind}, {len(stream)} requests, seed {args.seed}, "
-        f"{where}, open-loop at {pace}, {args.repeats} run(s) a policy, interleaved"
-        + ("" if remote else "; latencies are CPU-scale, the counts are real")
-    )
-    print(table(rows))
-    by_class = summarize_classes(classes, observed)
-    print(
-        "\nTTFT (ms) by request class: median over runs of each run's median [min, max]; "
-        "paired: each run's median of (TTFT - the baseline's TTFT, request by request) "
-        "[min, max over runs]; items and E's items a run, the proxy's median render"
-    )
-    print(class_table(by_class))
-    sim_rows: list[dict] = []
-    if args.compare_sim:
-        sim_policies = [p for p in policies if p != "reference"]
-        store = None if e_size is None else (e_size, args.e_store_bytes // embed_bytes)
-        sim_rows = simulate_like(sim_stream, workload, sim_policies, rate=args.rate, sizes=sizes, seed=args.seed, store=store, offsets=offsets)  # fmt: skip
-        print(
-            "\nthe simulator on the same stream, configured like this cluster (real / simulated):"
-        )
-        for row in comparison(rows, sim_rows):
-            cells = "  ".join(f"{k.removeprefix('avoided_by_')} {row[k][0]}/{row[k][1]}" for k in COMPARED)  # fmt: skip
-            print(f"  {row['policy']:<13} {cells}")
-        for r in rows:
-            r["simulated"] = next((s for s in sim_rows if s["policy"] == r["policy"]), None)
-    base = runs[policies[0]][0]["outputs"]  # every run's answers against the first run's
-    same = {p: sum(any(g["outputs"][i] != b for g in gs) for i, b in enumerate(base)) for p, gs in runs.items()}  # fmt: skip
-    print(
-        f"outputs at temperature 0 ({f'at most {max_tokens}' if photos else max_tokens} tokens a request): "
-        + ("identical under every policy" if not any(same.values()) else f"differ from {policies[0]}'s: {same}")
-    )  # fmt: skip
-    store_meta = (
-        {"ec_connector": args.ec_connector, "e_store_bytes": args.e_store_bytes if args.ec_connector == "mooncake" else None}
-        if not remote else None
-    )  # fmt: skip
-    meta = {
-        "seed": args.seed,
-        "policies": policies,
-        "rate": args.rate,
-        "cluster": {
-            "num_encoders": 1,
-            "num_prefills": args.prefills,
-            "real": "vllm-cpu 0.32.0",
-            "store": store_meta,
-        },
-        "workload": dataclasses.asdict(workload),
-        "max_tokens": max_tokens,
-        "outputs_differing": same,
-        "repeats": args.repeats,
-        "warmup_requests": warmup,
-        "order": [f"{p}#{r}" for r, p in order],
-        "photos": [dataclasses.asdict(p) for p in PHOTOS] if photos else None,
-        "request_classes": {k: classes.count(k) for k in CLASSES if k in classes},
-        # per policy and class: TTFT over runs, paired against eager and the reference
-        "ttft_by_class": by_class,
-        # requests bringing an image new to the run: no policy that encodes each image once
-        # makes fewer E requests
-        "requests_with_new_images": sum(k in (NEW, MIXED) for k in classes),
-    }
+        report = run_bench(options, progress=None if args.no_progress else _progress)
+    except Unreachable as exc:
+        print(f"mmreuse bench-cluster: error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
-        write_json(rows, meta, args.json)
+        write_json(report.rows, report.meta, args.json)
         print(f"wrote {_printable(args.json)}")
     if args.plot:
-        plot(results, rows, args.plot, f"real cluster: {kind}, {len(stream)} requests (CPU-scale)")
+        plot(report.results, report.rows, args.plot, report.title)
         print(f"wrote {_printable(args.plot)}")
     return 0
 
@@ -530,8 +342,6 @@ def _url_list(value: str | None) -> list[str]:
 EC_CONNECTORS = ("mooncake", "example")
 DEFAULT_E_STORE_BYTES = 256 << 20
 BENCH_E_STORE_BYTES = 64 << 10  # 15 images of the bench's 16 tokens (4,120 bytes each)
-BENCH_MAX_TOKENS = 4  # enough answer to compare policies' outputs at temperature 0
-BENCH_WARMUP_REQUESTS = 8  # with --repeats > 1: the stream's first ones, once, discarded
 
 
 def _progress(done: int, total: int) -> None:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mmreuse.accounting import BUCKETS
-from mmreuse.cluster.bench import run_policy
+from mmreuse.cluster.bench_drive import run_policy
 from mmreuse.cluster.simchat import chat_requests
 from mmreuse.sim import generate
 from mmreuse.sim.config import WorkloadConfig
@@ -54,7 +54,13 @@ def test_the_simulator_matches_the_real_cluster_on_a_small_stream(proxy_flags, c
     both sides, so nothing depends on timing, and the model must then agree with vLLM exactly.
     Opportunistic is left out: which E sub-requests its answer beats is a race whose outcome
     depends on the latencies (the simulator's are a GPU's, these a CPU's)."""
-    from mmreuse.cluster.bench import COMPARED, comparison, p_sizes, rendered_stream, simulate_like
+    from mmreuse.cluster.bench_sim import (
+        COMPARED,
+        comparison,
+        p_sizes,
+        rendered_stream,
+        simulate_like,
+    )
 
     workload = WorkloadConfig(
         kind="chat", requests=16, image_tokens="fixed:16", mean_turns=4.0,
@@ -84,7 +90,7 @@ def test_a_deployment_given_by_urls(cluster):
     """`bench-cluster --encode-urls --pd-urls --demand-endpoints`: the same run on servers
     mmreuse did not start (here the tier's own, addressed by URL): no logs to read, so the real
     forwards are None and the attributed ones stand; P's records still account for every item."""
-    from mmreuse.cluster.bench import RemoteCluster
+    from mmreuse.cluster.remote import RemoteCluster
 
     e, p0 = cluster.instances["E0"].spec, cluster.instances["P0"].spec
     remote = RemoteCluster([e.url], [p0.url], [str(p0.demand_endpoint)])

@@ -1,0 +1,67 @@
+"""One bench-cluster run (mmreuse.cluster.bench_run): its options checked, by the command
+(`mmreuse bench-cluster`, flags named) and in code, before any cluster starts."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")  # the workload is the simulator's (mmreuse.sim), which needs it
+
+from mmreuse import cli
+from mmreuse.cluster.bench_run import BenchOptions, bench_workload
+from mmreuse.errors import InvalidArgument
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--rate", "0"], "--rate: must be a finite number of requests/s > 0"),
+        (["--rate", "nan"], "--rate"),
+        (["--image-tokens", "fixed:0"], "image_tokens"),
+        (["--requests", "0"], "--requests"),
+        (
+            ["--encode-urls", "http://e:1", "--pd-urls", "http://p:1"],
+            "--demand-endpoints: 0 for 1 --pd-urls",
+        ),
+        (
+            ["--pd-urls", "http://p:1", "--demand-endpoints", "tcp://p:2"],
+            "--encode-urls and --pd-urls",
+        ),
+        (["--repeats", "0"], "--repeats: must be >= 1"),
+        (
+            ["--servegen-client", "client-12"],
+            "--servegen-client: only with --workload servegen-photos",
+        ),
+        (
+            ["--workload", "servegen-photos", "--servegen-client", "x"],
+            "servegen_client must be one of",
+        ),
+    ],
+)
+def test_bench_cluster_refuses_bad_arguments_before_starting(capsys, argv, words):
+    assert cli.main(["bench-cluster", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"policies": ()}, "policies must name at least one policy"),
+        ({"policies": ("eager", "eagre")}, "policies[1] must be one of"),
+        ({"policies": ("eager", "reference", "eager")}, "policies[2]: 'eager' is named twice"),
+        ({"repeats": 0}, "--repeats"),
+        ({"rate": float("inf")}, "--rate: must be a finite number of requests/s > 0, got inf"),
+        ({"servegen_client": "client-12"}, "--servegen-client: only with --workload"),
+    ],
+)
+def test_options_built_in_code_are_checked_as_the_flags_are(options, words):
+    with pytest.raises(InvalidArgument) as exc:
+        BenchOptions(**{"policies": ("eager",), **options})
+    assert words in str(exc.value)
+
+
+def test_the_workload_is_the_simulators_sized_for_the_tiny_model():
+    workload = bench_workload(BenchOptions(("eager",), workload="fanout", requests=7))
+    assert (workload.kind, workload.requests, workload.mean_turns) == ("fanout", 7, 4.0)
+    with pytest.raises(InvalidArgument, match="image_tokens"):
+        bench_workload(BenchOptions(("eager",), image_tokens="fixed:0"))
