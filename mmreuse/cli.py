@@ -15,6 +15,7 @@ from .hashing import HASH_FUNCTIONS, SCHEMES, BlockHasher, MMOccurrence, to_even
 from .hashing.schemes import DEFAULT_SCHEME
 
 if TYPE_CHECKING:
+    from .cluster.bench_run import BenchOptions
     from .sim import SimConfig
     from .sim.config import ConfigError
 
@@ -285,20 +286,12 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_cluster(args: argparse.Namespace) -> int:
-    """`mmreuse bench-cluster`: the stream through `mmreuse proxy` on a real vLLM-CPU cluster,
-    once per policy from cold caches (mmreuse/cluster/bench_run.py); the simulator's table."""
-    from .cluster.bench_run import BenchOptions, run_bench
-    from .cluster.remote import Unreachable
+def _bench_options(args: argparse.Namespace) -> BenchOptions:
+    """`bench-cluster`'s flags as the run's options (repeated policies once each)."""
+    from .cluster.bench_run import BenchOptions
     from .decision import POLICIES
-    from .sim.report import plot, write_json
 
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None:
-            _check_output(flag, path)
-    if args.plot is not None:
-        _check_plot(args.plot)
-    options = BenchOptions(
+    return BenchOptions(
         policies=tuple(dict.fromkeys(args.policy or POLICIES)),
         workload=args.workload,
         trace=args.trace,
@@ -318,6 +311,21 @@ def bench_cluster(args: argparse.Namespace) -> int:
         proxy_flags=tuple(shlex.split(args.proxy_flags or "")),
         compare_sim=args.compare_sim,
     )
+
+
+def bench_cluster(args: argparse.Namespace) -> int:
+    """`mmreuse bench-cluster`: the stream through `mmreuse proxy` on a real vLLM-CPU cluster,
+    once per policy from cold caches (mmreuse/cluster/bench_run.py); the simulator's table."""
+    from .cluster.bench_run import run_bench
+    from .cluster.remote import Unreachable
+    from .sim.report import plot, write_json
+
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            _check_output(flag, path)
+    if args.plot is not None:
+        _check_plot(args.plot)
+    options = _bench_options(args)
     try:
         report = run_bench(options, progress=None if args.no_progress else _progress)
     except Unreachable as exc:
@@ -342,6 +350,7 @@ def _url_list(value: str | None) -> list[str]:
 EC_CONNECTORS = ("mooncake", "example")
 DEFAULT_E_STORE_BYTES = 256 << 20
 BENCH_E_STORE_BYTES = 64 << 10  # 15 images of the bench's 16 tokens (4,120 bytes each)
+# (bench-cluster's flag defaults are BenchOptions' defaults: tests/cluster/test_bench_run.py)
 
 
 def _progress(done: int, total: int) -> None:

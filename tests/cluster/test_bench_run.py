@@ -65,3 +65,17 @@ def test_the_workload_is_the_simulators_sized_for_the_tiny_model():
     assert (workload.kind, workload.requests, workload.mean_turns) == ("fanout", 7, 4.0)
     with pytest.raises(InvalidArgument, match="image_tokens"):
         bench_workload(BenchOptions(("eager",), image_tokens="fixed:0"))
+
+
+def test_the_commands_defaults_are_the_options_defaults(monkeypatch):
+    from mmreuse.decision import POLICIES
+
+    seen = []
+    monkeypatch.setattr(cli, "bench_cluster", lambda args: seen.append(args) or 0)
+    assert cli.main(["bench-cluster"]) == 0
+    assert cli._bench_options(seen[0]) == BenchOptions(POLICIES)
+    assert (
+        cli.main(["bench-cluster", "--policy", "index", "--policy", "eager", "--policy", "index"])
+        == 0
+    )
+    assert cli._bench_options(seen[1]).policies == ("index", "eager")  # a flag repeated: once
