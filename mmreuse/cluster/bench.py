@@ -2,10 +2,10 @@
 what the real cluster did (the simulator's buckets and rules, `mmreuse.accounting`). The runs
 themselves are driven by `mmreuse.cluster.bench_drive`, the command by `bench_run`.
 
-P's admission record (`DemandScheduler` with `admission_records`:
-each item's class at admission, with the C vLLM admitted it with, whatever the policy) joined
-with the proxy's decision (which items E got; the proxy runs in this process, its
-`after_decide` hook records it). A delivery wins:
+P's admission record (`DemandScheduler` with `admission_records`: each item's class at
+admission, with the C vLLM admitted it with, whatever the policy) joined with the proxy's
+decision (which items E got; the proxy runs in this process, its `after_decide` hook records
+it). A delivery wins:
 - `forward`: E got the identifier for the first time in the run (E's store is empty at the
   start and keeps what it wrote), or P encoded the item itself;
 - `e_cache`: E got it again (its store or encoder cache serves it, no forward);

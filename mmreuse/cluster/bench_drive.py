@@ -8,7 +8,7 @@ vLLM's dev endpoints; E's EC store emptied) and every image uuid and the cache s
 to the policy's run, so nothing carries over. The stream (`mmreuse.cluster.simchat`) is sent
 open-loop: request i leaves at i / rate seconds (or at the stream's own arrival times, as
 `servegen-photos` has them), whether or not earlier ones are done. TTFT per request class
-(every item new, some, none; `mmreuse.cluster.classes`) comes from `observe`.
+(every item new, some, none; `mmreuse.cluster.classes`) comes from `bench.observe`.
 """
 
 from __future__ import annotations
