@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
     bench.add_argument("--trace", metavar="JSONL", help="a trace in the simulator's schema")
-    bench.add_argument("--policy", choices=(*POLICIES, "reference"), action="append", help="repeatable; default: all of mmreuse's; reference: vLLM's reference proxy (mmreuse.proxy.reference.DEFAULT_VERSION) in front of the same servers")  # fmt: skip
+    bench.add_argument("--policy", choices=(*POLICIES, "reference"), action="append", help="repeatable; default: all of mmreuse's; reference: vLLM's reference proxy (mmreuse.cluster.reference.DEFAULT_VERSION) in front of the same servers")  # fmt: skip
     bench.add_argument("--requests", type=_int_arg(1), default=40)
     bench.add_argument("--repeats", type=_int_arg(1), default=1, help="runs per policy, interleaved (eager, index, ..., eager, index, ...), each from cold caches; TTFT per request class over them, paired against eager and reference")  # fmt: skip
     bench.add_argument("--servegen-client", default="all", help="servegen-photos: the ServeGen table's entry (all, client-12, ...)")  # fmt: skip

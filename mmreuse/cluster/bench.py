@@ -377,7 +377,7 @@ def _drive_reference(
     import os
     import subprocess
 
-    from ..proxy.reference import fetch_reference, reference_python
+    from .reference import fetch_reference, reference_python
 
     es = [i.spec.url for i in cluster.instances.values() if i.spec.role == "encoder"]
     ps = [i.spec.url for i in cluster.instances.values() if i.spec.role == "prefill"]
