@@ -582,8 +582,9 @@ def cluster(args: argparse.Namespace) -> int:
 
 def proxy(argv: list[str]) -> int:
     """`mmreuse proxy ARGS`: the reference proxy's flags, parsed by the proxy's own parser."""
-    from .proxy.app import StartupFailed, run
     from .proxy.config import parse_args
+    from .proxy.server import StartupFailed
+    from .proxy.workers import run
 
     config = parse_args(argv)  # usage errors exit 2 with one line, as argparse does
     try:

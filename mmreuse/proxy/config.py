@@ -155,6 +155,11 @@ class ProxyConfig:
     limit_mm_per_prompt: Mapping[str, int] = field(default_factory=dict)
     # --max-body-bytes: the largest request body read (inline base64 media included)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE (vLLM's env, 5 s by default): how long E, P and D keep an idle
+    # connection; the proxy retires its own sooner (0: no pooling)
+    backend_keep_alive_s: float = 5.0
+    # OPENAI_API_KEY: the bearer token /start_profile and /stop_profile send E, P and D
+    api_key: str = field(default="", repr=False)
     # The URLs of `instances`, in order (derived: what policy.Planner indexes by instance).
     prefill_instances: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -626,6 +631,13 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         raise InvalidArgument(f"ENCODER_MAX_BATCH_SIZE={raw_batch!r} is not an integer") from None
     if batch < 0:
         raise InvalidArgument(f"ENCODER_MAX_BATCH_SIZE={batch} must be non-negative")
+    raw_keep_alive = env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")
+    try:
+        keep_alive = float(raw_keep_alive)
+    except ValueError:
+        raise InvalidArgument(
+            f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE={raw_keep_alive!r} is not a number"
+        ) from None
     if args.decode_retries < 0:
         raise InvalidArgument(f"--decode-retries={args.decode_retries} must be >= 0")
     if not 0 < args.port < 65536:
@@ -840,4 +852,6 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         e_store_timeout_s=args.e_store_timeout,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         max_body_bytes=args.max_body_bytes,
+        backend_keep_alive_s=keep_alive,
+        api_key=env.get("OPENAI_API_KEY", ""),
     )

@@ -752,7 +752,7 @@ async def test_under_tenant_the_index_plans_on_the_tenants_own_names():
 
 
 async def test_with_a_metrics_port_the_cache_facts_leave_the_serving_port():
-    from mmreuse.proxy.app import PROXY_KEY, build_metrics_app
+    from mmreuse.proxy.server import PROXY_KEY, build_metrics_app
 
     async with epd(flags=("--metrics-port", "9")) as s:
         assert (await s.client.get("/metrics")).status == 404

@@ -29,9 +29,9 @@ from mmreuse.demand_query import (
     QueryItem,
     encode,
 )
-from mmreuse.proxy.app import build_app
 from mmreuse.proxy.config import parse_args
 from mmreuse.proxy.demand import DemandClient, DemandUnavailable
+from mmreuse.proxy.server import build_app
 from tests.support.demand_p import FakeP, planned
 from tests.support.index_proxy import TEXT, A, B, C, prompt, render
 from tests.support.proxy_fakes import Fake, ProxyHandle, chat, img, proxy_client, sha

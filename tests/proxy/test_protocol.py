@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmreuse.proxy.app import PROXY_KEY
+from mmreuse.proxy.server import PROXY_KEY
 from tests.support.epd_proxy import epd
 from tests.support.proxy_fakes import chat, img, refused_url, sha
 
@@ -170,10 +170,9 @@ async def test_metrics_exposition():
 
 
 @pytest.mark.parametrize("n_p", [0, 1])
-async def test_start_and_stop_profile(monkeypatch, n_p):
+async def test_start_and_stop_profile(n_p):
     # start_profile / stop_profile -> _profile_cmd: one E, P (if any) and D; a 404 is None.
-    monkeypatch.setenv("OPENAI_API_KEY", "k-1")
-    async with epd(n_p=n_p) as s:
+    async with epd(n_p=n_p, env={"OPENAI_API_KEY": "k-1"}) as s:
         for cmd in ("start", "stop"):
             r = await s.client.post(f"/{cmd}_profile", json={"steps": 3})
             assert r.status == 200
@@ -984,23 +983,19 @@ async def test_a_large_media_body_is_accepted():
 
 
 @pytest.mark.parametrize("server_keep_alive", ["0.1", "1", "2", "5", "30"])
-async def test_pooled_connections_are_retired_before_the_server_closes_them(
-    monkeypatch, server_keep_alive
-):
+async def test_pooled_connections_are_retired_before_the_server_closes_them(server_keep_alive):
     # The reference's test of the same name (on_startup): vLLM closes idle keep-alive
     # connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds; the pool must drop them first.
-    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", server_keep_alive)
-    async with epd() as s:
+    async with epd(env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": server_keep_alive}) as s:
         session = s.app[PROXY_KEY].session
         assert session is not None
         assert session.connector._keepalive_timeout < float(server_keep_alive)  # no public accessor
         assert (await s.post(chat(img("http://img/a")))).status == 200
 
 
-async def test_no_keep_alive_server_means_no_pooling(monkeypatch):
+async def test_no_keep_alive_server_means_no_pooling():
     # on_startup: VLLM_HTTP_TIMEOUT_KEEP_ALIVE=0 -> force_close (no pooled connection).
-    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "0")
-    async with epd() as s:
+    async with epd(env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "0"}) as s:
         session = s.app[PROXY_KEY].session
         assert session is not None and session.connector.force_close
         assert (await s.post(chat(img("http://img/a")))).status == 200

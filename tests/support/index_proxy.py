@@ -22,8 +22,8 @@ from aiohttp.test_utils import TestClient
 from mmreuse.blockhash import to_event_id
 from mmreuse.events import BlockStored, KVEventBatch
 from mmreuse.hashing import BlockHasher, MMOccurrence
-from mmreuse.proxy.app import build_app
 from mmreuse.proxy.config import parse_args
+from mmreuse.proxy.server import build_app
 
 from .demand_p import FakeP
 from .kv_publisher import TestPublisher
