@@ -607,8 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         "(`mmreuse proxy --help`)",
         add_help=False,
     )
-    from .decision import POLICIES
-    from .sim.config import ROUTINGS, WORKLOADS
+    from .decision import POLICIES, ROUTINGS
+    from .sim.config import WORKLOADS
 
     sim = sub.add_parser("simulate", help="simulate an EPD cluster under each coordination policy")
     sim.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
