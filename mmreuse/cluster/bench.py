@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -47,6 +46,7 @@ from ..sim.report import percentile, summarize
 from ..validate import check_float, check_str
 from .classes import Observed
 from .client import render
+from .instance import free_ports
 from .simchat import ChatRequest
 
 REFERENCE = "reference"  # bench-cluster's name for vLLM's reference proxy, run as a policy
@@ -64,12 +64,6 @@ class RequestOutcome:
     records: list[Any] = field(default_factory=list)  # P's admission records
     e_records: list[Any] = field(default_factory=list)  # E's, one per sub-request it admitted
     text: str = ""  # the streamed answer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(url: str, timeout: float = 30.0) -> int:
@@ -349,7 +343,7 @@ async def _drive(
         if out is not None:
             out.decision = decision
 
-    port = _free_port()
+    (port,) = free_ports(1)
     config = parse_args([*proxy_args, "--port", str(port), "--host", "127.0.0.1"], env=env)
     app = build_app(config, after_decide=after_decide)
     runner = web.AppRunner(app)
@@ -381,7 +375,7 @@ def _drive_reference(
 
     es = [i.spec.url for i in cluster.instances.values() if i.spec.role == "encoder"]
     ps = [i.spec.url for i in cluster.instances.values() if i.spec.role == "prefill"]
-    port = _free_port()
+    (port,) = free_ports(1)
     argv = [
         str(reference_python()), str(fetch_reference()), "--host", "127.0.0.1", "--port", str(port),
         "--encode-servers-urls", ",".join(es), "--decode-servers-urls", ",".join(ps),
