@@ -39,8 +39,8 @@ import aiohttp
 from aiohttp import web
 
 from mmreuse.cluster import Cluster
-from mmreuse.cluster.bench import _free_port
 from mmreuse.cluster.client import image_part
+from mmreuse.cluster.instance import free_ports
 from mmreuse.cluster.photos import PHOTOS, photo_url
 from mmreuse.cluster.proxy import proxy_process
 from mmreuse.cluster.reference import fetch_reference, reference_python
@@ -57,7 +57,7 @@ class Relay:
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.port = _free_port()
+        (self.port,) = free_ports(1)
         self.arrivals: dict[str, list[float]] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -185,7 +185,7 @@ def _spawn(
 
 def reference(stack: ExitStack, e_url: str, pd_url: str, log: Path) -> str:
     """vLLM's reference proxy in front of `e_url` and `pd_url`."""
-    port = _free_port()
+    (port,) = free_ports(1)
     argv = [
         str(reference_python()), str(fetch_reference()), "--host", "127.0.0.1",
         "--port", str(port), "--encode-servers-urls", e_url, "--decode-servers-urls", pd_url,
@@ -196,7 +196,7 @@ def reference(stack: ExitStack, e_url: str, pd_url: str, log: Path) -> str:
 def baseline(stack: ExitStack, checkout: Path, args: list[str], log: Path) -> str:
     """`mmreuse proxy ARGS` run from another checkout of mmreuse, for a before/after
     comparison: `python -m` puts the working directory first on sys.path."""
-    port = _free_port()
+    (port,) = free_ports(1)
     cmd = [sys.executable, "-m", "mmreuse.cli", "proxy", "--host", "127.0.0.1",
            "--port", str(port), *args]  # fmt: skip
     return _spawn(stack, "baseline proxy", cmd, port, log, cwd=checkout)
