@@ -359,7 +359,7 @@ async def test_concurrent_requests_keep_their_own_embeddings_and_a_fair_rotation
 
 @contextlib.asynccontextmanager
 async def served_proxy(*argv: str):
-    """`mmreuse proxy` as run in production (app.run: its own AppRunner), in a subprocess."""
+    """`mmreuse proxy` as run in production (workers.run -> server.serve: its own AppRunner), in a subprocess."""
     (port,) = free_ports(1)
     code = "import sys; from mmreuse.cli import main; sys.exit(main())"
     proc = subprocess.Popen(
@@ -572,7 +572,7 @@ async def test_a_clients_connector_fields_never_reach_e_p_or_d(n_p):
 
 
 async def test_the_served_proxy_never_inflates_a_body(fakes):
-    # In production (app.run's own AppRunner) the parser must not inflate at all: a gzip bomb
+    # In production (server.serve's own AppRunner) the parser must not inflate at all: a gzip bomb
     # is refused unread, and 'br' (no Brotli here) is a 415 too, not the parser's 400.
     e, pd = await fakes("e"), await fakes("pd")
     bomb = gzip.compress(b'{"messages": [' + b" " * (64 << 20) + b"]}")  # 64 MiB -> ~64 KiB
