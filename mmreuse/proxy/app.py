@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 from ..availability import EmbeddingAvailability
 from ..decision import Policy
 from ..integrations.plugin_config import DEMAND_ID_KEY  # P reads it from vllm_xargs
-from .config import ProxyConfig
+from .config import ProxyConfig, UuidPolicy
 from .content import MediaFetcher, name_by_content
 from .demand import DemandClient
 from .encoder import EMPTY, EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
@@ -197,7 +197,7 @@ class Proxy:
             timeout=aiohttp.ClientTimeout(),  # none: the reference's 100,000 s, without timers
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
-        if self.config.uuid_policy == "content":
+        if self.config.uuid_policy == UuidPolicy.CONTENT:
             from .content import media_session  # no cookies; only checked addresses
 
             self.media_session = media_session(self.config.media)

@@ -4,8 +4,8 @@ meaning) plus the demand-aware ones. One frozen `ProxyConfig` is what the app ru
 Every rule is checked once, by the records (`ProxyConfig`, `PrefillInstance`, `EncodeInstance`),
 so a configuration built in code is held to the same rules as one from flags. A broken rule
 raises `ConfigError`, whose message names fields; the parser only maps flags to fields (the
-tables below, one per section of `--help`) and reports a record's error naming the flags
-instead (`FLAGS`, field -> flag)."""
+tables below, one per section: serving, media, the reference's own, planning, views, store) and
+reports a record's error naming the flags instead (`FLAGS`, field -> flag)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..decision import Routing
 from .app import Proxy, read_body
 from .errors import ProxyError
 
@@ -64,7 +65,7 @@ class Operations:
             for name, h in (*views.items(), *e_views.items())
             for p in h["problems"]  # type: ignore[attr-defined]
         ]
-        if not cfg.policy.reads_view and cfg.routing == "random":
+        if not cfg.policy.reads_view and cfg.routing == Routing.RANDOM:
             problems = [p for p in problems if not p.endswith("no KV events endpoint")]
         store = self.proxy.store.health() if self.proxy.store is not None else None
         if store is not None and store["last_outcome"] not in (None, "ok"):
