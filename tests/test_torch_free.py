@@ -30,11 +30,14 @@ TORCH_FREE = [
     "mmreuse.events.ec_wire",
     "mmreuse.proxy",
     "mmreuse.proxy.app",
+    "mmreuse.proxy.health",
+    "mmreuse.proxy.server",
+    "mmreuse.proxy.workers",
     "mmreuse.proxy.config",
     "mmreuse.proxy.metrics",
     "mmreuse.proxy.models",
     "mmreuse.proxy.policy",
-    "mmreuse.proxy.reference",
+    "mmreuse.cluster.reference",
 ]
 
 

@@ -181,8 +181,8 @@ async def _drive(
     from aiohttp import web
     from prometheus_client import generate_latest
 
-    from ..proxy.app import PROXY_KEY, build_app
     from ..proxy.config import parse_args
+    from ..proxy.server import PROXY_KEY, build_app
 
     outcomes = [RequestOutcome(r.rid) for r in requests]
     by_tag = {f"{run}-{r.rid}": o for r, o in zip(requests, outcomes, strict=True)}
@@ -220,7 +220,7 @@ def _drive_reference(
     import os
     import subprocess
 
-    from ..proxy.reference import fetch_reference, reference_python
+    from .reference import fetch_reference, reference_python
 
     es = [i.spec.url for i in cluster.instances.values() if i.spec.role == "encoder"]
     ps = [i.spec.url for i in cluster.instances.values() if i.spec.role == "prefill"]

@@ -13,8 +13,12 @@ __all__ = ["ProxyConfig", "build_app", "parse_args", "run"]
 
 
 def __getattr__(name: str):  # the aiohttp side loads only when asked (config stays light)
-    if name in ("build_app", "run"):
-        from . import app
+    if name == "build_app":
+        from .server import build_app
 
-        return getattr(app, name)
+        return build_app
+    if name == "run":
+        from .workers import run
+
+        return run
     raise AttributeError(name)

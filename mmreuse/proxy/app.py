@@ -1,7 +1,6 @@
-"""The proxy's HTTP side: aiohttp serves the reference proxy's routes and calls E, P and D.
+"""The proxy's chat route: POST /v1/chat/completions (streaming or not), as the reference
+serves it, calling E, P and D (the server is `proxy.server`, the other routes `proxy.health`).
 
-Routes: POST /v1/chat/completions (streaming or not), GET /v1/models, GET /health,
-POST /start_profile, POST /stop_profile (as the reference), and GET /metrics (Prometheus).
 Per request: decide (policy.Planner) -> encode what E must (encoder.EncoderFanout) -> rewrite
 (media.rewrite_for_decode) -> prefill (E + P + D) -> decode, retrying a decode 500 by
 re-encoding everything, and retrying once a request whose E embedding the store lost (E encodes
@@ -14,11 +13,9 @@ the request, so an E, P or D failure is an HTTP error, not a broken 200 stream.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import random
 import time
 import uuid as uuidlib
@@ -28,14 +25,12 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry
 
 from ..availability import EmbeddingAvailability
 from ..decision import Policy
-from ..errors import InvalidArgument
 from ..integrations.plugin_config import DEMAND_ID_KEY  # P reads it from vllm_xargs
-from .config import PrefillInstance, ProxyConfig
+from .config import ProxyConfig, UuidPolicy
 from .content import MediaFetcher, name_by_content
 from .demand import DemandClient
 from .encoder import EMPTY, EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
@@ -66,10 +61,6 @@ _ABSENT = object()
 # A body larger than this is decoded and walked off the event loop (a thread): a request of
 # many parts then stalls no other request. Smaller ones cost less than the thread hop.
 OFF_LOOP_BYTES = 1 << 20
-# How the proxy's HTTP server runs (`run`, and the tests' servers): a client that hangs up
-# cancels its handler, which closes the backend request (as Starlette on uvicorn does for the
-# reference; aiohttp's default keeps it running); request bodies are never inflated.
-SERVER_SETTINGS: dict[str, Any] = {"handler_cancellation": True, "auto_decompress": False}
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -92,14 +83,7 @@ async def read_body(request: web.Request) -> bytes:
         ) from None
 
 
-PROXY_KEY: web.AppKey[Proxy] = web.AppKey("proxy")
 AfterDecide = Callable[[Decision], Awaitable[None]]
-
-
-def _demand_endpoint(instance: PrefillInstance) -> str:
-    if instance.demand is None:  # ProxyConfig refuses it under the demand policies
-        raise InvalidArgument(f"{instance.url}: no demand endpoint")
-    return instance.demand
 
 
 def _kv_params() -> dict[str, Any]:
@@ -156,7 +140,7 @@ class Proxy:
                 None
                 if instance.demand is None
                 else DemandClient(
-                    _demand_endpoint(instance),
+                    instance.demand,
                     name=view.name,
                     observe=functools.partial(self.metrics.demand_outcome, view.name),
                     drop=functools.partial(self.metrics.demand_drop, view.name),
@@ -201,8 +185,9 @@ class Proxy:
 
     async def start(self, _app: web.Application | None = None) -> None:
         # vLLM closes an idle keep-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds
-        # (5 by default); reusing one it has closed fails the request. Retire ours first.
-        keep_alive = float(os.getenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
+        # (ProxyConfig.backend_keep_alive_s); reusing one it has closed fails the request.
+        # Retire ours first.
+        keep_alive = self.config.backend_keep_alive_s
         connector = aiohttp.TCPConnector(
             limit=0,
             **({"keepalive_timeout": keep_alive / 2} if keep_alive > 0 else {"force_close": True}),
@@ -212,7 +197,7 @@ class Proxy:
             timeout=aiohttp.ClientTimeout(),  # none: the reference's 100,000 s, without timers
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
-        if self.config.uuid_policy == "content":
+        if self.config.uuid_policy == UuidPolicy.CONTENT:
             from .content import media_session  # no cookies; only checked addresses
 
             self.media_session = media_session(self.config.media)
@@ -777,126 +762,6 @@ class Proxy:
         if isinstance(cached, int) and known is not None and cached < known.num_computed_tokens:
             self.metrics.fallbacks.labels(view.name, "kv_short").inc()
 
-    # ---- the other routes ---------------------------------------------------------------------
-
-    async def models(self, request: web.Request) -> web.Response:
-        try:
-            async with self._session().get(f"{self.config.decode_urls[0]}/v1/models") as resp:
-                body = await resp.read()
-                return web.Response(
-                    body=body,
-                    status=resp.status,
-                    headers={"Content-Type": resp.headers.get("Content-Type", "application/json")},
-                )
-        except aiohttp.ClientError as e:
-            return web.json_response({"detail": f"Proxy error: {e}"}, status=502)
-
-    async def health(self, request: web.Request, *, detail: bool = True) -> web.Response:
-        """The reference's fields (proxy, encode/prefill/decode cluster) and, with `detail`,
-        mmreuse's: policy, problems, each view's and demand client's state."""
-
-        async def cluster(urls: tuple[str, ...]) -> str:
-            if not urls:
-                return "empty"
-            results = await asyncio.gather(*(self._probe(u) for u in urls))
-            return "healthy" if all(results) else "unhealthy"
-
-        cfg = self.config
-        e, p, d = await asyncio.gather(
-            cluster(cfg.encode_urls), cluster(cfg.prefill_urls), cluster(cfg.decode_urls)
-        )
-        ok = all(s != "unhealthy" for s in (e, p, d))
-        views = {v.name: v.health() for v in self.views}
-        e_views = {v.name: v.health() for v in self.e_views}
-        problems = [
-            f"{name}: {p}"
-            for name, h in (*views.items(), *e_views.items())
-            for p in h["problems"]  # type: ignore[attr-defined]
-        ]
-        if not cfg.policy.reads_view and cfg.routing == "random":
-            problems = [p for p in problems if not p.endswith("no KV events endpoint")]
-        store = self.store.health() if self.store is not None else None
-        if store is not None and store["last_outcome"] not in (None, "ok"):
-            problems.append(
-                f"e store: last query {store['last_outcome']}: {store['last_error']} "
-                "(planned with this proxy's own record meanwhile)"
-            )
-        demand = {c.name: c.health() for c in self.demand}
-        for name, h in demand.items():
-            if not h["running"]:
-                problems.append(f"{name}: demand client not running ({h['endpoint']})")
-            elif h["last_outcome"] not in (None, "ok"):
-                problems.append(
-                    f"{name}: last demand query {h['last_outcome']}: {h['last_detail']}"
-                )
-        body = {
-            "proxy": "healthy",
-            "encode_cluster": e,
-            "prefill_cluster": p,
-            "decode_cluster": d,
-            "mmreuse": {
-                "policy": cfg.policy,
-                "routing": cfg.routing,
-                "status": "degraded" if problems else "ok",
-                "problems": problems,
-                "e_side": self.e_side.health(),  # events, per-replica, or None (eager)
-                "views": views,
-                **({"e_views": e_views} if e_views else {}),
-                **({"e_store": store} if store is not None else {}),
-                **({"demand": demand} if demand else {}),
-            },
-        }
-        if not detail:
-            del body["mmreuse"]
-        return web.json_response(body, status=200 if ok else 503)
-
-    async def _probe(self, url: str) -> bool:
-        try:
-            async with self._session().get(
-                f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)
-            ) as resp:
-                return resp.status < 400
-        except (TimeoutError, aiohttp.ClientError):
-            return False
-
-    async def metrics_route(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
-
-    async def profile(self, request: web.Request) -> web.Response:
-        """POST /start_profile, /stop_profile: to one random E, P and D; 404 = disabled."""
-        cmd = request.path.strip("/").removesuffix("_profile")
-        try:
-            payload = await read_body(request)
-        except ProxyError as err:
-            return web.json_response({"detail": err.detail}, status=err.status)
-        cfg = self.config
-        headers = {"Authorization": f"Bearer {os.getenv('OPENAI_API_KEY', '')}"}
-
-        async def one(urls: tuple[str, ...]) -> Any:
-            if not urls:
-                return None
-            url = f"{random.choice(urls)}/{cmd}_profile"
-            async with self._session().post(url, data=payload, headers={**headers, **_JSON}) as r:
-                if r.status == 404:
-                    return None
-                if r.status >= 400:
-                    raise ProxyError(r.status, await r.text(), stage="proxy")
-                return msgspec.json.decode(await r.read() or b"null")
-
-        try:
-            e, p, d = await asyncio.gather(
-                one(cfg.encode_urls), one(cfg.prefill_urls), one(cfg.decode_urls)
-            )
-        except ProxyError as err:
-            return web.json_response({"detail": err.detail}, status=err.status)
-        if e is None and p is None and d is None:
-            return web.json_response(
-                {"detail": "Profiling endpoints are disabled on all clusters"}, status=503
-            )
-        return web.json_response({"encode": e, "prefill": p, "decode": d})
-
 
 def _outcome(status: int) -> str:
     return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
@@ -970,128 +835,3 @@ def _event_data(event: bytes | bytearray) -> bytes | None:
         if line.startswith(b"data:")
     ]
     return b"\n".join(lines) if lines else None
-
-
-@web.middleware
-async def _log_requests(request: web.Request, handler: Any) -> web.StreamResponse:
-    req_id = request.headers.get("x-request-id", "-")
-    logger.info(">>> [%s] %s %s from %s", req_id, request.method, request.path, request.remote)
-    response = await handler(request)
-    logger.info("<<< [%s] %s %s completed with status %d", req_id, request.method, request.path, response.status)  # fmt: skip
-    return response
-
-
-def build_app(config: ProxyConfig, *, after_decide: AfterDecide | None = None) -> web.Application:
-    """The aiohttp application for `config` (its proxy at `app[PROXY_KEY]`)."""
-    proxy = Proxy(config, after_decide=after_decide)
-    app = web.Application(
-        middlewares=[_log_requests] if config.log_requests else [],
-        client_max_size=config.max_body_bytes,  # multi-image requests carry base64 media
-    )
-    app[PROXY_KEY] = proxy
-    app.on_startup.append(proxy.start)
-    app.on_cleanup.append(proxy.stop)
-    app.router.add_post("/v1/chat/completions", proxy.chat)
-    app.router.add_get("/v1/models", proxy.models)
-    separate = config.metrics_port is not None  # then the facts are on the metrics app only
-    app.router.add_get("/health", functools.partial(proxy.health, detail=not separate))
-    if not separate:
-        app.router.add_get("/metrics", proxy.metrics_route)
-    app.router.add_post("/start_profile", proxy.profile)
-    app.router.add_post("/stop_profile", proxy.profile)
-    return app
-
-
-def build_metrics_app(proxy: Proxy) -> web.Application:
-    """GET /metrics and the detailed GET /health of `proxy`, for --metrics-port."""
-    app = web.Application()
-    app.router.add_get("/metrics", proxy.metrics_route)
-    app.router.add_get("/health", proxy.health)
-    return app
-
-
-class StartupFailed(Exception):
-    """The proxy could not start (a flag that parsed but cannot be used, a port in use): its
-    message is the one line `mmreuse proxy` prints."""
-
-
-def event_loop_runner() -> Callable[[Any], Any]:
-    """uvloop.run when installed (as the reference's uvicorn does), else asyncio.run."""
-    try:
-        import uvloop
-
-        return uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is in the [proxy] extra
-        return asyncio.run
-
-
-def setup_logging(config: ProxyConfig, prefix: str = "") -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if config.log_requests else logging.INFO,
-        format=f"%(asctime)s {prefix}%(levelname)s: %(message)s",
-    )
-
-
-def run(config: ProxyConfig) -> None:
-    """Serve until interrupted; raises StartupFailed if the proxy cannot start, after
-    stopping what had started. `config.workers` > 1: that many worker processes
-    (`mmreuse.proxy.workers`)."""
-    if config.workers > 1:
-        from .workers import run_workers
-
-        run_workers(config)
-        return
-    setup_logging(config)
-    with contextlib.suppress(KeyboardInterrupt):
-        event_loop_runner()(serve(config))
-
-
-async def serve(
-    config: ProxyConfig,
-    *,
-    reuse_port: bool = False,
-    metrics_path: str | None = None,
-    ready: Callable[[], None] | None = None,
-) -> None:
-    """Serve `config` until cancelled. `reuse_port`: bind --port with SO_REUSEPORT (a worker);
-    `metrics_path`: /metrics and the detailed /health on that unix socket instead of
-    --metrics-port (what a worker's supervisor reads); `ready`: called once serving."""
-    app = build_app(config)
-    app_runner = web.AppRunner(app, access_log=None, **SERVER_SETTINGS)
-    metrics_runner = web.AppRunner(build_metrics_app(app[PROXY_KEY]), access_log=None)
-    serving = False  # the serving port is bound
-    try:
-        try:
-            await app_runner.setup()  # the proxy's start: views, subscribers, clients
-            site = web.TCPSite(
-                app_runner, config.host, config.port, backlog=4096, reuse_port=reuse_port or None
-            )
-            await site.start()
-            serving = True
-            if metrics_path is not None:
-                await metrics_runner.setup()
-                await web.UnixSite(metrics_runner, metrics_path).start()
-            elif config.metrics_port is not None:
-                host = config.metrics_host or config.host
-                await metrics_runner.setup()
-                await web.TCPSite(metrics_runner, host, config.metrics_port).start()
-        except InvalidArgument as e:
-            raise StartupFailed(str(e)) from e
-        except OSError as e:  # the port is taken, the host does not resolve, ...
-            where = (
-                f"{config.host}:{config.port}"
-                if not serving
-                else metrics_path or f"{config.metrics_host or config.host}:{config.metrics_port}"
-            )
-            raise StartupFailed(f"cannot listen on {where}: {e.strerror or e}") from e
-        logger.info(
-            "mmreuse proxy on %s:%d (policy %s, routing %s): E %s, P %s, D %s",
-            config.host, config.port, config.policy, config.routing,
-            list(config.encode_urls), list(config.prefill_urls), list(config.decode_urls),
-        )  # fmt: skip
-        if ready is not None:
-            ready()
-        await asyncio.Event().wait()
-    finally:
-        await metrics_runner.cleanup()
-        await app_runner.cleanup()  # what started is stopped, the client session closed

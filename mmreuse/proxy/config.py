@@ -1,5 +1,11 @@
 """`mmreuse proxy` flags: the reference proxy's static-mode flags (same names, defaults and
-meaning) plus the demand-aware ones. One frozen `ProxyConfig` is what the app runs on."""
+meaning) plus the demand-aware ones. One frozen `ProxyConfig` is what the app runs on.
+
+Every rule is checked once, by the records (`ProxyConfig`, `PrefillInstance`, `EncodeInstance`),
+so a configuration built in code is held to the same rules as one from flags. A broken rule
+raises `ConfigError`, whose message names fields; the parser only maps flags to fields (the
+tables below, one per section: serving, media, the reference's own, planning, views, store) and
+reports a record's error naming the flags instead (`FLAGS`, field -> flag)."""
 
 from __future__ import annotations
 
@@ -8,17 +14,18 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from enum import StrEnum
+from typing import Any, NoReturn
 
-from ..decision import POLICIES, Policy, parse_policy
+from ..decision import POLICIES, ROUTINGS, Policy, Routing, parse_policy
 from ..errors import InvalidArgument
 from ..hashing.functions import HASH_FUNCTIONS
 from .content import MediaLimits, parse_networks
 from .media import DEFAULT_MM_LIMIT
 
-ROUTINGS = ("random", "affine")
 MAX_WORKERS = 64
 MIN_WORKER_STALL_S = 1.0  # --worker-stall-timeout: below this, a busy loop is no stall
 # The largest request body (--max-body-bytes): vLLM's per-request media budget
@@ -34,43 +41,191 @@ _UNSUPPORTED = {
     "--ec-consumer-zmq-addrs": "Mooncake EC push",
     "--ec-consumer-dp-size": "Mooncake EC push with data-parallel consumers",
 }
-
-
 _ZMQ = ("tcp://", "ipc://", "inproc://")
-# --uuid-policy: reference (the reference proxy's rule), tenant (namespaced by cache_salt) or
-# content (named by the media bytes, namespaced by cache_salt)
-UUID_POLICIES = ("reference", "tenant", "content")
-# The flags that bound what --uuid-policy content fetches (refused under the other policies).
-_MEDIA_FLAGS = (
-    "--allowed-media-domains",
-    "--allow-private-media-networks",
-    "--media-max-bytes",
-    "--media-fetch-timeout",
-    "--media-request-timeout",
-    "--media-max-redirects",
-)
-# The flags aligned with the instances that prefill: each fills one PrefillInstance field.
-_ALIGNED = (
-    "--kv-events-endpoints",
-    "--kv-events-replay-endpoints",
-    "--encoder-cache-events-endpoints",
-    "--encoder-cache-events-replay-endpoints",
-    "--demand-endpoints",
-)
-# The flags aligned with the encoders: each fills one EncodeInstance field.
-_E_ALIGNED = (
-    "--e-cache-events-endpoints",
-    "--e-cache-events-replay-endpoints",
-    "--e-snapshot-endpoints",
-)
+_HTTP = ("http://", "https://")
 
 
-def _flag_dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
+class UuidPolicy(StrEnum):
+    """--uuid-policy: how items are named for E and P. reference (the reference proxy's rule),
+    tenant (namespaced by cache_salt) or content (named by the media bytes, namespaced by
+    cache_salt)."""
+
+    REFERENCE = "reference"
+    TENANT = "tenant"
+    CONTENT = "content"
 
 
-def _dest(flag: str) -> str:
-    return "unsupported_" + _flag_dest(flag)
+UUID_POLICIES: tuple[str, ...] = tuple(p.value for p in UuidPolicy)
+
+# Each field's flag (or environment variable), for the CLI's messages. `instances.demand`:
+# the `demand` field of every PrefillInstance (`instances[i].demand`); `media.*`: MediaLimits'.
+FLAGS: Mapping[str, str] = {
+    "encode_urls": "--encode-servers-urls",
+    "decode_urls": "--decode-servers-urls",
+    "prefill_urls": "--prefill-servers-urls",
+    "host": "--host",
+    "port": "--port",
+    "metrics_port": "--metrics-port",
+    "metrics_host": "--metrics-host",
+    "workers": "--workers",
+    "worker_stall_timeout": "--worker-stall-timeout",
+    "decode_retries": "--decode-retries",
+    "no_rewrite": "--no-rewrite",
+    "uuid_policy": "--uuid-policy",
+    "log_requests": "--log-requests",
+    "encoder_max_batch_size": "ENCODER_MAX_BATCH_SIZE",
+    "policy": "--policy",
+    "routing": "--routing",
+    "render_url": "--render-url",
+    "render_timeout_s": "--render-timeout",
+    "hash_algo": "--hash-algo",
+    "hash_seed": "--hash-seed",
+    "block_size": "--block-size",
+    "e_cache_items": "--e-cache-items",
+    "e_cache_ttl_s": "--e-cache-ttl",
+    "demand_timeout_s": "--demand-timeout",
+    "e_store_url": "--e-store-url",
+    "e_store_namespace": "--e-store-namespace",
+    "e_store_timeout_s": "--e-store-timeout",
+    "limit_mm_per_prompt": "--limit-mm-per-prompt",
+    "max_body_bytes": "--max-body-bytes",
+    "backend_keep_alive_s": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+    "api_key": "OPENAI_API_KEY",
+    "instances.kv_events": "--kv-events-endpoints",
+    "instances.kv_replay": "--kv-events-replay-endpoints",
+    "instances.ec_events": "--encoder-cache-events-endpoints",
+    "instances.ec_replay": "--encoder-cache-events-replay-endpoints",
+    "instances.demand": "--demand-endpoints",
+    "encoders.ec_events": "--e-cache-events-endpoints",
+    "encoders.ec_replay": "--e-cache-events-replay-endpoints",
+    "encoders.snapshot": "--e-snapshot-endpoints",
+    "media.max_item_bytes": "--media-max-bytes",
+    "media.timeout_s": "--media-fetch-timeout",
+    "media.request_timeout_s": "--media-request-timeout",
+    "media.max_redirects": "--media-max-redirects",
+    "media.allowed_domains": "--allowed-media-domains",
+    "media.private_networks": "--allow-private-media-networks",
+}
+# A record's own name in a field path: PrefillInstance.demand is `instances.demand` in FLAGS.
+_RECORDS = {"PrefillInstance": "instances", "EncodeInstance": "encoders", "MediaLimits": "media"}
+
+
+def _field_name(key: str) -> str:
+    """A field path as the records read it: `instances/1/demand` -> `instances[1].demand`,
+    `instances/*/demand` -> `instances[].demand`, `PrefillInstance/demand` ->
+    `PrefillInstance.demand`."""
+    out = ""
+    for part in key.split("/"):
+        out += "[]" if part == "*" else f"[{part}]" if part.isdigit() else f".{part}"
+    return out.lstrip(".")
+
+
+def _flag_name(key: str) -> str:
+    """A field path as the CLI reads it: its flag (FLAGS), with `: entry i` for one instance's
+    slot in an aligned flag; the field's own name where it has no flag."""
+    parts = key.split("/")
+    name = ".".join(_RECORDS.get(p, p) for p in parts if p != "*" and not p.isdigit())
+    flag = FLAGS.get(name)
+    if flag is None:
+        return _field_name(key)
+    index = [p for p in parts if p.isdigit()]
+    return f"{flag}: entry {index[0]}" if index else flag
+
+
+class _Names(dict[str, object]):
+    """`str.format_map`'s mapping: the values given, and a name for every field path."""
+
+    def __init__(self, name: Callable[[str], str], values: Mapping[str, object]) -> None:
+        super().__init__(values)
+        self.name = name
+
+    def __missing__(self, key: str) -> str:
+        return self.name(key)
+
+
+class ConfigError(InvalidArgument):
+    """A configuration rule broken. `template` names each field as `{field}` (a path:
+    `{instances/1/demand}`, `{instances/*/demand}`) and each value as a key of `values`: read
+    as an exception it names fields; `in_flags()` names the CLI's flags instead."""
+
+    def __init__(self, template: str, **values: object) -> None:
+        self.template, self.values = template, values
+        super().__init__(template.format_map(_Names(_field_name, values)))
+
+    def in_flags(self) -> str:
+        return self.template.format_map(_Names(_flag_name, self.values))
+
+
+def in_flags(error: InvalidArgument) -> str:
+    """`error`'s message naming the CLI's flags: a ConfigError's own, and MediaLimits'
+    (`MediaLimits.max_item_bytes must be >= 1, got 0`) as `--media-max-bytes=0 must be >= 1`."""
+    if isinstance(error, ConfigError):
+        return error.in_flags()
+
+    def media(m: re.Match[str]) -> str:
+        flag = FLAGS.get(f"media.{m[1]}")
+        return m[0] if flag is None else f"{flag}={m[3]} must be {m[2]}"
+
+    return re.sub(r"MediaLimits\.(\w+) must be (.*), got (.*)", media, str(error))
+
+
+def _g(x: object) -> str:
+    """A number as the CLI shows it (`-1`, `0.5`, `inf`); anything else as its repr."""
+    return f"{x:g}" if type(x) is float else repr(x)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _positive(x: object) -> bool:
+    """A finite number > 0."""
+    return _is_number(x) and math.isfinite(x) and x > 0  # type: ignore[arg-type,operator]
+
+
+def _at_least(x: object, least: int) -> bool:
+    """An int (not a bool) >= `least`."""
+    return type(x) is int and x >= least
+
+
+def _check_endpoint(key: str, ep: object) -> None:
+    """A ZMQ endpoint the subscribers and the demand client can use: tcp://HOST:PORT (PORT a
+    number, or * to bind any), ipc://PATH or inproc://NAME; refused here, not at start-up."""
+    if not isinstance(ep, str) or not ep.startswith(_ZMQ):
+        raise ConfigError(f"{{{key}}}: {{ep!r}} is not a ZMQ endpoint ({', '.join(_ZMQ)})", ep=ep)
+    scheme, _, rest = ep.partition("://")
+    if scheme != "tcp":
+        if not rest:
+            raise ConfigError(f"{{{key}}}: {{ep!r}} names no {scheme} address", ep=ep)
+        return
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or not (port == "*" or (port.isdigit() and 0 < int(port) < 65536)):
+        raise ConfigError(
+            f"{{{key}}}: {{ep!r}} is not tcp://HOST:PORT with PORT in 1..65535", ep=ep
+        )
+
+
+def _check_endpoints(record: Any, name: str, pairs: Sequence[tuple[str, str]]) -> None:
+    """Every endpoint field of `record` (a ZMQ endpoint or None), and each (replay, events)
+    pair: a replay endpoint without the events it replays is refused."""
+    for f in dataclasses.fields(record):
+        ep = getattr(record, f.name)
+        if f.name != "url" and ep is not None:
+            _check_endpoint(f"{name}/{f.name}", ep)
+    for needs, given in pairs:
+        if getattr(record, needs) is not None and getattr(record, given) is None:
+            raise ConfigError(
+                f"{{{name}/{needs}}} needs {{{name}/{given}}} (for {{url}})", url=record.url
+            )
+
+
+def _choice(kind: type[StrEnum], key: str, value: object) -> Any:
+    """`value` as a member of `kind`, or a ConfigError naming `key`."""
+    if isinstance(value, str) and value in {m.value for m in kind}:
+        return kind(value)
+    raise ConfigError(
+        f"{{{key}}}={{v!r}} must be one of {', '.join(m.value for m in kind)}", v=value
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +241,11 @@ class PrefillInstance:
     ec_replay: str | None = None  # --encoder-cache-events-replay-endpoints
     demand: str | None = None  # --demand-endpoints: its DemandScheduler (demand, opportunistic)
 
+    def __post_init__(self) -> None:
+        _check_endpoints(
+            self, "PrefillInstance", (("kv_replay", "kv_events"), ("ec_replay", "ec_events"))
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class EncodeInstance:
@@ -97,6 +257,11 @@ class EncodeInstance:
     ec_events: str | None = None  # --e-cache-events-endpoints
     ec_replay: str | None = None  # --e-cache-events-replay-endpoints
     snapshot: str | None = None  # --e-snapshot-endpoints: E's DemandScheduler endpoint
+
+    def __post_init__(self) -> None:
+        _check_endpoints(
+            self, "EncodeInstance", (("ec_replay", "ec_events"), ("snapshot", "ec_events"))
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +290,12 @@ class ProxyConfig:
     worker_stall_timeout: float = 30.0
     decode_retries: int = 1
     no_rewrite: bool = False
-    uuid_policy: str = "reference"  # --uuid-policy: how items are named for E and P
+    uuid_policy: UuidPolicy = UuidPolicy.REFERENCE  # --uuid-policy: how items are named for E and P
     media: MediaLimits = field(default_factory=MediaLimits)  # what --uuid-policy content fetches
     log_requests: bool = False
     encoder_max_batch_size: int = 0
     policy: Policy = Policy.EAGER
-    routing: str = "random"
+    routing: Routing = Routing.RANDOM
     render_url: str | None = None
     render_timeout_s: float = (
         10.0  # a slow render costs the plan (E gets everything), not the request
@@ -155,80 +320,239 @@ class ProxyConfig:
     limit_mm_per_prompt: Mapping[str, int] = field(default_factory=dict)
     # --max-body-bytes: the largest request body read (inline base64 media included)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE (vLLM's env, 5 s by default): how long E, P and D keep an idle
+    # connection; the proxy retires its own sooner (0: no pooling)
+    backend_keep_alive_s: float = 5.0
+    # OPENAI_API_KEY: the bearer token /start_profile and /stop_profile send E, P and D
+    api_key: str = field(default="", repr=False)
     # The URLs of `instances`, in order (derived: what policy.Planner indexes by instance).
     prefill_instances: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_urls()
+        self._check_serving()
+        self._check_planning()
+        self._check_hashing()
+        self._check_media()
+        self._check_store()
+        self._check_instances()
+        self._check_encoders()
+
+    def _check_urls(self) -> None:
+        """E and D given, every URL http(s) (a P's too, and --render-url's)."""
+        if not self.encode_urls or not self.decode_urls:
+            raise ConfigError("Static routing requires {encode_urls} and {decode_urls}")
+        for key in ("encode_urls", "decode_urls", "prefill_urls"):
+            for u in getattr(self, key):
+                if not (isinstance(u, str) and u.startswith(_HTTP)):
+                    raise ConfigError(f"{{{key}}}: {{u!r}} is not an http(s) URL", u=u)
+        if self.render_url is not None and not (
+            isinstance(self.render_url, str) and self.render_url.startswith(_HTTP)
+        ):
+            raise ConfigError("{render_url}: {u!r} is not an http(s) URL", u=self.render_url)
+
+    def _check_serving(self) -> None:
+        """The ports, the worker processes, retries, E's batch and the backends' keep-alive."""
+        if not (_at_least(self.port, 1) and self.port < 65536):
+            raise ConfigError("{port}={v!r} is not a TCP port", v=self.port)
+        if self.metrics_port is not None:
+            if not (_at_least(self.metrics_port, 1) and self.metrics_port < 65536):
+                raise ConfigError("{metrics_port}={v!r} is not a TCP port", v=self.metrics_port)
+            if self.metrics_port == self.port:
+                raise ConfigError("{metrics_port}={v!r} is {port}'s: give another", v=self.port)
+        elif self.metrics_host is not None:
+            raise ConfigError("{metrics_host} without {metrics_port}: give the port too")
+        if not (_at_least(self.workers, 1) and self.workers <= MAX_WORKERS):
+            raise ConfigError(
+                "{workers}={v!r} must be in 1..{n}, an int", v=self.workers, n=MAX_WORKERS
+            )
+        if self.workers > 1 and self.metrics_port is None:
+            raise ConfigError(
+                "{workers}={v!r} needs {metrics_port}: a scrape of {port} would reach one "
+                "worker; {metrics_port} serves every worker's /metrics and /health",
+                v=self.workers,
+            )
+        stall = self.worker_stall_timeout
+        if not (_is_number(stall) and (stall == 0 or MIN_WORKER_STALL_S <= stall < math.inf)):
+            raise ConfigError(
+                "{worker_stall_timeout}={v} must be 0 (never) or seconds, at least {least}: a "
+                "worker busy for less is not stalled",
+                v=_g(stall),
+                least=f"{MIN_WORKER_STALL_S:g}",
+            )
+        if not _at_least(self.decode_retries, 0):
+            raise ConfigError("{decode_retries}={v!r} must be an int >= 0", v=self.decode_retries)
+        if not _at_least(self.encoder_max_batch_size, 0):
+            raise ConfigError(
+                "{encoder_max_batch_size}={v!r} must be non-negative", v=self.encoder_max_batch_size
+            )
+        keep = self.backend_keep_alive_s
+        if not (_is_number(keep) and math.isfinite(keep) and keep >= 0):
+            raise ConfigError("{backend_keep_alive_s}={v!r} must be seconds >= 0", v=keep)
+        if not _at_least(self.max_body_bytes, 1):
+            raise ConfigError("{max_body_bytes}={v!r} must be an int >= 1", v=self.max_body_bytes)
+        if not isinstance(self.api_key, str):
+            raise ConfigError("{api_key} must be a str, got a {t}", t=type(self.api_key).__name__)
+
+    def _check_planning(self) -> None:
+        """The policy, routing and naming, and the timeouts of the render and P's answer."""
         object.__setattr__(self, "policy", parse_policy(self.policy))
+        object.__setattr__(self, "routing", _choice(Routing, "routing", self.routing))
+        object.__setattr__(
+            self, "uuid_policy", _choice(UuidPolicy, "uuid_policy", self.uuid_policy)
+        )
+        if self.no_rewrite and self.uuid_policy != UuidPolicy.REFERENCE:
+            raise ConfigError(
+                "{no_rewrite} with {uuid_policy} {p}: {no_rewrite} sends E no uuid, so the "
+                "tenant's namespace would not reach P",
+                p=self.uuid_policy.value,
+            )
+        if self.no_rewrite and self.policy != Policy.EAGER:
+            raise ConfigError(
+                "{no_rewrite} with {policy} {p}: P would get every item raw without its uuid, so "
+                "its keys would not be the ones the plan used; use {policy} eager",
+                p=self.policy.value,
+            )
+        if not (_is_number(self.render_timeout_s) and self.render_timeout_s > 0):
+            raise ConfigError("{render_timeout_s}={v!r} must be > 0", v=self.render_timeout_s)
+        if not _positive(self.demand_timeout_s):
+            raise ConfigError(
+                "{demand_timeout_s}={v!r} must be a finite number > 0", v=self.demand_timeout_s
+            )
+        if not _at_least(self.e_cache_items, 1):
+            raise ConfigError("{e_cache_items}={v!r} must be an int >= 1", v=self.e_cache_items)
+        if not _positive(self.e_cache_ttl_s):
+            raise ConfigError(
+                "{e_cache_ttl_s}={v!r} must be a finite number > 0", v=self.e_cache_ttl_s
+            )
+        for modality, limit in self.limit_mm_per_prompt.items():
+            if not (isinstance(modality, str) and _at_least(limit, 0)):
+                raise ConfigError(
+                    "{limit_mm_per_prompt}[{m!r}]={v!r} must be an int >= 0 per modality name",
+                    m=modality,
+                    v=limit,
+                )
+        object.__setattr__(self, "limit_mm_per_prompt", dict(self.limit_mm_per_prompt))
+
+    def _check_hashing(self) -> None:
+        """P's hashing as the proxy reproduces it: the algorithm, its seed, the block size."""
+        algo, seed = self.hash_algo, self.hash_seed
+        if algo not in HASH_FUNCTIONS:
+            raise ConfigError(
+                "{hash_algo}={v!r} must be one of {names}",
+                v=algo,
+                names=", ".join(sorted(HASH_FUNCTIONS)),
+            )
+        if seed is not None and not isinstance(seed, str):
+            raise ConfigError("{hash_seed}={v!r} must be a str (PYTHONHASHSEED)", v=seed)
+        if seed is not None and algo.endswith("_cbor"):
+            try:  # a non-UTF-8 argv byte arrives as a lone surrogate, which CBOR cannot hash
+                seed.encode("utf-8")
+            except UnicodeEncodeError as e:
+                try:  # the bytes given, where argv's decoding escaped them
+                    shown = repr(seed.encode("utf-8", "surrogateescape"))
+                except UnicodeEncodeError:
+                    shown = ascii(seed)
+                raise ConfigError(
+                    "{hash_seed} {shown} is not UTF-8 (at character {at}): {hash_algo} {algo} "
+                    "hashes the seed as UTF-8 text, as vLLM does PYTHONHASHSEED",
+                    shown=shown,
+                    at=e.start,
+                    algo=algo,
+                ) from None
+        if algo.startswith("xxhash") and seed is None:
+            raise ConfigError(
+                "{hash_algo} {algo} needs {hash_seed}: without PYTHONHASHSEED vLLM seeds xxhash "
+                "randomly per process, so no proxy can reproduce its hashes",
+                algo=algo,
+            )
+        if self.block_size is not None and not _at_least(self.block_size, 1):
+            raise ConfigError("{block_size}={v!r} must be an int >= 1", v=self.block_size)
+
+    def _check_media(self) -> None:
+        """What --uuid-policy content fetches: bounds set under another policy do nothing."""
+        media = self.media
+        if not isinstance(media, MediaLimits):
+            raise ConfigError("{media} must be a MediaLimits, got {v!r}", v=media)
+        if self.uuid_policy != UuidPolicy.CONTENT:
+            default = MediaLimits()
+            for f in dataclasses.fields(media):
+                if getattr(media, f.name) != getattr(default, f.name):
+                    raise ConfigError(
+                        f"{{media/{f.name}}} bounds what {{uuid_policy}} content fetches: it "
+                        "does nothing under {uuid_policy} {p}",
+                        p=self.uuid_policy.value,
+                    )
+        domains = media.allowed_domains
+        if domains is not None and any("/" in d or ":" in d for d in domains):
+            raise ConfigError(
+                "{media/allowed_domains}: {v!r} must be host names (no scheme, port or path)",
+                v=sorted(domains),
+            )
+
+    def _check_store(self) -> None:
+        """The shared embedding store: its HTTP address and namespace, both or neither."""
+        url, ns = self.e_store_url, self.e_store_namespace
+        if (url is None) != (ns is None):
+            raise ConfigError(
+                "{e_store_url}={u!r} and {e_store_namespace}={n!r}: give both or neither",
+                u=url,
+                n=ns,
+            )
+        if url is not None and not (isinstance(url, str) and url.startswith(_HTTP)):
+            raise ConfigError("{e_store_url}={u!r} must be an http:// URL", u=url)
+        if ns is not None and not (isinstance(ns, str) and ns):
+            raise ConfigError("{e_store_namespace}={n!r} must be a non-empty str", n=ns)
+        if not _positive(self.e_store_timeout_s):
+            raise ConfigError(
+                "{e_store_timeout_s}={v!r} must be a finite number > 0", v=self.e_store_timeout_s
+            )
+
+    def _check_instances(self) -> None:
+        """One record per instance that prefills, in order; each with its demand endpoint
+        under the policies that ask P."""
         urls = self.prefill_urls or self.decode_urls
         instances = self.instances or tuple(PrefillInstance(u) for u in urls)
         if tuple(i.url for i in instances) != urls:
-            raise InvalidArgument(
-                f"instances are for {[i.url for i in instances]} but the instances that "
-                f"prefill are {list(urls)} (the "
-                f"{'prefill' if self.prefill_urls else 'decode'} URLs): one record each, in order"
+            raise ConfigError(
+                "{instances} are for {have} but the instances that prefill are {urls} (the "
+                "{which} URLs): one record each, in order",
+                have=[i.url for i in instances],
+                urls=list(urls),
+                which="prefill" if self.prefill_urls else "decode",
             )
         if self.policy.asks_p:
-            for i in instances:
-                if i.demand is None:
-                    raise InvalidArgument(
-                        f"policy {self.policy!r} asks every P/PD: {i.url} has no demand endpoint"
+            for i, inst in enumerate(instances):
+                if inst.demand is None:
+                    raise ConfigError(
+                        f"{{instances/{i}/demand}} (for {{url}}) is empty: {{policy}} {{p}} "
+                        "needs {instances/*/demand}, each P/PD's DemandScheduler endpoint; "
+                        "{url} has no demand endpoint",
+                        url=inst.url,
+                        p=self.policy.value,
                     )
         object.__setattr__(self, "instances", instances)
         object.__setattr__(self, "prefill_instances", urls)
+
+    def _check_encoders(self) -> None:
+        """One record per E, in order; E's encoder-cache events from every E or from none."""
         encoders = self.encoders or tuple(EncodeInstance(u) for u in self.encode_urls)
         if tuple(e.url for e in encoders) != self.encode_urls:
-            raise InvalidArgument(
-                f"encoders are for {[e.url for e in encoders]} but the encode URLs are "
-                f"{list(self.encode_urls)}: one record each, in order"
+            raise ConfigError(
+                "{encoders} are for {have} but the encode URLs are {urls}: one record each, "
+                "in order",
+                have=[e.url for e in encoders],
+                urls=list(self.encode_urls),
             )
         if len({e.ec_events is None for e in encoders}) > 1:
-            raise InvalidArgument(
-                "encoder-cache events from some encoders only: give every E's "
-                "(--e-cache-events-endpoints) or none (the E side is then this proxy's own "
-                "record of what it sent)"
+            i = next(i for i, e in enumerate(encoders) if e.ec_events is None)
+            raise ConfigError(
+                f"{{encoders/{i}/ec_events}} (for {{url}}) is empty: encoder-cache events from "
+                "some encoders only; give every E's {encoders/*/ec_events} or none (the E side "
+                "is then this proxy's own record of what it sent)",
+                url=encoders[i].url,
             )
         object.__setattr__(self, "encoders", encoders)
-        if not (isinstance(self.workers, int) and 1 <= self.workers <= MAX_WORKERS):
-            raise InvalidArgument(f"workers={self.workers!r} must be an int in 1..{MAX_WORKERS}")
-        if self.workers > 1 and self.metrics_port is None:
-            raise InvalidArgument(f"workers={self.workers} needs metrics_port (--metrics-port)")
-        stall = self.worker_stall_timeout
-        if not (
-            isinstance(stall, (int, float))
-            and not isinstance(stall, bool)
-            and (stall == 0 or MIN_WORKER_STALL_S <= stall < math.inf)
-        ):
-            raise InvalidArgument(
-                f"worker_stall_timeout={stall!r} must be 0 (never) or seconds, at least "
-                f"{MIN_WORKER_STALL_S:g}"
-            )
-        if (self.e_store_url is None) != (self.e_store_namespace is None):
-            raise InvalidArgument(
-                f"e_store_url={self.e_store_url!r} and e_store_namespace="
-                f"{self.e_store_namespace!r}: give both (--e-store-url, --e-store-namespace) "
-                "or neither"
-            )
-        if self.e_store_url is not None and not self.e_store_url.startswith(
-            ("http://", "https://")
-        ):
-            raise InvalidArgument(f"e_store_url={self.e_store_url!r} must be an http:// URL")
-        if self.e_store_namespace is not None and not self.e_store_namespace:
-            raise InvalidArgument("e_store_namespace must not be empty")
-        t = self.e_store_timeout_s
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
-            raise InvalidArgument(f"e_store_timeout_s={t!r} must be a finite number > 0")
-        for modality, limit in self.limit_mm_per_prompt.items():
-            if not (isinstance(modality, str) and type(limit) is int and limit >= 0):
-                raise InvalidArgument(
-                    f"limit_mm_per_prompt[{modality!r}]={limit!r} must be an int >= 0 per "
-                    "modality name (--limit-mm-per-prompt)"
-                )
-        object.__setattr__(self, "limit_mm_per_prompt", dict(self.limit_mm_per_prompt))
-        if not (type(self.max_body_bytes) is int and self.max_body_bytes >= 1):
-            raise InvalidArgument(
-                f"max_body_bytes={self.max_body_bytes!r} must be an int >= 1 (--max-body-bytes)"
-            )
 
     @property
     def e_events(self) -> bool:
@@ -254,56 +578,382 @@ def _mm_limits(value: str) -> dict[str, int]:
     return out
 
 
-def _urls(value: str) -> tuple[str, ...]:
-    return tuple(u.strip().rstrip("/") for u in value.split(",") if u.strip())
+_Flag = tuple[str, dict[str, Any]]  # a flag and its add_argument keywords
+
+# How the proxy serves: its addresses, processes and logging.
+_SERVING: tuple[_Flag, ...] = (
+    ("--host", {"default": "0.0.0.0"}),
+    ("--port", {"type": int, "default": 8000}),
+    (
+        "--metrics-port",
+        {
+            "type": int,
+            "default": None,
+            "help": "serve GET /metrics and the detailed GET /health (per-instance cache facts) on this "
+            "port only; --port keeps a /health with the reference's fields. Default: both on --port",
+        },
+    ),
+    (
+        "--metrics-host",
+        {"default": None, "help": "the address --metrics-port binds (default --host)"},
+    ),
+    (
+        "--workers",
+        {
+            "type": int,
+            "default": 1,
+            "help": "worker processes sharing --port (SO_REUSEPORT; the kernel spreads connections), "
+            "each a replica with its own views: how a proxy node uses its cores. A worker that "
+            "dies is restarted and rejoins as a late replica does. Needs --metrics-port, where "
+            '/metrics and /health are every worker\'s, labelled worker="i"',
+        },
+    ),
+    (
+        "--worker-stall-timeout",
+        {
+            "type": float,
+            "default": 30.0,
+            "metavar": "SECONDS",
+            "help": "with --workers > 1: a worker whose event loop has not turned for this long (a "
+            "stalled worker keeps its share of --port's connections unanswered) is killed "
+            f"(SIGKILL) and restarted. 0: never. At least {MIN_WORKER_STALL_S:g}; default 30",
+        },
+    ),
+    (
+        "--log-requests",
+        {
+            "action": "store_true",
+            "help": "Log every request in and out, and raise the log level to DEBUG.",
+        },
+    ),
+)
+# How items are named, and what --uuid-policy content fetches; what one request may carry.
+_MEDIA: tuple[_Flag, ...] = (
+    (
+        "--uuid-policy",
+        {
+            "choices": UUID_POLICIES,
+            "default": "reference",
+            "help": "how items are named for E and P (vLLM keys its encoder cache and EC store by "
+            "uuid, across tenants): reference (the client's uuid, else sha256 of the URL: the "
+            "reference proxy's rule), tenant (those namespaced by the request's cache_salt, a "
+            "client's *_embeds uuids too: no tenant can reach another's embeddings) or content "
+            "(sha256 of the media bytes, namespaced by cache_salt; http(s) media fetched by the "
+            "proxy and forwarded inline, so a URL whose content changed is a new item)",
+        },
+    ),
+    (
+        "--allowed-media-domains",
+        {
+            "nargs": "+",
+            "default": None,
+            "help": "--uuid-policy content: the only hosts media (and each redirect) may be fetched "
+            "from, as vLLM's flag of that name (default: any)",
+        },
+    ),
+    (
+        "--media-max-bytes",
+        {
+            "type": int,
+            "default": None,
+            "help": "--uuid-policy content: the most bytes one fetched item may have (default 32 MiB; "
+            "a request's fetched media in all: 256 MiB, vLLM's "
+            "VLLM_MAX_MEDIA_REQUEST_DOWNLOAD_SIZE_MB)",
+        },
+    ),
+    (
+        "--media-fetch-timeout",
+        {
+            "type": float,
+            "default": None,
+            "help": "--uuid-policy content: seconds one media fetch (each redirect hop) may take "
+            "(default 5, vLLM's VLLM_IMAGE_FETCH_TIMEOUT)",
+        },
+    ),
+    (
+        "--media-request-timeout",
+        {
+            "type": float,
+            "default": None,
+            "help": "--uuid-policy content: seconds all of one request's media fetches may take "
+            "(default 30)",
+        },
+    ),
+    (
+        "--media-max-redirects",
+        {
+            "type": int,
+            "default": None,
+            "help": "--uuid-policy content: redirects followed per item, each hop checked as the "
+            "first URL (default 5; 0: none, as vLLM's VLLM_MEDIA_URL_ALLOW_REDIRECTS=0)",
+        },
+    ),
+    (
+        "--allow-private-media-networks",
+        {
+            "nargs": "+",
+            "default": None,
+            "metavar": "CIDR",
+            "help": "--uuid-policy content: non-public networks media may be fetched from (default "
+            "none: a host that is or resolves to a loopback, private, link-local, shared, "
+            "reserved, multicast or unspecified address is refused; '0.0.0.0/0 ::/0' allows all)",
+        },
+    ),
+    (
+        "--limit-mm-per-prompt",
+        {
+            "type": _mm_limits,
+            "default": {},
+            "help": "the media items of each modality one request may carry, as vLLM's flag of that "
+            """name ('{"image": 16, "video": 2}', or {"video": {"count": 2}}; 999 for a modality """
+            "not named, vLLM's default): a request over it is refused before any per-item work",
+        },
+    ),
+    (
+        "--max-body-bytes",
+        {
+            "type": int,
+            "default": DEFAULT_MAX_BODY_BYTES,
+            "help": "the largest request body read, inline base64 media included (default 256 MiB, "
+            "vLLM's per-request media download budget)",
+        },
+    ),
+)
+# The reference proxy's own flags (names, defaults and meaning).
+_REFERENCE: tuple[_Flag, ...] = (
+    (
+        "--no-rewrite",
+        {
+            "action": "store_true",
+            "help": "Forward media to the decoder unchanged and send E no uuid (stage-timing A/B).",
+        },
+    ),
+    (
+        "--encode-servers-urls",
+        {"default": "", "help": 'Comma-separated encode URLs ("http://e1:8001,http://e2:8001")'},
+    ),
+    (
+        "--prefill-servers-urls",
+        {
+            "default": "none",
+            "help": 'Comma-separated prefill URLs to enable E->P->D; "disable" or "none" for E->PD',
+        },
+    ),
+    (
+        "--decode-servers-urls",
+        {"default": "", "help": 'Comma-separated decode URLs ("http://d1:8005,http://d2:8006")'},
+    ),
+    (
+        "--decode-retries",
+        {
+            "type": int,
+            "default": 1,
+            "help": "Re-encode and re-send when decode returns 500 (its retryable error). 0 disables.",
+        },
+    ),
+)
+# What E gets and which P/PD serves: the policy, its render and its question to P.
+_PLANNING: tuple[_Flag, ...] = (
+    (
+        "--policy",
+        {
+            "choices": POLICIES,
+            "default": "eager",
+            "help": "eager: every item to E (the reference); index: E gets only what the chosen "
+            "P/PD still needs, from its live KV view; demand: E gets only what the chosen P/PD "
+            "says it needs (asked over --demand-endpoints); opportunistic: E gets everything at "
+            "once, and what P's answer rules out is abandoned while still in flight",
+        },
+    ),
+    (
+        "--routing",
+        {
+            "choices": ROUTINGS,
+            "default": "random",
+            "help": "random: the reference's choice of P/PD; affine: the one with the longest live "
+            "prefix hit (ties at random)",
+        },
+    ),
+    (
+        "--render-url",
+        {
+            "default": None,
+            "help": "where to render requests (POST /v1/chat/completions/render, mm_payload none); "
+            "default: the chosen P/PD (started with --enable-scale-out)",
+        },
+    ),
+    (
+        "--render-timeout",
+        {
+            "type": float,
+            "default": 10.0,
+            "help": "seconds a render may take; past it the request is served as under eager",
+        },
+    ),
+)
+# The proxy's views of P and E: their events, snapshots, P's hashing and E's record.
+_VIEWS: tuple[_Flag, ...] = (
+    (
+        "--kv-events-endpoints",
+        {
+            "default": None,
+            "help": "comma-separated ZMQ endpoints of the P (or PD) instances' KV events, aligned "
+            "with their URLs (an empty slot: no view of that one)",
+        },
+    ),
+    (
+        "--kv-events-replay-endpoints",
+        {"default": None, "help": "their replay endpoints, aligned the same way (optional)"},
+    ),
+    (
+        "--encoder-cache-events-endpoints",
+        {
+            "default": None,
+            "help": "comma-separated ZMQ endpoints of the P (or PD) instances' encoder-cache events "
+            "(mmreuse's EventfulEncoderCacheManager), aligned with their URLs",
+        },
+    ),
+    (
+        "--encoder-cache-events-replay-endpoints",
+        {"default": None, "help": "their replay endpoints, aligned the same way (optional)"},
+    ),
+    (
+        "--demand-endpoints",
+        {
+            "default": None,
+            "help": "comma-separated ZMQ endpoints of the P (or PD) instances' DemandScheduler "
+            "(additional_config mmreuse.demand_endpoint), aligned with their URLs, one for each; "
+            "required by --policy demand and opportunistic",
+        },
+    ),
+    (
+        "--demand-timeout",
+        {
+            "type": float,
+            "default": 1.0,
+            "help": "seconds P may take to answer a demand query; past it the request is served as "
+            "under eager",
+        },
+    ),
+    (
+        "--hash-algo",
+        {
+            "choices": sorted(HASH_FUNCTIONS),
+            "default": "sha256",
+            "help": "P's --prefix-caching-hash-algo (vLLM's default: sha256)",
+        },
+    ),
+    (
+        "--hash-seed",
+        {
+            "default": None,
+            "help": "P's PYTHONHASHSEED (default: unset, as vLLM without it; required for xxhash*)",
+        },
+    ),
+    (
+        "--block-size",
+        {
+            "type": int,
+            "default": None,
+            "help": "P's KV block size (default: learned from its BlockStored events)",
+        },
+    ),
+    (
+        "--e-cache-events-endpoints",
+        {
+            "default": None,
+            "help": "comma-separated ZMQ endpoints of every E's encoder-cache events (mmreuse's "
+            "EventfulEncoderCacheManager in E), aligned with --encode-servers-urls: what E holds "
+            "then comes from E itself, the same for every proxy replica, in place of this "
+            "process's record of what it sent",
+        },
+    ),
+    (
+        "--e-cache-events-replay-endpoints",
+        {"default": None, "help": "their replay endpoints, aligned the same way (optional)"},
+    ),
+    (
+        "--e-snapshot-endpoints",
+        {
+            "default": None,
+            "help": "each E's DemandScheduler endpoint (additional_config mmreuse.demand_endpoint), "
+            "aligned the same way (optional): a proxy started late, restarted or replicated "
+            "completes its E view from E's snapshot",
+        },
+    ),
+)
+# The shared embedding store, and how long the E side is trusted.
+_STORE: tuple[_Flag, ...] = (
+    (
+        "--e-store-url",
+        {
+            "default": None,
+            "help": "the shared embedding store's HTTP address (a Mooncake master's metrics port, "
+            "e.g. http://127.0.0.1:9003): asked per request which items it holds, so that every "
+            "replica sees the same store and an item P's EC connector loads skips E (needs "
+            "--e-store-namespace)",
+        },
+    ),
+    (
+        "--e-store-namespace",
+        {
+            "default": None,
+            "help": "the key namespace P's EC connector uses (it logs it: 'MooncakeStoreConnector "
+            "(...), namespace NS'); keys are NS@id:IDENTIFIER, as in vLLM's Mooncake backend",
+        },
+    ),
+    (
+        "--e-store-timeout",
+        {
+            "type": float,
+            "default": 0.25,
+            "help": "seconds a store query may take; later, the request is planned without it",
+        },
+    ),
+    (
+        "--e-cache-items",
+        {
+            "type": int,
+            "default": 4096,
+            "help": "how many items the proxy keeps of what each E holds (E-side reuse), LRU",
+        },
+    ),
+    (
+        "--e-cache-ttl",
+        {
+            "type": float,
+            "default": 3600.0,
+            "help": "seconds the proxy trusts that E still holds an item no event or send has "
+            "mentioned since",
+        },
+    ),
+)
+# The flags aligned with the instances that prefill, and the PrefillInstance field each fills.
+_ALIGNED = {
+    "--kv-events-endpoints": "kv_events",
+    "--kv-events-replay-endpoints": "kv_replay",
+    "--encoder-cache-events-endpoints": "ec_events",
+    "--encoder-cache-events-replay-endpoints": "ec_replay",
+    "--demand-endpoints": "demand",
+}
+# The flags aligned with the encoders, and the EncodeInstance field each fills.
+_E_ALIGNED = {
+    "--e-cache-events-endpoints": "ec_events",
+    "--e-cache-events-replay-endpoints": "ec_replay",
+    "--e-snapshot-endpoints": "snapshot",
+}
 
 
-def _check_endpoint(flag: str, ep: str) -> None:
-    """A ZMQ endpoint the subscribers and the demand client can use: tcp://HOST:PORT (PORT a
-    number, or * to bind any), ipc://PATH or inproc://NAME; refused here, not at start-up."""
-    if not ep.startswith(_ZMQ):
-        raise InvalidArgument(f"{flag}: {ep!r} is not a ZMQ endpoint ({', '.join(_ZMQ)})")
-    scheme, _, rest = ep.partition("://")
-    if scheme != "tcp":
-        if not rest:
-            raise InvalidArgument(f"{flag}: {ep!r} names no {scheme} address")
-        return
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host or not (port == "*" or (port.isdigit() and 0 < int(port) < 65536)):
-        raise InvalidArgument(f"{flag}: {ep!r} is not tcp://HOST:PORT with PORT in 1..65535")
+def _flag_dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
-def _aligned(value: str | None) -> tuple[str | None, ...]:
-    """Comma-separated and aligned with the prefill instances; an empty slot = none there."""
-    if value is None:
-        return ()
-    return tuple((s.strip() or None) for s in value.split(","))
-
-
-def _instances(
-    urls: Sequence[str], given: Mapping[str, tuple[str | None, ...]]
-) -> tuple[PrefillInstance, ...]:
-    """One record per instance from the aligned flags (already checked: each given flag has
-    one slot per URL)."""
-
-    def slot(flag: str, i: int) -> str | None:
-        eps = given[flag]
-        return eps[i] if eps else None
-
-    return tuple(
-        PrefillInstance(
-            url,
-            kv_events=slot("--kv-events-endpoints", i),
-            kv_replay=slot("--kv-events-replay-endpoints", i),
-            ec_events=slot("--encoder-cache-events-endpoints", i),
-            ec_replay=slot("--encoder-cache-events-replay-endpoints", i),
-            demand=slot("--demand-endpoints", i),
-        )
-        for i, url in enumerate(urls)
-    )
+def _dest(flag: str) -> str:
+    return "unsupported_" + _flag_dest(flag)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`mmreuse proxy`'s parser: the reference's flags, then mmreuse's, section by section."""
     p = argparse.ArgumentParser(
         prog="mmreuse proxy",
         description=(
@@ -313,138 +963,8 @@ def build_parser() -> argparse.ArgumentParser:
             "/metrics."
         ),
     )
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve GET /metrics and the detailed GET /health (per-instance cache facts) on this "
-        "port only; --port keeps a /health with the reference's fields. Default: both on --port",
-    )
-    p.add_argument(
-        "--metrics-host", default=None, help="the address --metrics-port binds (default --host)"
-    )
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="worker processes sharing --port (SO_REUSEPORT; the kernel spreads connections), "
-        "each a replica with its own views: how a proxy node uses its cores. A worker that "
-        "dies is restarted and rejoins as a late replica does. Needs --metrics-port, where "
-        '/metrics and /health are every worker\'s, labelled worker="i"',
-    )
-    p.add_argument(
-        "--worker-stall-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="with --workers > 1: a worker whose event loop has not turned for this long (a "
-        "stalled worker keeps its share of --port's connections unanswered) is killed "
-        f"(SIGKILL) and restarted. 0: never. At least {MIN_WORKER_STALL_S:g}; default 30",
-    )
-    p.add_argument(
-        "--log-requests",
-        action="store_true",
-        help="Log every request in and out, and raise the log level to DEBUG.",
-    )
-    p.add_argument(
-        "--uuid-policy",
-        choices=UUID_POLICIES,
-        default="reference",
-        help="how items are named for E and P (vLLM keys its encoder cache and EC store by "
-        "uuid, across tenants): reference (the client's uuid, else sha256 of the URL: the "
-        "reference proxy's rule), tenant (those namespaced by the request's cache_salt, a "
-        "client's *_embeds uuids too: no tenant can reach another's embeddings) or content "
-        "(sha256 of the media bytes, namespaced by cache_salt; http(s) media fetched by the "
-        "proxy and forwarded inline, so a URL whose content changed is a new item)",
-    )
-    p.add_argument(
-        "--allowed-media-domains",
-        nargs="+",
-        default=None,
-        help="--uuid-policy content: the only hosts media (and each redirect) may be fetched "
-        "from, as vLLM's flag of that name (default: any)",
-    )
-    p.add_argument(
-        "--media-max-bytes",
-        type=int,
-        default=None,
-        help="--uuid-policy content: the most bytes one fetched item may have (default 32 MiB; "
-        "a request's fetched media in all: 256 MiB, vLLM's "
-        "VLLM_MAX_MEDIA_REQUEST_DOWNLOAD_SIZE_MB)",
-    )
-    p.add_argument(
-        "--media-fetch-timeout",
-        type=float,
-        default=None,
-        help="--uuid-policy content: seconds one media fetch (each redirect hop) may take "
-        "(default 5, vLLM's VLLM_IMAGE_FETCH_TIMEOUT)",
-    )
-    p.add_argument(
-        "--media-request-timeout",
-        type=float,
-        default=None,
-        help="--uuid-policy content: seconds all of one request's media fetches may take "
-        "(default 30)",
-    )
-    p.add_argument(
-        "--media-max-redirects",
-        type=int,
-        default=None,
-        help="--uuid-policy content: redirects followed per item, each hop checked as the "
-        "first URL (default 5; 0: none, as vLLM's VLLM_MEDIA_URL_ALLOW_REDIRECTS=0)",
-    )
-    p.add_argument(
-        "--allow-private-media-networks",
-        nargs="+",
-        default=None,
-        metavar="CIDR",
-        help="--uuid-policy content: non-public networks media may be fetched from (default "
-        "none: a host that is or resolves to a loopback, private, link-local, shared, "
-        "reserved, multicast or unspecified address is refused; '0.0.0.0/0 ::/0' allows all)",
-    )
-    p.add_argument(
-        "--limit-mm-per-prompt",
-        type=_mm_limits,
-        default={},
-        help="the media items of each modality one request may carry, as vLLM's flag of that "
-        """name ('{"image": 16, "video": 2}', or {"video": {"count": 2}}; 999 for a modality """
-        "not named, vLLM's default): a request over it is refused before any per-item work",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="the largest request body read, inline base64 media included (default 256 MiB, "
-        "vLLM's per-request media download budget)",
-    )
-    p.add_argument(
-        "--no-rewrite",
-        action="store_true",
-        help="Forward media to the decoder unchanged and send E no uuid (stage-timing A/B).",
-    )
-    p.add_argument(
-        "--encode-servers-urls",
-        default="",
-        help='Comma-separated encode URLs ("http://e1:8001,http://e2:8001")',
-    )
-    p.add_argument(
-        "--prefill-servers-urls",
-        default="none",
-        help='Comma-separated prefill URLs to enable E->P->D; "disable" or "none" for E->PD',
-    )
-    p.add_argument(
-        "--decode-servers-urls",
-        default="",
-        help='Comma-separated decode URLs ("http://d1:8005,http://d2:8006")',
-    )
-    p.add_argument(
-        "--decode-retries",
-        type=int,
-        default=1,
-        help="Re-encode and re-send when decode returns 500 (its retryable error). 0 disables.",
-    )
+    for flag, options in (*_SERVING, *_MEDIA, *_REFERENCE):
+        p.add_argument(flag, **options)
     # The reference's dynamic-registration and Mooncake-push flags: recognised, and refused
     # with the reason (docs/proxy.md, "Not covered").
     for flag in _UNSUPPORTED:
@@ -452,162 +972,87 @@ def build_parser() -> argparse.ArgumentParser:
             flag, dest=_dest(flag), nargs="?", const=True, default=None, help=argparse.SUPPRESS
         )
     g = p.add_argument_group("mmreuse (not in the reference)")
-    g.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default="eager",
-        help="eager: every item to E (the reference); index: E gets only what the chosen "
-        "P/PD still needs, from its live KV view; demand: E gets only what the chosen P/PD "
-        "says it needs (asked over --demand-endpoints); opportunistic: E gets everything at "
-        "once, and what P's answer rules out is abandoned while still in flight",
-    )
-    g.add_argument(
-        "--routing",
-        choices=ROUTINGS,
-        default="random",
-        help="random: the reference's choice of P/PD; affine: the one with the longest live "
-        "prefix hit (ties at random)",
-    )
-    g.add_argument(
-        "--render-url",
-        default=None,
-        help="where to render requests (POST /v1/chat/completions/render, mm_payload none); "
-        "default: the chosen P/PD (started with --enable-scale-out)",
-    )
-    g.add_argument(
-        "--render-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a render may take; past it the request is served as under eager",
-    )
-    g.add_argument(
-        "--kv-events-endpoints",
-        default=None,
-        help="comma-separated ZMQ endpoints of the P (or PD) instances' KV events, aligned "
-        "with their URLs (an empty slot: no view of that one)",
-    )
-    g.add_argument(
-        "--kv-events-replay-endpoints",
-        default=None,
-        help="their replay endpoints, aligned the same way (optional)",
-    )
-    g.add_argument(
-        "--encoder-cache-events-endpoints",
-        default=None,
-        help="comma-separated ZMQ endpoints of the P (or PD) instances' encoder-cache events "
-        "(mmreuse's EventfulEncoderCacheManager), aligned with their URLs",
-    )
-    g.add_argument(
-        "--encoder-cache-events-replay-endpoints",
-        default=None,
-        help="their replay endpoints, aligned the same way (optional)",
-    )
-    g.add_argument(
-        "--demand-endpoints",
-        default=None,
-        help="comma-separated ZMQ endpoints of the P (or PD) instances' DemandScheduler "
-        "(additional_config mmreuse.demand_endpoint), aligned with their URLs, one for each; "
-        "required by --policy demand and opportunistic",
-    )
-    g.add_argument(
-        "--demand-timeout",
-        type=float,
-        default=1.0,
-        help="seconds P may take to answer a demand query; past it the request is served as "
-        "under eager",
-    )
-    g.add_argument(
-        "--hash-algo",
-        choices=sorted(HASH_FUNCTIONS),
-        default="sha256",
-        help="P's --prefix-caching-hash-algo (vLLM's default: sha256)",
-    )
-    g.add_argument(
-        "--hash-seed",
-        default=None,
-        help="P's PYTHONHASHSEED (default: unset, as vLLM without it; required for xxhash*)",
-    )
-    g.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="P's KV block size (default: learned from its BlockStored events)",
-    )
-    g.add_argument(
-        "--e-cache-events-endpoints",
-        default=None,
-        help="comma-separated ZMQ endpoints of every E's encoder-cache events (mmreuse's "
-        "EventfulEncoderCacheManager in E), aligned with --encode-servers-urls: what E holds "
-        "then comes from E itself, the same for every proxy replica, in place of this "
-        "process's record of what it sent",
-    )
-    g.add_argument(
-        "--e-cache-events-replay-endpoints",
-        default=None,
-        help="their replay endpoints, aligned the same way (optional)",
-    )
-    g.add_argument(
-        "--e-snapshot-endpoints",
-        default=None,
-        help="each E's DemandScheduler endpoint (additional_config mmreuse.demand_endpoint), "
-        "aligned the same way (optional): a proxy started late, restarted or replicated "
-        "completes its E view from E's snapshot",
-    )
-    g.add_argument(
-        "--e-store-url",
-        default=None,
-        help="the shared embedding store's HTTP address (a Mooncake master's metrics port, "
-        "e.g. http://127.0.0.1:9003): asked per request which items it holds, so that every "
-        "replica sees the same store and an item P's EC connector loads skips E (needs "
-        "--e-store-namespace)",
-    )
-    g.add_argument(
-        "--e-store-namespace",
-        default=None,
-        help="the key namespace P's EC connector uses (it logs it: 'MooncakeStoreConnector "
-        "(...), namespace NS'); keys are NS@id:IDENTIFIER, as in vLLM's Mooncake backend",
-    )
-    g.add_argument(
-        "--e-store-timeout",
-        type=float,
-        default=0.25,
-        help="seconds a store query may take; later, the request is planned without it",
-    )
-    g.add_argument(
-        "--e-cache-items",
-        type=int,
-        default=4096,
-        help="how many items the proxy keeps of what each E holds (E-side reuse), LRU",
-    )
-    g.add_argument(
-        "--e-cache-ttl",
-        type=float,
-        default=3600.0,
-        help="seconds the proxy trusts that E still holds an item no event or send has "
-        "mentioned since",
-    )
+    for flag, options in (*_PLANNING, *_VIEWS, *_STORE):
+        g.add_argument(flag, **options)
     return p
 
 
 def parse_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> ProxyConfig:
-    """Parse flags (and ENCODER_MAX_BATCH_SIZE from `env`) into a ProxyConfig; usage errors
-    exit 2 with `mmreuse proxy: error: ...`, as argparse does."""
+    """Parse flags (and ENCODER_MAX_BATCH_SIZE, VLLM_HTTP_TIMEOUT_KEEP_ALIVE and OPENAI_API_KEY
+    from `env`) into a ProxyConfig; usage errors exit 2 with `mmreuse proxy: error: ...`, as
+    argparse does, naming the flags."""
     parser = build_parser()
     args = parser.parse_args(argv)
     env = os.environ if env is None else env
     try:
         return config_from_args(args, env)
     except InvalidArgument as e:
-        _fail(parser, str(e))
+        _fail(parser, in_flags(e))
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.error(message)
 
 
+def _urls(value: str) -> tuple[str, ...]:
+    return tuple(u.strip().rstrip("/") for u in value.split(",") if u.strip())
+
+
+def _aligned(value: str | None) -> tuple[str | None, ...]:
+    """Comma-separated and aligned with the instances; an empty slot = none there."""
+    if value is None:
+        return ()
+    return tuple((s.strip() or None) for s in value.split(","))
+
+
+def _slots(
+    args: argparse.Namespace, flags: Mapping[str, str], urls: Sequence[str], which: str
+) -> list[dict[str, str | None]]:
+    """Each instance's fields from the flags aligned with `urls` (`which` names their flag):
+    a flag given has one slot per URL, else it is refused naming both counts."""
+    slots: list[dict[str, str | None]] = [{} for _ in urls]
+    for flag, name in flags.items():
+        eps = _aligned(getattr(args, _flag_dest(flag)))
+        if eps and len(eps) != len(urls):
+            raise InvalidArgument(
+                f"{flag} has {len(eps)} entries but {which} has {len(urls)}: align them "
+                "(leave a slot empty for an instance without one)"
+            )
+        for slot, ep in zip(slots, eps, strict=False):
+            slot[name] = ep
+    return slots
+
+
+def _env_number(env: Mapping[str, str], name: str, default: str, kind: type) -> Any:
+    raw = env.get(name, default)
+    try:
+        return kind(raw)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise InvalidArgument(f"{name}={raw!r} is not {what}") from None
+
+
+def _media(args: argparse.Namespace) -> MediaLimits:
+    """MediaLimits from the media flags given (the others: MediaLimits' defaults)."""
+    given: dict[str, Any] = {
+        "max_item_bytes": args.media_max_bytes,
+        "timeout_s": args.media_fetch_timeout,
+        "request_timeout_s": args.media_request_timeout,
+        "max_redirects": args.media_max_redirects,
+    }
+    if args.allow_private_media_networks is not None:
+        given["private_networks"] = parse_networks(
+            "--allow-private-media-networks", args.allow_private_media_networks
+        )
+    if args.allowed_media_domains is not None:
+        given["allowed_domains"] = frozenset(d.strip().lower() for d in args.allowed_media_domains)
+    return MediaLimits(**{k: v for k, v in given.items() if v is not None})
+
+
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyConfig:
+    """The ProxyConfig the flags (and `env`) say: flags mapped to fields, the record checks."""
     for flag, what in _UNSUPPORTED.items():
         if getattr(args, _dest(flag)) is not None:
             raise InvalidArgument(
@@ -615,201 +1060,17 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
                 "docs/proxy.md: the demand-aware policies need each P/PD's KV-event endpoint, which "
                 "registration does not carry, and Mooncake push cannot be tested here)"
             )
-    if not args.encode_servers_urls or not args.decode_servers_urls:
-        raise InvalidArgument(
-            "Static routing requires --encode-servers-urls and --decode-servers-urls"
-        )
-    raw_batch = env.get("ENCODER_MAX_BATCH_SIZE", "0")
-    try:
-        batch = int(raw_batch)
-    except ValueError:
-        raise InvalidArgument(f"ENCODER_MAX_BATCH_SIZE={raw_batch!r} is not an integer") from None
-    if batch < 0:
-        raise InvalidArgument(f"ENCODER_MAX_BATCH_SIZE={batch} must be non-negative")
-    if args.decode_retries < 0:
-        raise InvalidArgument(f"--decode-retries={args.decode_retries} must be >= 0")
-    if not 0 < args.port < 65536:
-        raise InvalidArgument(f"--port={args.port} is not a TCP port")
-    if args.metrics_port is not None:
-        if not 0 < args.metrics_port < 65536:
-            raise InvalidArgument(f"--metrics-port={args.metrics_port} is not a TCP port")
-        if args.metrics_port == args.port:
-            raise InvalidArgument(f"--metrics-port={args.metrics_port} is --port's: give another")
-    elif args.metrics_host is not None:
-        raise InvalidArgument("--metrics-host without --metrics-port: give the port too")
-    if not 1 <= args.workers <= MAX_WORKERS:
-        raise InvalidArgument(f"--workers={args.workers} must be in 1..{MAX_WORKERS}")
-    if args.workers > 1 and args.metrics_port is None:
-        raise InvalidArgument(
-            f"--workers={args.workers} needs --metrics-port: a scrape of --port would reach one "
-            "worker; --metrics-port serves every worker's /metrics and /health"
-        )
-    stall = args.worker_stall_timeout
-    if not (stall == 0 or MIN_WORKER_STALL_S <= stall < math.inf):
-        raise InvalidArgument(
-            f"--worker-stall-timeout={stall:g} must be 0 (never) or seconds, at least "
-            f"{MIN_WORKER_STALL_S:g}: a worker busy for less is not stalled"
-        )
     prefill = (
         () if args.prefill_servers_urls.lower() in _NO_PREFILL else _urls(args.prefill_servers_urls)
     )
-    cfg_urls = {
-        "--encode-servers-urls": _urls(args.encode_servers_urls),
-        "--decode-servers-urls": _urls(args.decode_servers_urls),
-        "--prefill-servers-urls": prefill,
-    }
-    for flag, urls in cfg_urls.items():
-        for u in urls:
-            if not u.startswith(("http://", "https://")):
-                raise InvalidArgument(f"{flag}: {u!r} is not an http(s) URL")
-    if not cfg_urls["--encode-servers-urls"] or not cfg_urls["--decode-servers-urls"]:
-        raise InvalidArgument(
-            "Static routing requires --encode-servers-urls and --decode-servers-urls"
-        )
-    urls = prefill or cfg_urls["--decode-servers-urls"]
+    e_urls, d_urls = _urls(args.encode_servers_urls), _urls(args.decode_servers_urls)
+    urls = prefill or d_urls
     which = "--prefill-servers-urls" if prefill else "--decode-servers-urls"
-    given = {flag: _aligned(getattr(args, _flag_dest(flag))) for flag in _ALIGNED}
-    for flag, eps in given.items():
-        if flag == "--demand-endpoints":
-            continue
-        if eps and len(eps) != len(urls):
-            raise InvalidArgument(
-                f"{flag} has {len(eps)} entries but {which} has {len(urls)}: align them "
-                "(leave a slot empty for an instance without one)"
-            )
-        for ep in eps:
-            if ep is not None:
-                _check_endpoint(flag, ep)
-    demand = given["--demand-endpoints"]
-    if Policy(args.policy).asks_p and not demand:
-        raise InvalidArgument(
-            f"--policy {args.policy} needs --demand-endpoints (each P/PD's DemandScheduler "
-            "endpoint, aligned with " + which + ")"
-        )
-    if demand and len(demand) != len(urls):
-        raise InvalidArgument(
-            f"--demand-endpoints has {len(demand)} entries but {which} has "
-            f"{len(urls)}: give one for each"
-        )
-    for i, ep in enumerate(demand):  # given under any policy (one flag set for a cluster)
-        if ep is None:
-            if Policy(args.policy).asks_p:
-                raise InvalidArgument(
-                    f"--demand-endpoints: entry {i} (for {urls[i]}) is empty: --policy "
-                    f"{args.policy} asks every P/PD"
-                )
-        else:
-            _check_endpoint("--demand-endpoints", ep)
-    if not (math.isfinite(args.demand_timeout) and args.demand_timeout > 0):
-        raise InvalidArgument(f"--demand-timeout={args.demand_timeout} must be a finite number > 0")
-    for replay, events in (
-        ("--kv-events-replay-endpoints", "--kv-events-endpoints"),
-        ("--encoder-cache-events-replay-endpoints", "--encoder-cache-events-endpoints"),
-    ):
-        if given[replay] and not given[events]:
-            raise InvalidArgument(f"{replay} needs {events}")
-    e_urls = cfg_urls["--encode-servers-urls"]
-    e_given = {flag: _aligned(getattr(args, _flag_dest(flag))) for flag in _E_ALIGNED}
-    for flag, eps in e_given.items():
-        if eps and len(eps) != len(e_urls):
-            raise InvalidArgument(
-                f"{flag} has {len(eps)} entries but --encode-servers-urls has {len(e_urls)}: "
-                "align them"
-            )
-        for i, ep in enumerate(eps):
-            if ep is None and flag == "--e-cache-events-endpoints":
-                raise InvalidArgument(
-                    f"{flag}: entry {i} (for {e_urls[i]}) is empty: give every E's events, or "
-                    "none (the E side is then this proxy's own record of what it sent)"
-                )
-            if ep is not None:
-                _check_endpoint(flag, ep)
-    for flag in ("--e-cache-events-replay-endpoints", "--e-snapshot-endpoints"):
-        if e_given[flag] and not e_given["--e-cache-events-endpoints"]:
-            raise InvalidArgument(f"{flag} needs --e-cache-events-endpoints")
-    encoders = tuple(
-        EncodeInstance(
-            url,
-            *(e_given[f][i] if e_given[f] else None for f in _E_ALIGNED),
-        )
-        for i, url in enumerate(e_urls)
-    )
-    if args.block_size is not None and args.block_size < 1:
-        raise InvalidArgument(f"--block-size={args.block_size} must be >= 1")
-    if args.hash_seed is not None and args.hash_algo.endswith("_cbor"):
-        try:  # a non-UTF-8 argv byte arrives as a lone surrogate, which CBOR cannot hash
-            args.hash_seed.encode("utf-8")
-        except UnicodeEncodeError as e:
-            try:  # the bytes given, where argv's decoding escaped them
-                shown = repr(args.hash_seed.encode("utf-8", "surrogateescape"))
-            except UnicodeEncodeError:
-                shown = ascii(args.hash_seed)
-            raise InvalidArgument(
-                f"--hash-seed {shown} is not UTF-8 (at character {e.start}): --hash-algo "
-                f"{args.hash_algo} hashes the seed as UTF-8 text, as vLLM does PYTHONHASHSEED"
-            ) from None
-    if args.hash_algo.startswith("xxhash") and args.hash_seed is None:
-        raise InvalidArgument(
-            f"--hash-algo {args.hash_algo} needs --hash-seed: without PYTHONHASHSEED vLLM "
-            "seeds xxhash randomly per process, so no proxy can reproduce its hashes"
-        )
-    if args.no_rewrite and args.uuid_policy != "reference":
-        raise InvalidArgument(
-            f"--no-rewrite with --uuid-policy {args.uuid_policy}: --no-rewrite sends E no uuid, "
-            "so the tenant's namespace would not reach P"
-        )
-    media = MediaLimits()
-    for flag in _MEDIA_FLAGS:
-        if getattr(args, _flag_dest(flag)) is not None and args.uuid_policy != "content":
-            raise InvalidArgument(
-                f"{flag} bounds what --uuid-policy content fetches: it does nothing under "
-                f"--uuid-policy {args.uuid_policy}"
-            )
-    if args.media_max_bytes is not None:
-        if args.media_max_bytes < 1:
-            raise InvalidArgument(f"--media-max-bytes={args.media_max_bytes} must be >= 1")
-        media = dataclasses.replace(media, max_item_bytes=args.media_max_bytes)
-    if args.media_fetch_timeout is not None:
-        t = args.media_fetch_timeout
-        if not (math.isfinite(t) and t > 0):
-            raise InvalidArgument(f"--media-fetch-timeout={t} must be a finite number > 0")
-        media = dataclasses.replace(media, timeout_s=t)
-    if args.media_request_timeout is not None:
-        t = args.media_request_timeout
-        if not (math.isfinite(t) and t > 0):
-            raise InvalidArgument(f"--media-request-timeout={t} must be a finite number > 0")
-        media = dataclasses.replace(media, request_timeout_s=t)
-    if args.media_max_redirects is not None:
-        if args.media_max_redirects < 0:
-            raise InvalidArgument(f"--media-max-redirects={args.media_max_redirects} must be >= 0")
-        media = dataclasses.replace(media, max_redirects=args.media_max_redirects)
-    if args.allow_private_media_networks is not None:
-        nets = parse_networks("--allow-private-media-networks", args.allow_private_media_networks)
-        media = dataclasses.replace(media, private_networks=nets)
-    if args.allowed_media_domains is not None:
-        domains = frozenset(d.strip().lower() for d in args.allowed_media_domains)
-        if not all(domains) or any("/" in d or ":" in d for d in domains):
-            raise InvalidArgument(
-                f"--allowed-media-domains: {args.allowed_media_domains!r} must be host names "
-                "(no scheme, port or path)"
-            )
-        media = dataclasses.replace(media, allowed_domains=domains)
-    if args.no_rewrite and args.policy != Policy.EAGER:
-        raise InvalidArgument(
-            f"--no-rewrite with --policy {args.policy}: P would get every item raw without its "
-            "uuid, so its keys would not be the ones the plan used; use --policy eager"
-        )
-    if args.e_cache_items < 1:
-        raise InvalidArgument(f"--e-cache-items={args.e_cache_items} must be >= 1")
-    if not (math.isfinite(args.e_cache_ttl) and args.e_cache_ttl > 0):
-        raise InvalidArgument(f"--e-cache-ttl={args.e_cache_ttl} must be a finite number > 0")
-    if not args.render_timeout > 0:
-        raise InvalidArgument(f"--render-timeout={args.render_timeout} must be > 0")
-    if args.render_url is not None and not args.render_url.startswith(("http://", "https://")):
-        raise InvalidArgument(f"--render-url: {args.render_url!r} is not an http(s) URL")
+    slots = _slots(args, _ALIGNED, urls, which)
+    e_slots = _slots(args, _E_ALIGNED, e_urls, "--encode-servers-urls")
     return ProxyConfig(
-        encode_urls=cfg_urls["--encode-servers-urls"],
-        decode_urls=cfg_urls["--decode-servers-urls"],
+        encode_urls=e_urls,
+        decode_urls=d_urls,
         prefill_urls=prefill,
         host=args.host,
         metrics_port=args.metrics_port,
@@ -820,15 +1081,15 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         decode_retries=args.decode_retries,
         no_rewrite=args.no_rewrite,
         uuid_policy=args.uuid_policy,
-        media=media,
+        media=_media(args),
         log_requests=args.log_requests,
-        encoder_max_batch_size=batch,
+        encoder_max_batch_size=_env_number(env, "ENCODER_MAX_BATCH_SIZE", "0", int),
         policy=args.policy,
         routing=args.routing,
         render_url=args.render_url.rstrip("/") if args.render_url else None,
         render_timeout_s=args.render_timeout,
-        instances=_instances(urls, given),
-        encoders=encoders,
+        instances=tuple(PrefillInstance(u, **s) for u, s in zip(urls, slots, strict=True)),
+        encoders=tuple(EncodeInstance(u, **s) for u, s in zip(e_urls, e_slots, strict=True)),
         hash_algo=args.hash_algo,
         hash_seed=args.hash_seed,
         block_size=args.block_size,
@@ -840,4 +1101,6 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         e_store_timeout_s=args.e_store_timeout,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         max_body_bytes=args.max_body_bytes,
+        backend_keep_alive_s=_env_number(env, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5", float),
+        api_key=env.get("OPENAI_API_KEY", ""),
     )

@@ -27,6 +27,18 @@ class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.views = Metrics(r)
+        self._traffic(r)
+        self._view_facts(r)
+        self._inputs(r)
+        self._demand_and_arrival(r)
+        # Children bound once: a `.labels()` lookup per use costs more than the update.
+        self.stage = {stage: self.stage_seconds.labels(stage) for stage in STAGES}
+        self.e_sent = self.e_items.labels("sent")
+        self.e_skipped = self.e_items.labels("skipped")
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def _traffic(self, r: CollectorRegistry) -> None:
+        """Requests, occurrences by class, E traffic and stage latencies."""
         self.requests = Counter(
             "mmreuse_proxy_requests_total",
             "chat requests, by policy and outcome (ok, client_error, server_error, stream_broken: "
@@ -59,6 +71,9 @@ class ProxyMetrics:
             buckets=_BUCKETS,
             registry=r,
         )
+
+    def _view_facts(self, r: CollectorRegistry) -> None:
+        """What the views tell and what a wrong plan cost: lag, hash checks, fallbacks, retries."""
         self.view_lag = Gauge(
             "mmreuse_proxy_view_lag_seconds",
             "age of the last KV-event batch applied, when it was applied (publisher clock)",
@@ -104,6 +119,9 @@ class ProxyMetrics:
             ["instance"],
             registry=r,
         )
+
+    def _inputs(self, r: CollectorRegistry) -> None:
+        """What the proxy stripped, fetched or failed on, and its embedding-store queries."""
         self.client_fields_stripped = Counter(
             "mmreuse_proxy_client_fields_stripped_total",
             "requests whose client-sent field was removed before E, P and D saw it "
@@ -132,6 +150,9 @@ class ProxyMetrics:
             ["outcome"],
             registry=r,
         )
+
+    def _demand_and_arrival(self, r: CollectorRegistry) -> None:
+        """Demand queries, opportunistic outcomes and the split at arrival."""
         self.demand_answers = Counter(
             "mmreuse_proxy_demand_answers_total",
             "demand queries (demand, opportunistic) by instance and outcome: ok, timeout, error "
@@ -184,11 +205,6 @@ class ProxyMetrics:
             ["split"],
             registry=r,
         )
-        # Children bound once: a `.labels()` lookup per use costs more than the update.
-        self.stage = {stage: self.stage_seconds.labels(stage) for stage in STAGES}
-        self.e_sent = self.e_items.labels("sent")
-        self.e_skipped = self.e_items.labels("skipped")
-        self._children: dict[tuple[str, ...], Any] = {}
 
     def request(self, policy: str, outcome: str) -> Any:
         return self._child(self.requests, policy, outcome)

@@ -156,8 +156,6 @@ class Planner:
                 f"demand has {len(self.demand)} clients for "
                 f"{len(config.prefill_instances)} P/PD instances"
             )
-        if self._asks and any(c is None for c in self.demand):
-            raise InvalidArgument(f"policy {self.policy!r} asks every P/PD: a client is missing")
         self._needs_render = self.policy.renders or config.routing == "affine"
         self.e_side = e_side if e_side is not None else ESide(config, availability, None)
 

@@ -1,4 +1,5 @@
-"""`mmreuse proxy --workers N`: N worker processes on one port, each a replica.
+"""`mmreuse proxy`'s process model: `run` serves in this process, or (`--workers N`) in N
+worker processes on one port, each a replica.
 
 Every worker binds `--port` with SO_REUSEPORT (the kernel spreads connections over them) and
 runs the whole proxy: its own views of P and E, subscribers, snapshots and demand clients. They
@@ -40,8 +41,8 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .app import StartupFailed, event_loop_runner, serve, setup_logging
 from .config import ProxyConfig
+from .server import StartupFailed, event_loop_runner, serve, setup_logging
 
 logger = logging.getLogger("mmreuse.proxy")
 
@@ -375,4 +376,16 @@ def run_workers(config: ProxyConfig) -> None:
     event_loop_runner()(main())
 
 
-__all__ = ["Supervisor", "merge_metrics", "run_workers"]
+def run(config: ProxyConfig) -> None:
+    """Serve `config` until interrupted, in this process or (`config.workers` > 1) in that
+    many workers; raises StartupFailed if the proxy cannot start, after stopping what had
+    started."""
+    if config.workers > 1:
+        run_workers(config)
+        return
+    setup_logging(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        event_loop_runner()(serve(config))
+
+
+__all__ = ["Supervisor", "merge_metrics", "run", "run_workers"]

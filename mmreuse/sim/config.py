@@ -18,12 +18,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..decision import POLICIES
+from ..decision import POLICIES, ROUTINGS
 from ..errors import InvalidArgument, InvalidArgumentType
 from ..validate import check_bool, check_float, check_int, check_str, fail_type, fail_value, show
 
 WORKLOADS = ("chat", "fanout", "agentic", "servegen-photos", "trace")
-ROUTINGS = ("affine", "random")
 IMAGE_TOKENS = ("fixed576", "qwen2vl")  # and "fixed:N" (`parse_image_tokens`)
 MAX_FIXED_IMAGE_TOKENS = 1 << 20  # "fixed:N": far past any model's image, and a bounded int
 MAX_MEAN_TURNS = 500.0

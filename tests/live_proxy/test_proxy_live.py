@@ -20,8 +20,8 @@ import pytest
 
 from mmreuse.cluster.client import post_json
 from mmreuse.cluster.workload import conversations
-from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
+from mmreuse.proxy.server import PROXY_KEY, build_app
 from tests.support.live_proxy import tokens
 from tests.support.proxy_fakes import proxy_client
 

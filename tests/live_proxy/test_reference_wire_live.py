@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from mmreuse.cluster.instance import free_ports
-from mmreuse.proxy.reference import fetch_reference, reference_python
+from mmreuse.cluster.reference import fetch_reference, reference_python
 from tests.support.proxy_fakes import Fake
 
 pytestmark = pytest.mark.live

@@ -15,10 +15,8 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
-import time
 import zlib
 from typing import Any
 
@@ -26,6 +24,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mmreuse.cluster.instance import free_ports
 from mmreuse.proxy.policy import Decision
 from tests.support.epd_proxy import epd
 from tests.support.index_proxy import (
@@ -40,6 +39,7 @@ from tests.support.index_proxy import (
     render,
 )
 from tests.support.proxy_fakes import chat, img, proxy_client, sha
+from tests.support.waiting import async_wait_for, async_wait_until
 
 HANG_GUARD_S = 3.0  # a bound on a wait that must end at once (a hang guard, not a timing check)
 STREAM = (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n")
@@ -68,10 +68,7 @@ def capture(s: Setup) -> list[Decision]:
 
 
 async def until(cond: Any, what: str) -> None:
-    end = time.monotonic() + HANG_GUARD_S
-    while not cond():
-        assert time.monotonic() < end, f"hung: {what}"
-        await asyncio.sleep(0.01)
+    assert await async_wait_for(cond, HANG_GUARD_S), f"hung: {what}"
 
 
 # ---- render's answer disagrees with the request -------------------------------------------------
@@ -360,16 +357,10 @@ async def test_concurrent_requests_keep_their_own_embeddings_and_a_fair_rotation
 # ---- decode streams -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.asynccontextmanager
 async def served_proxy(*argv: str):
-    """`mmreuse proxy` as run in production (app.run: its own AppRunner), in a subprocess."""
-    port = _free_port()
+    """`mmreuse proxy` as run in production (workers.run -> server.serve: its own AppRunner), in a subprocess."""
+    (port,) = free_ports(1)
     code = "import sys; from mmreuse.cli import main; sys.exit(main())"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "proxy", "--host", "127.0.0.1", "--port", str(port), *argv],
@@ -380,15 +371,7 @@ async def served_proxy(*argv: str):
     base = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session:
-            end = time.monotonic() + 20.0
-            while True:
-                assert proc.poll() is None, "the proxy exited"
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{base}/metrics") as r:
-                        if r.status == 200:
-                            break
-                assert time.monotonic() < end, "the proxy never came up"
-                await asyncio.sleep(0.05)
+            await until_up(session, f"{base}/metrics", proc)
         yield base
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -435,14 +418,15 @@ async def test_a_client_hanging_up_is_not_a_decode_error(fakes):
         r.close()  # the client hangs up
         pd.release.set()  # decode speaks again (if the proxy still listens)
         name = "mmreuse_proxy_requests_total"
-        end = time.monotonic() + HANG_GUARD_S
+
         # the request ends one of three ways: decode's request closed, decode's stream all
         # forwarded before the proxy noticed (ok), or a write to the gone client (client_gone)
-        while pd.hung_up == 0 and not any(
-            [await _metric(client, base, name, policy="eager", outcome=o) for o in _ENDED]
-        ):
-            assert time.monotonic() < end, "hung: the request never ended"
-            await asyncio.sleep(0.02)
+        async def ended() -> bool:
+            return pd.hung_up > 0 or any(
+                [await _metric(client, base, name, policy="eager", outcome=o) for o in _ENDED]
+            )
+
+        assert await async_wait_until(ended, HANG_GUARD_S), "hung: the request never ended"
         assert await _metric(client, base, "mmreuse_proxy_errors_total", stage="decode") == 0
 
 
@@ -588,7 +572,7 @@ async def test_a_clients_connector_fields_never_reach_e_p_or_d(n_p):
 
 
 async def test_the_served_proxy_never_inflates_a_body(fakes):
-    # In production (app.run's own AppRunner) the parser must not inflate at all: a gzip bomb
+    # In production (server.serve's own AppRunner) the parser must not inflate at all: a gzip bomb
     # is refused unread, and 'br' (no Brotli here) is a 415 too, not the parser's 400.
     e, pd = await fakes("e"), await fakes("pd")
     bomb = gzip.compress(b'{"messages": [' + b" " * (64 << 20) + b"]}")  # 64 MiB -> ~64 KiB
@@ -752,7 +736,7 @@ async def test_under_tenant_the_index_plans_on_the_tenants_own_names():
 
 
 async def test_with_a_metrics_port_the_cache_facts_leave_the_serving_port():
-    from mmreuse.proxy.app import PROXY_KEY, build_metrics_app
+    from mmreuse.proxy.server import PROXY_KEY, build_metrics_app
 
     async with epd(flags=("--metrics-port", "9")) as s:
         assert (await s.client.get("/metrics")).status == 404
@@ -772,7 +756,7 @@ async def test_with_a_metrics_port_the_cache_facts_leave_the_serving_port():
 
 
 async def test_the_served_proxy_binds_its_metrics_port():
-    e_port, m_port = _free_port(), _free_port()
+    e_port, m_port = free_ports(2)
     code = "import sys; from mmreuse.cli import main; sys.exit(main())"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "proxy", "--host", "127.0.0.1", "--port", str(e_port),
@@ -793,15 +777,14 @@ async def test_the_served_proxy_binds_its_metrics_port():
 
 
 async def until_up(session, url, proc):
-    end = time.monotonic() + 20.0  # a hang guard
-    while True:
+    async def up() -> bool:
         assert proc.poll() is None, "the proxy exited"
         with contextlib.suppress(aiohttp.ClientError):
             async with session.get(url) as r:
-                if r.status == 200:
-                    return
-        assert time.monotonic() < end, "the proxy never came up"
-        await asyncio.sleep(0.05)
+                return r.status == 200
+        return False
+
+    assert await async_wait_until(up, 20.0), "the proxy never came up"  # a hang guard
 
 
 # ---- parts vLLM reads as media by their keys ----------------------------------------------------

@@ -5,12 +5,14 @@ meaning (vLLM 0.33.0 `disagg_epd_proxy.py`, its `__main__` block), the environme
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
 from mmreuse import cli
 from mmreuse.errors import InvalidArgument
 from mmreuse.proxy.config import (
+    FLAGS,
     EncodeInstance,
     PrefillInstance,
     ProxyConfig,
@@ -453,3 +455,62 @@ def test_a_config_built_in_code_names_every_es_events_or_none():
             encode_urls=("http://e0",), decode_urls=("http://d",),
             encoders=(EncodeInstance("http://e1"),),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("port", 0, "port=0 is not a TCP port"),
+        ("metrics_host", "127.0.0.1", "metrics_host without metrics_port"),
+        ("decode_retries", -1, "decode_retries=-1 must be an int >= 0"),
+        ("block_size", 0, "block_size=0 must be an int >= 1"),
+        ("e_cache_items", 0, "e_cache_items=0"),
+        ("e_cache_ttl_s", float("inf"), "e_cache_ttl_s=inf must be a finite number"),
+        ("render_url", "pd0:8002", "render_url: 'pd0:8002' is not an http(s) URL"),
+        ("render_timeout_s", 0, "render_timeout_s=0 must be > 0"),
+        ("demand_timeout_s", float("nan"), "demand_timeout_s=nan"),
+        ("hash_algo", "md5", "hash_algo='md5' must be one of"),
+        ("hash_algo", "xxhash", "hash_algo xxhash needs hash_seed"),
+        ("routing", "sticky", "routing='sticky' must be one of random, affine"),
+        ("uuid_policy", "all", "uuid_policy='all' must be one of reference, tenant, content"),
+        ("encoder_max_batch_size", -1, "encoder_max_batch_size=-1 must be non-negative"),
+        ("backend_keep_alive_s", -1.0, "backend_keep_alive_s=-1.0 must be seconds >= 0"),
+        ("prefill_urls", ("p0:1",), "prefill_urls: 'p0:1' is not an http(s) URL"),
+    ],
+)
+def test_a_config_built_in_code_is_held_to_the_cli_rules(field, value, words):
+    # Every rule lives in the record: what the parser refuses, a config built in code (the
+    # bench, tests) is refused too, naming the field instead of the flag.
+    with pytest.raises(InvalidArgument, match="^" + re.escape(words)):
+        ProxyConfig(encode_urls=(E,), decode_urls=(PD,), **{field: value})
+
+
+def test_instance_records_check_their_endpoints():
+    with pytest.raises(InvalidArgument, match=r"PrefillInstance\.demand: 'a:1' is not a ZMQ"):
+        PrefillInstance(PD, demand="a:1")
+    with pytest.raises(InvalidArgument, match=r"PrefillInstance\.kv_replay needs .*kv_events"):
+        PrefillInstance(PD, kv_replay="tcp://a:1")
+    with pytest.raises(InvalidArgument, match=r"EncodeInstance\.snapshot needs .*ec_events"):
+        EncodeInstance(E, snapshot="tcp://a:1")
+
+
+def test_every_field_flag_is_a_flag_or_the_environment():
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    fields = {f.name for f in dataclasses.fields(ProxyConfig)}
+    env = {"ENCODER_MAX_BATCH_SIZE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "OPENAI_API_KEY"}
+    for name, flag in FLAGS.items():
+        assert flag in flags or flag in env, (name, flag)
+        assert name.split(".")[0] in fields, name
+
+
+def test_the_environment_is_read_into_the_config():
+    cfg = parse_args(BASE, env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "2", "OPENAI_API_KEY": "k"})
+    assert (cfg.backend_keep_alive_s, cfg.api_key) == (2.0, "k")
+    assert "'k'" not in repr(cfg)  # the key is never logged with the config
+    assert parse_args(BASE, env={}).backend_keep_alive_s == 5.0  # vLLM's default
+
+
+@pytest.mark.parametrize("value", ["soon", ""])
+def test_a_bad_keep_alive_is_refused(capsys, value):
+    err = usage_error(capsys, BASE, env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": value})
+    assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" in err

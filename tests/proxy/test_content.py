@@ -100,7 +100,7 @@ class Media:
                 body=body, headers={"Content-Encoding": "gzip", "Content-Type": "image/png"}
             )
         if path == "/slow":
-            await asyncio.sleep(5)
+            await asyncio.sleep(5)  # a slow origin: what the fetch timeouts are tested against
             return web.Response(body=PNG_A, content_type="image/png")
         return web.Response(status=404)
 

@@ -29,12 +29,13 @@ from mmreuse.demand_query import (
     QueryItem,
     encode,
 )
-from mmreuse.proxy.app import build_app
 from mmreuse.proxy.config import parse_args
 from mmreuse.proxy.demand import DemandClient, DemandUnavailable
+from mmreuse.proxy.server import build_app
 from tests.support.demand_p import FakeP, planned
 from tests.support.index_proxy import TEXT, A, B, C, prompt, render
 from tests.support.proxy_fakes import Fake, ProxyHandle, chat, img, proxy_client, sha
+from tests.support.waiting import async_wait_for
 
 WAIT_S = 15.0  # a bound on waiting for something to happen (a hang guard, not a timing check)
 KEY = "mmreuse_demand_id"
@@ -130,10 +131,7 @@ def embeds(url: str) -> dict[str, Any]:
 
 
 async def until(cond: Callable[[], bool]) -> None:
-    end = time.monotonic() + WAIT_S
-    while not cond():
-        assert time.monotonic() < end, "never happened"
-        await asyncio.sleep(0.01)
+    assert await async_wait_for(cond, WAIT_S), "never happened"
 
 
 # ---- demand -------------------------------------------------------------------------------------
@@ -583,10 +581,14 @@ async def test_a_flooding_p_never_freezes_the_event_loop():
     junk = encode(DemandStats(id="never-asked", answers=0))
     for _ in range(flood):
         await router.send_multipart([ident, junk])
-    time.sleep(0.5)  # the loop blocked: the frames queue up at the client
+    # Under test, so a sleep: the loop blocked (as by a long request) while the frames queue
+    # up at the client.
+    time.sleep(0.5)
     try:
         seen = [client.dropped["unknown_id"]]  # frames dropped, each time this coroutine ran
-        end = time.monotonic() + 30.0  # a hang guard, not a timing check
+        # Not a wait but a sampling loop: one sample per turn of the loop (sleep(0)), which is
+        # what bounds the gaps below; the deadline is a hang guard, not a timing check.
+        end = time.monotonic() + 30.0
         while seen[-1] < flood:
             assert time.monotonic() < end, client.dropped
             await asyncio.sleep(0)

@@ -13,8 +13,8 @@ from mmreuse.events.ec_wire import (
     EncoderCacheStored,
     encode_ec_batch,
 )
-from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
+from mmreuse.proxy.server import PROXY_KEY, build_app
 from tests.support.index_proxy import TEXT, A, B, render
 from tests.support.proxy_fakes import chat, img, proxy_client, sha
 

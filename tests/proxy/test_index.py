@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from mmreuse.demand_query import SnapshotQuery
-from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
+from mmreuse.proxy.server import PROXY_KEY, build_app
 from tests.support.index_proxy import (
     BLOCK,
     TEXT,

@@ -40,7 +40,7 @@ class Master:
         keys = request.query.get("keys", "").split(",")
         self.asked.append(keys)
         if self.mode == "slow":
-            await asyncio.sleep(5)
+            await asyncio.sleep(5)  # a slow store: what the query timeout is tested against
         if self.mode == "junk":
             return web.Response(text="<html>not json</html>")
         if self.mode == "partial":

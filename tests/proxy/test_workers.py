@@ -11,22 +11,17 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mmreuse.cluster.instance import free_ports
 from mmreuse.proxy.workers import merge_metrics
 from tests.support.proxy_fakes import chat, img
+from tests.support.waiting import async_wait_until
 
 A = "http://media/a.png"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _spawn(*argv: str) -> subprocess.Popen:
@@ -41,7 +36,7 @@ def _spawn(*argv: str) -> subprocess.Popen:
 
 @contextlib.asynccontextmanager
 async def workers(n: int, *argv: str):
-    port, metrics = _free_port(), _free_port()
+    port, metrics = free_ports(2)
     proc = _spawn("--port", str(port), "--metrics-port", str(metrics), "--workers", str(n), *argv)
     base, mbase = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}"
     try:
@@ -59,15 +54,15 @@ async def _health(mbase: str) -> tuple[int, dict]:
 
 
 async def _until_healthy(proc, mbase: str, n: int, timeout: float = 60.0) -> dict:
-    end = time.monotonic() + timeout
-    while True:
+    async def healthy() -> dict | None:
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         with contextlib.suppress(aiohttp.ClientError):
             status, body = await _health(mbase)
             if status == 200 and len(body["workers"]) == n:
                 return body
-        assert time.monotonic() < end, "the workers never came up"
-        await asyncio.sleep(0.1)
+        return None
+
+    return await _until(healthy, "the workers never came up", timeout)
 
 
 async def _served_by(mbase: str) -> dict[str, float]:
@@ -93,15 +88,11 @@ def _restarts(text: str) -> dict[tuple[str, str], float]:
 
 
 async def _until(pred, what: str, timeout: float = 30.0):
-    """Poll the async `pred()` until it returns a truthy value (returned), or fail naming `what`
-    (a hang guard, not a timing check)."""
-    end = time.monotonic() + timeout
-    while True:
-        got = await pred()
-        if got:
-            return got
-        assert time.monotonic() < end, what
-        await asyncio.sleep(0.1)
+    """The async `pred()`'s first truthy value, or fail naming `what` (a hang guard, not a
+    timing check)."""
+    got = await async_wait_until(pred, timeout)
+    assert got, what
+    return got
 
 
 async def _requests(base: str, n: int) -> None:
@@ -128,18 +119,19 @@ async def test_workers_share_one_port_and_report_together(fakes):
         # any SO_REUSEPORT server)
         _, health = await _health(mbase)
         os.kill(health["workers"]["0"]["pid"], signal.SIGKILL)
-        end = time.monotonic() + 30
-        while (await _health(mbase))[1]["workers"]["0"]["restarts"] < 1:
-            assert time.monotonic() < end, "the supervisor never saw worker 0 exit"
-            await asyncio.sleep(0.05)
+
+        async def exited() -> bool:
+            return (await _health(mbase))[1]["workers"]["0"]["restarts"] >= 1
+
+        await _until(exited, "the supervisor never saw worker 0 exit")
         await _requests(base, 4)
-        while True:
+
+        async def back() -> bool:
             status, health = await _health(mbase)
             w0 = health["workers"]["0"]
-            if status == 200 and w0["up"] and w0["restarts"] == 1:
-                break
-            assert time.monotonic() < end, health
-            await asyncio.sleep(0.1)
+            return status == 200 and w0["up"] and w0["restarts"] == 1
+
+        await _until(back, "worker 0 never came back")
         async with aiohttp.ClientSession() as s, s.get(f"{mbase}/metrics") as r:
             text = await r.text()
         assert _restarts(text) == {("0", "exited"): 1.0}, text
@@ -225,7 +217,7 @@ async def test_a_worker_that_cannot_bind_stops_them_all(fakes):
     held.listen()
     port = held.getsockname()[1]
     try:
-        proc = _spawn("--port", str(port), "--metrics-port", str(_free_port()), "--workers", "2",
+        proc = _spawn("--port", str(port), "--metrics-port", str(free_ports(1)[0]), "--workers", "2",
                       "--encode-servers-urls", e.url, "--decode-servers-urls", pd.url)  # fmt: skip
         _, err = await asyncio.to_thread(proc.communicate, timeout=60)
     finally:

@@ -13,8 +13,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from mmreuse.proxy.app import PROXY_KEY, build_app
 from mmreuse.proxy.config import parse_args
+from mmreuse.proxy.server import PROXY_KEY, build_app
 
 from .proxy_fakes import Fake, proxy_client
 

@@ -6,7 +6,6 @@ BlockHasher, as P would publish them with PYTHONHASHSEED=0."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -22,12 +21,13 @@ from aiohttp.test_utils import TestClient
 from mmreuse.blockhash import to_event_id
 from mmreuse.events import BlockStored, KVEventBatch
 from mmreuse.hashing import BlockHasher, MMOccurrence
-from mmreuse.proxy.app import build_app
 from mmreuse.proxy.config import parse_args
+from mmreuse.proxy.server import build_app
 
 from .demand_p import FakeP
 from .kv_publisher import TestPublisher
 from .proxy_fakes import Fake, ProxyHandle, proxy_client, sha
+from .waiting import async_wait_for
 
 BLOCK = 16
 TEXT_TOKENS = list(range(1, 41))  # the rendered prompt: 40 text tokens, then each image
@@ -116,11 +116,14 @@ class Setup(ProxyHandle):
         """Publish `events` on PD i's publisher and wait until `until()` holds. Empty batches
         follow until then: a subscriber that joined late sees a gap and replays from seq 0."""
         self.pubs[i].publish(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
-        end = time.monotonic() + WAIT_S
-        while not until():
-            assert time.monotonic() < end, "the proxy's view never applied the events"
+
+        def applied_or_nudged() -> bool:
+            if until():
+                return True
             self.pubs[i].publish(KVEventBatch(ts=time.time(), events=[], data_parallel_rank=0))
-            await asyncio.sleep(0.01)
+            return False
+
+        assert await async_wait_for(applied_or_nudged), "the proxy's view never applied the events"
 
     async def hold(self, i: int, uuids: Sequence[str], blocks: int, **kw: Any) -> None:
         """PD i's prefix cache holds the first `blocks` blocks of the prompt of `uuids`."""

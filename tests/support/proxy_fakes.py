@@ -179,7 +179,7 @@ class ProxyHandle:
 
     @property
     def proxy(self):
-        from mmreuse.proxy.app import PROXY_KEY
+        from mmreuse.proxy.server import PROXY_KEY
 
         return self.app[PROXY_KEY]
 
@@ -219,8 +219,8 @@ def chat(*content: dict[str, Any], **extra: Any) -> dict[str, Any]:
 @asynccontextmanager
 async def proxy_client(app: web.Application) -> AsyncIterator[TestClient]:
     """A test client of the proxy's `app`, served as `mmreuse proxy` serves it
-    (`mmreuse.proxy.app.SERVER_SETTINGS`; TestServer sets handler_cancellation itself)."""
-    from mmreuse.proxy.app import SERVER_SETTINGS
+    (`mmreuse.proxy.server.SERVER_SETTINGS`; TestServer sets handler_cancellation itself)."""
+    from mmreuse.proxy.server import SERVER_SETTINGS
 
     server = TestServer(app)
     await server.start_server(

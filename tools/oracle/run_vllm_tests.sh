@@ -37,7 +37,7 @@ if [ "$(cat "$CACHE/.stamp" 2>/dev/null)" != "$STAMP" ]; then
   .venv/bin/python - "$CACHE" "$VERSION" "$VECTORS" <<'PY'
 import sys, tarfile
 from pathlib import Path
-from mmreuse.proxy import reference as R
+from mmreuse.cluster import reference as R
 dest, version, vectors = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 url, sha, size = R._sdist_entry(R.PYPI_SIMPLE_URL, version)
 tarball = R._download(url, sha, size, dest)

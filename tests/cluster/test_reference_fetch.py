@@ -1,4 +1,4 @@
-"""mmreuse.proxy.reference without the network: a fake simple index and sdist served from a temp
+"""mmreuse.cluster.reference without the network: a fake simple index and sdist served from a temp
 dir through file:// URLs (urllib's own opener), plus a patched opener to prove the cache is used."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from mmreuse.cluster import reference
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
-from mmreuse.proxy import reference
 
 VERSION = reference.DEFAULT_VERSION  # the fake index serves the default version
 TOP = f"vllm-{VERSION}"

@@ -285,7 +285,7 @@ def reference_python(venv: str | os.PathLike[str] | None = None) -> Path:
     `mmreuse.cluster.install.default_venv()`), which has fastapi, uvicorn, aiohttp, msgspec,
     pydantic and uvloop. Raises RuntimeError telling to run `mmreuse cluster install` when it
     is missing or lacks one of them."""
-    from ..cluster.install import default_venv
+    from .install import default_venv
 
     root = _check_dir("venv", venv) if venv is not None else default_venv()
     python = root / "bin" / "python"
@@ -302,9 +302,9 @@ def reference_python(venv: str | os.PathLike[str] | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m mmreuse.proxy.reference`: fetch (if needed) and print the reference's path."""
+    """`python -m mmreuse.cluster.reference`: fetch (if needed) and print the reference's path."""
     parser = argparse.ArgumentParser(
-        prog="python -m mmreuse.proxy.reference", description=main.__doc__
+        prog="python -m mmreuse.cluster.reference", description=main.__doc__
     )
     parser.add_argument("--version", default=DEFAULT_VERSION, help="vLLM release (%(default)s)")
     parser.add_argument("--cache-dir", default=None, help=f"default {DEFAULT_CACHE_DIR}")
