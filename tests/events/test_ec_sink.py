@@ -47,7 +47,7 @@ def setup():
     sub = ec_stream(
         pub.endpoint, pub.replay_endpoint, availability=avail, instance="P0", metrics=metrics
     ).start()
-    assert pub.wait_joined()  # the slow joiner
+    assert pub.wait_joined(replays=1)  # the slow joiner
     yield pub, sub, avail, metrics
     sub.stop()
     pub.close()
@@ -114,7 +114,7 @@ def test_a_late_join_is_incomplete_until_p_clears_its_encoder_cache():
         pub.endpoint, pub.replay_endpoint, availability=avail, instance="P0", metrics=metrics
     ).start()
     try:
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         pub.publish(_batch(EncoderCacheStored("new", 16)))
         assert wait_for(lambda: sub.applied_seq == 3)
         assert "new" in _p(avail)[0] and not sub.complete
@@ -206,7 +206,7 @@ def test_an_es_events_become_e_side_entries_freeable_or_not():
         return set(a.e_cached)
 
     try:
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         pub.publish(_batch(EncoderCacheStored("a", 16), EncoderCacheStored("b", 4)))
         assert wait_for(lambda: e_side() == {"a", "b"})
         pub.publish(_batch(EncoderCacheFreeable(["a"]), EncoderCacheEvicted(["b"])))

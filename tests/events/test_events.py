@@ -22,6 +22,7 @@ from mmreuse.events import (
     KVIndexSink,
     MalformedBatch,
     RemoteKVIndex,
+    StreamDied,
     StreamLimits,
     decode_batch,
     encode_batch,
@@ -174,7 +175,7 @@ def test_late_subscriber_replays_from_zero(ctx, publisher, metrics):
         pub.publish(batch(stored([i])))
     idx, sub = run(ctx, metrics, pub)
     try:
-        assert pub.wait_joined()  # the SUB's subscription arrived (slow joiner)
+        assert pub.wait_joined(replays=1)  # the SUB's subscription arrived (slow joiner)
         pub.publish(batch(stored([20])))
         assert wait_for(lambda: sub.applied_seq == 20)
         assert idx.longest_prefix(list(range(21))) == 21
@@ -187,7 +188,7 @@ def test_dropped_batches_are_replayed(ctx, publisher, metrics):
     pub = publisher()
     idx, sub = run(ctx, metrics, pub)
     try:
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([0])))
         assert wait_for(lambda: sub.applied_seq == 0)
         pub.publish(batch(stored([1])), drop=True)
@@ -206,7 +207,7 @@ def test_gap_beyond_the_replay_buffer_resets_the_view(ctx, publisher, metrics):
     pub = publisher(buffer_steps=2)
     idx, sub = run(ctx, metrics, pub)
     try:
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([100])))
         assert wait_for(lambda: sub.applied_seq == 0)
         for i in range(1, 6):  # lost, and the buffer keeps only the last 2
@@ -241,7 +242,7 @@ def test_publisher_restart_resets_the_view(ctx, publisher, metrics):
     pub = publisher()
     idx, sub = run(ctx, metrics, pub)
     try:
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         for i in range(5):
             pub.publish(batch(stored([i])))
         assert wait_for(lambda: sub.applied_seq == 4)
@@ -268,7 +269,7 @@ def test_a_subscriber_from_the_first_batch_is_complete(ctx, publisher, metrics):
     _, sub = run(ctx, metrics, pub)
     try:
         assert not sub.complete and value(metrics.complete, "p0", "kv") == 0
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([5])))
         assert wait_for(lambda: sub.applied_seq == 5)
         assert sub.complete and value(metrics.complete, "p0", "kv") == 1
@@ -304,7 +305,7 @@ def test_a_late_join_the_buffer_no_longer_covers_is_incomplete_until_a_clear(
         pub.publish(batch(stored([i])))
     idx, sub = run(ctx, metrics, pub)
     try:
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([20])))
         assert wait_for(lambda: sub.applied_seq == 20)
         assert idx.contains(19) and idx.contains(20) and not idx.contains(0)
@@ -338,7 +339,7 @@ def test_a_restarted_publisher_makes_the_view_complete_from_its_seq_zero(ctx, pu
         pub.publish(batch(stored([i])))
     idx, sub = run(ctx, metrics, pub)
     try:
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([10])))
         assert wait_for(lambda: sub.applied_seq == 10) and not sub.complete
         endpoint, replay = pub.endpoint, pub.replay_endpoint
@@ -356,7 +357,7 @@ def test_burst_is_applied_in_order(ctx, publisher, metrics):
     pub = publisher()
     idx, sub = run(ctx, metrics, pub)
     try:
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         n = 3000
         for i in range(n):
             pub.publish(
@@ -377,7 +378,7 @@ def test_malformed_frames_and_payloads_are_counted_and_survived(ctx, publisher, 
     pub = publisher()
     idx, sub = run(ctx, metrics, pub)
     try:
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([1])))
         assert wait_for(lambda: sub.applied_seq == 0)
         pub.send_raw([b"", b"\x00\x01"])  # wrong frame count / seq width
@@ -399,7 +400,7 @@ def test_topic_filter_and_clean_idle(ctx, publisher, metrics):
         pub.endpoint, pub.replay_endpoint, sink=sink, topic="kv", metrics=metrics, context=ctx
     ).start()
     try:
-        assert pub.wait_joined()
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([9])))
         assert wait_for(lambda: idx.contains(9))
         t0 = time.process_time()
@@ -454,8 +455,12 @@ def test_a_kv_sink_is_fed_by_one_stream_and_keeps_its_index_bound(ctx):
     sink = KVIndexSink(RemoteKVIndex("p", max_media=4))
     with pytest.raises(InvalidArgumentType, match="index"):
         KVIndexSink({})
+    with pytest.raises(StreamDied, match="no event stream feeds"):  # never followed: untrusted
+        sink.longest_prefix([1])
     sub = EventStream("tcp://127.0.0.1:1", sink=sink, context=ctx)
     assert sub.sink is sink and sink.index.max_media == 4
+    with pytest.raises(StreamDied, match="not running"):  # its stream not started
+        sink.match_prefix([1])
     with pytest.raises(InvalidArgument, match="already fed by a stream"):
         EventStream("tcp://127.0.0.1:1", sink=sink, context=ctx)
 

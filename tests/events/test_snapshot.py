@@ -172,7 +172,7 @@ def test_without_a_snapshot_endpoint_the_late_view_stays_incomplete(ctx, p, metr
     served_before(p)
     idx, sub = subscribe(ctx, p, metrics, snapshot_endpoint=None)
     try:
-        assert p.pub.wait_joined()
+        assert p.pub.wait_joined(replays=1)
         p.publish(stored([20]))
         assert wait_for(lambda: idx.contains(20))
         assert not sub.complete and not idx.contains(7)  # what P held before: unknown
@@ -199,7 +199,7 @@ def test_a_snapshot_stamped_before_batches_the_view_applied_replays_them(ctx, me
     p.script = stale
     idx, sub = subscribe(ctx, p, metrics, max_replay_batches=1)
     try:
-        assert p.pub.wait_joined()
+        assert p.pub.wait_joined(replays=1)
         for i in range(6):
             p.publish(stored([i]), drop=i in (3, 4))  # a gap of 2: not replayed
         assert wait_for(lambda: sub.applied_seq == 5) and not sub.complete

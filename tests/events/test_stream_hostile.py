@@ -95,8 +95,9 @@ class Scenario:
         self.sub = stream(
             self.pub.endpoint, replay, index=self.idx, metrics=metrics, context=ctx, **kw
         ).start()
-        # the SUB joins late (slow joiner): wait for its subscription, then a live batch
-        assert self.pub.wait_joined()
+        # the SUB joins late (slow joiner): wait for its subscription (and its start-up replay,
+        # where it asks this publisher for one), then a live batch
+        assert self.pub.wait_joined(replays=int(replay == self.pub.replay_endpoint))
         self.publish(batch(stored([10_000])))
         assert wait_for(lambda: self.sub.applied_seq == self.last)
 

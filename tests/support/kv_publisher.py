@@ -100,9 +100,11 @@ class TestPublisher:
                 self.subscriptions += msg[:1] == b"\x01"
             return self.subscriptions >= n
 
-    def wait_joined(self, n: int = 1, timeout: float = WAIT_S) -> bool:
-        """Wait until `joined(n)` (instead of sleeping out the slow joiner)."""
-        return wait_for(lambda: self.joined(n), timeout)
+    def wait_joined(self, n: int = 1, *, replays: int = 0, timeout: float = WAIT_S) -> bool:
+        """Wait until `joined(n)` and `replays` replay requests are served (instead of sleeping
+        out the slow joiner). A stream with a replay endpoint asks for one as it starts: with
+        `replays=1`, no batch published from then on can land in that replay."""
+        return wait_for(lambda: self.joined(n) and self.replays_served >= replays, timeout)
 
     def send_raw(self, frames: list[bytes]) -> None:
         with self.lock:
