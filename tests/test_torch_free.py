@@ -12,8 +12,9 @@ import pytest
 TORCH_FREE = [
     "mmreuse",
     "mmreuse.events",
-    "mmreuse.events.subscriber",
-    "mmreuse.events.ec_subscriber",
+    "mmreuse.events.stream",
+    "mmreuse.events.kv_sink",
+    "mmreuse.events.ec_sink",
     "mmreuse.metrics",
     "mmreuse.availability",
     "mmreuse.demand",
@@ -65,14 +66,15 @@ def test_the_check_can_fail():
 
 
 # module -> the packages it must not load: the live view's metrics are one home
-# (mmreuse.metrics) that both the subscribers and availability import, so that neither imports
+# (mmreuse.metrics) that both the event streams and availability import, so that neither imports
 # the other; the plug-ins' additional_config reader loads neither vLLM nor the rest of mmreuse.
 LAYERS = {
     "mmreuse.metrics": ("mmreuse.events", "mmreuse.availability", "mmreuse.proxy"),
     "mmreuse.availability": ("mmreuse.events",),
     "mmreuse.events": ("mmreuse.availability",),
-    "mmreuse.events.subscriber": ("mmreuse.availability",),
-    "mmreuse.events.ec_subscriber": ("mmreuse.availability",),
+    "mmreuse.events.stream": ("mmreuse.availability",),
+    "mmreuse.events.kv_sink": ("mmreuse.availability",),
+    "mmreuse.events.ec_sink": ("mmreuse.availability",),
     "mmreuse.integrations.plugin_config": ("vllm", "torch", "mmreuse.events", "mmreuse.proxy"),
 }
 

@@ -1,4 +1,4 @@
-"""A live view of vLLM instances from their KV events: wire format, index, ZMQ subscriber."""
+"""A live view of vLLM instances from their KV events: wire format, index, ZMQ event stream."""
 
 from typing import TYPE_CHECKING
 
@@ -22,16 +22,26 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
-    from .subscriber import END_SEQ, KVEventSubscriber
+    from .kv_sink import KVIndexSink
+    from .stream import END_SEQ, EventSink, EventStream, StreamDied, StreamLimits
+
+_LAZY = {
+    "END_SEQ": "stream",
+    "EventSink": "stream",
+    "EventStream": "stream",
+    "StreamDied": "stream",
+    "StreamLimits": "stream",
+    "KVIndexSink": "kv_sink",
+}
 
 
 def __getattr__(name: str) -> object:
-    """`KVEventSubscriber` and `END_SEQ` load on first use: they need pyzmq (`mmreuse[events]`),
-    the wire format and the index do not."""
-    if name in ("KVEventSubscriber", "END_SEQ"):
-        from . import subscriber
+    """The stream and its KV sink load on first use: they need pyzmq (`mmreuse[events]`), the
+    wire format and the index do not."""
+    if name in _LAZY:
+        import importlib
 
-        return getattr(subscriber, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -44,14 +54,18 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "EventSink",
+    "EventStream",
     "HashCheckStatus",
     "HashConfigCheck",
     "KVCacheEvent",
     "KVEventBatch",
-    "KVEventSubscriber",
+    "KVIndexSink",
     "MalformedBatch",
     "Metrics",
     "RemoteKVIndex",
+    "StreamDied",
+    "StreamLimits",
     "decode_batch",
     "encode_batch",
     "to_builtins",

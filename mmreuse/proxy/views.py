@@ -1,5 +1,6 @@
-"""The proxy's live view of each prefill instance: its KV events (a `KVEventSubscriber` into a
-`RemoteKVIndex`), the check that the proxy hashes as that instance does, and the view's lag."""
+"""The proxy's live view of each prefill instance: its KV events (an `EventStream` into a
+`KVIndexSink` over a `RemoteKVIndex`), the check that the proxy hashes as that instance does,
+and the view's lag."""
 
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ class InstanceView:
         self.hasher: BlockHasher | None = None
         self.check: HashConfigCheck | None = None
         self._reported_mismatch = False
-        self.subscriber: Any = None  # a KVEventSubscriber once started (pyzmq loads lazily)
+        self.subscriber: Any = None  # its KV EventStream once started (pyzmq loads lazily)
         self.availability = availability
-        self.ec_subscriber: Any = None  # an EncoderCacheEventSubscriber, when configured
+        self.ec_subscriber: Any = None  # its encoder-cache EventStream, when configured
         # Set once P publishes a second KV cache group (hybrid attention): the view follows
         # block hashes, not groups, so it would over-estimate hits; it is then off, saying why.
         self.hybrid: str | None = None
@@ -72,24 +73,25 @@ class InstanceView:
     def start(self) -> None:
         inst = self.instance
         if inst.ec_events is not None and self.availability is not None:
-            from ..events.ec_subscriber import EncoderCacheEventSubscriber
+            from ..events.ec_sink import EncoderCacheSink
+            from ..events.stream import EventStream  # pyzmq: only where a view is asked
 
-            self.ec_subscriber = EncoderCacheEventSubscriber(
+            self.ec_subscriber = EventStream(
                 inst.ec_events,
                 inst.ec_replay,
-                availability=self.availability,
-                instance=self.name,
+                sink=EncoderCacheSink(self.availability, instance=self.name),
                 metrics=self._metrics.views,
                 snapshot_endpoint=inst.demand,  # DemandScheduler's, where P runs it
             ).start()
         if inst.kv_events is None:
             return
-        from ..events.subscriber import KVEventSubscriber  # pyzmq: only where a view is asked
+        from ..events.kv_sink import KVIndexSink
+        from ..events.stream import EventStream  # pyzmq: only where a view is asked
 
-        self.subscriber = KVEventSubscriber(
+        self.subscriber = EventStream(
             inst.kv_events,
             inst.kv_replay,
-            index=self.index,
+            sink=KVIndexSink(self.index),
             metrics=self._metrics.views,
             on_batch=self._on_batch,
             snapshot_endpoint=inst.demand,  # DemandScheduler's snapshot, where P runs it
@@ -270,19 +272,18 @@ class EncoderView:
         self.name, self.instance = name, instance
         self.availability = availability
         self._metrics = metrics
-        self.subscriber: Any = None  # an EncoderCacheEventSubscriber once started
+        self.subscriber: Any = None  # its encoder-cache EventStream once started
 
     def start(self) -> None:
-        from ..events.ec_subscriber import EncoderCacheEventSubscriber
+        from ..events.ec_sink import EncoderCacheSink
+        from ..events.stream import EventStream
 
         inst = self.instance
         assert inst.ec_events is not None, "an E view follows E's encoder-cache events"
-        self.subscriber = EncoderCacheEventSubscriber(
+        self.subscriber = EventStream(
             inst.ec_events,
             inst.ec_replay,
-            availability=self.availability,
-            instance=self.name,
-            side="e",
+            sink=EncoderCacheSink(self.availability, instance=self.name, side="e"),
             metrics=self._metrics.views,
             snapshot_endpoint=inst.snapshot,
         ).start()

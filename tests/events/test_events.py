@@ -1,5 +1,6 @@
 """KV events: vLLM 0.33.0's wire fixtures, the legacy layout, RemoteKVIndex, and a real ZMQ
-subscriber over loopback against a publisher with vLLM's frames and replay protocol."""
+EventStream into a KVIndexSink over loopback against a publisher with vLLM's frames and replay
+protocol."""
 
 import base64
 import hashlib
@@ -16,10 +17,13 @@ from mmreuse.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventStream,
     KVEventBatch,
-    KVEventSubscriber,
+    KVIndexSink,
     MalformedBatch,
     RemoteKVIndex,
+    StreamDied,
+    StreamLimits,
     decode_batch,
     encode_batch,
     to_builtins,
@@ -154,10 +158,10 @@ def value(metric, *labels):
 
 def run(ctx, metrics, pub, **kw):
     idx = RemoteKVIndex("p0")
-    sub = KVEventSubscriber(
+    sub = EventStream(
         pub.endpoint,
         kw.pop("replay", pub.replay_endpoint),
-        index=idx,
+        sink=KVIndexSink(idx),
         metrics=metrics,
         context=ctx,
         **kw,
@@ -171,7 +175,7 @@ def test_late_subscriber_replays_from_zero(ctx, publisher, metrics):
         pub.publish(batch(stored([i])))
     idx, sub = run(ctx, metrics, pub)
     try:
-        time.sleep(0.2)  # let the SUB connect (slow joiner)
+        assert pub.wait_joined(replays=1)  # the SUB's subscription arrived (slow joiner)
         pub.publish(batch(stored([20])))
         assert wait_for(lambda: sub.applied_seq == 20)
         assert idx.longest_prefix(list(range(21))) == 21
@@ -184,7 +188,7 @@ def test_dropped_batches_are_replayed(ctx, publisher, metrics):
     pub = publisher()
     idx, sub = run(ctx, metrics, pub)
     try:
-        time.sleep(0.2)
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([0])))
         assert wait_for(lambda: sub.applied_seq == 0)
         pub.publish(batch(stored([1])), drop=True)
@@ -203,7 +207,7 @@ def test_gap_beyond_the_replay_buffer_resets_the_view(ctx, publisher, metrics):
     pub = publisher(buffer_steps=2)
     idx, sub = run(ctx, metrics, pub)
     try:
-        time.sleep(0.2)
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([100])))
         assert wait_for(lambda: sub.applied_seq == 0)
         for i in range(1, 6):  # lost, and the buffer keeps only the last 2
@@ -223,7 +227,7 @@ def test_no_replay_endpoint_resets_on_a_gap(ctx, publisher, metrics):
     pub = publisher()
     idx, sub = run(ctx, metrics, pub, replay=None)
     try:
-        time.sleep(0.2)
+        assert pub.wait_joined()
         pub.publish(batch(stored([1])))
         assert wait_for(lambda: sub.applied_seq == 0)
         pub.publish(batch(stored([2])), drop=True)
@@ -238,7 +242,7 @@ def test_publisher_restart_resets_the_view(ctx, publisher, metrics):
     pub = publisher()
     idx, sub = run(ctx, metrics, pub)
     try:
-        time.sleep(0.2)
+        assert pub.wait_joined(replays=1)
         for i in range(5):
             pub.publish(batch(stored([i])))
         assert wait_for(lambda: sub.applied_seq == 4)
@@ -246,11 +250,8 @@ def test_publisher_restart_resets_the_view(ctx, publisher, metrics):
         pub.close()
         pub = publisher(pub_endpoint=endpoint, replay_endpoint=replay)
         pub.publish(batch(stored([50])))  # seq 0 of the new process; the SUB may miss it
-        for i in range(100):  # until the SUB has reconnected
-            if idx.contains(50):
-                break
-            pub.publish(batch(stored([51 + i])))
-            time.sleep(0.05)
+        assert pub.wait_joined()  # the SUB has reconnected: the next batch reaches it
+        pub.publish(batch(stored([51])))
         assert wait_for(lambda: idx.contains(50))  # replayed from 0 if missed live
         assert value(metrics.restarts, "p0") == 1
         assert not idx.contains(0)
@@ -268,7 +269,7 @@ def test_a_subscriber_from_the_first_batch_is_complete(ctx, publisher, metrics):
     _, sub = run(ctx, metrics, pub)
     try:
         assert not sub.complete and value(metrics.complete, "p0", "kv") == 0
-        time.sleep(0.2)
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([5])))
         assert wait_for(lambda: sub.applied_seq == 5)
         assert sub.complete and value(metrics.complete, "p0", "kv") == 1
@@ -304,7 +305,7 @@ def test_a_late_join_the_buffer_no_longer_covers_is_incomplete_until_a_clear(
         pub.publish(batch(stored([i])))
     idx, sub = run(ctx, metrics, pub)
     try:
-        time.sleep(0.2)
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([20])))
         assert wait_for(lambda: sub.applied_seq == 20)
         assert idx.contains(19) and idx.contains(20) and not idx.contains(0)
@@ -321,7 +322,7 @@ def test_a_gap_replay_cannot_fill_makes_the_view_incomplete(ctx, publisher, metr
     pub = publisher()
     _, sub = run(ctx, metrics, pub, replay=None)
     try:
-        time.sleep(0.2)
+        assert pub.wait_joined()
         pub.publish(batch(stored([1])))
         assert wait_for(lambda: sub.complete)
         pub.publish(batch(stored([2])), drop=True)
@@ -338,18 +339,15 @@ def test_a_restarted_publisher_makes_the_view_complete_from_its_seq_zero(ctx, pu
         pub.publish(batch(stored([i])))
     idx, sub = run(ctx, metrics, pub)
     try:
-        time.sleep(0.2)
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([10])))
         assert wait_for(lambda: sub.applied_seq == 10) and not sub.complete
         endpoint, replay = pub.endpoint, pub.replay_endpoint
         pub.close()
         pub = publisher(pub_endpoint=endpoint, replay_endpoint=replay)
         pub.publish(batch(stored([50])))  # seq 0 of a new process: its cache started empty
-        for i in range(100):
-            if sub.complete:
-                break
-            pub.publish(batch(stored([51 + i])))
-            time.sleep(0.05)
+        assert pub.wait_joined()  # the SUB has reconnected: the next batch reaches it
+        pub.publish(batch(stored([51])))
         assert wait_for(lambda: sub.complete) and idx.contains(50) and not idx.contains(10)
     finally:
         sub.stop()
@@ -359,7 +357,7 @@ def test_burst_is_applied_in_order(ctx, publisher, metrics):
     pub = publisher()
     idx, sub = run(ctx, metrics, pub)
     try:
-        time.sleep(0.2)
+        assert pub.wait_joined(replays=1)
         n = 3000
         for i in range(n):
             pub.publish(
@@ -380,7 +378,7 @@ def test_malformed_frames_and_payloads_are_counted_and_survived(ctx, publisher, 
     pub = publisher()
     idx, sub = run(ctx, metrics, pub)
     try:
-        time.sleep(0.2)
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([1])))
         assert wait_for(lambda: sub.applied_seq == 0)
         pub.send_raw([b"", b"\x00\x01"])  # wrong frame count / seq width
@@ -397,15 +395,16 @@ def test_malformed_frames_and_payloads_are_counted_and_survived(ctx, publisher, 
 def test_topic_filter_and_clean_idle(ctx, publisher, metrics):
     pub = publisher(topic="kv")
     idx = RemoteKVIndex("p1")
-    sub = KVEventSubscriber(
-        pub.endpoint, pub.replay_endpoint, topic="kv", index=idx, metrics=metrics, context=ctx
+    sink = KVIndexSink(idx)
+    sub = EventStream(
+        pub.endpoint, pub.replay_endpoint, sink=sink, topic="kv", metrics=metrics, context=ctx
     ).start()
     try:
-        time.sleep(0.2)
+        assert pub.wait_joined(replays=1)
         pub.publish(batch(stored([9])))
         assert wait_for(lambda: idx.contains(9))
         t0 = time.process_time()
-        time.sleep(0.5)  # idle: the thread waits in poll, no busy loop
+        time.sleep(0.5)  # the thing under test: idle, the thread waits in poll, no busy loop
         assert time.process_time() - t0 < 0.2
     finally:
         sub.stop()
@@ -420,13 +419,50 @@ def test_topic_filter_and_clean_idle(ctx, publisher, metrics):
         ({"endpoint": "localhost:5557"}, "endpoint"),
         ({"endpoint": "tcp://127.0.0.1:1", "replay_endpoint": "x"}, "replay_endpoint"),
         ({"endpoint": "tcp://127.0.0.1:1", "topic": 3}, "topic"),
-        ({"endpoint": "tcp://127.0.0.1:1", "index": {}}, "index"),
-        ({"endpoint": "tcp://127.0.0.1:1", "replay_timeout_s": 0}, "replay_timeout_s"),
+        ({"endpoint": "tcp://127.0.0.1:1", "sink": {}}, "sink"),
+        ({"endpoint": "tcp://127.0.0.1:1", "limits": {"replay_timeout_s": 1}}, "limits"),
     ],
 )
-def test_subscriber_bad_arguments(kwargs, match):
+def test_stream_bad_arguments(kwargs, match):
+    kwargs.setdefault("sink", KVIndexSink(RemoteKVIndex()))
     with pytest.raises(ValueError, match=match):
-        KVEventSubscriber(**kwargs)
+        EventStream(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "field,bad",
+    [
+        ("poll_interval_s", 0),
+        ("replay_timeout_s", 0),
+        ("replay_deadline_s", -1.0),
+        ("max_replay_batches", 0),
+        ("max_replay_bytes", 0),
+        ("max_message_bytes", 2**63),
+        ("snapshot_deadline_s", 0),
+        ("snapshot_retry_s", -1),
+        ("max_stamp_ahead", -1),
+        ("max_snapshot_items", -1),
+        ("max_snapshot_bytes", 0),
+        ("max_replay_batches", 1.5),
+    ],
+)
+def test_stream_limits_name_the_field_and_the_value(field, bad):
+    with pytest.raises(ValueError, match=f"^{field} .*{bad}"):
+        StreamLimits(**{field: bad})
+
+
+def test_a_kv_sink_is_fed_by_one_stream_and_keeps_its_index_bound(ctx):
+    sink = KVIndexSink(RemoteKVIndex("p", max_media=4))
+    with pytest.raises(InvalidArgumentType, match="index"):
+        KVIndexSink({})
+    with pytest.raises(StreamDied, match="no event stream feeds"):  # never followed: untrusted
+        sink.longest_prefix([1])
+    sub = EventStream("tcp://127.0.0.1:1", sink=sink, context=ctx)
+    assert sub.sink is sink and sink.index.max_media == 4
+    with pytest.raises(StreamDied, match="not running"):  # its stream not started
+        sink.match_prefix([1])
+    with pytest.raises(InvalidArgument, match="already fed by a stream"):
+        EventStream("tcp://127.0.0.1:1", sink=sink, context=ctx)
 
 
 # ---- against vLLM's own prefix cache ------------------------------------------------------
@@ -569,15 +605,6 @@ def test_index_medium_arguments_are_strs():
             call()
 
 
-def test_subscriber_passes_its_max_media_to_the_index_it_makes(ctx):
-    sub = KVEventSubscriber("tcp://127.0.0.1:1", max_media=12, context=ctx)
-    assert sub.index.max_media == 12
-    given = RemoteKVIndex("p", max_media=4)
-    assert KVEventSubscriber("tcp://127.0.0.1:1", index=given, context=ctx).index is given
-    with pytest.raises(InvalidArgument, match="max_media=12 but the given index"):
-        KVEventSubscriber("tcp://127.0.0.1:1", index=given, max_media=12, context=ctx)
-
-
 def _free_tcp_port():
     import socket
 
@@ -590,7 +617,8 @@ def test_bind_mode_receives_from_a_connecting_publisher():
     """vLLM's publisher connects to a concrete tcp address: the subscriber then binds."""
     endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
     idx = RemoteKVIndex("p-bind")
-    sub = KVEventSubscriber(endpoint, index=idx, bind=True, metrics=Metrics(CollectorRegistry()))
+    sink, metrics = KVIndexSink(idx), Metrics(CollectorRegistry())
+    sub = EventStream(endpoint, sink=sink, bind=True, metrics=metrics)
     sub.start()
     pub = zmq.Context.instance().socket(zmq.PUB)
     try:
@@ -614,9 +642,11 @@ def test_bind_mode_receives_from_a_connecting_publisher():
 
 def test_bind_mode_refuses_an_endpoint_it_cannot_bind():
     with pytest.raises(InvalidArgument, match="bind"):
-        KVEventSubscriber("ipc:///nonexistent-dir/mmreuse/kv.sock", bind=True).start()
+        EventStream(
+            "ipc:///nonexistent-dir/mmreuse/kv.sock", sink=KVIndexSink(RemoteKVIndex()), bind=True
+        ).start()
     with pytest.raises(InvalidArgumentType, match="bind"):
-        KVEventSubscriber("tcp://127.0.0.1:5557", bind="yes")
+        EventStream("tcp://127.0.0.1:5557", sink=KVIndexSink(RemoteKVIndex()), bind="yes")
 
 
 # ---- RemoteKVIndex.load: a snapshot in place of the history -------------------------------------

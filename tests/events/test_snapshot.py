@@ -1,5 +1,5 @@
 """An incomplete view bootstrapped from P's KV snapshot (`mmreuse.events.snapshot`, the
-subscriber's `snapshot_endpoint`): a P here is a TestPublisher whose every batch is also applied
+stream's `snapshot_endpoint`): a P here is a TestPublisher whose every batch is also applied
 to a true view, and a ROUTER answering `SnapshotQuery` from that truth (as `DemandScheduler`
 does, checked against vLLM in tests/integrations/test_vllm_demand.py), or as scripted by a
 hostile test. The view joins late, past its replay buffer."""
@@ -7,7 +7,6 @@ hostile test. The view joins late, past its replay buffer."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,14 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from mmreuse.demand_query import DemandError, KVSnapshot, SnapshotQuery, decode_query, encode
-from mmreuse.events import AllBlocksCleared, BlockRemoved, KVEventSubscriber, RemoteKVIndex
+from mmreuse.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    EventStream,
+    KVIndexSink,
+    RemoteKVIndex,
+    StreamLimits,
+)
 from mmreuse.events.snapshot import SnapshotRefused, fetch_snapshot, identifier_chunk
 from mmreuse.metrics import Metrics
 from tests.support.kv_publisher import TestPublisher, batch, stored
@@ -113,12 +119,21 @@ def metrics():
     return Metrics(CollectorRegistry())
 
 
-def subscribe(ctx, p, metrics, track=False, **kw) -> tuple[RemoteKVIndex, KVEventSubscriber]:
+def subscribe(ctx, p, metrics, track=False, **kw) -> tuple[RemoteKVIndex, EventStream]:
+    """A late view of `p`: an EventStream into a KVIndexSink; `snapshot_endpoint` (default:
+    p's) goes to the stream, the other keywords to its StreamLimits."""
     idx = RemoteKVIndex("p0", track_identifiers=track)
-    kw = {"snapshot_endpoint": p.endpoint, "snapshot_retry_s": 0.2, "snapshot_deadline_s": 2.0,
-          **kw}  # fmt: skip
-    sub = KVEventSubscriber(p.pub.endpoint, p.pub.replay_endpoint, index=idx, metrics=metrics,
-                            context=ctx, **kw)  # fmt: skip
+    endpoint = kw.pop("snapshot_endpoint", p.endpoint)
+    limits = StreamLimits(**{"snapshot_retry_s": 0.2, "snapshot_deadline_s": 2.0, **kw})
+    sub = EventStream(
+        p.pub.endpoint,
+        p.pub.replay_endpoint,
+        sink=KVIndexSink(idx),
+        limits=limits,
+        metrics=metrics,
+        context=ctx,
+        snapshot_endpoint=endpoint,
+    )
     return idx, sub.start()
 
 
@@ -157,7 +172,7 @@ def test_without_a_snapshot_endpoint_the_late_view_stays_incomplete(ctx, p, metr
     served_before(p)
     idx, sub = subscribe(ctx, p, metrics, snapshot_endpoint=None)
     try:
-        time.sleep(0.2)
+        assert p.pub.wait_joined(replays=1)
         p.publish(stored([20]))
         assert wait_for(lambda: idx.contains(20))
         assert not sub.complete and not idx.contains(7)  # what P held before: unknown
@@ -184,7 +199,7 @@ def test_a_snapshot_stamped_before_batches_the_view_applied_replays_them(ctx, me
     p.script = stale
     idx, sub = subscribe(ctx, p, metrics, max_replay_batches=1)
     try:
-        time.sleep(0.2)
+        assert p.pub.wait_joined(replays=1)
         for i in range(6):
             p.publish(stored([i]), drop=i in (3, 4))  # a gap of 2: not replayed
         assert wait_for(lambda: sub.applied_seq == 5) and not sub.complete
@@ -321,7 +336,7 @@ def test_a_bad_snapshot_is_refused_and_the_view_stays_incomplete(
 ):
     served_before(p)
     p.script = _chunks(mutate)
-    idx, sub = subscribe(ctx, p, metrics, max_snapshot_blocks=1000)
+    idx, sub = subscribe(ctx, p, metrics, max_snapshot_items=1000)
     try:
         assert wait_for(lambda: outcome(metrics, reason) >= 1), name
         p.publish(stored([20]))
@@ -351,12 +366,12 @@ def test_a_stamp_the_stream_never_reaches_is_never_loaded(ctx, p, metrics):
 
 
 def test_stop_ends_a_fetch_in_progress(ctx, p, metrics):
+    served_before(p)  # a late view: it asks for a snapshot
     p.script = lambda q, t: []  # P never answers
-    _, sub = subscribe(ctx, p, metrics, snapshot_deadline_s=60.0)
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    sub.stop()
-    assert time.monotonic() - t0 < 2.0
+    _, sub = subscribe(ctx, p, metrics, snapshot_deadline_s=60.0, replay_timeout_s=30.0)
+    assert wait_for(lambda: p.asked >= 1)  # the fetch is in progress: a minute unless stopped
+    sub.stop(timeout_s=5.0)  # raises unless the thread ended: no timing assert, a hang guard
+    assert not sub.is_alive and outcome(metrics, "stop") == 1
 
 
 def test_fetch_snapshot_validates_its_arguments():

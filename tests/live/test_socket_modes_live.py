@@ -1,4 +1,4 @@
-"""Issue 12, live test 3: KVEventSubscriber follows a live P in both of vLLM's socket modes.
+"""Issue 12, live test 3: an EventStream into a KVIndexSink follows a live P in both of vLLM's socket modes.
 
 vLLM's publisher binds a wildcard endpoint (`tcp://*:PORT`: the subscriber connects) and
 connects to a concrete tcp address (`tcp://127.0.0.1:PORT`: the subscriber binds, `bind=True`).
@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from mmreuse import BlockHasher
 from mmreuse.cluster import Cluster
 from mmreuse.cluster.client import image_part, png_data_url, post_json
-from mmreuse.events import KVEventSubscriber, Metrics, RemoteKVIndex
+from mmreuse.events import EventStream, KVIndexSink, Metrics, RemoteKVIndex
 from mmreuse.render import from_render
 
 pytestmark = [
@@ -36,8 +36,8 @@ def connecting_p(tmp_path_factory):
 
 def _follow_one_request(p, bind, tag):
     idx = RemoteKVIndex(f"P-{tag}")
-    sub = KVEventSubscriber(
-        p.kv_events_endpoint, p.replay_endpoint, index=idx, bind=bind,
+    sub = EventStream(
+        p.kv_events_endpoint, p.replay_endpoint, sink=KVIndexSink(idx), bind=bind,
         metrics=Metrics(CollectorRegistry()),
     )  # fmt: skip
     sub.start()
@@ -56,7 +56,7 @@ def _follow_one_request(p, bind, tag):
         deadline = time.monotonic() + 20
         while idx.longest_prefix(hashes) < len(hashes) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert sub.match_prefix(hashes).num_blocks == len(hashes)
+        assert sub.sink.match_prefix(hashes).num_blocks == len(hashes)
         assert sub.is_alive
     finally:
         sub.stop()

@@ -1,7 +1,7 @@
 """Issue 12, live test 2: the live view predicts P's real prefix-cache hits, request by request.
 
 A P with a KV cache small enough to evict (`--num-gpu-blocks-override`) serves interleaved
-multi-turn conversations that resend their history. A KVEventSubscriber + RemoteKVIndex follow
+multi-turn conversations that resend their history. An EventStream + KVIndexSink follow
 it. Before each request the view predicts P's hit (`longest_prefix` -> `kv_coverage`); after it,
 P's actual hit is the growth of `vllm:prefix_cache_hits_total`. They must be equal for every
 request. Event lag is ruled out, not tolerated: before each prediction the subscriber must be
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from mmreuse import BlockHasher, kv_coverage
 from mmreuse.cluster import Cluster
 from mmreuse.cluster.client import get_text, image_part, png_data_url, post_json
-from mmreuse.events import KVEventSubscriber, Metrics, RemoteKVIndex
+from mmreuse.events import EventStream, KVIndexSink, Metrics, RemoteKVIndex
 from mmreuse.render import from_render
 
 pytestmark = [
@@ -60,7 +60,9 @@ def test_live_view_predicts_every_hit(small_p):
     p = small_p
     metrics = Metrics(CollectorRegistry())
     idx = RemoteKVIndex("P-small")
-    sub = KVEventSubscriber(p.kv_events_endpoint, p.replay_endpoint, index=idx, metrics=metrics)
+    sub = EventStream(
+        p.kv_events_endpoint, p.replay_endpoint, sink=KVIndexSink(idx), metrics=metrics
+    )
     sub.start()
     hasher = BlockHasher("sha256", BLOCK, seed="0")
     histories = {s: [] for s in ("a", "b", "c")}

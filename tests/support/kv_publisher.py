@@ -1,6 +1,8 @@
 """A test publisher with vLLM 0.33.0's ZmqEventPublisher frames and replay protocol.
 
-PUB: (topic, seq 8-byte big-endian, msgpack payload); ROUTER replay: a request
+PUB (an XPUB, so that a test can wait until a subscriber's subscription has arrived:
+`wait_joined`, ZMQ's slow joiner waited out on a condition): (topic, seq 8-byte big-endian,
+msgpack payload); ROUTER replay: a request
 (identity, b"", start_seq) gets (identity, b"", topic, seq, payload) per buffered batch with
 seq >= start_seq, then (identity, b"", b"", END_SEQ, b""). Extra knobs for tests: drop a batch
 from the PUB stream while keeping it in the replay buffer, send raw payloads, restart, and a
@@ -19,6 +21,7 @@ from itertools import count
 import zmq
 
 from mmreuse.events import END_SEQ, BlockStored, KVEventBatch, encode_batch
+from tests.support.waiting import WAIT_S, wait_for
 
 
 def _bind(sock: zmq.Socket, endpoint: str, timeout_s: float = 5.0) -> None:
@@ -54,8 +57,10 @@ class TestPublisher:
     ):
         self.ctx = ctx
         self.topic = topic.encode()
-        self.pub = ctx.socket(zmq.PUB)
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, a repeated one too
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.subscriptions = 0  # subscriptions received (`joined`)
         self.pub.setsockopt(zmq.LINGER, 0)
         _bind(self.pub, pub_endpoint)
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -82,6 +87,24 @@ class TestPublisher:
             if not drop:
                 self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
         return seq
+
+    def joined(self, n: int = 1) -> bool:
+        """Whether `n` subscriptions have reached the PUB socket (a subscriber counts once per
+        (re)connect): every batch published from then on reaches it."""
+        with self.lock:
+            while True:
+                try:
+                    msg = self.pub.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.subscriptions += msg[:1] == b"\x01"
+            return self.subscriptions >= n
+
+    def wait_joined(self, n: int = 1, *, replays: int = 0, timeout: float = WAIT_S) -> bool:
+        """Wait until `joined(n)` and `replays` replay requests are served (instead of sleeping
+        out the slow joiner). A stream with a replay endpoint asks for one as it starts: with
+        `replays=1`, no batch published from then on can land in that replay."""
+        return wait_for(lambda: self.joined(n) and self.replays_served >= replays, timeout)
 
     def send_raw(self, frames: list[bytes]) -> None:
         with self.lock:

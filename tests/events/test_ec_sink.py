@@ -1,5 +1,5 @@
-"""EncoderCacheEventSubscriber: a P's encoder-cache events into EmbeddingAvailability's P-local
-entries, over real ZMQ (tests/support/kv_publisher.TestPublisher), with the KV subscriber's gap,
+"""EncoderCacheSink: a P's (or an E's) encoder-cache events into EmbeddingAvailability, fed by
+an EventStream over real ZMQ (tests/support/kv_publisher.TestPublisher), with the KV view's gap,
 replay and resync rules."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from mmreuse.availability import EmbeddingAvailability
-from mmreuse.errors import InvalidArgumentType
-from mmreuse.events.ec_subscriber import EncoderCacheEventSubscriber
+from mmreuse.errors import InvalidArgument, InvalidArgumentType
+from mmreuse.events.ec_sink import EncoderCacheSink
 from mmreuse.events.ec_wire import (
     EncoderCacheCleared,
     EncoderCacheEventBatch,
@@ -22,9 +22,16 @@ from mmreuse.events.ec_wire import (
     EncoderCacheStored,
     encode_ec_batch,
 )
+from mmreuse.events.stream import EventStream, StreamLimits
 from mmreuse.metrics import Metrics
 from tests.support.kv_publisher import TestPublisher
 from tests.support.waiting import wait_for
+
+
+def ec_stream(endpoint, replay=None, *, availability, instance, side="p", limits=None, **kw):
+    """An EventStream into an EncoderCacheSink of `availability`."""
+    sink = EncoderCacheSink(availability, instance=instance, side=side)
+    return EventStream(endpoint, replay, sink=sink, limits=limits, **kw)
 
 
 def _batch(*events):
@@ -37,21 +44,14 @@ def setup():
     pub = TestPublisher(ctx)
     metrics = Metrics(CollectorRegistry())
     avail = EmbeddingAvailability(ttl_s=3600, metrics=metrics)
-    sub = EncoderCacheEventSubscriber(
+    sub = ec_stream(
         pub.endpoint, pub.replay_endpoint, availability=avail, instance="P0", metrics=metrics
     ).start()
-    time.sleep(0.3)  # the slow joiner
+    assert pub.wait_joined(replays=1)  # the slow joiner
     yield pub, sub, avail, metrics
     sub.stop()
     pub.close()
     ctx.term()
-
-
-def _until(cond, timeout=5.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "the events never applied"
-        time.sleep(0.01)
 
 
 def _p(avail):
@@ -62,13 +62,13 @@ def _p(avail):
 def test_events_become_p_local_entries(setup):
     pub, sub, avail, _ = setup
     pub.publish(_batch(EncoderCacheStored("a", 16), EncoderCacheStored("b", 4)))
-    _until(lambda: _p(avail)[0] == {"a": 16, "b": 4})
+    assert wait_for(lambda: _p(avail)[0] == {"a": 16, "b": 4})
     pub.publish(_batch(EncoderCacheFreeable(["a", "b"]), EncoderCacheReferenced(["b"])))
-    _until(lambda: _p(avail) == ({"a": 16, "b": 4}, {"a"}))
+    assert wait_for(lambda: _p(avail) == ({"a": 16, "b": 4}, {"a"}))
     pub.publish(_batch(EncoderCacheEvicted(["a"])))
-    _until(lambda: _p(avail) == ({"b": 4}, set()))
+    assert wait_for(lambda: _p(avail) == ({"b": 4}, set()))
     pub.publish(_batch(EncoderCacheCleared()))
-    _until(lambda: _p(avail) == ({}, set()))
+    assert wait_for(lambda: _p(avail) == ({}, set()))
     assert sub.is_alive
 
 
@@ -77,27 +77,28 @@ def test_a_gap_is_filled_from_the_replay(setup):
     pub.publish(_batch(EncoderCacheStored("a", 16)))
     pub.publish(_batch(EncoderCacheStored("b", 4)), drop=True)  # lost on the PUB stream
     pub.publish(_batch(EncoderCacheStored("c", 9)))
-    _until(lambda: _p(avail)[0] == {"a": 16, "b": 4, "c": 9})
+    assert wait_for(lambda: _p(avail)[0] == {"a": 16, "b": 4, "c": 9})
     assert metrics.registry.get_sample_value("mmreuse_kv_event_gaps_total", {"instance": "P0"}) == 1
 
 
 def test_a_malformed_batch_forgets_the_instance(setup):
     pub, sub, avail, _metrics = setup
     pub.publish(_batch(EncoderCacheStored("a", 16)))
-    _until(lambda: _p(avail)[0] == {"a": 16})
+    assert wait_for(lambda: _p(avail)[0] == {"a": 16})
     pub.publish(b"\x93\xcb garbage")
-    _until(lambda: _p(avail)[0] == {})  # never a stale "cached"
+    assert wait_for(lambda: _p(avail)[0] == {})  # never a stale "cached"
     pub.publish(_batch(EncoderCacheStored("d", 4)))
-    _until(lambda: _p(avail)[0] == {"d": 4})
+    assert wait_for(lambda: _p(avail)[0] == {"d": 4})
     assert sub.is_alive
 
 
-def test_it_refuses_a_kv_index_and_has_no_kv_view(setup):
+def test_the_sink_refuses_what_is_no_availability_and_a_second_stream(setup):
     pub, sub, _avail, _ = setup
-    with pytest.raises(InvalidArgumentType):
-        EncoderCacheEventSubscriber(pub.endpoint, availability=object(), instance="P0")
-    with pytest.raises(TypeError):
-        sub.match_prefix([1])
+    with pytest.raises(InvalidArgumentType, match="availability"):
+        EncoderCacheSink(object(), instance="P0")
+    with pytest.raises(InvalidArgument, match="already fed by a stream"):
+        EventStream(pub.endpoint, sink=sub.sink)
+    assert not hasattr(sub.sink, "match_prefix")  # no KV view to refuse: it never had one
 
 
 def test_a_late_join_is_incomplete_until_p_clears_its_encoder_cache():
@@ -109,16 +110,16 @@ def test_a_late_join_is_incomplete_until_p_clears_its_encoder_cache():
     avail = EmbeddingAvailability(ttl_s=3600, metrics=metrics)
     for i in range(3):
         pub.publish(_batch(EncoderCacheStored(f"old{i}", 16)))
-    sub = EncoderCacheEventSubscriber(
+    sub = ec_stream(
         pub.endpoint, pub.replay_endpoint, availability=avail, instance="P0", metrics=metrics
     ).start()
     try:
-        time.sleep(0.3)
+        assert pub.wait_joined(replays=1)
         pub.publish(_batch(EncoderCacheStored("new", 16)))
-        _until(lambda: sub.applied_seq == 3)
+        assert wait_for(lambda: sub.applied_seq == 3)
         assert "new" in _p(avail)[0] and not sub.complete
         pub.publish(_batch(EncoderCacheCleared(), EncoderCacheStored("after", 16)))
-        _until(lambda: sub.applied_seq == 4)
+        assert wait_for(lambda: sub.applied_seq == 4)
         assert sub.complete and _p(avail)[0] == {"after": 16}
     finally:
         sub.stop()
@@ -159,7 +160,7 @@ def test_a_late_join_bootstraps_from_the_encoder_cache_snapshot(side):
     thread.start()
     metrics = Metrics(CollectorRegistry())
     avail = EmbeddingAvailability(ttl_s=3600, metrics=metrics)
-    sub = EncoderCacheEventSubscriber(
+    sub = ec_stream(
         pub.endpoint, pub.replay_endpoint, availability=avail, instance="P0", metrics=metrics,
         snapshot_endpoint=f"tcp://127.0.0.1:{port}", side=side,
     ).start()  # fmt: skip
@@ -171,13 +172,13 @@ def test_a_late_join_bootstraps_from_the_encoder_cache_snapshot(side):
         return set(local), freeable
 
     try:
-        _until(lambda: sub.complete)
+        assert wait_for(lambda: sub.complete)
         everything = {"old0", "old1", "old2"}
         assert held() == (everything, {"old1", "old2"} if side == "p" else set())
         if side == "p":
             assert _p(avail)[0] == {"old0": 16, "old1": 16, "old2": 16}
         pub.publish(_batch(EncoderCacheEvicted(["old1"])))  # seq 5: the stamp, applied on top
-        _until(lambda: "old1" not in held()[0])
+        assert wait_for(lambda: "old1" not in held()[0])
         assert sub.complete and held()[0] == {"old0", "old2"}
     finally:
         sub.stop()
@@ -194,7 +195,7 @@ def test_an_es_events_become_e_side_entries_freeable_or_not():
     pub = TestPublisher(ctx)
     metrics = Metrics(CollectorRegistry())
     avail = EmbeddingAvailability(ttl_s=3600, metrics=metrics)
-    sub = EncoderCacheEventSubscriber(
+    sub = ec_stream(
         pub.endpoint, pub.replay_endpoint, availability=avail, instance="E0", side="e",
         metrics=metrics,
     ).start()  # fmt: skip
@@ -205,17 +206,17 @@ def test_an_es_events_become_e_side_entries_freeable_or_not():
         return set(a.e_cached)
 
     try:
-        time.sleep(0.3)
+        assert pub.wait_joined(replays=1)
         pub.publish(_batch(EncoderCacheStored("a", 16), EncoderCacheStored("b", 4)))
-        _until(lambda: e_side() == {"a", "b"})
+        assert wait_for(lambda: e_side() == {"a", "b"})
         pub.publish(_batch(EncoderCacheFreeable(["a"]), EncoderCacheEvicted(["b"])))
-        _until(lambda: e_side() == {"a"})
+        assert wait_for(lambda: e_side() == {"a"})
         pub.publish(b"\x93\xcb garbage")  # a hostile or broken E: forgotten, never kept stale
-        _until(lambda: e_side() == set())
+        assert wait_for(lambda: e_side() == set())
         pub.publish(_batch(EncoderCacheStored("d", 4)))
-        _until(lambda: e_side() == {"d"})
+        assert wait_for(lambda: e_side() == {"d"})
         pub.publish(_batch(EncoderCacheCleared()))
-        _until(lambda: e_side() == set())
+        assert wait_for(lambda: e_side() == set())
         assert sub.is_alive and sub.complete
     finally:
         sub.stop()
@@ -225,9 +226,7 @@ def test_an_es_events_become_e_side_entries_freeable_or_not():
 
 def test_side_is_checked():
     with pytest.raises(ValueError, match="side"):
-        EncoderCacheEventSubscriber(
-            "tcp://127.0.0.1:1", availability=EmbeddingAvailability(), instance="E0", side="x"
-        )
+        EncoderCacheSink(EmbeddingAvailability(), instance="E0", side="x")
 
 
 class ECSnapshotServer:
@@ -294,9 +293,9 @@ def test_an_encoder_cache_snapshot_is_bounded_by_what_the_view_holds(
     avail = EmbeddingAvailability(ttl_s=3600, max_entries=max_entries, metrics=metrics)
     pub.publish(_batch(EncoderCacheStored("gone", 16)))  # the view joins past seq 0: incomplete
     pub.publish(_batch())
-    sub = EncoderCacheEventSubscriber(
+    sub = ec_stream(
         pub.endpoint, None, availability=avail, instance="P0", metrics=metrics,
-        snapshot_endpoint=server.endpoint, snapshot_retry_s=0.2, **kwargs,
+        snapshot_endpoint=server.endpoint, limits=StreamLimits(snapshot_retry_s=0.2, **kwargs),
     ).start()  # fmt: skip
     try:
         assert wait_for(lambda: (_snapshot_outcome(metrics, "bound") or 0) >= 2)
@@ -311,13 +310,13 @@ def test_an_encoder_cache_snapshot_is_bounded_by_what_the_view_holds(
 
 
 def test_the_snapshot_bound_defaults_to_what_the_view_holds():
-    def make(**kw):
-        return EncoderCacheEventSubscriber("tcp://127.0.0.1:1", instance="P0", **kw)
+    def make(availability, **limits):
+        sink = EncoderCacheSink(availability, instance="P0")
+        return EventStream("tcp://127.0.0.1:1", sink=sink, limits=StreamLimits(**limits))
 
-    assert make(availability=EmbeddingAvailability(max_entries=7)).max_snapshot_blocks == 7
-    sub = make(availability=EmbeddingAvailability(), max_snapshot_entries=3, max_snapshot_bytes=9)
-    assert (sub.max_snapshot_blocks, sub.max_snapshot_bytes) == (3, 9)
-    with pytest.raises(InvalidArgumentType, match="max_snapshot_blocks"):
-        make(availability=EmbeddingAvailability(), max_snapshot_blocks=1 << 22)
+    assert make(EmbeddingAvailability(max_entries=7)).max_snapshot_items == 7
+    sub = make(EmbeddingAvailability(), max_snapshot_items=3, max_snapshot_bytes=9)
+    assert (sub.max_snapshot_items, sub.max_snapshot_bytes) == (3, 9)
+    assert make(EmbeddingAvailability()).max_snapshot_bytes == 64 << 20
     with pytest.raises(ValueError, match="max_snapshot_bytes"):
-        make(availability=EmbeddingAvailability(), max_snapshot_bytes=0)
+        make(EmbeddingAvailability(), max_snapshot_bytes=0)

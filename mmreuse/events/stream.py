@@ -1,4 +1,10 @@
-"""KVEventSubscriber: follow one vLLM instance's KV events over ZMQ into a RemoteKVIndex.
+"""EventStream: follow one publisher's event batches over ZMQ, reliably, into an `EventSink`.
+
+The stream owns the transport, the sequence numbers, gap replay, resync and the snapshot
+bootstrap; the sink owns the view: `KVIndexSink` (`events.kv_sink`, vLLM's KV events into a
+`RemoteKVIndex`) or `EncoderCacheSink` (`events.ec_sink`, encoder-cache events into
+`EmbeddingAvailability`). What follows is the KV stream's spec; the encoder-cache stream keeps
+it with its own payload and view. The bounds are one record, `StreamLimits`.
 
 vLLM's ZmqEventPublisher (kv_events.py) sends each batch as a PUB multipart message
 `(topic, seq as 8 bytes big-endian, msgpack payload)`, seq counting from 0 per publisher
@@ -12,10 +18,11 @@ The view is what a proxy trusts to skip encoder work, so the one rule is: the in
 blocks P holds (a late fallback), never hold a block P removed (a wrong skip). Hence a *resync*
 (the instance's view reset, `mmreuse_kv_event_resyncs_total`) whenever a batch may be lost:
 
-- a gap in seq that the replay does not fill completely and in order: no replay endpoint, a
-  gap longer than `max_replay_batches`, a replay that stalls (`replay_timeout_s` of silence),
-  runs past `replay_deadline_s`, exceeds `max_replay_bytes`, ends early, skips or repeats a seq,
-  or names a seq outside [requested start, live seq], or `stop()` during it;
+- a gap in seq that the replay does not fill completely and in order (the bounds are
+  `StreamLimits`'): no replay endpoint, a gap longer than `max_replay_batches`, a replay that
+  stalls (`replay_timeout_s` of silence), runs past `replay_deadline_s`, exceeds
+  `max_replay_bytes`, ends early, skips or repeats a seq, or names a seq outside [requested
+  start, live seq], or `stop()` during it;
 - a malformed frame set or payload (`MalformedBatch`, nesting bound included), a batch that
   names more than the index's `max_media` media (or a medium name over
   `index.MAX_MEDIUM_CHARS`): the index refuses it whole; or any
@@ -53,24 +60,23 @@ in place); from a P that does not, they stay unknown until the next reset. Ident
 not fit the snapshot's blocks refuse the snapshot whole (`malformed`).
 
 Should the loop itself die (its socket failing), the view is reset too, `error` holds the cause,
-`is_alive` is False, `mmreuse_kv_event_subscriber_up` drops to 0, and `check()`,
-`longest_prefix()` and `match_prefix()` on the subscriber raise `SubscriberDied`.
+`is_alive` is False, `mmreuse_kv_event_subscriber_up` drops to 0, and `check()` on the stream
+(and so `longest_prefix()` and `match_prefix()` on its `KVIndexSink`) raises `StreamDied`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import zmq
 
 from ..errors import InvalidArgument
-from ..kvview import PrefixMatch
 from ..metrics import Metrics
 from ..validate import (
     check_bool,
@@ -82,22 +88,15 @@ from ..validate import (
     fail_value,
     show,
 )
-from .index import RemoteKVIndex
 from .snapshot import Snapshot, SnapshotRefused, fetch_snapshot
-from .wire import (
-    MEDIUM_GPU,
-    AllBlocksCleared,
-    KVEventBatch,
-    decode_batch,
-)
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-class SubscriberDied(RuntimeError):
-    """The subscriber loop is not running (stopped, or died on the error in `__cause__`): its
+class StreamDied(RuntimeError):
+    """The stream's loop is not running (stopped, or died on the error in `__cause__`): its
     view is no longer followed, so it must not be trusted."""
 
 
@@ -121,52 +120,111 @@ class _ReplayAborted(Exception):
         self.reason = reason
 
 
-class KVEventSubscriber:
-    """A background thread: SUB on `endpoint`, DEALER to `replay_endpoint`, into `index`.
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """The bounds of one `EventStream`, checked here (errors name the field and the value).
 
-    Bounds (each a constructor argument): `replay_timeout_s` is the longest silence within a
-    replay, `replay_deadline_s` the longest a whole replay may take, `max_replay_batches` the
-    longest gap asked of the replay (vLLM buffers 10,000 steps by default), `max_replay_bytes`
-    the payload a replay may deliver, `max_message_bytes` the largest frame either socket takes
-    (ZMQ drops a peer that sends more: a gap, then a resync), `max_media` (default 8) the
-    distinct media the view holds between resets: the bound of the RemoteKVIndex the subscriber
-    creates, which refuses a batch that would exceed it (then a resync: batches stay
-    all-or-nothing, and no real vLLM names more than a few); a given `index` keeps its own.
-    `poll_interval_s` is how often the thread looks at `stop()`, rounded up to whole ms.
+    `poll_interval_s`: how often the thread looks at `stop()` (rounded up to whole ms).
+    `replay_timeout_s`: the longest silence within a replay; `replay_deadline_s`: the longest a
+    whole replay may take; `max_replay_batches`: the longest gap asked of the replay (vLLM
+    buffers 10,000 steps by default); `max_replay_bytes`: the payload a replay may deliver;
+    `max_message_bytes`: the largest frame either socket takes (ZMQ drops a peer that sends
+    more: a gap, then a resync). Snapshots: `snapshot_deadline_s` for a whole fetch (and for the
+    stream to reach a snapshot stamped ahead of it), `snapshot_retry_s` between attempts,
+    `max_stamp_ahead` the furthest ahead a stamp may be, `max_snapshot_items` (blocks or
+    entries) and `max_snapshot_bytes` (None: the sink's own bounds, `EventSink.snapshot_items`
+    and `snapshot_bytes`).
+    """
+
+    poll_interval_s: float = 0.05
+    replay_timeout_s: float = 2.0
+    replay_deadline_s: float = 30.0
+    max_replay_batches: int = 10_000
+    max_replay_bytes: int = 512 << 20
+    max_message_bytes: int = 64 << 20
+    snapshot_deadline_s: float = 30.0
+    snapshot_retry_s: float = 5.0
+    max_stamp_ahead: int = 10_000
+    max_snapshot_items: int | None = None
+    max_snapshot_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("poll_interval_s", "replay_timeout_s", "replay_deadline_s"):
+            check_float(field, getattr(self, field), 0, lo_open=True)
+        check_float("snapshot_deadline_s", self.snapshot_deadline_s, 0, lo_open=True)
+        check_float("snapshot_retry_s", self.snapshot_retry_s, 0)
+        check_int("max_replay_batches", self.max_replay_batches, 1)
+        check_int("max_replay_bytes", self.max_replay_bytes, 1)
+        check_int("max_message_bytes", self.max_message_bytes, 1, 2**62)
+        check_int("max_stamp_ahead", self.max_stamp_ahead, 0)
+        if self.max_snapshot_items is not None:
+            check_int("max_snapshot_items", self.max_snapshot_items, 0)
+        if self.max_snapshot_bytes is not None:
+            check_int("max_snapshot_bytes", self.max_snapshot_bytes, 1)
+
+
+class EventSink(Protocol):
+    """The view an `EventStream` feeds. Every call comes from the stream's thread; a batch or a
+    snapshot applies whole or not at all (ValueError: nothing changed), so the stream can reset
+    the view whenever it may have missed something."""
+
+    instance: str  # the instance followed: the stream's metric label
+    events: str  # the `events` label of the completeness gauge ("kv", "encoder_cache")
+    snapshot_kind: str  # what the snapshot endpoint is asked for ("kv", "ec": events.snapshot)
+    snapshot_items: int  # the snapshot's blocks or entries, unless StreamLimits bounds them
+    snapshot_bytes: int | None  # its answers in all (None: unbounded), unless StreamLimits does
+
+    def attach(self, check: Callable[[], None]) -> None:
+        """The one stream that feeds this sink: `check()` raises StreamDied unless it runs."""
+        ...
+
+    def apply(self, payload: bytes) -> Any:
+        """Decode one batch's payload and apply it whole; the decoded batch (for `on_batch`)."""
+        ...
+
+    def clears(self, batch: Any) -> bool:
+        """Whether an applied batch empties the view whole (it is then exact from there on)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget everything (a resync: what the view may have missed is unknown)."""
+        ...
+
+    def load(self, snap: Snapshot) -> None:
+        """Put a whole snapshot in place of the view (ValueError: refused, nothing changed)."""
+        ...
+
+    def update_gauges(self, metrics: Metrics) -> None:
+        """After a change: the sink's own gauges, if it keeps any in `metrics`."""
+        ...
+
+
+class EventStream:
+    """A background thread: SUB on `endpoint`, DEALER to `replay_endpoint`, into `sink`, within
+    `limits` (module doc). `on_batch(batch)` observes each batch applied (its errors cost the
+    observation, never the view); `snapshot_endpoint` is where an incomplete view bootstraps
+    from (P's demand endpoint, or E's).
 
     Socket modes: vLLM's publisher *binds* a wildcard or ipc endpoint (`tcp://*:5557`) and
-    *connects* to a concrete tcp address (`tcp://127.0.0.1:5557`). For the first the subscriber
+    *connects* to a concrete tcp address (`tcp://127.0.0.1:5557`). For the first the stream
     connects (the default); for the second pass `bind=True`: the SUB socket binds `endpoint` and
     the publisher connects to it. The replay ROUTER is always bound by vLLM, so the replay side
     always connects.
     """
 
-    EVENTS = "kv"  # the `events` label of the view's completeness gauge
-    SNAPSHOT_KIND = "kv"  # what `snapshot_endpoint` is asked for (events.snapshot)
-
     def __init__(
         self,
         endpoint: str,
         replay_endpoint: str | None = None,
-        topic: str = "",
-        index: RemoteKVIndex | None = None,
         *,
-        metrics: Metrics | None = None,
-        poll_interval_s: float = 0.05,
-        replay_timeout_s: float = 2.0,
-        replay_deadline_s: float = 30.0,
-        max_replay_batches: int = 10_000,
-        max_replay_bytes: int = 512 << 20,
-        max_message_bytes: int = 64 << 20,
-        max_media: int | None = None,
+        sink: EventSink,
+        limits: StreamLimits | None = None,
+        topic: str = "",
         bind: bool = False,
         context: zmq.Context | None = None,
-        on_batch: Callable[[KVEventBatch], None] | None = None,
+        metrics: Metrics | None = None,
         snapshot_endpoint: str | None = None,
-        snapshot_deadline_s: float = 30.0,
-        snapshot_retry_s: float = 5.0,
-        max_snapshot_blocks: int = 1 << 22,
-        max_stamp_ahead: int = 10_000,
+        on_batch: Callable[[Any], None] | None = None,
     ) -> None:
         self.endpoint = _check_endpoint("endpoint", endpoint)
         self.bind = check_bool("bind", bind)
@@ -174,43 +232,38 @@ class KVEventSubscriber:
             None if replay_endpoint is None else _check_endpoint("replay_endpoint", replay_endpoint)
         )
         self.topic = check_str("topic", topic).encode("utf-8")
-        if index is not None and not isinstance(index, RemoteKVIndex):
-            fail_type("index", "a RemoteKVIndex", index)
+        if not all(
+            callable(getattr(sink, m, None))
+            for m in ("attach", "apply", "clears", "reset", "load", "update_gauges")
+        ):
+            fail_type("sink", "an EventSink (KVIndexSink, EncoderCacheSink)", sink)
+        if limits is None:
+            limits = StreamLimits()
+        elif not isinstance(limits, StreamLimits):
+            fail_type("limits", "a StreamLimits", limits)
         if metrics is not None and not isinstance(metrics, Metrics):
             fail_type("metrics", "a Metrics", metrics)
         if context is not None and not isinstance(context, zmq.Context):
             fail_type("context", "a zmq.Context", context)
-        if index is None:
-            index = RemoteKVIndex(max_media=8 if max_media is None else max_media)
-        elif max_media is not None and check_int("max_media", max_media, 1) != index.max_media:
-            raise InvalidArgument(
-                f"max_media={max_media} but the given index bounds media at {index.max_media}: "
-                "the index enforces it (RemoteKVIndex(max_media=...))"
-            )
-        self.index = index
         if on_batch is not None:
             check_callable("on_batch", on_batch)
+        self.limits = limits
         self.on_batch = on_batch
         self.metrics = metrics if metrics is not None else Metrics.default()
-        self.poll_interval_s = check_float("poll_interval_s", poll_interval_s, 0, lo_open=True)
-        self.replay_timeout_s = check_float("replay_timeout_s", replay_timeout_s, 0, lo_open=True)
-        self.replay_deadline_s = check_float(
-            "replay_deadline_s", replay_deadline_s, 0, lo_open=True
-        )
-        self.max_replay_batches = check_int("max_replay_batches", max_replay_batches, 1)
-        self.max_replay_bytes = check_int("max_replay_bytes", max_replay_bytes, 1)
-        self.max_message_bytes = check_int("max_message_bytes", max_message_bytes, 1, 2**62)
         self.snapshot_endpoint = (
             None
             if snapshot_endpoint is None
             else _check_endpoint("snapshot_endpoint", snapshot_endpoint)
         )
-        self.snapshot_deadline_s = check_float(
-            "snapshot_deadline_s", snapshot_deadline_s, 0, lo_open=True
+        # The snapshot's bounds: the limits', else the sink's (what its view can hold).
+        self.max_snapshot_items = (
+            sink.snapshot_items if limits.max_snapshot_items is None else limits.max_snapshot_items
         )
-        self.snapshot_retry_s = check_float("snapshot_retry_s", snapshot_retry_s, 0)
-        self.max_snapshot_blocks = check_int("max_snapshot_blocks", max_snapshot_blocks, 0)
-        self.max_stamp_ahead = check_int("max_stamp_ahead", max_stamp_ahead, 0)
+        self.max_snapshot_bytes = (
+            sink.snapshot_bytes if limits.max_snapshot_bytes is None else limits.max_snapshot_bytes
+        )
+        sink.attach(self.check)  # refuses a sink another stream feeds
+        self.sink = sink
         self._next_snapshot = 0.0  # monotonic time of the next snapshot attempt
         # A snapshot stamped ahead of the stream, unloaded until the stream reaches its stamp
         # (then put in place of the view), dropped at `_pending_until` (monotonic) if it never does.
@@ -219,7 +272,6 @@ class KVEventSubscriber:
         # The incarnation of the snapshot last put in place since the publisher (re)connected:
         # the stream's, as far as the view knows; a snapshot of another is refused.
         self._incarnation: str | None = None
-        self.max_snapshot_bytes: int | None = None  # a subclass's byte bound (events.snapshot)
         self._ctx = context or zmq.Context.instance()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -228,27 +280,28 @@ class KVEventSubscriber:
         self.error: BaseException | None = None  # what killed the loop, if it died
         self.applied_seq: int | None = None  # last seq applied (or skipped as lost)
         self.live_seq: int | None = None  # last seq received on the SUB socket
-        self._label = self.index.instance
-        self._gauge_media: set[str] = set()  # media with an index_size label
+        self._label = sink.instance
+        self._who = f"{sink.events} events {sink.instance}"  # what the log names
         self._reconnected = False  # a disconnect since the last frame
         # Everything published since the publisher started is applied (see the module doc).
         self.complete = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
-    def start(self) -> KVEventSubscriber:
+    def start(self) -> EventStream:
         """Connect and start the thread; returns once the sockets are connected.
 
         Raises InvalidArgument naming the endpoint if ZMQ refuses `endpoint` or
         `replay_endpoint` (`tcp://host:notaport`, an unknown transport).
         """
         if self._thread is not None:
-            raise RuntimeError("KVEventSubscriber already started")
+            raise RuntimeError("EventStream already started")
         self._stop.clear()
         self._started.clear()
         self._start_error = self.error = None
         self._reconnected = False
-        thread = threading.Thread(target=self._run, name=f"kv-events-{self._label}", daemon=True)
+        name = f"{self.sink.events}-events-{self._label}"
+        thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread = thread
         thread.start()
         self._started.wait()  # _run always sets it, on failure too
@@ -260,16 +313,16 @@ class KVEventSubscriber:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread and close its sockets (within about `poll_interval_s`, a replay in
-        progress included); the index keeps its last state."""
+        progress included); the sink keeps its last state."""
         timeout_s = check_float("timeout_s", timeout_s, 0)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
-                raise RuntimeError("KVEventSubscriber thread did not stop")
+                raise RuntimeError("EventStream thread did not stop")
             self._thread = None
 
-    def __enter__(self) -> KVEventSubscriber:
+    def __enter__(self) -> EventStream:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -281,23 +334,14 @@ class KVEventSubscriber:
         return self._thread is not None and self._thread.is_alive()
 
     def check(self) -> None:
-        """Raise SubscriberDied unless the loop is running (its error as the cause)."""
+        """Raise StreamDied unless the loop is running (its error as the cause)."""
         if self.error is not None:
-            raise SubscriberDied(
-                f"KV-event subscriber for {self._label} died: "
+            raise StreamDied(
+                f"{self.sink.events} event stream for {self._label} died: "
                 f"{type(self.error).__name__}: {self.error}"
             ) from self.error
         if not self.is_alive:
-            raise SubscriberDied(f"KV-event subscriber for {self._label} is not running")
-
-    def longest_prefix(self, block_hashes: Sequence[bytes | int], medium: str = MEDIUM_GPU) -> int:
-        """`index.longest_prefix`, after `check()`: a dead subscriber's view raises."""
-        self.check()
-        return self.index.longest_prefix(block_hashes, medium)
-
-    def match_prefix(self, block_hashes: Sequence[bytes | int]) -> PrefixMatch:
-        """The KVView protocol over the GPU view, after `check()`."""
-        return PrefixMatch(self.longest_prefix(block_hashes))
+            raise StreamDied(f"{self.sink.events} event stream for {self._label} is not running")
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -308,7 +352,7 @@ class KVEventSubscriber:
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's publisher hwm; bursts beyond replay
-            sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
             # reconnect fast (backing off to 1 s): a restarted publisher is seen while its seq
             # is still below the old one, and fewer live batches are lost to a blip
             sub.setsockopt(zmq.RECONNECT_IVL, 10)
@@ -364,11 +408,11 @@ class KVEventSubscriber:
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         m.subscriber_up.labels(self._label).set(1)
-        m.complete.labels(self._label, self.EVENTS).set(int(self.complete))
+        m.complete.labels(self._label, self.sink.events).set(int(self.complete))
         self._started.set()
         if self.replay_endpoint is not None:
             self._initial_replay()
-        timeout_ms = _ms(self.poll_interval_s)
+        timeout_ms = _ms(self.limits.poll_interval_s)
         stop = self._stop
         try:
             while not stop.is_set():
@@ -388,11 +432,11 @@ class KVEventSubscriber:
         except BaseException as exc:  # the socket failed: never die silently, never stale
             self.error = exc
             m.subscriber_failures.labels(self._label).inc()
-            logger.exception("KV-event subscriber for %s died; its view is reset", self._label)
+            logger.exception("%s: the stream died; its view is reset", self._who)
             try:
                 self._resync()
             except BaseException:
-                logger.exception("KV events %s: reset after the loop died failed", self._label)
+                logger.exception("%s: reset after the loop died failed", self._who)
         finally:
             m.subscriber_up.labels(self._label).set(0)
             try:
@@ -407,7 +451,7 @@ class KVEventSubscriber:
                 monitor.recv_multipart(zmq.NOBLOCK)  # only EVENT_DISCONNECTED is subscribed
             except zmq.Again:
                 return
-            logger.warning("KV events %s: publisher disconnected; resetting the view", self._label)
+            logger.warning("%s: publisher disconnected; resetting the view", self._who)
             self._resync(count=self.applied_seq is not None)
             self.applied_seq = None  # replay from 0; live_seq kept to tell a restart
             self._reconnected = True
@@ -419,9 +463,7 @@ class KVEventSubscriber:
             self._on_frames(frames)
         except Exception:
             self.metrics.errors.labels(self._label).inc()
-            logger.exception(
-                "KV events %s: error handling a batch; resetting the view", self._label
-            )
+            logger.exception("%s: error handling a batch; resetting the view", self._who)
             self._resync()
             if self.live_seq is not None:
                 self.applied_seq = self.live_seq  # the batch in hand is lost with the rest
@@ -430,7 +472,7 @@ class KVEventSubscriber:
         m = self.metrics
         if len(frames) != 3 or len(frames[1]) != 8:
             m.malformed.labels(self._label).inc()
-            logger.warning("KV events %s: malformed frames (%d parts)", self._label, len(frames))
+            logger.warning("%s: malformed frames (%d parts)", self._who, len(frames))
             return
         _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
@@ -440,8 +482,8 @@ class KVEventSubscriber:
         ):
             m.restarts.labels(self._label).inc()
             logger.warning(
-                "KV events %s: seq %d after %d%s: publisher restart",
-                self._label,
+                "%s: seq %d after %d%s: publisher restart",
+                self._who,
                 seq,
                 self.live_seq,
                 " and a reconnect" if reconnected else "",
@@ -462,21 +504,19 @@ class KVEventSubscriber:
         """Decode and apply one batch, all or nothing; a bad one is lost, so the view resets."""
         m = self.metrics
         try:
-            batch = self._decode_apply(payload)
+            batch = self.sink.apply(payload)
         except ValueError as exc:  # MalformedBatch, or what the index refuses
             m.malformed.labels(self._label).inc()
-            logger.warning(
-                "KV events %s: batch %d dropped (%s); resetting the view", self._label, seq, exc
-            )
+            logger.warning("%s: batch %d dropped (%s); resetting the view", self._who, seq, exc)
             self._resync()  # what it would have told is lost
             self.applied_seq = seq
             if self._pending is not None and seq == self._pending.stamp - 1:
                 self._reach_stamp()
             return
         self.applied_seq = seq
-        if (seq == 0 or self._clears(batch)) and not self.complete:
+        if (seq == 0 or self.sink.clears(batch)) and not self.complete:
             self.complete = True
-            m.complete.labels(self._label, self.EVENTS).set(1)
+            m.complete.labels(self._label, self.sink.events).set(1)
         m.batches.labels(self._label).inc()
         counts: dict[str, int] = {}
         for e in batch.events:
@@ -484,49 +524,23 @@ class KVEventSubscriber:
             counts[kind] = counts.get(kind, 0) + 1
         for kind, n in counts.items():
             m.events.labels(self._label, kind).inc(n)
-        self._update_gauges()
+        self.sink.update_gauges(self.metrics)
         if self.on_batch is not None:
             try:
                 self.on_batch(batch)
             except Exception:  # an observer's bug costs its observation, never the view
                 m.errors.labels(self._label).inc()
-                logger.exception("KV events %s: on_batch raised", self._label)
+                logger.exception("%s: on_batch raised", self._who)
         if self._pending is not None and seq == self._pending.stamp - 1:
             self._reach_stamp()
-
-    def _decode_apply(self, payload: bytes) -> Any:
-        """Decode a payload and apply it to the view, whole or not at all (ValueError if not).
-        The one place that knows the view is a RemoteKVIndex fed by KV events."""
-        batch = decode_batch(payload)
-        self.index.apply(batch)  # refuses it whole: a bad hash, too many media
-        return batch
-
-    def _reset_view(self) -> None:
-        self.index.clear()
-
-    def _clears(self, batch: Any) -> bool:
-        """Whether an applied batch empties the view whole (it is then exact from there on)."""
-        return any(type(e) is AllBlocksCleared for e in batch.events)
-
-    def _update_gauges(self) -> None:
-        """index_size per medium held (GPU always); labels of media gone are removed, so the
-        label set stays within max_media + 1."""
-        gauge = self.metrics.index_size
-        present = set(self.index.media()) | {MEDIUM_GPU}
-        for medium in self._gauge_media - present:
-            with contextlib.suppress(KeyError):  # never labelled
-                gauge.remove(self._label, medium)
-        for medium in present:
-            gauge.labels(self._label, medium).set(self.index.size(medium))
-        self._gauge_media = present
 
     def _resync(self, count: bool = True) -> None:
         if count:
             self.metrics.resyncs.labels(self._label).inc()
         self.complete = False
-        self.metrics.complete.labels(self._label, self.EVENTS).set(0)
-        self._reset_view()
-        self._update_gauges()
+        self.metrics.complete.labels(self._label, self.sink.events).set(0)
+        self.sink.reset()
+        self.sink.update_gauges(self.metrics)
 
     def _initial_replay(self) -> None:
         """At start, whatever the replay buffer holds, from seq 0: a view that joins while P is
@@ -536,13 +550,13 @@ class KVEventSubscriber:
         try:
             self._replay(0, None, resynced)
         except _ReplayAborted as exc:
-            logger.warning("KV events %s: no initial replay (%s)", self._label, exc)
+            logger.warning("%s: no initial replay (%s)", self._who, exc)
             self._resync(count=False)
             self.applied_seq = None
             return
         if self.applied_seq is None:  # an empty buffer: P has published nothing yet
             self.complete = True
-            self.metrics.complete.labels(self._label, self.EVENTS).set(1)
+            self.metrics.complete.labels(self._label, self.sink.events).set(1)
 
     # ---- snapshots ----------------------------------------------------------------------------
 
@@ -566,7 +580,7 @@ class KVEventSubscriber:
             logger.info(
                 "%s events %s: the view became complete before the stream reached the snapshot's "
                 "stamp %d (a clear); the snapshot is not needed",
-                self.EVENTS,
+                self.sink.events,
                 self._label,
                 snap.stamp,
             )
@@ -579,7 +593,7 @@ class KVEventSubscriber:
                 SnapshotRefused(
                     "stamp",
                     f"the stream stayed at {self._position()}, never reaching the snapshot's "
-                    f"stamp {snap.stamp} within snapshot_deadline_s={self.snapshot_deadline_s}",
+                    f"stamp {snap.stamp} within snapshot_deadline_s={self.limits.snapshot_deadline_s}",
                 ),
                 reset=False,  # never loaded: the view is as it was, incomplete
             )
@@ -616,12 +630,12 @@ class KVEventSubscriber:
             snap = fetch_snapshot(
                 self.snapshot_endpoint,
                 context=self._ctx,
-                deadline_s=self.snapshot_deadline_s,
-                quiet_s=self.replay_timeout_s * 2.5,
-                max_blocks=self.max_snapshot_blocks,
+                deadline_s=self.limits.snapshot_deadline_s,
+                quiet_s=self.limits.replay_timeout_s * 2.5,
+                max_blocks=self.max_snapshot_items,
                 max_bytes=self.max_snapshot_bytes,
                 cancelled=self._stop.is_set,
-                kind=self.SNAPSHOT_KIND,
+                kind=self.sink.snapshot_kind,
             )
         except SnapshotRefused as e:
             self._snapshot_failed(e, reset=False)
@@ -645,22 +659,22 @@ class KVEventSubscriber:
         if snap.stamp - 1 <= at:
             self._install(snap)
             return
-        if snap.stamp - 1 - at > self.max_stamp_ahead:
+        if snap.stamp - 1 - at > self.limits.max_stamp_ahead:
             self._snapshot_failed(
                 SnapshotRefused(
                     "stamp",
                     f"snapshot stamped {snap.stamp}, the stream is at {at} "
-                    f"(max_stamp_ahead={self.max_stamp_ahead})",
+                    f"(max_stamp_ahead={self.limits.max_stamp_ahead})",
                 ),
                 reset=False,
             )
             return
         self._pending = snap
-        self._pending_until = time.monotonic() + self.snapshot_deadline_s
+        self._pending_until = time.monotonic() + self.limits.snapshot_deadline_s
         logger.info(
             "%s events %s: snapshot stamped %d, the stream at %d: held until the stream gets "
             "there (the view stays incomplete)",
-            self.EVENTS,
+            self.sink.events,
             self._label,
             snap.stamp,
             at,
@@ -671,7 +685,7 @@ class KVEventSubscriber:
         the view applied past its stamp; the view is then complete."""
         stamp, applied = snap.stamp, self.applied_seq
         try:
-            self._load_snapshot(snap)
+            self.sink.load(snap)
         except ValueError as e:
             self._snapshot_failed(SnapshotRefused("malformed", f"snapshot: {e}"), reset=False)
             return
@@ -699,28 +713,23 @@ class KVEventSubscriber:
         self._incarnation = snap.incarnation
         self.complete = True
         m = self.metrics
-        m.complete.labels(self._label, self.EVENTS).set(1)
+        m.complete.labels(self._label, self.sink.events).set(1)
         m.snapshots.labels(self._label, "ok").inc()
-        self._update_gauges()
+        self.sink.update_gauges(self.metrics)
         logger.info(
             "%s events %s: view bootstrapped from P's snapshot (%d entries, stamp %d)",
-            self.EVENTS,
+            self.sink.events,
             self._label,
             len(snap.block_ids) + len(snap.entries),
             stamp,
         )
 
-    def _load_snapshot(self, snap: Snapshot) -> None:
-        """Put a whole snapshot in place of the view (ValueError: refused, nothing changed),
-        with the identifiers its blocks carry where P followed them."""
-        self.index.load(snap.block_ids, snap.counts, identifiers=snap.identifiers)
-
     def _snapshot_failed(self, e: SnapshotRefused, *, reset: bool) -> None:
         self.metrics.snapshots.labels(self._label, e.reason).inc()
-        logger.warning("KV events %s: no snapshot (%s): %s", self._label, e.reason, e)
+        logger.warning("%s: no snapshot (%s): %s", self._who, e.reason, e)
         if reset:
             self._resync()
-        self._next_snapshot = time.monotonic() + self.snapshot_retry_s
+        self._next_snapshot = time.monotonic() + self.limits.snapshot_retry_s
 
     # ---- gaps ---------------------------------------------------------------------------------
 
@@ -731,18 +740,18 @@ class KVEventSubscriber:
         try:
             if self.replay_endpoint is None:
                 raise _ReplayAborted("unavailable", "no replay endpoint")
-            if upto - start > self.max_replay_batches:
+            if upto - start > self.limits.max_replay_batches:
                 raise _ReplayAborted(
                     "bound",
-                    f"gap of {upto - start} batches > max_replay_batches={self.max_replay_batches}",
+                    f"gap of {upto - start} batches > max_replay_batches={self.limits.max_replay_batches}",
                 )
             self._replay(start, upto, resynced)
         except _ReplayAborted as exc:
             if exc.reason != "unavailable":
                 self.metrics.replay_aborts.labels(self._label, exc.reason).inc()
             logger.warning(
-                "KV events %s: batches %d..%d lost (%s); resetting the view",
-                self._label,
+                "%s: batches %d..%d lost (%s); resetting the view",
+                self._who,
                 start,
                 upto - 1,
                 exc,
@@ -763,7 +772,7 @@ class KVEventSubscriber:
         dealer = self._ctx.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
             assert self.replay_endpoint is not None
             try:
                 dealer.connect(self.replay_endpoint)
@@ -771,22 +780,26 @@ class KVEventSubscriber:
             except zmq.ZMQError as exc:
                 raise _ReplayAborted("error", f"replay request failed: {exc}") from None
             now = time.monotonic()
-            deadline = now + self.replay_deadline_s
-            quiet_until = now + self.replay_timeout_s
+            deadline = now + self.limits.replay_deadline_s
+            quiet_until = now + self.limits.replay_timeout_s
             expected, nbytes = start, 0
             while upto is None or expected < upto:
                 if self._stop.is_set():
                     raise _ReplayAborted("stop", "stopped during the replay")
                 now = time.monotonic()
                 if now >= deadline:
-                    raise _ReplayAborted("deadline", f"replay ran past {self.replay_deadline_s}s")
+                    raise _ReplayAborted(
+                        "deadline", f"replay ran past {self.limits.replay_deadline_s}s"
+                    )
                 if now >= quiet_until:
-                    raise _ReplayAborted("timeout", f"replay silent for {self.replay_timeout_s}s")
-                wait = min(deadline, quiet_until, now + self.poll_interval_s) - now
+                    raise _ReplayAborted(
+                        "timeout", f"replay silent for {self.limits.replay_timeout_s}s"
+                    )
+                wait = min(deadline, quiet_until, now + self.limits.poll_interval_s) - now
                 if not dealer.poll(_ms(wait)):
                     continue
                 frames = dealer.recv_multipart()
-                quiet_until = time.monotonic() + self.replay_timeout_s
+                quiet_until = time.monotonic() + self.limits.replay_timeout_s
                 # vLLM >= 0.26: (b"", topic, seq, payload); before: (b"", seq, payload)
                 if len(frames) == 4:
                     seq_bytes, payload = frames[2], frames[3]
@@ -815,9 +828,9 @@ class KVEventSubscriber:
                     if upto is not None and seq == upto:
                         return
                 nbytes += len(payload)
-                if nbytes > self.max_replay_bytes:
+                if nbytes > self.limits.max_replay_bytes:
                     raise _ReplayAborted(
-                        "bytes", f"replay past max_replay_bytes={self.max_replay_bytes}"
+                        "bytes", f"replay past max_replay_bytes={self.limits.max_replay_bytes}"
                     )
                 self._apply(seq, payload)
                 expected = seq + 1

@@ -1,10 +1,11 @@
-"""KVEventSubscriber against a hostile publisher (issue #11): garbage, nesting, lying or endless
+"""EventStream (into a KVIndexSink) against a hostile publisher (issue #11): garbage, nesting, lying or endless
 replays, restarts, floods. After each scenario the view holds no block the publisher removed
 (it equals the truth, or is a subset of it after a counted resync), the thread is alive, and
 `stop()` returns within its timeout. Plus a fuzz of `decode_batch` and `RemoteKVIndex.apply`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -22,19 +23,30 @@ from mmreuse.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventStream,
     KVEventBatch,
-    KVEventSubscriber,
+    KVIndexSink,
     MalformedBatch,
     RemoteKVIndex,
+    StreamDied,
+    StreamLimits,
     decode_batch,
     encode_batch,
 )
-from mmreuse.events.subscriber import SubscriberDied
 from mmreuse.events.wire import MAX_EXTRA_KEY_DEPTH
 from tests.support.kv_publisher import TestPublisher, batch, stored
 from tests.support.waiting import wait_for
 
 STOP_TIMEOUT_S = 5.0
+LIMITS = {f.name for f in dataclasses.fields(StreamLimits)}
+
+
+def stream(endpoint, replay_endpoint=None, *, index=None, **kw):
+    """An EventStream into a KVIndexSink over `index` (a new one: "p0"); the keywords that are
+    StreamLimits fields go to its limits, the others to the stream."""
+    limits = StreamLimits(**{k: kw.pop(k) for k in list(kw) if k in LIMITS})
+    sink = KVIndexSink(RemoteKVIndex("p0") if index is None else index)
+    return EventStream(endpoint, replay_endpoint, sink=sink, limits=limits, **kw)
 
 
 def removed(hashes, medium="GPU"):
@@ -74,20 +86,19 @@ class Scenario:
 
     def __init__(self, ctx, metrics, **kw):
         self.pub = TestPublisher(ctx, buffer_steps=kw.pop("buffer_steps", 10_000))
-        self.idx = RemoteKVIndex("p0", max_media=kw.get("max_media", 8))
+        self.idx = RemoteKVIndex("p0", max_media=kw.pop("max_media", 8))
         self.metrics = metrics
         self.truth = Truth()
         replay = kw.pop("replay", self.pub.replay_endpoint)
         kw.setdefault("replay_timeout_s", 0.3)
         kw.setdefault("replay_deadline_s", 5.0)
-        self.sub = KVEventSubscriber(
+        self.sub = stream(
             self.pub.endpoint, replay, index=self.idx, metrics=metrics, context=ctx, **kw
         ).start()
-        # the SUB joins late (slow joiner): warm up until a live batch is applied
-        for i in range(200):
-            self.publish(batch(stored([10_000 + i])))
-            if wait_for(lambda: self.sub.applied_seq is not None, timeout=0.05):
-                break
+        # the SUB joins late (slow joiner): wait for its subscription (and its start-up replay,
+        # where it asks this publisher for one), then a live batch
+        assert self.pub.wait_joined(replays=int(replay == self.pub.replay_endpoint))
+        self.publish(batch(stored([10_000])))
         assert wait_for(lambda: self.sub.applied_seq == self.last)
 
     def publish(self, b, *, drop=False):
@@ -172,11 +183,11 @@ def lose_then_live(s, n_lost=2):
 )
 def test_start_refuses_an_endpoint_zmq_refuses(ctx, metrics, field, endpoint):
     kw = {"endpoint": "tcp://127.0.0.1:5999", "replay_endpoint": None, field: endpoint}
-    sub = KVEventSubscriber(**kw, metrics=metrics, context=ctx)
+    sub = stream(**kw, metrics=metrics, context=ctx)
     with pytest.raises(InvalidArgument, match=f"^{field} .*notaport|^{field} .*foo://bar"):
         sub.start()
     assert not sub.is_alive and sub._thread is None
-    with pytest.raises(SubscriberDied, match="not running"):
+    with pytest.raises(StreamDied, match="not running"):
         sub.check()
     sub.stop(STOP_TIMEOUT_S)
 
@@ -202,7 +213,10 @@ def test_start_refuses_an_endpoint_zmq_refuses(ctx, metrics, field, endpoint):
 )
 def test_constructor_refuses_bad_values(kwargs, match):
     with pytest.raises(InvalidArgument, match=f"^{match}"):
-        KVEventSubscriber("tcp://127.0.0.1:5999", **kwargs)
+        if "max_media" in kwargs:  # the index's bound, kept by the index
+            stream("tcp://127.0.0.1:5999", index=RemoteKVIndex(**kwargs))
+        else:
+            stream("tcp://127.0.0.1:5999", **kwargs)
 
 
 # ---- garbage and nesting on the live stream -----------------------------------------------
@@ -303,9 +317,8 @@ def test_an_unexpected_error_in_a_batch_costs_a_resync_not_the_loop(ctx, metrics
 
     pub = TestPublisher(ctx)
     idx = FlakyIndex("p0")
-    sub = KVEventSubscriber(
-        pub.endpoint, pub.replay_endpoint, index=idx, metrics=metrics, context=ctx
-    ).start()
+    sub = stream(pub.endpoint, pub.replay_endpoint, index=idx, metrics=metrics, context=ctx)
+    sub.start()
     try:
         assert wait_for(lambda: (pub.publish(batch(stored([1]))), sub.applied_seq)[1] is not None)
         idx.fail = True
@@ -336,12 +349,12 @@ def test_a_dead_loop_is_visible_and_resets_the_view(scenario, metrics):
     assert value(metrics.subscriber_failures, "p0") == 1
     assert value(metrics.subscriber_up, "p0") == 0
     assert not s.idx.contains(1) and s.idx.size() == 0  # not left stale
-    with pytest.raises(SubscriberDied, match="socket gone"):
+    with pytest.raises(StreamDied, match="socket gone"):
         s.sub.check()
-    with pytest.raises(SubscriberDied):
-        s.sub.longest_prefix([1])
-    with pytest.raises(SubscriberDied):
-        s.sub.match_prefix([1])
+    with pytest.raises(StreamDied, match="socket gone"):
+        s.sub.sink.longest_prefix([1])
+    with pytest.raises(StreamDied):
+        s.sub.sink.match_prefix([1])
 
 
 # ---- replays that do not fill the gap -----------------------------------------------------
@@ -352,7 +365,7 @@ def test_a_complete_replay_needs_no_resync(scenario, metrics):
     lose_then_live(s, 3)
     s.settle()
     assert value(metrics.replays, "p0") >= 1 and value(metrics.resyncs, "p0") == 0
-    assert s.sub.match_prefix([1]).num_blocks == 0 and s.sub.longest_prefix([100]) == 1
+    assert s.sub.sink.match_prefix([1]).num_blocks == 0 and s.sub.sink.longest_prefix([100]) == 1
     s.assert_sound(exact=True)
 
 
@@ -431,7 +444,7 @@ def test_a_slow_endless_replay_hits_the_deadline_and_live_removals_apply(scenari
 
     def drip(start, items):
         for seq, payload in items:  # in order and in range, but far too slowly
-            time.sleep(0.1)
+            time.sleep(0.1)  # the thing under test: a replay slower than its deadline
             yield frame(seq, payload)
 
     s.pub.replay_script = drip
@@ -462,8 +475,8 @@ def test_stop_interrupts_an_endless_replay(scenario, metrics):
     s = scenario(replay_timeout_s=30.0, replay_deadline_s=60.0)
 
     def slow_forever(start, items):
-        while True:  # never a reply: the subscriber would wait replay_timeout_s
-            time.sleep(0.05)
+        while True:  # never a reply: the stream would wait replay_timeout_s
+            time.sleep(0.05)  # the thing under test: a replay server that never answers
             yield from ()
 
     s.pub.replay_script = slow_forever
@@ -501,12 +514,9 @@ def test_publisher_restart_forgets_the_old_process(ctx, metrics):
         s.pub = TestPublisher(ctx, pub_endpoint=endpoint, replay_endpoint=replay)
         s.truth = Truth()  # a new process: an empty prefix cache
         s.truth.seen |= {1, 2, 3}
-        s.publish(batch(stored([50])))
-        for i in range(200):
-            if s.idx.contains(50):
-                break
-            s.publish(batch(stored([51 + i])))
-            time.sleep(0.02)
+        s.publish(batch(stored([50])))  # seq 0 of the new process; the SUB may miss it
+        assert s.pub.wait_joined()  # the SUB has reconnected: the next batch reaches it
+        s.publish(batch(stored([51])))
         s.settle()
         # seen as a seq going back, or as the dropped connection (new seqs may overtake old)
         assert value(metrics.resyncs, "p0") >= 1
