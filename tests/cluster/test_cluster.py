@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from mmreuse.cluster.instance import InstanceSpec, free_ports, server_argv, stop
 from mmreuse.cluster.model import IMAGE_PAD_ID, SPECIAL_TOKENS, build_model, model_files
 from mmreuse.cluster.probe import EncoderProbe, connector_files, count_encoder_inputs
 from mmreuse.errors import InvalidArgument
+from tests.support.waiting import wait_for
 
 # the module (mmreuse.cluster's `install` attribute is its function)
 install = importlib.import_module("mmreuse.cluster.install")
@@ -185,10 +185,22 @@ def test_state_file_refuses_garbage(tmp_path):
         cl.read_state(tmp_path)
 
 
+def _group_size(pgid: int) -> int:
+    """How many live processes are in process group `pgid` (from /proc)."""
+    n = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        n += fields[0] != "Z" and int(fields[2]) == pgid
+    return n
+
+
 def test_stop_group_stops_children(tmp_path):
     code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
     leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    time.sleep(0.5)
+    assert wait_for(lambda: _group_size(leader.pid) == 2), "the child never started"
     stop_group(leader.pid, timeout=5, leader=leader)
     assert leader.poll() is not None
     with pytest.raises(ProcessLookupError):

@@ -17,13 +17,17 @@ from mmreuse.proxy.config import parse_args
 from mmreuse.proxy.server import PROXY_KEY, build_app
 from tests.support.index_proxy import TEXT, A, B, render
 from tests.support.proxy_fakes import chat, img, proxy_client, sha
+from tests.support.waiting import async_wait_for
 
 
-async def _wait(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "the encoder-cache events never applied"
-        await asyncio.sleep(0.01)
+async def _wait(cond):
+    assert await async_wait_for(cond), "the encoder-cache events never applied"
+
+
+async def _joined(pub, n=1):
+    """Every subscriber's subscription reached `pub` and its start-up replay was served: from
+    then on a batch published reaches each of them live (no slow-joiner sleep)."""
+    assert await asyncio.to_thread(pub.wait_joined, n, replays=n), "the proxy never subscribed"
 
 
 async def test_an_item_in_ps_encoder_cache_is_not_sent_to_e(fakes, publisher):
@@ -36,7 +40,7 @@ async def test_an_item_in_ps_encoder_cache_is_not_sent_to_e(fakes, publisher):
     app = build_app(parse_args(argv, env={}))
     async with proxy_client(app) as client:
         proxy = app[PROXY_KEY]
-        await asyncio.sleep(0.3)
+        await _joined(pub)
         pub.publish(encode_ec_batch(EncoderCacheEventBatch(time.time(), [EncoderCacheStored(sha(B), 16)], 0)))  # fmt: skip
         await _wait(lambda: sha(B) in proxy.availability.availability_for("PD0").p_local)
         r = await client.post("/v1/chat/completions", json=chat(TEXT, img(A), img(B)))
@@ -69,7 +73,7 @@ async def test_replicas_share_the_e_side_from_es_own_events(fakes, publisher):
     apps = [build_app(parse_args(argv, env={})) for _ in range(2)]
     async with proxy_client(apps[0]) as one, proxy_client(apps[1]) as two:
         proxies = [app[PROXY_KEY] for app in apps]
-        await asyncio.sleep(0.3)
+        await _joined(pub, 2)
         pub.publish(encode_ec_batch(EncoderCacheEventBatch(time.time(), [EncoderCacheStored(sha(B), 16)], 0)))  # fmt: skip
         for proxy in proxies:
             await _wait(lambda p=proxy: sha(B) in p.availability.availability_for("PD0", ("E0",)).e_cached)  # fmt: skip
