@@ -1,4 +1,5 @@
-"""The proxy's HTTP side: aiohttp serves the reference proxy's routes and calls E, P and D.
+"""The proxy's HTTP side: aiohttp serves the reference proxy's routes; E, P and D are called
+over `upstream.Upstream`'s keep-alive connections (the other backend calls: aiohttp's client).
 
 Routes: POST /v1/chat/completions (streaming or not), GET /v1/models, GET /health,
 POST /start_profile, POST /stop_profile (as the reference), and GET /metrics (Prometheus).
@@ -52,6 +53,7 @@ from .metrics import ProxyMetrics
 from .models import ModelCatalog
 from .policy import Decision, Planner
 from .store import StoreTruth
+from .upstream import Upstream, UpstreamResponse
 from .views import EncoderView, InstanceView
 
 logger = logging.getLogger("mmreuse.proxy")
@@ -121,6 +123,7 @@ class Proxy:
         self.registry = CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry)  # its views' metrics too (metrics.views)
         self.session: aiohttp.ClientSession | None = None
+        self.upstream: Upstream | None = None  # E's, P's and D's POSTs (the rest: session)
         self.media_session: aiohttp.ClientSession | None = None  # --uuid-policy content's
         self.media = MediaFetcher(config.media, self._fetch_media)
         self.availability = EmbeddingAvailability(
@@ -191,7 +194,7 @@ class Proxy:
         )
         self.encoders = EncoderFanout(
             config.encode_urls,
-            self._session,
+            self._upstream,
             max_batch_size=config.encoder_max_batch_size,
             no_rewrite=config.no_rewrite,
         )
@@ -212,6 +215,7 @@ class Proxy:
             timeout=aiohttp.ClientTimeout(),  # none: the reference's 100,000 s, without timers
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
+        self.upstream = Upstream(keep_alive / 2 if keep_alive > 0 else None)
         if self.config.uuid_policy == "content":
             from .content import media_session  # no cookies; only checked addresses
 
@@ -230,12 +234,18 @@ class Proxy:
             await asyncio.to_thread(view.stop)
         if self.session is not None:
             await self.session.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         if self.media_session is not None:
             await self.media_session.close()
 
     def _session(self) -> aiohttp.ClientSession:
         assert self.session is not None, "Proxy.start() first"
         return self.session
+
+    def _upstream(self) -> Upstream:
+        assert self.upstream is not None, "Proxy.start() first"
+        return self.upstream
 
     async def _get(self, url: str) -> tuple[int, bytes]:
         async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
@@ -369,10 +379,10 @@ class Proxy:
                 # (on the retry nothing is taken for lost: P's answer is the client's)
                 held_raw = frozenset() if relost else _uuids_at(sent, current.raw_with_uuid)
                 td = time.perf_counter()
-                resp = await self._session().post(
+                resp = await self._upstream().post(
                     chat_url(d_url),
-                    data=_encode.encode(body),
-                    headers={"x-request-id": req_id, "Content-Type": "application/json"},
+                    _encode.encode(body),
+                    {"x-request-id": req_id, "Content-Type": "application/json"},
                 )
                 try:
                     if resp.status == 500 and refs:
@@ -409,7 +419,7 @@ class Proxy:
                         body=out,
                         status=resp.status,
                         headers={
-                            "Content-Type": resp.headers.get("Content-Type", "application/json")
+                            "Content-Type": resp.headers.get("content-type", "application/json")
                         },
                     )
                 finally:
@@ -662,13 +672,16 @@ class Proxy:
             body["max_completion_tokens"] = 1
         body.pop("stream_options", None)
         try:
-            async with self._session().post(
+            resp = await self._upstream().post(
                 chat_url(p_url),
-                data=_encode.encode(body),
-                headers={"x-request-id": req_id, "Content-Type": "application/json"},
-            ) as resp:
+                _encode.encode(body),
+                {"x-request-id": req_id, "Content-Type": "application/json"},
+            )
+            try:
                 payload = await resp.read()
                 status = resp.status
+            finally:
+                resp.release()
         except aiohttp.ClientError as e:
             raise ProxyError(
                 502, {"error": "Prefill processing error", "message": str(e)}, stage="prefill"
@@ -691,7 +704,7 @@ class Proxy:
             return {**req, "kv_transfer_params": params}
         return req
 
-    async def _hold(self, resp: aiohttp.ClientResponse) -> tuple[bytes, str | None]:
+    async def _hold(self, resp: UpstreamResponse) -> tuple[bytes, str | None]:
         """Read a 200 stream up to its first token (vLLM's first events carry only the role),
         at most HOLD_BYTES: the bytes read, and vLLM's request-level error event (its data)
         when that is what came instead. Nothing has reached the client yet."""
@@ -699,7 +712,7 @@ class Proxy:
         start = 0  # where the first event not yet looked at begins
         while len(held) <= HOLD_BYTES:
             try:
-                chunk = await resp.content.readany()
+                chunk = await resp.readany()
             except (TimeoutError, aiohttp.ClientError, ConnectionError):
                 return bytes(held), None  # `_stream` forwards what came, then breaks as it did
             if not chunk:
@@ -721,13 +734,13 @@ class Proxy:
         return bytes(held), None
 
     async def _stream(
-        self, request: web.Request, resp: aiohttp.ClientResponse, td: float, held: bytes = b""
+        self, request: web.Request, resp: UpstreamResponse, td: float, held: bytes = b""
     ) -> web.StreamResponse:
         """Forward decode's bytes as they come (no SSE parsing), after `held` (what `_hold`
         read); the status line goes out only now that decode has accepted the request."""
         out = web.StreamResponse(
             status=resp.status,
-            headers={"Content-Type": resp.headers.get("Content-Type", "text/event-stream")},
+            headers={"Content-Type": resp.headers.get("content-type", "text/event-stream")},
         )
         await out.prepare(request)
         first = True
@@ -735,7 +748,7 @@ class Proxy:
         while True:
             if not chunk:
                 try:
-                    chunk = await resp.content.readany()
+                    chunk = await resp.readany()
                 except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
                     # The status line is out: the one honest signal left is a broken stream
                     # (no terminating chunk), never a second response.
