@@ -352,6 +352,10 @@ class Upstream:
         if keepalive_s is not None and not keepalive_s > 0:
             raise ValueError(f"keepalive_s must be > 0 or None, got {keepalive_s!r}")
         self.keepalive_s = keepalive_s
+        # the head's end, as aiohttp writes it (`Connection: close` when nothing is pooled)
+        self._end = b"Content-Length: %d\r\n" + (
+            b"\r\n" if keepalive_s else b"Connection: close\r\n\r\n"
+        )
         self._idle: dict[Key, list[_Connection]] = {}
         self._open: set[_Connection] = set()
         self._ssl: ssl.SSLContext | None = None
@@ -359,7 +363,8 @@ class Upstream:
     async def post(
         self, url: yarl.URL, body: bytes, headers: Mapping[str, str]
     ) -> UpstreamResponse:
-        """POST `body` to `url` with `headers` (and Host, Content-Length); the answer once its
+        """POST `body` to `url` with `headers` (and Host, Content-Length, and Connection: close
+        without keep-alive: the bytes aiohttp's client writes); the answer once its
         status line and headers are in. Call its `release()` when done with it."""
         key, head = _target(url)
         lines = [head]
@@ -367,7 +372,7 @@ class Upstream:
             if "\r" in value or "\n" in value:
                 raise ValueError(f"header {name}: a line break in {value[:80]!r}")
             lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
-        lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        lines.append(self._end % len(body))
         conn = self._take(key)
         if conn is None:
             conn = await self._connect(key)

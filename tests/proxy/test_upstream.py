@@ -170,6 +170,7 @@ async def test_no_keepalive_means_a_connection_per_request():
         await post(up, url)
         await post(up, url)
         assert seen["connections"] == 2
+        assert seen["requests"][0].endswith(b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
         await up.close()
 
 
