@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import re
 import ssl
 from collections.abc import Mapping
 
@@ -33,6 +34,8 @@ _SMALL_BODY = 1 << 14  # joined with the head into one write below this; two wri
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
 
 Key = tuple[str, str, int]
+_STATUS = re.compile(rb"HTTP/1\.[01] ([1-5][0-9][0-9])(?: .*)?")
+_CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;.*)?")
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,10 +198,11 @@ class UpstreamResponse:
                     if len(buf) > 4096:
                         raise ValueError("a chunk size line over 4096 bytes")
                     return
-                size = int(bytes(buf[:end]).split(b";", 1)[0].strip(), 16)
+                line = _CHUNK_SIZE_LINE.fullmatch(buf, 0, end)
+                if line is None:
+                    raise ValueError(f"chunk size line {bytes(buf[:end][:80])!r}")
+                size = int(line.group(1), 16)
                 del buf[: end + 2]
-                if size < 0:
-                    raise ValueError(f"chunk size {size}")
                 self._state, self._left = (_CHUNK_DATA, size) if size else (_TRAILER, 0)
             elif state == _CHUNK_END:
                 if len(buf) < 2:
@@ -224,10 +228,10 @@ class UpstreamResponse:
     def _start(self, head: bytes) -> None:
         """The status line and headers: how the body is framed."""
         lines = head.split(b"\r\n")
-        version, _, rest = lines[0].partition(b" ")
-        if not version.startswith(b"HTTP/1."):
+        match = _STATUS.fullmatch(lines[0])
+        if match is None:
             raise ValueError(f"status line {lines[0][:80]!r}")
-        status = int(rest[:3])
+        version, status = lines[0][:8], int(match.group(1))
         if 100 <= status < 200 and status != 101:  # informational: the answer follows
             return
         headers = self.headers
