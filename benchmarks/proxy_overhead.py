@@ -1,4 +1,4 @@
-"""What an EPD proxy adds per request: vLLM 0.33.0's reference proxy vs. `mmreuse proxy`.
+"""What an EPD proxy adds per request: vLLM's reference proxy vs. `mmreuse proxy`.
 
 One run measures both sides under the same conditions. It starts instant stub backends (1 E,
 1 PD; `stub_backends.py`), the reference proxy (fetched by `mmreuse.cluster.reference`, run by the
@@ -7,7 +7,9 @@ own process group on free 127.0.0.1 ports. A closed-loop load generator in its o
 asyncio HTTP/1.1 keep-alive client on uvloop, one connection per concurrent request) then drives
 each cell (concurrency x images per request) against: the PD stub directly (the baseline), the
 reference as shipped, the reference with its per-request INFO logging off (`reference-nolog`,
-the same file under `logging.disable(INFO)`), and mmreuse; the proxies interleaved ABBA over
+the same file under `logging.disable(INFO)`), mmreuse, and optionally a baseline mmreuse
+(`mmreuse-before`, `--before-cmd`: another tree's, for a before/after in the same run); the
+proxies interleaved ABBA over
 `--rounds` to cancel drift. Images are small distinct `data:image/png;base64,...` URLs, so
 nothing is cached by content. Before the load, one 2-image request through each proxy checks that
 E and PD receive the same bodies from it as from the reference (random transfer ids aside).
@@ -61,7 +63,7 @@ sys.path.insert(0, str(REPO))
 
 from stub_backends import dechunk  # noqa: E402  (this script's folder)
 
-TARGETS = ("direct", "reference", "reference-nolog", "mmreuse")
+TARGETS = ("direct", "reference", "reference-nolog", "mmreuse-before", "mmreuse")
 PROXIES = TARGETS[1:]
 # The reference as shipped logs ~6 INFO lines per request (its own and uvicorn's access log);
 # `reference-nolog` runs the same file with INFO disabled, to show what that logging costs.
@@ -567,10 +569,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--targets",
-        default=",".join(TARGETS),
-        help="subset of direct,reference,reference-nolog,mmreuse",
+        default=",".join(t for t in TARGETS if t != "mmreuse-before"),
+        help="subset of direct,reference,reference-nolog,mmreuse-before,mmreuse "
+        "(default: all but mmreuse-before)",
     )
     parser.add_argument("--mmreuse-cmd", default=".venv/bin/mmreuse proxy")
+    parser.add_argument(
+        "--before-cmd",
+        default=None,
+        help="mmreuse-before's `mmreuse proxy` command, e.g. another tree's: "
+        "'env -C /tmp/base PYTHONPATH=/tmp/base .venv/bin/python -m mmreuse.cli proxy'",
+    )
     parser.add_argument(
         "--reference", default=None, help="the reference proxy .py (default: fetched)"
     )
@@ -599,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--modes must be from {MODES}, got {args.modes!r}")
     if not targets or any(t not in TARGETS for t in targets):
         raise SystemExit(f"--targets must be from {TARGETS}, got {args.targets!r}")
+    if ("mmreuse-before" in targets) != (args.before_cmd is not None):
+        raise SystemExit("--before-cmd goes with the target mmreuse-before, and only with it")
     if "direct" not in targets:
         targets.insert(0, "direct")  # every row is relative to it
     for name in ("requests", "rounds", "image_px"):
@@ -663,6 +674,11 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             argv = [*shlex.split(args.mmreuse_cmd), *flags(port), "--policy", "eager"]
             procs["mmreuse"] = Proc("mmreuse proxy", argv, logdir / "mmreuse.log", port)
+        if "mmreuse-before" in targets:
+            port = free_port()
+            argv = [*shlex.split(args.before_cmd), *flags(port), "--policy", "eager"]
+            log = logdir / "mmreuse-before.log"
+            procs["mmreuse-before"] = Proc("mmreuse proxy, before", argv, log, port)
         for key in PROXIES:
             if key in procs:
                 procs[key].start(proxy_cpus)
@@ -731,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
                                 if not p.alive():
                                     raise RuntimeError(f"{p.name} ({key}) died:\n{p.tail()}")
                             print(
-                                f"  {mode:6} img={images} c={c:<3} {target:9} round {rnd}: "
+                                f"  {mode:6} img={images} c={c:<3} {target:14} round {rnd}: "
                                 f"{run['rps']:8.0f} req/s  p50 {run['p50_ms']:7.2f} ms  "
                                 f"p99 {run['p99_ms']:7.2f} ms  errors {run['errors']}",
                                 file=sys.stderr,
@@ -768,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         if reference_py
         else None,
         "mmreuse_cmd": args.mmreuse_cmd if "mmreuse" in targets else None,
+        "before_cmd": args.before_cmd,
         "mmreuse_env": pkg_version(py, ["aiohttp", "msgspec", "uvloop"]),
         "python": platform.python_version(),
         "duration_s": round(time.time() - t_start, 1),
@@ -839,7 +856,7 @@ def summarize(cells: Sequence[Cell], targets: Sequence[str]) -> list[dict[str, A
 
 
 def render(conditions: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
-    out = ["## Proxy overhead: vLLM 0.33.0 reference EPD proxy vs. mmreuse proxy (eager)", ""]
+    out = ["## Proxy overhead: vLLM's reference EPD proxy vs. mmreuse proxy (eager)", ""]
     for key, value in conditions.items():
         out.append(f"- {key}: {value}")
     out += [

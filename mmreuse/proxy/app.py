@@ -1,5 +1,6 @@
 """The proxy's chat route: POST /v1/chat/completions (streaming or not), as the reference
-serves it, calling E, P and D (the server is `proxy.server`, the other routes `proxy.health`).
+serves it, calling E, P and D over `upstream.Upstream`'s keep-alive connections (the other
+backend calls: aiohttp's client; the server is `proxy.server`, the other routes `proxy.health`).
 
 Per request: decide (policy.Planner) -> encode what E must (encoder.EncoderFanout) -> rewrite
 (media.rewrite_for_decode) -> prefill (E + P + D) -> decode, retrying a decode 500 by
@@ -47,6 +48,7 @@ from .metrics import ProxyMetrics
 from .models import ModelCatalog
 from .policy import Decision, Planner
 from .store import StoreTruth
+from .upstream import Upstream, UpstreamResponse
 from .views import EncoderView, InstanceView
 
 logger = logging.getLogger("mmreuse.proxy")
@@ -105,6 +107,7 @@ class Proxy:
         self.registry = CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry)  # its views' metrics too (metrics.views)
         self.session: aiohttp.ClientSession | None = None
+        self.upstream: Upstream | None = None  # E's, P's and D's POSTs (the rest: session)
         self.media_session: aiohttp.ClientSession | None = None  # --uuid-policy content's
         self.media = MediaFetcher(config.media, self._fetch_media)
         self.availability = EmbeddingAvailability(
@@ -175,7 +178,7 @@ class Proxy:
         )
         self.encoders = EncoderFanout(
             config.encode_urls,
-            self._session,
+            self._upstream,
             max_batch_size=config.encoder_max_batch_size,
             no_rewrite=config.no_rewrite,
         )
@@ -197,6 +200,7 @@ class Proxy:
             timeout=aiohttp.ClientTimeout(),  # none: the reference's 100,000 s, without timers
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
+        self.upstream = Upstream(keep_alive / 2 if keep_alive > 0 else None)
         if self.config.uuid_policy == UuidPolicy.CONTENT:
             from .content import media_session  # no cookies; only checked addresses
 
@@ -215,12 +219,18 @@ class Proxy:
             await asyncio.to_thread(view.stop)
         if self.session is not None:
             await self.session.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         if self.media_session is not None:
             await self.media_session.close()
 
     def _session(self) -> aiohttp.ClientSession:
         assert self.session is not None, "Proxy.start() first"
         return self.session
+
+    def _upstream(self) -> Upstream:
+        assert self.upstream is not None, "Proxy.start() first"
+        return self.upstream
 
     async def _get(self, url: str) -> tuple[int, bytes]:
         async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
@@ -247,7 +257,7 @@ class Proxy:
         m = self.metrics
         policy = self.config.policy
         try:
-            response = await self._chat(request, t0)
+            response = await self._chat(request)
         except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler)
             m.request(policy, "client_gone").inc()
             raise
@@ -286,7 +296,20 @@ class Proxy:
             self.metrics.stripped(f"vllm_xargs.{DEMAND_ID_KEY}").inc()
         return req, scan_parts(req, self.config.limit_mm_per_prompt)
 
-    async def _chat(self, request: web.Request, t0: float) -> web.StreamResponse:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        """Read, decide, then encode, prefill and decode (`_forward`)."""
+        req, items = await self._read(request)
+        req_id = request.headers.get("x-request-id")
+        if req_id is None:  # as the reference: an empty header stays empty
+            req_id = str(uuidlib.UUID(new_hex(128), version=4))
+        uuids = [item_uuid(item) for item in items]  # once: E, the rewrite and render use them
+        decision, encoded = await self._decide(req, items, uuids, req_id)
+        if self.after_decide is not None:
+            await self.after_decide(dataclasses.replace(decision, request_id=req_id))
+        return await self._forward(request, req, items, uuids, decision, encoded, req_id)
+
+    async def _read(self, request: web.Request) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The client's request and its media parts (`_parse`), named by --uuid-policy."""
         raw = await read_body(request)
         if len(raw) > OFF_LOOP_BYTES:  # its decode and walk stall no other request
             req, items = await asyncio.to_thread(self._parse, raw)
@@ -301,13 +324,16 @@ class Proxy:
             self.metrics.stage["media"].observe(time.perf_counter() - tm)
             if fetched:
                 self.metrics.media_fetched.inc(fetched)
-        req_id = request.headers.get("x-request-id")
-        if req_id is None:  # as the reference: an empty header stays empty
-            req_id = str(uuidlib.UUID(new_hex(128), version=4))
-        cfg, m = self.config, self.metrics
-        uuids = [item_uuid(item) for item in items]  # once: E, the rewrite and render use them
-        encoded: EncodeResult | None = None  # E's answers, when already in (opportunistic)
-        if cfg.policy is Policy.OPPORTUNISTIC and items:
+        return req, items
+
+    async def _decide(
+        self, req: dict[str, Any], items: list[dict[str, Any]], uuids: list[str], req_id: str
+    ) -> tuple[Decision, EncodeResult | None]:
+        """The policy's decision, and E's answers when they are already in (opportunistic, the
+        arrival split); its facts counted."""
+        m = self.metrics
+        encoded: EncodeResult | None = None
+        if self.config.policy is Policy.OPPORTUNISTIC and items:
             decision, encoded = await self._opportunistic(req, items, uuids, req_id)
         elif items and self.planner.splits:
             decision, encoded = await self._split(req, items, uuids, req_id)
@@ -327,18 +353,32 @@ class Proxy:
         if decision.klasses:
             for klass in set(decision.klasses):
                 m.occurrence(klass).inc(decision.klasses.count(klass))
-        if self.after_decide is not None:
-            await self.after_decide(dataclasses.replace(decision, request_id=req_id))
+        return decision, encoded
+
+    async def _forward(
+        self,
+        request: web.Request,
+        req: dict[str, Any],
+        items: list[dict[str, Any]],
+        uuids: list[str],
+        decision: Decision,
+        encoded: EncodeResult | None,
+        req_id: str,
+    ) -> web.StreamResponse:
+        """Encode, prefill and decode as decided; a decode 500 retried by re-encoding
+        everything (--decode-retries), a lost embedding once (`_after_loss`)."""
+        cfg = self.config
         if cfg.prefill_urls:
             p_url: str | None = cfg.prefill_urls[decision.instance]
             d_url = cfg.decode_urls[self.rng.randrange(len(cfg.decode_urls))]
         else:
             p_url, d_url = None, cfg.decode_urls[decision.instance]
-        stream = bool(req.get("stream", False))
+        view = self.views[decision.instance]
         current, ready = decision, encoded  # E's answers serve the first attempt only
         attempt = 0  # decode 500s retried so far (--decode-retries)
         relost = False  # the one retry of a request whose reference the store lost
         sent = uuids  # the items' uuids at E and P (a lost item's is fresh on its retry)
+        stream = bool(req.get("stream", False))
         while True:
             try:
                 body = await self._prepare(req, items, sent, current, req_id, p_url, ready)
@@ -354,80 +394,116 @@ class Proxy:
                 # (on the retry nothing is taken for lost: P's answer is the client's)
                 held_raw = frozenset() if relost else _uuids_at(sent, current.raw_with_uuid)
                 td = time.perf_counter()
-                resp = await self._session().post(
+                resp = await self._upstream().post(
                     chat_url(d_url),
-                    data=_encode.encode(body),
-                    headers={"x-request-id": req_id, "Content-Type": "application/json"},
+                    _encode.encode(body),
+                    {"x-request-id": req_id, "Content-Type": "application/json"},
                 )
                 try:
-                    if resp.status == 500 and refs:
+                    if resp.status == 500:
                         detail = await resp.text()
-                        if _request_error(detail) and (lost := _reference_uuids(body, held_raw)):
+                        lost: frozenset[str] = frozenset()
+                        if refs and _request_error(detail):
+                            lost = _reference_uuids(body, held_raw)
+                        if lost:
                             raise _EmbeddingLost("decode", lost, detail)
-                    if resp.status == 500 and attempt < cfg.decode_retries:
-                        detail = await resp.text()
-                        attempt += 1
-                        logger.warning(
-                            "[%s] decode returned 500, re-encoding and retrying (attempt %d/%d): %s",
-                            req_id, attempt, cfg.decode_retries, detail[:200],
-                        )  # fmt: skip
-                        m.fallbacks.labels(view.name, "retry").inc()
-                        current = self.planner.eager(items, decision.instance)
-                        continue
-                    if resp.status >= 400:
-                        detail = await resp.text()
-                        logger.error("[%s] decode returned %s: %s", req_id, resp.status, detail)
-                        raise ProxyError(resp.status, detail, stage="decode")
-                    if stream:
-                        held = b""
-                        if refs:  # vLLM fails it inside the 200 stream: hold the status line
-                            held, error = await self._hold(resp)
-                            lost = _reference_uuids(body, held_raw) if error else frozenset()
-                            if lost:
-                                raise _EmbeddingLost("stream", lost, error or "")
-                        return await self._stream(request, resp, td, held)
-                    out = await resp.read()
-                    m.stage["decode"].observe(time.perf_counter() - td)
-                    if current.raw_with_uuid and (current.plan or current.answer) is not None:
-                        self._observe_fallback(out, current, view)
-                    return web.Response(
-                        body=out,
-                        status=resp.status,
-                        headers={
-                            "Content-Type": resp.headers.get("Content-Type", "application/json")
-                        },
+                        if attempt < cfg.decode_retries:
+                            attempt += 1
+                            logger.warning(
+                                "[%s] decode returned 500, re-encoding and retrying (attempt "
+                                "%d/%d): %s",
+                                req_id, attempt, cfg.decode_retries, detail[:200],
+                            )  # fmt: skip
+                            self.metrics.fallbacks.labels(view.name, "retry").inc()
+                            current = self.planner.eager(items, decision.instance)
+                            continue
+                    return await self._answer(
+                        request, resp, body, refs, held_raw, current, view, td, req_id, stream
                     )
                 finally:
                     resp.release()
             except _EmbeddingLost as lost:
-                stage = "prefill" if lost.stage == "prefill" else "decode"
-                if relost:  # lost again, though P got each such item raw: not retried twice
-                    logger.error(
-                        "[%s] %s failed again after the store lost an embedding: %s",
-                        req_id, lost.stage, lost.detail[:200],
-                    )  # fmt: skip
-                    raise ProxyError(500, lost.detail, stage=stage) from None
+                sent, current = self._after_loss(lost, relost, sent, current, view, req_id)
                 relost = True
-                m.embedding_lost_retries.labels(view.name, lost.stage).inc()
-                again = frozenset(i for i, u in enumerate(sent) if u in lost.uuids)
-                logger.warning(
-                    "[%s] %s failed: the embedding store lost what P was to load (%d item(s): "
-                    "%s); retrying once, E encodes them again under a fresh uuid and P gets "
-                    "them raw",
-                    req_id, lost.stage, len(again), ", ".join(sorted(lost.uuids))[:200],
-                )  # fmt: skip
-                # A fresh uuid: P's processor cache may hold the old one as the reference
-                # (metadata only), which it would give P's connector again in place of the
-                # media. P then finds E's new put in the store, or encodes the item itself if
-                # the store loses it again. No demand id (its proof was for the first plan).
-                fresh = f":lost-{new_hex(32)}"
-                sent = [u + fresh if i in again else u for i, u in enumerate(sent)]
-                current = dataclasses.replace(
-                    current,
-                    e_indices=tuple(sorted({*current.e_indices, *again})),
-                    raw_with_uuid=current.raw_with_uuid | again,
-                    demand_id=None,
-                )
+
+    async def _answer(
+        self,
+        request: web.Request,
+        resp: UpstreamResponse,
+        body: Mapping[str, Any],
+        refs: bool,
+        held_raw: frozenset[str],
+        decision: Decision,
+        view: InstanceView,
+        td: float,
+        req_id: str,
+        stream: bool,
+    ) -> web.StreamResponse:
+        """The client's answer from decode's (not a retried 500): its error, its stream (held
+        for its first token where it may carry vLLM's error for a lost reference: `refs`), or
+        its JSON."""
+        if resp.status >= 400:
+            detail = await resp.text()
+            logger.error("[%s] decode returned %s: %s", req_id, resp.status, detail)
+            raise ProxyError(resp.status, detail, stage="decode")
+        if stream:
+            held = b""
+            if refs:  # vLLM fails it inside the 200 stream: hold the status line
+                held, error = await self._hold(resp)
+                lost = _reference_uuids(body, held_raw) if error else frozenset()
+                if lost:
+                    raise _EmbeddingLost("stream", lost, error or "")
+            return await self._stream(request, resp, td, held)
+        out = await resp.read()
+        self.metrics.stage["decode"].observe(time.perf_counter() - td)
+        if decision.raw_with_uuid and (decision.plan or decision.answer) is not None:
+            self._observe_fallback(out, decision, view)
+        return web.Response(
+            body=out,
+            status=resp.status,
+            headers={"Content-Type": resp.headers.get("content-type", "application/json")},
+        )
+
+    def _after_loss(
+        self,
+        lost: _EmbeddingLost,
+        relost: bool,
+        sent: list[str],
+        current: Decision,
+        view: InstanceView,
+        req_id: str,
+    ) -> tuple[list[str], Decision]:
+        """The uuids and decision of the one retry of a request whose embedding the store
+        lost: E encodes the lost items again under a fresh uuid, P gets them raw. A 500 if
+        this was the retry already (`relost`)."""
+        stage = "prefill" if lost.stage == "prefill" else "decode"
+        if relost:  # lost again, though P got each such item raw: not retried twice
+            logger.error(
+                "[%s] %s failed again after the store lost an embedding: %s",
+                req_id, lost.stage, lost.detail[:200],
+            )  # fmt: skip
+            raise ProxyError(500, lost.detail, stage=stage) from None
+        self.metrics.embedding_lost_retries.labels(view.name, lost.stage).inc()
+        again = frozenset(i for i, u in enumerate(sent) if u in lost.uuids)
+        logger.warning(
+            "[%s] %s failed: the embedding store lost what P was to load (%d item(s): "
+            "%s); retrying once, E encodes them again under a fresh uuid and P gets "
+            "them raw",
+            req_id, lost.stage, len(again), ", ".join(sorted(lost.uuids))[:200],
+        )  # fmt: skip
+        # A fresh uuid: P's processor cache may hold the old one as the reference
+        # (metadata only), which it would give P's connector again in place of the
+        # media. P then finds E's new put in the store, or encodes the item itself if
+        # the store loses it again. No demand id (its proof was for the first plan).
+        fresh = f":lost-{new_hex(32)}"
+        sent = [u + fresh if i in again else u for i, u in enumerate(sent)]
+        current = dataclasses.replace(
+            current,
+            e_indices=tuple(sorted({*current.e_indices, *again})),
+            raw_with_uuid=current.raw_with_uuid | again,
+            demand_id=None,
+        )
+        return sent, current
 
     async def _prepare(
         self,
@@ -647,13 +723,16 @@ class Proxy:
             body["max_completion_tokens"] = 1
         body.pop("stream_options", None)
         try:
-            async with self._session().post(
+            resp = await self._upstream().post(
                 chat_url(p_url),
-                data=_encode.encode(body),
-                headers={"x-request-id": req_id, "Content-Type": "application/json"},
-            ) as resp:
+                _encode.encode(body),
+                {"x-request-id": req_id, "Content-Type": "application/json"},
+            )
+            try:
                 payload = await resp.read()
                 status = resp.status
+            finally:
+                resp.release()
         except aiohttp.ClientError as e:
             raise ProxyError(
                 502, {"error": "Prefill processing error", "message": str(e)}, stage="prefill"
@@ -676,7 +755,7 @@ class Proxy:
             return {**req, "kv_transfer_params": params}
         return req
 
-    async def _hold(self, resp: aiohttp.ClientResponse) -> tuple[bytes, str | None]:
+    async def _hold(self, resp: UpstreamResponse) -> tuple[bytes, str | None]:
         """Read a 200 stream up to its first token (vLLM's first events carry only the role),
         at most HOLD_BYTES: the bytes read, and vLLM's request-level error event (its data)
         when that is what came instead. Nothing has reached the client yet."""
@@ -684,7 +763,7 @@ class Proxy:
         start = 0  # where the first event not yet looked at begins
         while len(held) <= HOLD_BYTES:
             try:
-                chunk = await resp.content.readany()
+                chunk = await resp.readany()
             except (TimeoutError, aiohttp.ClientError, ConnectionError):
                 return bytes(held), None  # `_stream` forwards what came, then breaks as it did
             if not chunk:
@@ -706,13 +785,13 @@ class Proxy:
         return bytes(held), None
 
     async def _stream(
-        self, request: web.Request, resp: aiohttp.ClientResponse, td: float, held: bytes = b""
+        self, request: web.Request, resp: UpstreamResponse, td: float, held: bytes = b""
     ) -> web.StreamResponse:
         """Forward decode's bytes as they come (no SSE parsing), after `held` (what `_hold`
         read); the status line goes out only now that decode has accepted the request."""
         out = web.StreamResponse(
             status=resp.status,
-            headers={"Content-Type": resp.headers.get("Content-Type", "text/event-stream")},
+            headers={"Content-Type": resp.headers.get("content-type", "text/event-stream")},
         )
         await out.prepare(request)
         first = True
@@ -720,7 +799,7 @@ class Proxy:
         while True:
             if not chunk:
                 try:
-                    chunk = await resp.content.readany()
+                    chunk = await resp.readany()
                 except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
                     # The status line is out: the one honest signal left is a broken stream
                     # (no terminating chunk), never a second response.

@@ -20,12 +20,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 import yarl
 
 from .errors import ProxyError
 from .media import EMBEDS_TYPES, item_uuid, uses_audio_in_video
+from .upstream import Upstream
 
 logger = logging.getLogger("mmreuse.proxy")
 
@@ -69,13 +69,13 @@ class EncoderFanout:
     def __init__(
         self,
         urls: Sequence[str],
-        session_factory: Any,
+        upstream: Any,
         *,
         max_batch_size: int = 0,
         no_rewrite: bool = False,
     ) -> None:
         self.urls = list(urls)
-        self._session = session_factory  # () -> aiohttp.ClientSession (created on startup)
+        self._upstream = upstream  # () -> Upstream (created on startup)
         self.max_batch_size = max_batch_size
         self.no_rewrite = no_rewrite
         self._cursor = 0  # asyncio is single-threaded: no lock needed around a sync update
@@ -114,8 +114,8 @@ class EncoderFanout:
         if not indices:
             return EMPTY
         subs = self._build(request, items, indices, req_id, uuids)
-        session = self._session()
-        posts = [_post(session, url, body, headers) for url, body, headers in subs.requests]
+        upstream = self._upstream()
+        posts = [_post(upstream, url, body, headers) for url, body, headers in subs.requests]
         if len(posts) == 1:  # the common case: no gather (a task per sub-request) needed
             try:
                 results: list[Any] = [await posts[0]]
@@ -136,9 +136,9 @@ class EncoderFanout:
         """What `encode` sends (the same groups, ids and bodies), each sub-request as its own
         task, so that some can be abandoned while in flight (`Encoding`)."""
         subs = self._build(request, items, indices, req_id, uuids)
-        session = self._session()
+        upstream = self._upstream()
         tasks = [
-            asyncio.ensure_future(_post(session, url, body, headers))
+            asyncio.ensure_future(_post(upstream, url, body, headers))
             for url, body, headers in subs.requests
         ]
         return Encoding(subs, items, req_id, tasks)
@@ -200,7 +200,7 @@ class _SubRequests:
 
 class Encoding:
     """E sub-requests in flight, one task each (`EncoderFanout.start`). `abandon(g)` cancels
-    sub-request g while it runs (aiohttp closes its connection; vLLM aborts a request whose
+    sub-request g while it runs (its connection is closed; vLLM aborts a request whose
     client went away); `finish()` waits for the others and reads them as `encode` does."""
 
     def __init__(
@@ -290,10 +290,13 @@ def _collect(
 
 
 async def _post(
-    session: aiohttp.ClientSession, url: yarl.URL, body: Any, headers: dict[str, str]
+    upstream: Upstream, url: yarl.URL, body: Any, headers: dict[str, str]
 ) -> tuple[int, bytes]:
-    async with session.post(url, data=_encode.encode(body), headers=headers) as resp:
+    resp = await upstream.post(url, _encode.encode(body), headers)
+    try:
         return resp.status, await resp.read()
+    finally:
+        resp.release()
 
 
 def _match(

@@ -886,6 +886,9 @@ async def test_pooled_connections_are_retired_before_the_server_closes_them(serv
         session = s.app[PROXY_KEY].session
         assert session is not None
         assert session.connector._keepalive_timeout < float(server_keep_alive)  # no public accessor
+        upstream = s.app[PROXY_KEY].upstream  # E's, P's and D's POSTs
+        assert upstream is not None and upstream.keepalive_s is not None
+        assert upstream.keepalive_s < float(server_keep_alive)
         assert (await s.post(chat(img("http://img/a")))).status == 200
 
 
@@ -894,4 +897,6 @@ async def test_no_keep_alive_server_means_no_pooling():
     async with epd(env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "0"}) as s:
         session = s.app[PROXY_KEY].session
         assert session is not None and session.connector.force_close
+        upstream = s.app[PROXY_KEY].upstream
+        assert upstream is not None and upstream.keepalive_s is None
         assert (await s.post(chat(img("http://img/a")))).status == 200

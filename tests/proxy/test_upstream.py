@@ -1,0 +1,269 @@
+"""The proxy's backend connections (`mmreuse.proxy.upstream`): framing, pooling, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+import yarl
+
+from mmreuse.proxy import upstream as upstream_mod
+from mmreuse.proxy.upstream import Upstream
+from tests.support.waiting import WAIT_S
+
+
+async def wait_for(cond: Callable[[], object]) -> None:
+    """Until `cond()` holds (a hang guard, not a timing check)."""
+    end = asyncio.get_running_loop().time() + WAIT_S
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "the condition never held"
+        await asyncio.sleep(0.01)
+
+
+Reply = Callable[[bytes], list[bytes]]  # request bytes -> the chunks to write back
+
+
+@contextlib.asynccontextmanager
+async def server(reply: Reply, *, close_after: bool = False) -> AsyncIterator[tuple[str, dict]]:
+    """A raw HTTP/1.1 server answering each request with `reply(request)`'s chunks; `seen`
+    counts the connections and requests."""
+    seen = {"connections": 0, "requests": [], "closed": 0}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen["connections"] += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                request = head + await reader.readexactly(length)
+                seen["requests"].append(request)
+                for chunk in reply(request):
+                    writer.write(chunk)
+                    await writer.drain()
+                if close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            seen["closed"] += 1
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1/chat/completions", seen
+    finally:
+        srv.close()
+
+
+def fixed(*chunks: bytes) -> Reply:
+    return lambda _request: list(chunks)
+
+
+OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"a": true}'
+
+
+async def post(up: Upstream, url: str, body: bytes = b"{}") -> tuple[int, dict[str, str], bytes]:
+    resp = await up.post(yarl.URL(url), body, {"x-request-id": "r1", "Content-Type": "x/y"})
+    try:
+        return resp.status, resp.headers, await resp.read()
+    finally:
+        resp.release()
+
+
+async def test_the_request_on_the_wire():
+    async with server(fixed(OK)) as (url, seen):
+        up = Upstream(2.0)
+        status, headers, body = await post(up, url, b'{"q": 1}')
+        assert (status, body) == (200, b'{"a": true}')
+        assert headers["content-type"] == "application/json"
+        port = yarl.URL(url).port
+        assert seen["requests"][0] == (
+            b"POST /v1/chat/completions HTTP/1.1\r\n"
+            + f"Host: 127.0.0.1:{port}\r\n".encode()
+            + b'x-request-id: r1\r\nContent-Type: x/y\r\nContent-Length: 8\r\n\r\n{"q": 1}'
+        )
+        await up.close()
+
+
+async def test_a_large_body_is_sent_whole():
+    body = b"x" * (3 << 20)
+    async with server(fixed(OK)) as (url, seen):
+        up = Upstream(2.0)
+        assert (await post(up, url, body))[0] == 200
+        assert seen["requests"][0].endswith(b"\r\n\r\n" + body)
+        await up.close()
+
+
+@pytest.mark.parametrize("split", [1, 3, 1000])
+async def test_chunked_answers_are_decoded_however_they_arrive(split):
+    wire = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: 1\r\n\r\n"
+    )
+    pieces = [wire[i : i + split] for i in range(0, len(wire), split)]
+    async with server(fixed(*pieces)) as (url, seen):
+        up = Upstream(2.0)
+        assert await post(up, url) == (200, {"transfer-encoding": "chunked"}, b"hello world")
+        assert await post(up, url) == (200, {"transfer-encoding": "chunked"}, b"hello world")
+        assert seen["connections"] == 1  # read to its end: pooled, used again
+        await up.close()
+
+
+async def test_readany_returns_the_body_as_it_comes_then_empty():
+    wire = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"]
+
+    async with server(lambda _r: wire) as (url, _seen):
+        up = Upstream(2.0)
+        resp = await up.post(yarl.URL(url), b"{}", {})
+        try:
+            assert await resp.readany() == b"abc"
+            reader = asyncio.ensure_future(resp.readany())
+            await asyncio.sleep(0)
+            assert not reader.done()
+            reader.cancel()
+        finally:
+            resp.release()  # not read to its end: closed, not pooled
+        assert not up._idle.get(("http", "127.0.0.1", yarl.URL(url).port))
+        await up.close()
+
+
+async def test_an_answer_until_close_and_a_connection_close_are_not_pooled():
+    async with server(fixed(b"HTTP/1.1 200 OK\r\n\r\nall of it"), close_after=True) as (url, seen):
+        up = Upstream(2.0)
+        assert await post(up, url) == (200, {}, b"all of it")
+        assert await post(up, url) == (200, {}, b"all of it")
+        assert seen["connections"] == 2
+        await up.close()
+    close = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
+    async with server(fixed(close), close_after=True) as (url, seen):
+        up = Upstream(2.0)
+        assert (await post(up, url))[2] == b"ok"
+        assert (await post(up, url))[2] == b"ok"
+        assert seen["connections"] == 2
+        await up.close()
+
+
+async def test_idle_connections_are_retired_after_keepalive_s(monkeypatch):
+    async with server(fixed(OK)) as (url, seen):
+        up = Upstream(30.0)
+        await post(up, url)
+        await post(up, url)
+        assert seen["connections"] == 1
+        up.keepalive_s = 1e-9  # every pooled connection is now too old to be used again
+        await post(up, url)
+        assert seen["connections"] == 2
+        await wait_for(lambda: seen["closed"] == 1)  # the retired one was closed
+        await up.close()
+
+
+async def test_no_keepalive_means_a_connection_per_request():
+    async with server(fixed(OK)) as (url, seen):
+        up = Upstream(None)
+        await post(up, url)
+        await post(up, url)
+        assert seen["connections"] == 2
+        assert seen["requests"][0].endswith(b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+        await up.close()
+
+
+async def test_a_backend_that_hangs_up_before_answering():
+    async with server(lambda _r: [], close_after=True) as (url, _seen):
+        up = Upstream(2.0)
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await post(up, url)
+        await up.close()
+
+
+async def test_a_body_cut_short_is_a_payload_error():
+    cut = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this"
+    async with server(fixed(cut), close_after=True) as (url, _seen):
+        up = Upstream(2.0)
+        with pytest.raises(aiohttp.ClientPayloadError, match="not completed"):
+            await post(up, url)
+        await up.close()
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"SPDY 200 OK\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+5\r\nhello\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 1\r\n\r\nx",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nbroken header\r\n\r\n",
+    ],
+)
+async def test_an_invalid_answer_is_refused(wire):
+    async with server(fixed(wire)) as (url, _seen):
+        up = Upstream(2.0)
+        with pytest.raises(aiohttp.ClientPayloadError, match="invalid answer"):
+            await post(up, url)
+        await up.close()
+
+
+async def test_an_informational_answer_is_skipped():
+    async with server(fixed(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)) as (url, _seen):
+        up = Upstream(2.0)
+        assert (await post(up, url))[:1] == (200,)
+        await up.close()
+
+
+async def test_no_server_is_a_client_error_naming_the_host():
+    up = Upstream(2.0)
+    async with server(fixed(OK)) as (url, _seen):
+        pass  # closed: nothing listens there now
+    with pytest.raises(aiohttp.ClientOSError, match=r"Cannot connect to host 127\.0\.0\.1"):
+        await post(up, url)
+
+
+async def test_a_cancelled_request_closes_its_connection():
+    async with server(lambda _r: []) as (url, seen):  # never answers
+        up = Upstream(2.0)
+        task = asyncio.ensure_future(post(up, url))
+        await wait_for(lambda: len(seen["requests"]) == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_for(lambda: seen["closed"] == 1)  # the backend sees the client go
+        await up.close()
+
+
+async def test_a_slow_reader_pauses_the_backend(monkeypatch):
+    monkeypatch.setattr(upstream_mod, "HIGH_WATER", 1000)
+    monkeypatch.setattr(upstream_mod, "LOW_WATER", 10)
+    big = b"y" * 100_000
+    wire = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big
+    async with server(fixed(wire)) as (url, _seen):
+        up = Upstream(2.0)
+        resp = await up.post(yarl.URL(url), b"{}", {})
+        try:
+            await wait_for(lambda: resp._paused)
+            got = b""
+            while chunk := await resp.readany():
+                got += chunk
+            assert got == big
+        finally:
+            resp.release()
+        await up.close()
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="keepalive_s"):
+        Upstream(0.0)
+
+
+async def test_header_values_cannot_inject_lines():
+    up = Upstream(2.0)
+    with pytest.raises(ValueError, match="line break"):
+        await up.post(yarl.URL("http://127.0.0.1:1/x"), b"", {"x-request-id": "a\r\nX: y"})
