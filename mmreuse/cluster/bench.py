@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..accounting import Bucket, Delivery, PolicyResult, account_request
-from ..decision import ItemClass, parse_item_class, parse_policy
+from ..decision import parse_policy
+from ..demand import ItemClass
 from ..errors import InvalidArgument
 from ..proxy.metrics import sample_sum
 from ..sim.report import percentile, summarize
@@ -158,15 +159,15 @@ def _e_sent(req: ChatRequest, out: RequestOutcome) -> tuple[set[str], dict[str, 
     if out.e_records:
         how: dict[str, Delivery] = {}
         for rec in out.e_records:
-            for i, ident in enumerate(rec.identifiers):
+            for i, item in enumerate(rec.items):
                 if i in rec.encoded:
-                    how[ident] = Delivery.FORWARD
+                    how[item.identifier] = Delivery.FORWARD
                 else:
-                    how.setdefault(ident, Delivery.E_CACHE)
+                    how.setdefault(item.identifier, Delivery.E_CACHE)
         return set(how), how
     decision = out.decision
     if decision is not None:
-        return {req.uuids[i] for i in decision.e_indices}, None
+        return {req.uuids[i] for i in decision.dispatch.e_items}, None
     return set(), None
 
 
@@ -175,9 +176,9 @@ def observe(req: ChatRequest, out: RequestOutcome) -> Observed:
     answered), its items, how many items E got for it (E's own records where it keeps them,
     else the proxy's decision), and the proxy's render of it (None: not rendered)."""
     if out.e_records:
-        e_items = sum(len(rec.identifiers) for rec in out.e_records)
+        e_items = sum(len(rec.items) for rec in out.e_records)
     elif out.decision is not None:
-        e_items = len(out.decision.e_indices)
+        e_items = len(out.decision.dispatch.e_items)
     else:
         e_items = 0
     render_s = getattr(out.decision, "render_s", 0.0) if out.decision is not None else 0.0
@@ -220,7 +221,7 @@ def attribute(
         if sent:
             r.transfers += 1
         decision = out.decision
-        if out.status != 200 and decision is not None and decision.raw_with_uuid:
+        if out.status != 200 and decision is not None and decision.dispatch.raw_items:
             r.wrong_skips += 1
         if out.ttft_ms is not None and out.status == 200:
             r.ttft_ms.append(out.ttft_ms)
@@ -240,10 +241,7 @@ def _record_account(
     simulator's `would` leaves forwarded items out of the store): an E need. A late fallback
     is an item P encoded itself that nobody delivered.
     """
-    occurrences = [
-        (ident, parse_item_class(cls, f"record {rec.request_id} classes[{i}]"))
-        for i, (ident, cls) in enumerate(zip(rec.identifiers, rec.classes, strict=True))
-    ]
+    occurrences = [(item.identifier, item.item_class) for item in rec.items]
     delivered = {
         ident: how[ident]
         if how is not None and ident in how
@@ -254,7 +252,7 @@ def _record_account(
     would_need_e = {
         ident for ident, cls in occurrences if cls.needs_e or cls is ItemClass.P_EXTERNAL
     }
-    encoded = {rec.identifiers[i] for i in rec.encoded}
+    encoded = {rec.items[i].identifier for i in rec.encoded}
 
     def late(i: int, ident: str, cls: ItemClass) -> Delivery | None:
         return Delivery.FORWARD if ident in encoded else None
@@ -487,10 +485,11 @@ def run_policy(
         1
         for out in outcomes
         for rec in out.records[:1]
-        for k, c in enumerate(rec.classes)
-        if c == "p_external" and rec.identifiers[k] not in rec.identifiers[:k]
+        for k, item in enumerate(rec.items)
+        if item.item_class is ItemClass.P_EXTERNAL
+        and all(x.identifier != item.identifier for x in rec.items[:k])
     )
-    e_classes = [c for out in outcomes for rec in out.e_records for c in rec.classes]
+    e_classes = [x.item_class for out in outcomes for rec in out.e_records for x in rec.items]
 
     def forwards(prefix: str) -> int | None:
         if counts is None:
@@ -510,15 +509,15 @@ def run_policy(
             # their encoders ran, the connector's load fallbacks included
             "e_forwards_probe": forwards("E"),
             "p_forwards_probe": forwards("P"),
-            "e_items_sent": sum(len(r.identifiers) for o in outcomes for r in o.e_records)
+            "e_items_sent": sum(len(r.items) for o in outcomes for r in o.e_records)
             if reference
             else int(sample_sum(metrics, "mmreuse_proxy_encoder_items_total", action="sent")),
             "e_items_abandoned": None
             if reference
             else int(sample_sum(metrics, "mmreuse_proxy_encoder_items_abandoned_total")),
             # E's own account of the items it admitted (None without E's records)
-            "e_store_hits": e_classes.count("p_external") if e_endpoints else None,
-            "e_cache_hits": e_classes.count("p_local") if e_endpoints else None,
+            "e_store_hits": e_classes.count(ItemClass.P_EXTERNAL) if e_endpoints else None,
+            "e_cache_hits": e_classes.count(ItemClass.P_LOCAL) if e_endpoints else None,
             "ttft_p90_ms": percentile(result.ttft_ms, 90),
             # the proxy's render stage (mmreuse_proxy_stage_seconds{stage="render"}): P's
             # processor on every image of the requests it rendered (None: the reference's)
