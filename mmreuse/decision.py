@@ -20,7 +20,7 @@ from enum import StrEnum
 
 from .demand import DemandResult, ItemClass
 from .errors import InvalidArgument
-from .validate import check_int, fail_value, show
+from .validate import check_int, fail_type, fail_value, show
 
 __all__ = [
     "POLICIES",
@@ -138,14 +138,12 @@ _NO_SHARES: Mapping[int, int] = types.MappingProxyType({})
 
 
 def dispatch(
-    identifiers: Sequence[str],
-    classes: Sequence[ItemClass],
+    occurrences: Iterable[tuple[str, ItemClass, int]],
     e_demand: Iterable[str],
-    occurrence_items: Sequence[int],
     num_items: int,
 ) -> Dispatch:
-    """What E and P get, from a request's occurrences (vLLM's order: their identifiers and
-    classes), the identifiers E must deliver, and each occurrence's media item.
+    """What E and P get, from a request's occurrences (vLLM's order: each its identifier, its
+    class and its media item, request order) and the identifiers E must deliver.
 
     Each identifier in `e_demand` goes to E once, through its first occurrence that needs E
     (the uncovered one P consumes the embedding at: `mmreuse.accounting` counts it there too);
@@ -155,31 +153,29 @@ def dispatch(
     inconsistent input (an identifier E must deliver with no occurrence that needs E).
     """
     n = check_int("num_items", num_items, 0)
-    if not (len(identifiers) == len(classes) == len(occurrence_items)):
-        raise InvalidArgument(
-            f"identifiers, classes and occurrence_items must be aligned, got {len(identifiers)}, "
-            f"{len(classes)} and {len(occurrence_items)} entries"
-        )
     wanted = dict.fromkeys(e_demand)
     item_of: dict[str, int] = {}  # identifier -> the item sent to E for it
     out_classes = [ItemClass.UNCLASSIFIED] * n
-    for i, (ident, klass, item) in enumerate(
-        zip(identifiers, classes, occurrence_items, strict=True)
-    ):
+    occs = list(occurrences)
+    for i, occ in enumerate(occs):
+        try:
+            ident, item_class, item = occ
+        except (TypeError, ValueError):
+            fail_type(f"occurrences[{i}]", "an (identifier, class, item) triple", occ)
         if type(item) is not int or not 0 <= item < n:
-            fail_value(f"occurrence_items[{i}]", f"an item index in [0, {n})", item)
-        out_classes[item] = klass
-        if ident in wanted and klass.needs_e and ident not in item_of:
+            fail_value(f"occurrences[{i}] item", f"an item index in [0, {n})", item)
+        out_classes[item] = item_class
+        if ident in wanted and item_class.needs_e and ident not in item_of:
             item_of[ident] = item
     missing = [ident for ident in wanted if ident not in item_of]
     if missing:
         raise InvalidArgument(
             f"e_demand names {show(missing)}, but no occurrence of it needs E (classes "
-            f"{show([c.value for c in classes])})"
+            f"{show([c.value for _, c, _ in occs])})"
         )
     shares: dict[int, int] = {}
     raw: set[int] = set()
-    for ident, item in zip(identifiers, occurrence_items, strict=True):
+    for ident, _, item in occs:
         first = item_of.get(ident)
         if first is None:
             raw.add(item)
@@ -191,11 +187,19 @@ def dispatch(
 def dispatch_demand(
     demand: DemandResult, occurrence_items: Sequence[int], num_items: int
 ) -> Dispatch:
-    """`dispatch` from a `compute_demand` result (the proxy's own plan)."""
+    """`dispatch` from a `compute_demand` result (the proxy's own plan): occurrence i is media
+    item `occurrence_items[i]`."""
+    decisions = demand.decisions
+    if len(occurrence_items) != len(decisions):
+        raise InvalidArgument(
+            f"occurrence_items has {len(occurrence_items)} entries for the demand's "
+            f"{len(decisions)} occurrences"
+        )
     return dispatch(
-        [d.identifier for d in demand.decisions],
-        demand.item_classes(),
+        [
+            (d.identifier, d.item_class, item)
+            for d, item in zip(decisions, occurrence_items, strict=True)
+        ],
         [ident for ident, _ in demand.e_demand],
-        occurrence_items,
         num_items,
     )

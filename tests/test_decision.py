@@ -59,12 +59,16 @@ def test_duplicates_share_and_everything_else_goes_raw():
 
 
 def test_dispatch_refuses_inconsistent_input():
-    with pytest.raises(InvalidArgument, match="aligned"):
-        dispatch(["a"], [], [], [0], 1)
+    with pytest.raises(InvalidArgument, match=r"^occurrences\[0\] must be an \(identifier, class"):
+        dispatch([("a", ItemClass.E_COMPUTE)], [], 1)
     with pytest.raises(InvalidArgument, match=r"^e_demand names \['a'\], but no occurrence"):
-        dispatch(["a"], [ItemClass.KV_COVERED], ["a"], [0], 1)
-    with pytest.raises(InvalidArgument, match=r"^occurrence_items\[0\] must be an item index"):
-        dispatch(["a"], [ItemClass.E_COMPUTE], ["a"], [3], 1)
+        dispatch([("a", ItemClass.KV_COVERED, 0)], ["a"], 1)
+    with pytest.raises(InvalidArgument, match=r"^occurrences\[0\] item must be an item index"):
+        dispatch([("a", ItemClass.E_COMPUTE, 3)], ["a"], 1)
+    with pytest.raises(
+        InvalidArgument, match=r"^occurrence_items has 2 entries for the demand's 1"
+    ):
+        dispatch_demand(compute_demand([MMOccurrence("a", 0, 4)], 8, 0), [0, 1], 2)
 
 
 @given(

@@ -483,10 +483,13 @@ class Planner:
             )
         try:
             sent = dispatch(
-                [occ.identifier for occ in rendered.occurrences],
-                [item.item_class for item in answer.items],
+                [
+                    (occ.identifier, answered.item_class, item)
+                    for occ, answered, item in zip(
+                        rendered.occurrences, answer.items, occ_items, strict=True
+                    )
+                ],
                 [ident for ident, _ in answer.e_demand],
-                occ_items,
                 len(items),
             )
         except ValueError as e:  # InvalidArgument too; decode_answer checked it: a bug if here
