@@ -381,10 +381,9 @@ def _classify(
     """Decide each occurrence (checking it); also returns, for `_collect`, the conflicting
     identifiers, ident -> (first uncovered index, class, num_embeds), ident -> where P needs it.
 
-    The walk is vLLM's `Scheduler._try_schedule_encoder_inputs` over mm_features: the embed
-    count check of every item the window [C, N) touches (`_count_conflict`), the skip of items
-    whose embeds all lie before C, then, per uncovered item, the same-step dedup, the encoder
-    cache, the EC connector and the encoder (`_source`).
+    The walk is vLLM's `Scheduler._try_schedule_encoder_inputs`: the embed count check of every
+    item the window [C, N) touches (`_count_conflict`), the skip of items whose embeds all lie
+    before C, then per uncovered item the same-step dedup and the sources (`_source`).
     """
     p_local = _EMPTY_MAP if is_encoder_decoder else availability.p_local
     p_external = _EMPTY_SET if is_encoder_decoder else availability.p_external
@@ -402,6 +401,7 @@ def _classify(
     for i, m in enumerate(occurrences):
         if type(m) is not MMOccurrence and not isinstance(m, MMOccurrence):
             fail_type(f"occurrences[{i}]", "an MMOccurrence", m)
+        # MMOccurrence.end / .num_embeds / .last_embed_pos's slots: no property call (hot)
         offset, end, num_embeds, ident = m.offset, m._end, m._num_embeds, m.identifier
         if end > n or offset < prev_offset:
             _refuse_placement(i, m, n, prev_offset)
@@ -452,7 +452,7 @@ def _classify(
             continue
 
         first_pos: int | None
-        if m._embed_offsets is None:
+        if m.is_embed is None:  # every placeholder position is an embed
             k = c - offset if c > offset else 0
             uncovered, first_pos = num_embeds - k, offset + k
         else:
@@ -491,9 +491,9 @@ def _classify(
 
 def _refuse_placement(i: int, m: MMOccurrence, n: int, prev_offset: int) -> None:
     """Raise for an occurrence outside the prompt, or before the previous one."""
-    if m._end > n:
+    if m.end > n:
         raise InvalidArgument(
-            f"occurrences[{i}] ({m.identifier!r}) spans [{m.offset}, {m._end}) outside the "
+            f"occurrences[{i}] ({m.identifier!r}) spans [{m.offset}, {m.end}) outside the "
             f"prompt of num_prompt_tokens={n}"
         )
     raise InvalidArgument(
