@@ -378,13 +378,9 @@ def _classify(
 ) -> tuple[
     list[OccurrenceDecision], dict[str, None], dict[str, tuple[int, ItemClass, int]], dict[str, int]
 ]:
-    """Decide each occurrence (checking it); also returns, for `_collect`, the conflicting
-    identifiers, ident -> (first uncovered index, class, num_embeds), ident -> where P needs it.
-
-    The walk is vLLM's `Scheduler._try_schedule_encoder_inputs`: the embed count check of every
-    item the window [C, N) touches (`_count_conflict`), the skip of items whose embeds all lie
-    before C, then per uncovered item the same-step dedup and the sources (`_source`).
-    """
+    """Decide each occurrence (checking it) as vLLM's `_try_schedule_encoder_inputs` walks it;
+    also returns, for `_collect`, the conflicting identifiers, ident -> (first uncovered index,
+    class, num_embeds), ident -> where P needs it."""
     p_local = _EMPTY_MAP if is_encoder_decoder else availability.p_local
     p_external = _EMPTY_SET if is_encoder_decoder else availability.p_external
     e_cached = availability.e_cached
@@ -409,7 +405,8 @@ def _classify(
         gate = end > c
         # vLLM checks embed counts for every item its window [C, N) touches, whether or not
         # the item has embeddings there (_try_schedule_encoder_inputs, before the skip below).
-        if gate and check_counts and _count_conflict(ident, num_embeds, first_of, p_local):
+        touched = gate and (ident in first_of or ident in p_local)  # else nothing to compare
+        if touched and check_counts and _count_conflict(ident, num_embeds, first_of, p_local):
             conflicts[ident] = None
         if num_embeds == 0:  # vLLM: nothing to encode for it
             decisions.append(
