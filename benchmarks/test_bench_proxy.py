@@ -86,7 +86,7 @@ def test_index_decision_32k_16_images(benchmark, planner):
     plan, rendered, req = planner
     items = req["messages"][0]["content"][::2]
     decision = benchmark(_decide, plan, rendered, items)
-    assert len(decision.klasses) == IMAGES
+    assert len(decision.dispatch.classes) == IMAGES
 
 
 def test_read_render_answer_32k_16_images(benchmark):

@@ -45,8 +45,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from .decision import ItemClass, item_class
-from .demand import DemandResult
+from .demand import DemandResult, ItemClass
 
 
 class Bucket(StrEnum):
@@ -80,7 +79,7 @@ Occurrences = Sequence[tuple[str, ItemClass]]  # (identifier, class) per occurre
 
 def occurrences_of(demand: DemandResult) -> list[tuple[str, ItemClass]]:
     """A demand's (identifier, class) per occurrence: what `account_request` reads."""
-    return [(d.identifier, item_class(d)) for d in demand.decisions]
+    return [(d.identifier, d.item_class) for d in demand.decisions]
 
 
 def accounting_occurrences(occurrences: Occurrences) -> dict[str, int]:

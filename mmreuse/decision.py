@@ -1,11 +1,11 @@
-"""The decision's one home: the policies, an item's class on the wire, and what E and P get.
+"""The decision's one home: the policies, and what E and P get (each item's `ItemClass`).
 
 `mmreuse.plan.plan_admission` answers "what does this request need from E?". This module turns
 that answer into what the proxy sends (`dispatch`): which media items go to E (each identifier
 E must deliver, once, through the occurrence P consumes it at), which items share another's
-embedding, and which go to P raw with their uuid. Every path uses it: the proxy under each
-policy (from its own plan, or from P's `DemandAnswer`), P's `DemandScheduler` (its answers'
-classes), the simulator and bench-cluster (their accounting, `mmreuse.accounting`).
+embedding, and which go to P raw with their uuid: the proxy under each policy, from its own
+plan or from P's `DemandAnswer`. A dispatch changes only here: `Dispatch.abandon` (E's work
+abandoned, opportunistic) and `Dispatch.resend` (E's embedding lost, a retry).
 
 Torch-free and vLLM-free.
 """
@@ -18,13 +18,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from .demand import DemandResult, Klass, OccurrenceDecision
+from .demand import DemandResult, ItemClass
 from .errors import InvalidArgument
-from .validate import check_int, fail_value, show
+from .validate import check_int, fail_type, fail_value, show
 
 __all__ = [
-    "ANSWER_CLASSES",
-    "ITEM_CLASSES",
     "POLICIES",
     "ROUTINGS",
     "Dispatch",
@@ -34,9 +32,6 @@ __all__ = [
     "dispatch",
     "dispatch_all",
     "dispatch_demand",
-    "item_class",
-    "item_classes",
-    "parse_item_class",
     "parse_policy",
 ]
 
@@ -101,65 +96,6 @@ class Routing(StrEnum):
 ROUTINGS: tuple[str, ...] = tuple(r.value for r in Routing)
 
 
-class ItemClass(StrEnum):
-    """One occurrence's class as the wire, the metrics and the records name it: its `Klass`,
-    `duplicate` (an uncovered occurrence whose identifier an earlier one already claims), or
-    `unclassified` (no plan was made for it)."""
-
-    KV_COVERED = Klass.KV_COVERED.value
-    NO_EMBEDS = Klass.NO_EMBEDS.value
-    P_LOCAL = Klass.P_LOCAL.value
-    P_EXTERNAL = Klass.P_EXTERNAL.value
-    E_CACHED = Klass.E_CACHED.value
-    E_COMPUTE = Klass.E_COMPUTE.value
-    DUPLICATE = "duplicate"
-    UNCLASSIFIED = "unclassified"
-
-    @property
-    def klass(self) -> Klass | None:
-        """The `Klass` it names (None for duplicate and unclassified)."""
-        return _KLASS_OF.get(self)
-
-    @property
-    def covered(self) -> bool:
-        """P never touches the encoder for it (KV-covered, or no embed positions)."""
-        return (
-            self is ItemClass.KV_COVERED or self is ItemClass.NO_EMBEDS
-        )  # `is`: enums hash in Python
-
-    @property
-    def needs_e(self) -> bool:
-        """E must deliver an embedding for it (e_cached, e_compute)."""
-        return self is ItemClass.E_CACHED or self is ItemClass.E_COMPUTE
-
-
-_KLASS_OF: dict[ItemClass, Klass] = {ItemClass(k.value): k for k in Klass}
-# keyed by the Klass's value: a str hashes in C, an enum member in Python
-_ITEM_OF: dict[str, ItemClass] = {k.value: c for c, k in _KLASS_OF.items()}
-ITEM_CLASSES: frozenset[str] = frozenset(c.value for c in ItemClass)
-# what a peer (P) may name: every class but unclassified, which only the proxy uses
-ANSWER_CLASSES: frozenset[str] = ITEM_CLASSES - {ItemClass.UNCLASSIFIED.value}
-
-
-def item_class(decision: OccurrenceDecision) -> ItemClass:
-    """An occurrence decision's class on the wire."""
-    if decision.dedup_of is not None:
-        return ItemClass.DUPLICATE
-    return _ITEM_OF[decision.klass._value_]
-
-
-def item_classes(demand: DemandResult) -> tuple[ItemClass, ...]:
-    """Every occurrence's class on the wire, in the demand's (vLLM's) order."""
-    return tuple(item_class(d) for d in demand.decisions)
-
-
-def parse_item_class(value: object, field: str) -> ItemClass:
-    """A class named on the wire by a peer (P's answer or record); unclassified is not one."""
-    if not isinstance(value, str) or value not in ANSWER_CLASSES:
-        fail_value(field, f"one of {sorted(ANSWER_CLASSES)}", value)
-    return ItemClass(value)
-
-
 @dataclass(frozen=True, slots=True)
 class Dispatch:
     """What E and P get for one request's media items (request order).
@@ -175,6 +111,29 @@ class Dispatch:
     raw_items: frozenset[int] = frozenset()
     shares: Mapping[int, int] = field(default_factory=dict)
     classes: tuple[ItemClass, ...] = ()
+
+    def abandon(self, items: Iterable[int]) -> Dispatch:
+        """This dispatch's classes for a request whose every item E got at once
+        (opportunistic), once E's work for `items` was abandoned: E delivers every other item
+        (each its own: nothing is shared) and P gets `items` raw with their uuid."""
+        n = len(self.classes)
+        gone = frozenset(items)
+        for i in gone:
+            if type(i) is not int or not 0 <= i < n:
+                fail_value("items", f"item indices in [0, {n})", i)
+        kept = tuple(i for i in range(n) if i not in gone)
+        return Dispatch(kept, gone, _NO_SHARES, self.classes)
+
+    def resend(self, items: Iterable[int]) -> Dispatch:
+        """This dispatch with `items` sent to E again and to P raw with their uuid as well
+        (E's embedding of them was lost: P encodes them itself if it is lost again)."""
+        n = len(self.classes)
+        again = frozenset(items)
+        for i in again:
+            if type(i) is not int or not 0 <= i < n:
+                fail_value("items", f"item indices in [0, {n})", i)
+        e_items = tuple(sorted({*self.e_items, *again}))
+        return Dispatch(e_items, self.raw_items | again, self.shares, self.classes)
 
 
 def dispatch_all(num_items: int) -> Dispatch:
@@ -192,14 +151,12 @@ _NO_SHARES: Mapping[int, int] = types.MappingProxyType({})
 
 
 def dispatch(
-    identifiers: Sequence[str],
-    classes: Sequence[ItemClass],
+    occurrences: Iterable[tuple[str, ItemClass, int]],
     e_demand: Iterable[str],
-    occurrence_items: Sequence[int],
     num_items: int,
 ) -> Dispatch:
-    """What E and P get, from a request's occurrences (vLLM's order: their identifiers and
-    classes), the identifiers E must deliver, and each occurrence's media item.
+    """What E and P get, from a request's occurrences (vLLM's order: each its identifier, its
+    class and its media item, request order) and the identifiers E must deliver.
 
     Each identifier in `e_demand` goes to E once, through its first occurrence that needs E
     (the uncovered one P consumes the embedding at: `mmreuse.accounting` counts it there too);
@@ -209,31 +166,29 @@ def dispatch(
     inconsistent input (an identifier E must deliver with no occurrence that needs E).
     """
     n = check_int("num_items", num_items, 0)
-    if not (len(identifiers) == len(classes) == len(occurrence_items)):
-        raise InvalidArgument(
-            f"identifiers, classes and occurrence_items must be aligned, got {len(identifiers)}, "
-            f"{len(classes)} and {len(occurrence_items)} entries"
-        )
     wanted = dict.fromkeys(e_demand)
     item_of: dict[str, int] = {}  # identifier -> the item sent to E for it
     out_classes = [ItemClass.UNCLASSIFIED] * n
-    for i, (ident, klass, item) in enumerate(
-        zip(identifiers, classes, occurrence_items, strict=True)
-    ):
+    occs = list(occurrences)
+    for i, occ in enumerate(occs):
+        try:
+            ident, item_class, item = occ
+        except (TypeError, ValueError):
+            fail_type(f"occurrences[{i}]", "an (identifier, class, item) triple", occ)
         if type(item) is not int or not 0 <= item < n:
-            fail_value(f"occurrence_items[{i}]", f"an item index in [0, {n})", item)
-        out_classes[item] = klass
-        if ident in wanted and klass.needs_e and ident not in item_of:
+            fail_value(f"occurrences[{i}] item", f"an item index in [0, {n})", item)
+        out_classes[item] = item_class
+        if ident in wanted and item_class.needs_e and ident not in item_of:
             item_of[ident] = item
     missing = [ident for ident in wanted if ident not in item_of]
     if missing:
         raise InvalidArgument(
             f"e_demand names {show(missing)}, but no occurrence of it needs E (classes "
-            f"{show([c.value for c in classes])})"
+            f"{show([c.value for _, c, _ in occs])})"
         )
     shares: dict[int, int] = {}
     raw: set[int] = set()
-    for ident, item in zip(identifiers, occurrence_items, strict=True):
+    for ident, _, item in occs:
         first = item_of.get(ident)
         if first is None:
             raw.add(item)
@@ -245,11 +200,19 @@ def dispatch(
 def dispatch_demand(
     demand: DemandResult, occurrence_items: Sequence[int], num_items: int
 ) -> Dispatch:
-    """`dispatch` from a `compute_demand` result (the proxy's own plan)."""
+    """`dispatch` from a `compute_demand` result (the proxy's own plan): occurrence i is media
+    item `occurrence_items[i]`."""
+    decisions = demand.decisions
+    if len(occurrence_items) != len(decisions):
+        raise InvalidArgument(
+            f"occurrence_items has {len(occurrence_items)} entries for the demand's "
+            f"{len(decisions)} occurrences"
+        )
     return dispatch(
-        [d.identifier for d in demand.decisions],
-        item_classes(demand),
+        [
+            (d.identifier, d.item_class, item)
+            for d, item in zip(decisions, occurrence_items, strict=True)
+        ],
         [ident for ident, _ in demand.e_demand],
-        occurrence_items,
         num_items,
     )

@@ -34,8 +34,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from .decision import ANSWER_CLASSES, ItemClass, item_classes
-from .demand import DemandResult
+from .demand import DemandResult, ItemClass
 from .errors import InvalidArgument
 from .occurrence import MMOccurrence
 from .validate import check_int
@@ -49,7 +48,8 @@ MAX_IDENT_CHARS = 1024
 MAX_MODALITY_CHARS = 64
 MAX_SALT_CHARS = 1024
 # A whole answer frame: each identifier in at most two of its lists (e_demand, p_loads,
-# p_local_reuse, p_local_self_evicted), a class and a dedup index per item, with room to spare.
+# p_local_reuse, p_local_self_evicted), an `AnswerItem` (a class and a dedup index) per item,
+# with room to spare.
 MAX_ANSWER_BYTES = 4 * MAX_ITEMS * (MAX_IDENT_CHARS + 64)
 # items' placeholders, in all, per token id: vLLM overlaps at most two items (use_audio_in_video:
 # audio and video over one range, each with its is_embed mask); masks cost P per flag
@@ -93,13 +93,20 @@ class StatsQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     check_index: bool = False
 
 
+class AnswerItem(msgspec.Struct, array_like=True, gc=False):
+    """What P says of one item of the query (same index): its class (never `unclassified`)
+    and, for a `duplicate`, the earlier item whose embedding it shares."""
+
+    item_class: ItemClass
+    dedup_of: _Count | None = None
+
+
 class DemandAnswer(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """P's answer, from one consistent state of P.
 
     Attributes:
         num_computed_tokens: C: the prefix-cache hit vLLM's own lookup gives now (tokens).
-        classes: per item (the query's order), its `Klass` value, or "duplicate".
-        dedup_of: per item, the earlier item whose embedding it shares, or None.
+        items: per item of the query (same order), its class and dedup (`AnswerItem`).
         e_demand: (identifier, needs_forward) E must deliver, each once, in P's order.
         p_local_reuse, p_loads: identifiers P reuses from its encoder cache / loads through
             its EC connector.
@@ -123,8 +130,7 @@ class DemandAnswer(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
     id: str
     num_computed_tokens: _Count
-    classes: list[str]
-    dedup_of: list[int | None]
+    items: Annotated[list[AnswerItem], msgspec.Meta(max_length=MAX_ITEMS)]
     e_demand: list[tuple[str, bool]]
     p_local_reuse: list[str] = []
     p_loads: list[str] = []
@@ -187,13 +193,20 @@ class RecordsQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     limit: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 4096
 
 
+class RecordItem(msgspec.Struct, array_like=True, gc=False):
+    """One item of an admitted request (vLLM's order): its identifier and its class."""
+
+    identifier: str
+    item_class: ItemClass
+
+
 class AdmissionRecord(msgspec.Struct, omit_defaults=True, gc=False):
     """What P did with one request when it first admitted it, whatever the proxy's policy (one
     record per request: a preempted request that resumes keeps its first record, which also
     gets the items encoded while that first prefill is still open).
 
-    `classes`: per item (vLLM's order, `identifiers`), `compute_demand` over P's state at
-    admission with the C vLLM admitted it with (the E deliveries already in P's EC connector
+    `items`: per item (vLLM's order), its identifier and class: `compute_demand` over P's state
+    at admission with the C vLLM admitted it with (the E deliveries already in P's EC connector
     count as `p_external`); `encoded`: the items P ran its own encoder for, over its prefill;
     `demand_id`: the demand query it was sent with, if any; `proof_valid`: whether that answer's
     proof held (None without one).
@@ -203,8 +216,7 @@ class AdmissionRecord(msgspec.Struct, omit_defaults=True, gc=False):
     request_id: str
     num_prompt_tokens: int
     num_computed_tokens: int
-    identifiers: list[str]
-    classes: list[str]
+    items: list[RecordItem]
     encoded: list[int] = []
     demand_id: str | None = None
     proof_valid: bool | None = None
@@ -329,8 +341,8 @@ _query_decoder = msgspec.msgpack.Decoder(Query)
 _answer_decoder = msgspec.msgpack.Decoder(Answer)
 _encoder = msgspec.msgpack.Encoder()
 
-_CLASSES = ANSWER_CLASSES
-_NEEDS_E = frozenset(c.value for c in ItemClass if c.needs_e)
+
+_UNCLASSIFIED = ItemClass.UNCLASSIFIED
 
 
 class MalformedQuery(InvalidArgument):
@@ -447,14 +459,13 @@ def answer_for(
     demand: DemandResult,
     **p_side: Any,
 ) -> DemandAnswer:
-    """P's answer built from its plan at C = `num_computed_tokens`: the classes on the wire
-    (`mmreuse.decision.item_classes`), e_demand, reuse and loads, rule S's self-evictions;
-    `p_side` sets the fields only P knows (proof, trust, external_kv, step)."""
+    """P's answer built from its plan at C = `num_computed_tokens`: each item's class
+    (`OccurrenceDecision.item_class`) and dedup, e_demand, reuse and loads, rule S's
+    self-evictions; `p_side` sets the fields only P knows (proof, trust, external_kv, step)."""
     return DemandAnswer(
         id=query_id,
         num_computed_tokens=num_computed_tokens,
-        classes=[c.value for c in item_classes(demand)],
-        dedup_of=[d.dedup_of for d in demand.decisions],
+        items=[AnswerItem(d.item_class, d.dedup_of) for d in demand.decisions],
         e_demand=[(ident, bool(fwd)) for ident, fwd in demand.e_demand],
         p_local_reuse=list(demand.p_local_reuse),
         p_loads=list(demand.p_loads),
@@ -475,6 +486,8 @@ def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
         raise MalformedAnswer(f"not a demand answer: {e}") from None
     if isinstance(answer, KVSnapshot):
         _check_snapshot(answer)
+    if isinstance(answer, AdmissionRecords):
+        _check_records(answer)
     if isinstance(answer, ECSnapshot) and answer.offset + len(answer.entries) > answer.total:
         raise MalformedAnswer(
             f"snapshot chunk [{answer.offset}, {answer.offset + len(answer.entries)}) runs past "
@@ -485,17 +498,14 @@ def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
     if answer.id != query.id:
         raise MalformedAnswer(f"answer id {answer.id!r} is not the query's {query.id!r}")
     k = len(query.items)
-    if len(answer.classes) != k or len(answer.dedup_of) != k:
-        raise MalformedAnswer(
-            f"answer has {len(answer.classes)} classes and {len(answer.dedup_of)} dedup_of for "
-            f"{k} items"
-        )
-    for i, c in enumerate(answer.classes):
-        if c not in _CLASSES:
-            raise MalformedAnswer(f"classes[{i}] = {c!r} is not one of {sorted(_CLASSES)}")
-    for i, d in enumerate(answer.dedup_of):
-        if d is not None and not 0 <= d < i:
-            raise MalformedAnswer(f"dedup_of[{i}] = {d} is not an earlier item")
+    if len(answer.items) != k:
+        raise MalformedAnswer(f"answer has {len(answer.items)} items for the query's {k}")
+    for i, item in enumerate(answer.items):
+        if item.item_class is _UNCLASSIFIED:
+            raise MalformedAnswer(f"items[{i}].item_class = 'unclassified': only the proxy uses it")
+        d = item.dedup_of
+        if d is not None and not d < i:
+            raise MalformedAnswer(f"items[{i}].dedup_of = {d} is not an earlier item")
     if answer.num_computed_tokens >= len(query.token_ids):
         raise MalformedAnswer(
             f"num_computed_tokens {answer.num_computed_tokens} is not below the "
@@ -510,9 +520,7 @@ def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
     if stray:
         raise MalformedAnswer(f"e_demand names identifiers not in the query: {sorted(stray)}")
     needing = {
-        item.identifier
-        for item, c in zip(query.items, answer.classes, strict=True)
-        if c in _NEEDS_E
+        q.identifier for q, a in zip(query.items, answer.items, strict=True) if a.item_class.needs_e
     }
     unneeded = {ident for ident, _ in answer.e_demand} - needing
     if unneeded:
@@ -522,6 +530,26 @@ def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
     if len(answer.proof_blocks) != len(answer.proof_generations):
         raise MalformedAnswer("proof_blocks and proof_generations differ in length")
     return answer
+
+
+def record_items(demand: DemandResult) -> list[RecordItem]:
+    """An admission record's items: each occurrence's identifier and `item_class`."""
+    return [RecordItem(d.identifier, d.item_class) for d in demand.decisions]
+
+
+def _check_records(answer: AdmissionRecords) -> None:
+    """Records name no class a peer may not send (`unclassified`), and encode their own items."""
+    for r, rec in enumerate(answer.records):
+        for i, item in enumerate(rec.items):
+            if item.item_class is _UNCLASSIFIED:
+                raise MalformedAnswer(
+                    f"records[{r}].items[{i}].item_class = 'unclassified': only the proxy uses it"
+                )
+        if rec.encoded and not 0 <= min(rec.encoded) <= max(rec.encoded) < len(rec.items):
+            raise MalformedAnswer(
+                f"records[{r}].encoded = {rec.encoded[:8]} names items outside its "
+                f"{len(rec.items)} items"
+            )
 
 
 def _check_snapshot(chunk: KVSnapshot) -> None:
@@ -577,6 +605,7 @@ __all__ = [
     "AdmissionRecord",
     "AdmissionRecords",
     "Answer",
+    "AnswerItem",
     "DemandAnswer",
     "DemandError",
     "DemandQuery",
@@ -589,6 +618,7 @@ __all__ = [
     "MalformedQuery",
     "Query",
     "QueryItem",
+    "RecordItem",
     "RecordsQuery",
     "SnapshotQuery",
     "StatsQuery",
@@ -599,4 +629,5 @@ __all__ = [
     "max_query_bytes",
     "occurrences_of",
     "query_for",
+    "record_items",
 ]

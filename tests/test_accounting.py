@@ -10,7 +10,7 @@ from mmreuse.accounting import (
     accounting_occurrences,
     needed_from_e,
 )
-from mmreuse.decision import ItemClass as C
+from mmreuse.demand import ItemClass as C
 
 
 def test_the_first_uncovered_occurrence_accounts_for_an_identifier():

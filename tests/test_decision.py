@@ -1,4 +1,4 @@
-"""mmreuse.decision: the policies, the item classes on the wire, and dispatch (what E and P get)."""
+"""mmreuse.decision: the policies, and dispatch (what E and P get)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,15 @@ from hypothesis import strategies as st
 
 from mmreuse import Availability, MMOccurrence, compute_demand
 from mmreuse.decision import (
-    ANSWER_CLASSES,
     POLICIES,
-    ItemClass,
+    Dispatch,
     Policy,
     dispatch,
     dispatch_all,
     dispatch_demand,
-    item_classes,
-    parse_item_class,
     parse_policy,
 )
-from mmreuse.demand import Klass
+from mmreuse.demand import ItemClass
 from mmreuse.errors import InvalidArgument
 
 
@@ -34,24 +31,16 @@ def test_policies_say_what_they_read_and_ask():
         parse_policy("lazy", "--policy")
 
 
-def test_item_classes_name_klass_and_the_wire_only_classes():
-    assert {c.value for c in ItemClass} == {k.value for k in Klass} | {"duplicate", "unclassified"}
-    assert {c.value for c in ItemClass} - {"unclassified"} == ANSWER_CLASSES
-    assert [c for c in ItemClass if c.covered] == [ItemClass.KV_COVERED, ItemClass.NO_EMBEDS]
-    assert [c for c in ItemClass if c.needs_e] == [ItemClass.E_CACHED, ItemClass.E_COMPUTE]
-    assert ItemClass.P_LOCAL.klass is Klass.P_LOCAL and ItemClass.DUPLICATE.klass is None
-    assert parse_item_class("p_local", "x") is ItemClass.P_LOCAL
-    for bad in ("unclassified", "P_LOCAL", 3, None):
-        with pytest.raises(InvalidArgument, match=r"^classes\[2\] must be one of"):
-            parse_item_class(bad, "classes[2]")
-
-
 def test_a_kv_covered_first_occurrence_does_not_carry_the_delivery():
     """img at offset 0 is covered by KV; its repeat after C needs E: E gets the repeat's item,
     the covered one shares it (the proxy's index path and P's answers agree on this)."""
     occ = [MMOccurrence("img", 0, 8), MMOccurrence("txt-img", 10, 4), MMOccurrence("img", 40, 8)]
     demand = compute_demand(occ, 60, 32, Availability(p_local={"txt-img": 4}))
-    assert item_classes(demand) == (ItemClass.KV_COVERED, ItemClass.KV_COVERED, ItemClass.E_COMPUTE)
+    assert demand.item_classes() == (
+        ItemClass.KV_COVERED,
+        ItemClass.KV_COVERED,
+        ItemClass.E_COMPUTE,
+    )
     d = dispatch_demand(demand, [2, 0, 1], 3)  # occurrence i is item occurrence_items[i]
     assert d.e_items == (1,)  # the third occurrence's item
     assert d.shares == {2: 1} and d.raw_items == {0}
@@ -70,12 +59,16 @@ def test_duplicates_share_and_everything_else_goes_raw():
 
 
 def test_dispatch_refuses_inconsistent_input():
-    with pytest.raises(InvalidArgument, match="aligned"):
-        dispatch(["a"], [], [], [0], 1)
+    with pytest.raises(InvalidArgument, match=r"^occurrences\[0\] must be an \(identifier, class"):
+        dispatch([("a", ItemClass.E_COMPUTE)], [], 1)
     with pytest.raises(InvalidArgument, match=r"^e_demand names \['a'\], but no occurrence"):
-        dispatch(["a"], [ItemClass.KV_COVERED], ["a"], [0], 1)
-    with pytest.raises(InvalidArgument, match=r"^occurrence_items\[0\] must be an item index"):
-        dispatch(["a"], [ItemClass.E_COMPUTE], ["a"], [3], 1)
+        dispatch([("a", ItemClass.KV_COVERED, 0)], ["a"], 1)
+    with pytest.raises(InvalidArgument, match=r"^occurrences\[0\] item must be an item index"):
+        dispatch([("a", ItemClass.E_COMPUTE, 3)], ["a"], 1)
+    with pytest.raises(
+        InvalidArgument, match=r"^occurrence_items has 2 entries for the demand's 1"
+    ):
+        dispatch_demand(compute_demand([MMOccurrence("a", 0, 4)], 8, 0), [0, 1], 2)
 
 
 @given(
@@ -106,3 +99,24 @@ def test_each_identifier_e_delivers_is_sent_once_where_p_consumes_it(spec, c_hin
     # every item is sent, shares a sent one, or goes raw: exactly one of the three
     for i in range(len(occs)):
         assert (i in d.e_items) + (i in d.shares) + (i in d.raw_items) == 1
+
+
+def test_abandon_sends_p_raw_what_e_no_longer_delivers():
+    """Opportunistic: E got every item; those abandoned there go to P raw, the rest E
+    delivers each on its own (nothing shared), the classes stay the plan's."""
+    classes = (ItemClass.E_COMPUTE, ItemClass.P_LOCAL, ItemClass.DUPLICATE)
+    planned = Dispatch((0,), frozenset({1}), {2: 0}, classes)
+    d = planned.abandon([1])
+    assert d == Dispatch((0, 2), frozenset({1}), {}, classes)
+    assert planned.abandon([]) == Dispatch((0, 1, 2), frozenset(), {}, classes)
+    with pytest.raises(InvalidArgument, match=r"^items must be item indices in \[0, 3\), got 3"):
+        planned.abandon([3])
+
+
+def test_resend_sends_e_again_and_p_raw_as_well():
+    classes = (ItemClass.E_COMPUTE, ItemClass.P_EXTERNAL, ItemClass.DUPLICATE)
+    planned = Dispatch((0,), frozenset({1}), {2: 0}, classes)
+    assert planned.resend({1}) == Dispatch((0, 1), frozenset({1}), {2: 0}, classes)
+    assert planned.resend({0}) == Dispatch((0,), frozenset({0, 1}), {2: 0}, classes)
+    with pytest.raises(InvalidArgument, match=r"^items must be item indices"):
+        planned.resend({-1})

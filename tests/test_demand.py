@@ -2,9 +2,9 @@
 
 import pytest
 
-from mmreuse import Availability, Klass, MMOccurrence, compute_demand, kv_coverage
+from mmreuse import Availability, ItemClass, MMOccurrence, compute_demand, kv_coverage
 
-K = Klass
+K = ItemClass
 
 
 def occ(ident, start, end, mask=None):
@@ -406,20 +406,20 @@ def test_rule_s_self_evictions():
     occ = [MMOccurrence("X", 0, 8), MMOccurrence("C", 10, 8)]
     avail = Availability(p_local={"C": 8, "D": 8}, p_local_freeable=frozenset({"C", "D"}))
     plain = compute_demand(occ, 30, 0, avail)
-    assert [d.klass for d in plain.decisions] == [Klass.E_COMPUTE, Klass.P_LOCAL]
+    assert [d.klass for d in plain.decisions] == [ItemClass.E_COMPUTE, ItemClass.P_LOCAL]
     assert plain.self_evicted == () and not plain.encoder_cache_short
     # no free slot, C the oldest freeable: X evicts C, C is encoded again (and evicts D)
     res = compute_demand(
         occ, 30, 0, avail, encoder_cache=EncoderCacheSpace(0, (("C", 8), ("D", 8)))
     )
-    assert [d.klass for d in res.decisions] == [Klass.E_COMPUTE, Klass.E_COMPUTE]
+    assert [d.klass for d in res.decisions] == [ItemClass.E_COMPUTE, ItemClass.E_COMPUTE]
     assert res.e_demand == (("X", True), ("C", True)) and res.self_evicted == ("C", "D")
     # room enough: nothing evicted, the same as without the rule
     roomy = compute_demand(occ, 30, 0, avail, encoder_cache=EncoderCacheSpace(8, (("C", 8),)))
     assert roomy.decisions == plain.decisions and roomy.self_evicted == ()
     # a KV-covered X allocates nothing
     covered = compute_demand(occ, 30, 9, avail, encoder_cache=EncoderCacheSpace(0, (("C", 8),)))
-    assert [d.klass for d in covered.decisions] == [Klass.KV_COVERED, Klass.P_LOCAL]
+    assert [d.klass for d in covered.decisions] == [ItemClass.KV_COVERED, ItemClass.P_LOCAL]
     # the cache cannot hold X at all: short (P spreads the items over steps)
     short = compute_demand(occ[:1], 30, 0, Availability(), encoder_cache=EncoderCacheSpace(4))
     assert short.encoder_cache_short and short.self_evicted == ()
@@ -450,3 +450,18 @@ def test_encoder_cache_space_refuses(args, match):
         EncoderCacheSpace(*args)
     with pytest.raises(ValueError, match=r"^encoder_cache must be an EncoderCacheSpace"):
         compute_demand([], 4, 0, encoder_cache=(0, ()))
+
+
+def test_item_class_names_compute_demands_classes_and_the_wire_only_ones():
+    """One enum: compute_demand's six classes, `duplicate` (an answer's, a record's) and
+    `unclassified` (the proxy's, for an item it made no plan for)."""
+    assert [c.value for c in ItemClass] == [
+        "kv_covered", "no_embeds", "p_local", "p_external", "e_cached", "e_compute",
+        "duplicate", "unclassified",
+    ]  # fmt: skip
+    assert [c for c in ItemClass if c.covered] == [ItemClass.KV_COVERED, ItemClass.NO_EMBEDS]
+    assert [c for c in ItemClass if c.needs_e] == [ItemClass.E_CACHED, ItemClass.E_COMPUTE]
+    occ = [MMOccurrence("a", 0, 4), MMOccurrence("b", 4, 4), MMOccurrence("a", 8, 4)]
+    d = compute_demand(occ, 20, 0, Availability(p_local={"b": 4}))
+    assert [x.klass for x in d.decisions] == [K.E_COMPUTE, K.P_LOCAL, K.E_COMPUTE]
+    assert d.item_classes() == (K.E_COMPUTE, K.P_LOCAL, K.DUPLICATE)

@@ -3,10 +3,10 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mmreuse import Availability, Klass, compute_demand
+from mmreuse import Availability, ItemClass, compute_demand
 from tests.support.strategies import demand_requests
 
-NEEDS = {Klass.P_LOCAL, Klass.P_EXTERNAL, Klass.E_CACHED, Klass.E_COMPUTE}
+NEEDS = {ItemClass.P_LOCAL, ItemClass.P_EXTERNAL, ItemClass.E_CACHED, ItemClass.E_COMPUTE}
 
 
 def features_in_window(occs, start, end):
@@ -64,8 +64,8 @@ def test_demanded_iff_the_chunked_prefill_touches_an_embed_at_or_after_c(req, ch
             assert d.num_embeds == m.num_embeds
             assert d.first_uncovered_pos >= c and d.partial == (0 < used < m.num_embeds)
         else:
-            assert d.klass in (Klass.KV_COVERED, Klass.NO_EMBEDS)
-            assert (d.klass is Klass.NO_EMBEDS) == (m.num_embeds == 0)
+            assert d.klass in (ItemClass.KV_COVERED, ItemClass.NO_EMBEDS)
+            assert (d.klass is ItemClass.NO_EMBEDS) == (m.num_embeds == 0)
 
 
 @given(req=demand_requests(), more=st.integers(0, 300))
@@ -107,14 +107,14 @@ def test_result_invariants(req, rule, encdec):
         assert len(seq) == len(set(seq))
     assert {i for i, _ in res.e_demand} == {i for i, d in first.items() if d.klass.needs_e}
     assert dict(res.e_demand) == {
-        i: d.klass is Klass.E_COMPUTE for i, d in first.items() if d.klass.needs_e
+        i: d.klass is ItemClass.E_COMPUTE for i, d in first.items() if d.klass.needs_e
     }
-    assert set(res.p_loads) == {i for i, d in first.items() if d.klass is Klass.P_EXTERNAL}
-    assert set(res.p_local_reuse) == {i for i, d in first.items() if d.klass is Klass.P_LOCAL}
+    assert set(res.p_loads) == {i for i, d in first.items() if d.klass is ItemClass.P_EXTERNAL}
+    assert set(res.p_local_reuse) == {i for i, d in first.items() if d.klass is ItemClass.P_LOCAL}
     if encdec:
-        assert all(d.klass in (Klass.KV_COVERED, Klass.NO_EMBEDS) for d in res.decisions) == (
-            c > 0 or all(m.num_embeds == 0 for m in occs)
-        )
+        assert all(
+            d.klass in (ItemClass.KV_COVERED, ItemClass.NO_EMBEDS) for d in res.decisions
+        ) == (c > 0 or all(m.num_embeds == 0 for m in occs))
 
 
 @given(req=demand_requests())

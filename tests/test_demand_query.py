@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mmreuse.demand import ItemClass
 from mmreuse.demand_query import (
     MAX_ID_CHARS,
     MAX_IDENT_CHARS,
@@ -18,6 +19,9 @@ from mmreuse.demand_query import (
     MAX_MODALITY_CHARS,
     MAX_OVERLAP,
     MAX_SALT_CHARS,
+    AdmissionRecord,
+    AdmissionRecords,
+    AnswerItem,
     DemandAnswer,
     DemandError,
     DemandQuery,
@@ -25,6 +29,7 @@ from mmreuse.demand_query import (
     MalformedAnswer,
     MalformedQuery,
     QueryItem,
+    RecordItem,
     StatsQuery,
     decode_answer,
     decode_query,
@@ -44,7 +49,7 @@ def q(**kw):
 
 
 def ans(**kw):
-    base = dict(id="q1", num_computed_tokens=0, classes=["e_compute"], dedup_of=[None],
+    base = dict(id="q1", num_computed_tokens=0, items=[AnswerItem(ItemClass.E_COMPUTE)],
                 e_demand=[("img-a", True)])  # fmt: skip
     base.update(kw)
     return DemandAnswer(**base)
@@ -98,9 +103,13 @@ def test_garbage_is_a_malformed_query(payload):
     "answer, why",
     [
         (ans(id="q2"), "answer id"),
-        (ans(classes=[]), "classes"),
-        (ans(classes=["bogus"]), "classes[0]"),
-        (ans(dedup_of=[0]), "dedup_of[0]"),
+        (ans(items=[]), "answer has 0 items for the query's 1"),
+        (ans(items=[AnswerItem("bogus")]), "Invalid enum value 'bogus' - at `$.items[0][0]`"),
+        (ans(items=[AnswerItem("P_LOCAL")]), "Invalid enum value 'P_LOCAL' - at `$.items[0][0]`"),
+        (ans(items=[AnswerItem(3)]), "Expected `str`, got `int` - at `$.items[0][0]`"),
+        (ans(items=[AnswerItem(ItemClass.UNCLASSIFIED)]), "items[0].item_class = 'unclassified'"),
+        (ans(items=[AnswerItem(ItemClass.DUPLICATE, 0)]), "items[0].dedup_of = 0"),
+        (ans(items=[AnswerItem(ItemClass.DUPLICATE, -1)]), "Expected `int` >= 0"),
         (ans(num_computed_tokens=7), "num_computed_tokens 7"),
         (ans(e_demand=[("img-z", True)]), "e_demand names"),
         (ans(p_local_reuse=["img-z"]), "p_local_reuse names"),
@@ -110,6 +119,26 @@ def test_garbage_is_a_malformed_query(payload):
 def test_malformed_answers_are_refused(answer, why):
     with pytest.raises(MalformedAnswer, match=re.escape(why)):
         decode_answer(encode(answer), q())
+
+
+def _records(*items, encoded=()):
+    rec = AdmissionRecord(0, "r", 8, 0, [RecordItem(i, c) for i, c in items], list(encoded))
+    return AdmissionRecords("x", [rec], 1)
+
+
+def test_records_carry_one_item_per_occurrence_and_refuse_what_a_peer_may_not_send():
+    recs = _records(("a", ItemClass.E_COMPUTE), ("a", ItemClass.DUPLICATE), encoded=[0])
+    assert decode_answer(encode(recs)) == recs
+    for bad, why in [
+        (
+            _records(("a", ItemClass.UNCLASSIFIED)),
+            "records[0].items[0].item_class = 'unclassified'",
+        ),
+        (_records(("a", "bogus")), "Invalid enum value 'bogus' - at `$.records[0].items[0][1]`"),
+        (_records(("a", ItemClass.E_COMPUTE), encoded=[1]), "records[0].encoded = [1] names items"),
+    ]:
+        with pytest.raises(MalformedAnswer, match=re.escape(why)):
+            decode_answer(encode(bad))
 
 
 @given(st.binary(max_size=64))

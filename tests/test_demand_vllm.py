@@ -5,12 +5,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from mmreuse import Availability, Klass, MMOccurrence, compute_demand
+from mmreuse import Availability, ItemClass, MMOccurrence, compute_demand
 from tests.support.strategies import demand_requests
 
 pytestmark = pytest.mark.oracle
 
-COVERED = {Klass.KV_COVERED, Klass.NO_EMBEDS}
+COVERED = {ItemClass.KV_COVERED, ItemClass.NO_EMBEDS}
 
 
 def vllm_outcome(vllm_scheduler, occs, n, c, avail, encdec):
@@ -53,12 +53,12 @@ def vllm_classes(out, occs):
 
 
 EXPECT = {
-    Klass.E_COMPUTE: "encode",
-    Klass.E_CACHED: "encode",
-    Klass.P_EXTERNAL: "load",
-    Klass.P_LOCAL: "reuse",
-    Klass.KV_COVERED: "nothing",
-    Klass.NO_EMBEDS: "nothing",
+    ItemClass.E_COMPUTE: "encode",
+    ItemClass.E_CACHED: "encode",
+    ItemClass.P_EXTERNAL: "load",
+    ItemClass.P_LOCAL: "reuse",
+    ItemClass.KV_COVERED: "nothing",
+    ItemClass.NO_EMBEDS: "nothing",
 }
 
 

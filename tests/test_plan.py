@@ -25,7 +25,8 @@ from mmreuse import (
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.events import RemoteKVIndex
 from mmreuse.events.wire import KVEventBatch
-from mmreuse.plan import KVView, PrefixMatch
+from mmreuse.identity import RequestIdentity
+from mmreuse.plan import GivenCoverage, KVLookup, KVView, PrefixMatch
 from mmreuse.residency import BlockIndex
 from tests.support.kv_publisher import stored
 from tests.support.strategies import demand_requests
@@ -60,6 +61,14 @@ def remote_index_with(hashes, rng):
         )
     )
     return index
+
+
+def lookup(view, hasher, tokens, salt, coverage):
+    """The KVLookup of a request hashed here, keyed by its salt (if any)."""
+    identity = None if salt is None else RequestIdentity(cache_salt=salt)
+    return KVLookup(
+        view, hasher=hasher, token_ids=tokens, identity=identity, kv_coverage_args=coverage
+    )
 
 
 def by_hand(view, hasher, tokens, occs, n, avail, salt, coverage, rule):
@@ -124,11 +133,7 @@ def test_plan_equals_the_hand_composition_with_a_hasher(case, which):
                 num_prompt_tokens=n,
                 occurrences=occs,
                 availability=avail,
-                view=view,
-                hasher=hasher,
-                token_ids=tokens,
-                cache_salt=salt,
-                coverage=coverage,
+                coverage=lookup(view, hasher, tokens, salt, coverage),
                 coverage_rule=rule,
             )
         return
@@ -136,11 +141,7 @@ def test_plan_equals_the_hand_composition_with_a_hasher(case, which):
         num_prompt_tokens=n,
         occurrences=occs,
         availability=avail,
-        view=view,
-        hasher=hasher,
-        token_ids=tokens,
-        cache_salt=salt,
-        coverage=coverage,
+        coverage=lookup(view, hasher, tokens, salt, coverage),
         coverage_rule=rule,
     )
     w_hashes, w_hit, w_proof, w_c, w_ext, w_demand = want
@@ -168,9 +169,7 @@ def test_plan_equals_the_hand_composition_with_given_hashes(case, which, as_ids)
         num_prompt_tokens=n,
         occurrences=occs,
         availability=avail,
-        view=view,
-        block_hashes=given_hashes,
-        block_size=bs,
+        coverage=KVLookup(view, block_hashes=given_hashes, block_size=bs),
         coverage_rule=rule,
     )
     match = view.match_prefix(given_hashes)
@@ -196,8 +195,7 @@ def test_given_c_equals_compute_demand(req, ext_frac, rule):
         num_prompt_tokens=n,
         occurrences=occs,
         availability=a,
-        num_computed_tokens=c,
-        external_kv_tokens=ext,
+        coverage=GivenCoverage(c, ext),
         coverage_rule=rule,
     )
     assert plan == AdmissionPlan(
@@ -216,8 +214,7 @@ def test_given_c_records_given_hashes_and_passes_is_encoder_decoder():
         num_prompt_tokens=32,
         occurrences=occs,
         availability=Availability(),
-        num_computed_tokens=1,
-        block_hashes=[b"\x01" * 32, 7],
+        coverage=GivenCoverage(1, block_hashes=(b"\x01" * 32, 7)),
         is_encoder_decoder=True,
     )
     assert plan.block_hashes == (b"\x01" * 32, 7) and plan.hit_blocks == 0 and plan.proof is None
@@ -236,9 +233,7 @@ def test_stale_proof_fails_validation_after_eviction():
         num_prompt_tokens=64,
         occurrences=occs,
         availability=Availability(),
-        view=index,
-        hasher=hasher,
-        token_ids=tokens,
+        coverage=KVLookup(index, hasher=hasher, token_ids=tokens),
     )
     assert (plan.hit_blocks, plan.num_computed_tokens) == (4, 48)  # the N-1 cap: 63 -> 48
     assert plan.demand.e_demand == (("A", True),) and index.validate(plan.proof)
@@ -255,9 +250,7 @@ def test_lookahead_and_hybrid_block_sizes_follow_kv_coverage():
         num_prompt_tokens=100,
         occurrences=[],
         availability=Availability(),
-        view=idx,
-        hasher=la,
-        token_ids=tokens,
+        coverage=KVLookup(idx, hasher=la, token_ids=tokens),
     )
     assert plan.hit_blocks == 12
     assert (
@@ -271,18 +264,18 @@ def test_lookahead_and_hybrid_block_sizes_follow_kv_coverage():
         num_prompt_tokens=100,
         occurrences=[],
         availability=Availability(),
-        view=idx,
-        hasher=fine,
-        token_ids=tokens,
-        coverage={"block_size": 16, "alignment_tokens": 8},
-    )
+        coverage=KVLookup(
+            idx, hasher=fine, token_ids=tokens,
+            kv_coverage_args={"block_size": 16, "alignment_tokens": 8},
+        ),
+    )  # fmt: skip
     assert (plan.hit_blocks, plan.num_computed_tokens) == (5, 40)
     assert kv_coverage(100, cached_prefix_tokens=40, block_size=16, alignment_tokens=8) == (40, 0)
 
 
 def test_plan_is_frozen_and_module_is_torch_free():
     plan = plan_admission(
-        num_prompt_tokens=4, occurrences=[], availability=Availability(), num_computed_tokens=0
+        num_prompt_tokens=4, occurrences=[], availability=Availability(), coverage=GivenCoverage(0)
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.hit_blocks = 3
@@ -314,112 +307,73 @@ BASE = dict(
 )
 
 
+SALTED = RequestIdentity(cache_salt="s")
+
+
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "record,kwargs,match",
     [
-        ({}, "neither num_computed_tokens nor view"),
-        ({"num_computed_tokens": 8, "view": "SPY"}, r"num_computed_tokens \(C given\) with view"),
-        (
-            {"num_computed_tokens": 8, "hasher": H16, "token_ids": TOKENS},
-            "C given.* with hasher, token_ids",
-        ),
-        ({"num_computed_tokens": 8, "cache_salt": "s"}, "with cache_salt"),
-        ({"num_computed_tokens": 8, "block_size": 16}, "with block_size"),
-        ({"num_computed_tokens": 8, "coverage": {}}, "with coverage"),
-        ({"num_computed_tokens": 64}, "num_computed_tokens must be in"),
-        ({"num_computed_tokens": 8, "external_kv_tokens": 9}, "external_kv_tokens must be in"),
-        ({"num_computed_tokens": 8, "block_hashes": [b"short"]}, r"block_hashes\[0\]"),
-        ({"view": "SPY"}, "view without the request's hashes"),
-        ({"view": "SPY", "hasher": H16}, r"got only hasher\)"),
-        (
-            {"view": "SPY", "token_ids": TOKENS, "cache_salt": "s"},
-            r"got only token_ids, cache_salt",
-        ),
-        (
-            {
-                "view": "SPY",
-                "block_hashes": HASHES,
-                "block_size": 16,
-                "hasher": H16,
-                "token_ids": TOKENS,
-            },
-            "block_hashes with hasher, token_ids: .*not both",
-        ),
-        (
-            {"view": "SPY", "block_hashes": HASHES, "block_size": 16, "cache_salt": "s"},
-            "block_hashes with cache_salt",
-        ),
-        ({"view": "SPY", "block_hashes": HASHES}, "block_hashes without block_size"),
-        ({"view": "SPY", "block_hashes": HASHES, "block_size": 0}, "block_size must be >= 1"),
-        ({"view": "SPY", "block_hashes": HASHES + HASHES[:1], "block_size": 16}, "4 full blocks"),
-        ({"view": "SPY", "block_hashes": [HASHES[0], -1], "block_size": 16}, r"block_hashes\[1\]"),
-        (
-            {"view": "SPY", "block_hashes": b"x" * 32, "block_size": 16},
-            "block_hashes must be a seq",
-        ),
-        (
-            {"view": "SPY", "block_hashes": iter(HASHES), "block_size": 16},
-            "block_hashes must be a seq",
-        ),
-        ({"view": "SPY", "hasher": "sha256", "token_ids": TOKENS}, "hasher must be a BlockHasher"),
-        (
-            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "block_size": 8},
-            "block_size must be hasher.block_size=16",
-        ),
-        (
-            {"view": "SPY", "hasher": H16, "token_ids": TOKENS[:-1]},
-            "token_ids must hold .*64 tokens, got 63",
-        ),
-        ({"view": "SPY", "hasher": H16, "token_ids": "abc"}, "token_ids must be a sequence"),
-        ({"view": object(), "hasher": H16, "token_ids": TOKENS}, "view must be a KVView"),
-        (
-            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "external_kv_tokens": 16},
-            "external_kv_tokens=16 without num_computed_tokens",
-        ),
-        (
-            {
-                "view": "SPY",
-                "hasher": H16,
-                "token_ids": TOKENS,
-                "coverage": {"cached_prefix_tokens": 3},
-            },
-            "coverage keys must be kv_coverage keywords.*'cached_prefix_tokens'",
-        ),
-        (
-            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": {"eagle": True}},
-            "coverage keys .*'eagle'",
-        ),
-        (
-            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": [("eagle_drop", True)]},
-            "coverage must be a mapping",
-        ),
-        (
-            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": {"hash_lookahead": 2}},
-            r"coverage\['hash_lookahead'\] must be hasher.lookahead=0",
-        ),
-        (
-            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "coverage": {"eagle_drop": 1}},
-            "eagle_drop must be a bool",
-        ),
-        ({"num_prompt_tokens": 0, "num_computed_tokens": 0}, "num_prompt_tokens must be >= 1"),
-        (
-            {"num_computed_tokens": 8, "availability": {"A": 1}},
-            "availability must be an Availability",
-        ),
-        ({"num_computed_tokens": 8, "occurrences": "A"}, "occurrences must be a sequence"),
-        ({"num_computed_tokens": 8, "coverage_rule": "blocks"}, "coverage_rule must be"),
-        ({"num_computed_tokens": 8, "is_encoder_decoder": 1}, "is_encoder_decoder must be a bool"),
-        (
-            {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "availability": None},
-            "availability must be an Availability",
-        ),
+        (GivenCoverage, {"num_computed_tokens": -1}, "num_computed_tokens must be >= 0"),
+        (GivenCoverage, {"num_computed_tokens": 8, "external_kv_tokens": 9}, "external_kv_tokens must be in"),
+        (GivenCoverage, {"num_computed_tokens": 8, "block_hashes": [b"short"]}, r"block_hashes\[0\]"),
+        (KVLookup, {"view": "SPY"}, "a lookup without the request's hashes"),
+        (KVLookup, {"view": "SPY", "hasher": H16}, r"got only hasher\)"),
+        (KVLookup, {"view": "SPY", "token_ids": TOKENS, "identity": SALTED}, r"got only token_ids, identity"),
+        (KVLookup, {"view": "SPY", "block_hashes": HASHES, "block_size": 16, "hasher": H16, "token_ids": TOKENS},
+         "block_hashes with hasher, token_ids: .*not both"),
+        (KVLookup, {"view": "SPY", "block_hashes": HASHES, "block_size": 16, "identity": SALTED}, "block_hashes with identity"),
+        (KVLookup, {"view": "SPY", "block_hashes": HASHES}, "block_hashes without block_size"),
+        (KVLookup, {"view": "SPY", "block_hashes": HASHES, "block_size": 0}, "block_size must be >= 1"),
+        (KVLookup, {"view": "SPY", "block_hashes": [HASHES[0], -1], "block_size": 16}, r"block_hashes\[1\]"),
+        (KVLookup, {"view": "SPY", "block_hashes": b"x" * 32, "block_size": 16}, "block_hashes must be a seq"),
+        (KVLookup, {"view": "SPY", "block_hashes": iter(HASHES), "block_size": 16}, "block_hashes must be a seq"),
+        (KVLookup, {"view": "SPY", "hasher": "sha256", "token_ids": TOKENS}, "hasher must be a BlockHasher"),
+        (KVLookup, {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "block_size": 8},
+         "block_size must be hasher.block_size=16"),
+        (KVLookup, {"view": "SPY", "hasher": H16, "token_ids": "abc"}, "token_ids must be a sequence"),
+        (KVLookup, {"view": object(), "hasher": H16, "token_ids": TOKENS}, "view must be a KVView"),
+        (KVLookup, {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "identity": "s"},
+         "identity must be a RequestIdentity"),
+        (KVLookup, {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "kv_coverage_args": {"cached_prefix_tokens": 3}},
+         "kv_coverage_args keys must be kv_coverage keywords.*'cached_prefix_tokens'"),
+        (KVLookup, {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "kv_coverage_args": {"eagle": True}},
+         "kv_coverage_args keys .*'eagle'"),
+        (KVLookup, {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "kv_coverage_args": [("eagle_drop", True)]},
+         "kv_coverage_args must be a mapping"),
+        (KVLookup, {"view": "SPY", "hasher": H16, "token_ids": TOKENS, "kv_coverage_args": {"hash_lookahead": 2}},
+         r"kv_coverage_args\['hash_lookahead'\] must be hasher.lookahead=0"),
     ],
-)
-def test_misuse_raises_naming_the_arguments(kwargs, match):
+)  # fmt: skip
+def test_a_record_refuses_misuse_naming_the_field(record, kwargs, match):
     spy = Spy()
-    kwargs = {**BASE, **{k: spy if v == "SPY" else v for k, v in kwargs.items()}}
     with pytest.raises(InvalidArgument, match=match):
-        plan_admission(**kwargs)
+        record(**{k: spy if isinstance(v, str) and v == "SPY" else v for k, v in kwargs.items()})
+    assert spy.calls == 0
+
+
+@pytest.mark.parametrize(
+    "coverage,kwargs,match",
+    [
+        (lambda spy: GivenCoverage(64), {}, "num_computed_tokens must be in"),
+        (lambda spy: KVLookup(spy, block_hashes=HASHES + HASHES[:1], block_size=16), {}, "4 full blocks"),
+        (lambda spy: KVLookup(spy, hasher=H16, token_ids=TOKENS[:-1]), {}, "token_ids must hold .*64 tokens, got 63"),
+        (lambda spy: KVLookup(spy, hasher=H16, token_ids=TOKENS, kv_coverage_args={"eagle_drop": 1}), {},
+         "eagle_drop must be a bool"),
+        (lambda spy: GivenCoverage(0), {"num_prompt_tokens": 0}, "num_prompt_tokens must be >= 1"),
+        (lambda spy: GivenCoverage(8), {"availability": {"A": 1}}, "availability must be an Availability"),
+        (lambda spy: GivenCoverage(8), {"occurrences": "A"}, "occurrences must be a sequence"),
+        (lambda spy: GivenCoverage(8), {"coverage_rule": "blocks"}, "coverage_rule must be"),
+        (lambda spy: GivenCoverage(8), {"is_encoder_decoder": 1}, "is_encoder_decoder must be a bool"),
+        (lambda spy: KVLookup(spy, hasher=H16, token_ids=TOKENS), {"availability": None},
+         "availability must be an Availability"),
+        (lambda spy: None, {}, "coverage must be a KVLookup or a GivenCoverage, got None"),
+        (lambda spy: {"num_computed_tokens": 8}, {}, "coverage must be a KVLookup or a GivenCoverage"),
+    ],
+)  # fmt: skip
+def test_misuse_raises_naming_the_arguments(coverage, kwargs, match):
+    spy = Spy()
+    with pytest.raises(InvalidArgument, match=match):
+        plan_admission(**{**BASE, "coverage": coverage(spy), **kwargs})
     assert spy.calls == 0 or "eagle_drop" in match  # refused before any lookup
 
 
@@ -438,11 +392,11 @@ def test_misuse_raises_naming_the_arguments(kwargs, match):
 )
 def test_a_broken_view_answer_is_refused(answer, match, cls):
     with pytest.raises(cls, match=match):
-        plan_admission(**BASE, view=Spy(answer), hasher=H16, token_ids=TOKENS)
+        plan_admission(**BASE, coverage=KVLookup(Spy(answer), hasher=H16, token_ids=TOKENS))
 
 
 def test_type_errors_are_typed_and_arguments_keyword_only():
     with pytest.raises(InvalidArgumentType):
-        plan_admission(**BASE, view=object(), hasher=H16, token_ids=TOKENS)
+        KVLookup(object(), hasher=H16, token_ids=TOKENS)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        plan_admission(64, [], Availability(), num_computed_tokens=0)  # type: ignore[misc]
+        plan_admission(64, [], Availability(), GivenCoverage(0))  # type: ignore[misc]

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..accounting import Bucket, Delivery, PolicyResult, account_request
-from ..decision import ItemClass, parse_item_class, parse_policy
+from ..decision import parse_policy
+from ..demand import ItemClass
 from .classes import Observed
 
 if TYPE_CHECKING:  # simchat loads the simulator, and so torch: attribution needs neither
@@ -56,15 +57,15 @@ def _e_sent(req: ChatRequest, out: RequestOutcome) -> tuple[set[str], dict[str, 
     if out.e_records:
         how: dict[str, Delivery] = {}
         for rec in out.e_records:
-            for i, ident in enumerate(rec.identifiers):
+            for i, item in enumerate(rec.items):
                 if i in rec.encoded:
-                    how[ident] = Delivery.FORWARD
+                    how[item.identifier] = Delivery.FORWARD
                 else:
-                    how.setdefault(ident, Delivery.E_CACHE)
+                    how.setdefault(item.identifier, Delivery.E_CACHE)
         return set(how), how
     decision = out.decision
     if decision is not None:
-        return {req.uuids[i] for i in decision.e_indices}, None
+        return {req.uuids[i] for i in decision.dispatch.e_items}, None
     return set(), None
 
 
@@ -73,9 +74,9 @@ def observe(req: ChatRequest, out: RequestOutcome) -> Observed:
     answered), its items, how many items E got for it (E's own records where it keeps them,
     else the proxy's decision), and the proxy's render of it (None: not rendered)."""
     if out.e_records:
-        e_items = sum(len(rec.identifiers) for rec in out.e_records)
+        e_items = sum(len(rec.items) for rec in out.e_records)
     elif out.decision is not None:
-        e_items = len(out.decision.e_indices)
+        e_items = len(out.decision.dispatch.e_items)
     else:
         e_items = 0
     render_s = getattr(out.decision, "render_s", 0.0) if out.decision is not None else 0.0
@@ -118,7 +119,7 @@ def attribute(
         if sent:
             r.transfers += 1
         decision = out.decision
-        if out.status != 200 and decision is not None and decision.raw_with_uuid:
+        if out.status != 200 and decision is not None and decision.dispatch.raw_items:
             r.wrong_skips += 1
         if out.ttft_ms is not None and out.status == 200:
             r.ttft_ms.append(out.ttft_ms)
@@ -138,10 +139,7 @@ def _record_account(
     simulator's `would` leaves forwarded items out of the store): an E need. A late fallback
     is an item P encoded itself that nobody delivered.
     """
-    occurrences = [
-        (ident, parse_item_class(cls, f"record {rec.request_id} classes[{i}]"))
-        for i, (ident, cls) in enumerate(zip(rec.identifiers, rec.classes, strict=True))
-    ]
+    occurrences = [(item.identifier, item.item_class) for item in rec.items]
     delivered = {
         ident: how[ident]
         if how is not None and ident in how
@@ -152,7 +150,7 @@ def _record_account(
     would_need_e = {
         ident for ident, cls in occurrences if cls.needs_e or cls is ItemClass.P_EXTERNAL
     }
-    encoded = {rec.identifiers[i] for i in rec.encoded}
+    encoded = {rec.items[i].identifier for i in rec.encoded}
 
     def late(i: int, ident: str, cls: ItemClass) -> Delivery | None:
         return Delivery.FORWARD if ident in encoded else None

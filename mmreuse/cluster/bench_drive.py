@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..decision import parse_policy
+from ..demand import ItemClass
 from ..errors import InvalidArgument
 from ..proxy.metrics import sample_sum
 from ..sim.report import percentile, summarize
@@ -320,10 +321,11 @@ def run_policy(
         1
         for out in outcomes
         for rec in out.records[:1]
-        for k, c in enumerate(rec.classes)
-        if c == "p_external" and rec.identifiers[k] not in rec.identifiers[:k]
+        for k, item in enumerate(rec.items)
+        if item.item_class is ItemClass.P_EXTERNAL
+        and all(x.identifier != item.identifier for x in rec.items[:k])
     )
-    e_classes = [c for out in outcomes for rec in out.e_records for c in rec.classes]
+    e_classes = [x.item_class for out in outcomes for rec in out.e_records for x in rec.items]
 
     def forwards(prefix: str) -> int | None:
         if counts is None:
@@ -343,15 +345,15 @@ def run_policy(
             # their encoders ran, the connector's load fallbacks included
             "e_forwards_probe": forwards("E"),
             "p_forwards_probe": forwards("P"),
-            "e_items_sent": sum(len(r.identifiers) for o in outcomes for r in o.e_records)
+            "e_items_sent": sum(len(r.items) for o in outcomes for r in o.e_records)
             if reference
             else int(sample_sum(metrics, "mmreuse_proxy_encoder_items_total", action="sent")),
             "e_items_abandoned": None
             if reference
             else int(sample_sum(metrics, "mmreuse_proxy_encoder_items_abandoned_total")),
             # E's own account of the items it admitted (None without E's records)
-            "e_store_hits": e_classes.count("p_external") if e_endpoints else None,
-            "e_cache_hits": e_classes.count("p_local") if e_endpoints else None,
+            "e_store_hits": e_classes.count(ItemClass.P_EXTERNAL) if e_endpoints else None,
+            "e_cache_hits": e_classes.count(ItemClass.P_LOCAL) if e_endpoints else None,
             "ttft_p90_ms": percentile(result.ttft_ms, 90),
             # the proxy's render stage (mmreuse_proxy_stage_seconds{stage="render"}): P's
             # processor on every image of the requests it rendered (None: the reference's)

@@ -20,7 +20,7 @@ from typing import Any
 from ..demand import Availability, CoverageRule, DemandResult, EncoderCacheSpace
 from ..errors import InvalidArgument
 from ..occurrence import MMOccurrence
-from ..plan import plan_admission
+from ..plan import GivenCoverage, plan_admission
 from ..validate import check_int, check_str, fail_type, show
 from .vllm_hasher import fast_request_block_hasher
 
@@ -160,8 +160,7 @@ def demand_for_request(
         num_prompt_tokens=request.num_tokens,
         occurrences=occs,
         availability=avail,
-        num_computed_tokens=num_computed_tokens,
-        external_kv_tokens=external_kv_tokens,
+        coverage=GivenCoverage(num_computed_tokens, external_kv_tokens),
         coverage_rule=coverage_rule,
         is_encoder_decoder=is_encoder_decoder,
         encoder_cache=encoder_cache_space(encoder_cache_manager),

@@ -63,7 +63,6 @@ import msgspec
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ..decision import item_classes
 from ..demand_query import (
     MAX_ID_CHARS,
     MAX_SNAPSHOT_BLOCKS,
@@ -79,6 +78,7 @@ from ..demand_query import (
     ECSnapshotQuery,
     KVSnapshot,
     MalformedQuery,
+    RecordItem,
     RecordsQuery,
     SnapshotQuery,
     StatsQuery,
@@ -87,9 +87,10 @@ from ..demand_query import (
     encode,
     max_query_bytes,
     occurrences_of,
+    record_items,
 )
 from ..events.snapshot import PublishedIdentifiers, identifier_chunk
-from ..plan import plan_admission
+from ..plan import GivenCoverage, plan_admission
 from ..residency import BlockIndex
 from .plugin_config import DEMAND_ID_KEY, read_config, read_flag
 from .vllm import availability_from_engine, encoder_cache_space, occurrences_from_request
@@ -178,7 +179,7 @@ class DemandScheduler(Scheduler):
         self._recording = bool(read_config(vllm_config).get("admission_records", False))
         self._records: collections.deque[AdmissionRecord] = collections.deque(maxlen=MAX_RECORDS)
         self._next_record = 0
-        self._admitting: dict[str, tuple[int, list[str], list[str]]] = {}  # at the lookup
+        self._admitting: dict[str, list[RecordItem]] = {}  # the record's items, at the lookup
         self._prefilling: dict[str, AdmissionRecord] = {}  # admitted, prefill not done
         # the requests recorded, by id (the Request itself, held weakly: gone with it). A
         # preempted request that resumes is not recorded again: vLLM 0.34 (and 0.33 on Model
@@ -397,8 +398,7 @@ class DemandScheduler(Scheduler):
         except Exception:  # a record is never worth a scheduling step
             logger.exception("mmreuse: admission of %s not recorded", request.request_id)
             return
-        classes = [k.value for k in item_classes(demand)]
-        self._admitting[request.request_id] = (c, [d.identifier for d in demand.decisions], classes)
+        self._admitting[request.request_id] = record_items(demand)
 
     def _record_admissions(self, output: Any) -> None:
         for new in getattr(output, "scheduled_new_reqs", ()):
@@ -406,7 +406,6 @@ class DemandScheduler(Scheduler):
             request = self.requests.get(new.req_id)
             if noted is None or request is None:
                 continue
-            _, idents, classes = noted
             entry = self._checked.pop(new.req_id, None)
             extra = getattr(request.sampling_params, "extra_args", None) or {}
             demand_id = extra.get(DEMAND_ID_KEY) if isinstance(extra, dict) else None
@@ -415,8 +414,7 @@ class DemandScheduler(Scheduler):
                 request_id=new.req_id,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_computed_tokens=int(new.num_computed_tokens),
-                identifiers=idents,
-                classes=classes,
+                items=noted,
                 demand_id=demand_id if isinstance(demand_id, str) else None,
                 proof_valid=entry,
             )
@@ -602,7 +600,7 @@ class DemandScheduler(Scheduler):
             num_prompt_tokens=n,
             occurrences=occs,
             availability=avail,
-            num_computed_tokens=c,
+            coverage=GivenCoverage(c),
             is_encoder_decoder=bool(getattr(self, "is_encoder_decoder", False)),
             encoder_cache=encoder_cache_space(ecm),
         ).demand

@@ -350,9 +350,10 @@ class Proxy:
             logger.warning("[%s] no plan, E gets everything: %s", req_id, decision.no_plan)
         if decision.blind:
             m.blind(view.name).inc()
-        if decision.klasses:
-            for klass in set(decision.klasses):
-                m.occurrence(klass).inc(decision.klasses.count(klass))
+        classes = decision.dispatch.classes
+        if classes:
+            for item_class in set(classes):
+                m.occurrence(item_class).inc(classes.count(item_class))
         return decision, encoded
 
     async def _forward(
@@ -388,11 +389,11 @@ class Proxy:
                 # request if the store lost one (E + P + D: `_prefill` checks P's answer)
                 refs = (
                     p_url is None
-                    and bool(current.e_indices or current.raw_with_uuid)
+                    and bool(current.dispatch.e_items or current.dispatch.raw_items)
                     and not cfg.no_rewrite
                 )
                 # (on the retry nothing is taken for lost: P's answer is the client's)
-                held_raw = frozenset() if relost else _uuids_at(sent, current.raw_with_uuid)
+                held_raw = frozenset() if relost else _uuids_at(sent, current.dispatch.raw_items)
                 td = time.perf_counter()
                 resp = await self._upstream().post(
                     chat_url(d_url),
@@ -456,7 +457,7 @@ class Proxy:
             return await self._stream(request, resp, td, held)
         out = await resp.read()
         self.metrics.stage["decode"].observe(time.perf_counter() - td)
-        if decision.raw_with_uuid and (decision.plan or decision.answer) is not None:
+        if decision.dispatch.raw_items and (decision.plan or decision.answer) is not None:
             self._observe_fallback(out, decision, view)
         return web.Response(
             body=out,
@@ -498,10 +499,7 @@ class Proxy:
         fresh = f":lost-{new_hex(32)}"
         sent = [u + fresh if i in again else u for i, u in enumerate(sent)]
         current = dataclasses.replace(
-            current,
-            e_indices=tuple(sorted({*current.e_indices, *again})),
-            raw_with_uuid=current.raw_with_uuid | again,
-            demand_id=None,
+            current, dispatch=current.dispatch.resend(again), demand_id=None
         )
         return sent, current
 
@@ -521,22 +519,23 @@ class Proxy:
         if result is None:
             result = await self._encode(req, items, uuids, decision, req_id)
         item_meta = result.item_meta
-        if decision.dup_of:
+        shares = decision.dispatch.shares
+        if shares:
             item_meta = dict(item_meta)
-            for dup, first in decision.dup_of.items():
+            for dup, first in shares.items():
                 if first in item_meta:  # shares the first's embedding: one transfer
                     item_meta[dup] = [{**f, "transfer_id": None} for f in item_meta[first]]
         if self.config.no_rewrite:
             prepared: Mapping[str, Any] = req
         else:
-            prepared = rewrite_for_decode(req, item_meta, decision.raw_with_uuid, uuids, items)
+            prepared = rewrite_for_decode(req, item_meta, decision.dispatch.raw_items, uuids, items)
         if result.ec_params:
             handles = dict(prepared.get("ec_transfer_params") or {})
             handles.update(result.ec_params)
             prepared = {**prepared, "ec_transfer_params": handles}
         if p_url is None:
             return self._with_demand_id(prepared, decision.demand_id)
-        held_raw = _uuids_at(uuids, decision.raw_with_uuid)
+        held_raw = _uuids_at(uuids, decision.dispatch.raw_items)
         return await self._prefill(prepared, p_url, req_id, decision.demand_id, held_raw)
 
     async def _encode(
@@ -547,18 +546,19 @@ class Proxy:
         decision: Decision,
         req_id: str,
     ) -> EncodeResult:
-        """E encodes decision.e_indices (the counts: sent, skipped, sub-requests)."""
+        """E encodes the decision's e_items (the counts: sent, skipped, sub-requests)."""
         m = self.metrics
         te = time.perf_counter()
         result = EncodeResult({}, {}, 0)
-        if decision.e_indices:
-            result = await self.encoders.encode(req, items, decision.e_indices, req_id, uuids)
+        e_items = decision.dispatch.e_items
+        if e_items:
+            result = await self.encoders.encode(req, items, e_items, req_id, uuids)
             m.stage["encode"].observe(time.perf_counter() - te)
             m.e_subrequests.inc(result.subrequests)
             self.planner.record_e(decision)
-        if decision.e_indices:
-            m.e_sent.inc(len(decision.e_indices))
-        skipped = len(items) - len(decision.e_indices)
+        if e_items:
+            m.e_sent.inc(len(e_items))
+        skipped = len(items) - len(e_items)
         if skipped:
             m.e_skipped.inc(skipped)
         return result
@@ -583,7 +583,7 @@ class Proxy:
         early = self.encoders.start(req, items, arrival.now, req_id, uuids) if arrival.now else None
         te = time.perf_counter()
         m.stage["arrival"].observe(te - ta)
-        now = len(arrival.now) + len(arrival.dup_of)
+        now = len(arrival.now) + len(arrival.shares)
         m.arrival_items.labels("e_now").inc(now)
         m.arrival_items.labels("waited").inc(len(arrival.rest))
         m.arrival_split("none_new" if not now else "split" if arrival.rest else "all_new").inc()
@@ -593,7 +593,7 @@ class Proxy:
             else:
                 decision = planner.at_arrival(req, uuids, arrival)
             sent = set(arrival.now)
-            later = [i for i in decision.e_indices if i not in sent]
+            later = [i for i in decision.dispatch.e_items if i not in sent]
             rest = await self.encoders.encode(req, items, later, req_id, uuids)
             first = EMPTY if early is None else await early.finish()
         except BaseException:
@@ -605,12 +605,13 @@ class Proxy:
             {**first.ec_params, **rest.ec_params},
             first.subrequests + rest.subrequests,
         )
-        if decision.e_indices:
+        e_items = decision.dispatch.e_items
+        if e_items:
             m.stage["encode"].observe(time.perf_counter() - te)
             m.e_subrequests.inc(result.subrequests)
-            m.e_sent.inc(len(decision.e_indices))
+            m.e_sent.inc(len(e_items))
             planner.record_e(decision)
-        skipped = len(items) - len(decision.e_indices)
+        skipped = len(items) - len(e_items)
         if skipped:
             m.e_skipped.inc(skipped)
         return decision, result
@@ -668,7 +669,7 @@ class Proxy:
         m.stage["encode"].observe(time.perf_counter() - te)
         m.e_subrequests.inc(result.subrequests)
         m.e_sent.inc(n)
-        abandoned = len(decision.raw_with_uuid)
+        abandoned = len(decision.dispatch.raw_items)
         if abandoned:
             m.e_abandoned.inc(abandoned)
         planner.record_e(decision)
@@ -686,9 +687,7 @@ class Proxy:
         for g, (_, batch) in enumerate(encoding.groups):
             if all(ids[i] not in wanted for i in batch) and encoding.abandon(g):
                 dropped.extend(batch)
-        gone = frozenset(dropped)
-        kept = tuple(i for i in range(len(ids)) if i not in gone)
-        decision = dataclasses.replace(decision, e_indices=kept, raw_with_uuid=gone, dup_of=None)
+        decision = dataclasses.replace(decision, dispatch=decision.dispatch.abandon(dropped))
         return ("answer_won" if dropped else "answer_no_gain"), decision
 
     def _with_demand_id(self, body: Mapping[str, Any], demand_id: str | None) -> Mapping[str, Any]:

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..availability import EmbeddingAvailability
-from ..decision import Dispatch, ItemClass, Policy, dispatch, dispatch_all, dispatch_demand
-from ..demand import Availability
+from ..decision import Dispatch, Policy, dispatch, dispatch_all, dispatch_demand
+from ..demand import Availability, ItemClass
 from ..demand_query import MAX_IDENT_CHARS, MAX_SALT_CHARS, DemandAnswer, query_for
 from ..errors import InvalidArgument
-from ..plan import AdmissionPlan, plan_admission
+from ..plan import AdmissionPlan, GivenCoverage, KVLookup, plan_admission
 from ..render import RENDER_PATH, RenderedPrompt, from_render_json, render_body
 from .config import ProxyConfig
 from .demand import DemandClient, DemandUnavailable
@@ -56,11 +56,8 @@ class Decision:
 
     Attributes:
         instance: index of the P (or PD) chosen, into `ProxyConfig.prefill_instances`.
-        e_indices: media items (request order) sent to E.
-        raw_with_uuid: items P receives raw, with their uuid (skipped for E).
-        dup_of: item -> the item sent to E for the same identifier (it shares its embedding).
-        klasses: per item, its class (`mmreuse.decision.ItemClass`).
-        plan: the admission plan (None under eager, or when no plan could be made).
+        dispatch: what E and P get, and each item's class (`mmreuse.decision.Dispatch`).
+        plan: the admission plan it follows (None under eager, or when no plan could be made).
         identifiers: per item, vLLM's identifier (from render), when rendered.
         cache_salt: the request's cache salt, when rendered.
         render_s, decide_s: seconds spent rendering, and deciding (hash + view + plan, or the
@@ -75,10 +72,7 @@ class Decision:
     """
 
     instance: int
-    e_indices: tuple[int, ...]
-    raw_with_uuid: frozenset[int] = frozenset()
-    dup_of: Mapping[int, int] | None = None
-    klasses: tuple[ItemClass, ...] = ()
+    dispatch: Dispatch
     plan: AdmissionPlan | None = None
     identifiers: tuple[str, ...] = ()
     cache_salt: str | None = None
@@ -99,7 +93,7 @@ class Arrival:
         instance: the P (or PD) chosen (random, or from the identifier index under affine).
         now: items E gets at once, one per identifier (request order): no place the chosen P
             could use holds it.
-        dup_of: every other item of those identifiers -> the item sent (it shares its embedding).
+        shares: every other item of those identifiers -> the item sent (it shares its embedding).
         rest: items that wait for the render and the plan (or P's answer).
         external: what the shared store said it holds of the request (None: not asked, or no
             answer), for the plan to reuse.
@@ -110,7 +104,7 @@ class Arrival:
 
     instance: int
     now: tuple[int, ...] = ()
-    dup_of: Mapping[int, int] = field(default_factory=dict)
+    shares: Mapping[int, int] = field(default_factory=dict)
     rest: tuple[int, ...] = ()
     external: frozenset[str] | None = None
     blind: bool = False
@@ -164,7 +158,7 @@ class Planner:
 
     def eager(self, items: Sequence[Mapping[str, Any]], instance: int | None = None) -> Decision:
         inst = self.random_instance() if instance is None else instance
-        return _decision(inst, dispatch_all(len(items)))
+        return Decision(inst, dispatch_all(len(items)))
 
     @property
     def splits(self) -> bool:
@@ -233,19 +227,19 @@ class Planner:
                 new.discard(u)
         now: list[int] = []
         first.clear()
-        dup_of: dict[int, int] = {}
+        shares: dict[int, int] = {}
         rest: list[int] = []
         for i, u in enumerate(uuids):
             if u not in new:
                 rest.append(i)
             elif u in first:
-                dup_of[i] = first[u]
+                shares[i] = first[u]
             else:
                 first[u] = i
                 now.append(i)
         blind = bool(now) and usable and not complete
         e_cached = self.e_side.cached(first, request.get("cache_salt")) if now else frozenset()
-        return Arrival(instance, tuple(now), dup_of, tuple(rest), external, blind, e_cached)
+        return Arrival(instance, tuple(now), shares, tuple(rest), external, blind, e_cached)
 
     def _arrival_instance(self, identifiers: set[str]) -> int:
         """Random routing: a random P. Affine: the P whose view knows a block carrying the most
@@ -261,11 +255,10 @@ class Planner:
     ) -> Decision:
         """The Decision of a request whose every item went to E at arrival (none waits): no
         render, no plan; E-cached where E's side says it holds the identifier."""
+        classes = _arrival_classes((ItemClass.DUPLICATE,) * len(uuids), arrival, uuids)
         return Decision(
             arrival.instance,
-            arrival.now,
-            dup_of=arrival.dup_of,
-            klasses=_arrival_classes((ItemClass.DUPLICATE,) * len(uuids), arrival, uuids),
+            Dispatch(arrival.now, shares=arrival.shares, classes=classes),
             identifiers=tuple(uuids),
             cache_salt=request.get("cache_salt"),
             blind=arrival.blind,
@@ -487,18 +480,21 @@ class Planner:
                 no_plan=f"demand: {e}",
             )
         try:
-            plan = dispatch(
-                [occ.identifier for occ in rendered.occurrences],
-                [ItemClass(c) for c in answer.classes],
+            sent = dispatch(
+                [
+                    (occ.identifier, answered.item_class, item)
+                    for occ, answered, item in zip(
+                        rendered.occurrences, answer.items, occ_items, strict=True
+                    )
+                ],
                 [ident for ident, _ in answer.e_demand],
-                occ_items,
                 len(items),
             )
         except ValueError as e:  # InvalidArgument too; decode_answer checked it: a bug if here
             raise _NoPlan(f"demand: answer not usable: {e}") from e
-        return _decision(
+        return Decision(
             instance,
-            plan,
+            sent,
             identifiers=identifiers,
             cache_salt=rendered.cache_salt,
             demand_id=query.id,
@@ -531,25 +527,23 @@ class Planner:
         blind = False
         if view.usable and view.hasher is not None:
             blind = not view.complete
-            plan = plan_admission(
-                num_prompt_tokens=n,
-                occurrences=rendered.occurrences,
-                availability=availability,
-                view=view.index,
+            lookup: KVLookup | GivenCoverage = KVLookup(
+                view.index,
                 block_hashes=self._hashes(rendered, view, memo),
                 block_size=view.hasher.block_size,
             )
         else:
-            plan = plan_admission(
-                num_prompt_tokens=n,
-                occurrences=rendered.occurrences,
-                availability=availability,
-                num_computed_tokens=0,
-            )
+            lookup = _NOTHING_COMPUTED
+        plan = plan_admission(
+            num_prompt_tokens=n,
+            occurrences=rendered.occurrences,
+            availability=availability,
+            coverage=lookup,
+        )
         demand = plan.demand
         if demand.conflicts:  # vLLM rejects it: let P say so, as under eager
             raise _NoPlan(f"embed counts disagree for {list(demand.conflicts)}")
-        return _decision(
+        return Decision(
             instance,
             dispatch_demand(demand, occ_items, len(items)),
             plan=plan,
@@ -582,10 +576,9 @@ class Planner:
 
     def record_e(self, decision: Decision) -> None:
         """E now holds what it was sent (where the E side is this process's record of it)."""
-        if decision.identifiers and decision.e_indices:
-            self.e_side.sent(
-                [decision.identifiers[i] for i in decision.e_indices], decision.cache_salt
-            )
+        e_items = decision.dispatch.e_items
+        if decision.identifiers and e_items:
+            self.e_side.sent([decision.identifiers[i] for i in e_items], decision.cache_salt)
 
 
 def _unplannable(request: Mapping[str, Any], uuids: Sequence[Any]) -> str | None:
@@ -605,13 +598,11 @@ def _unplannable(request: Mapping[str, Any], uuids: Sequence[Any]) -> str | None
     return None
 
 
+_NOTHING_COMPUTED = GivenCoverage(0)  # a view that cannot be used: planned as holding nothing
+
+
 class _NoPlan(Exception):
     """Planning is not possible for this request; it is served as under eager."""
-
-
-def _decision(instance: int, d: Dispatch, **fields: Any) -> Decision:
-    """The Decision that sends what `d` says."""
-    return Decision(instance, d.e_items, d.raw_items, d.shares, d.classes, **fields)
 
 
 def _with_arrival(d: Decision, arrival: Arrival, uuids: Sequence[str]) -> Decision:
@@ -620,41 +611,36 @@ def _with_arrival(d: Decision, arrival: Arrival, uuids: Sequence[str]) -> Decisi
     every other item of it shares that embedding."""
     if not arrival.now:
         return d
+    planned = d.dispatch
     sent = {uuids[i]: i for i in arrival.now}
     e = list(arrival.now)
-    dup: dict[int, int] = dict(arrival.dup_of)
-    for i in d.e_indices:
+    dup: dict[int, int] = dict(arrival.shares)
+    for i in planned.e_items:
         first = sent.get(uuids[i])
         if first is None:
             e.append(i)
         elif first != i:
             dup[i] = first
     e_set = set(e)
-    for k, v in (d.dup_of or {}).items():
+    for k, v in planned.shares.items():
         if k not in dup and k not in e_set:
             dup[k] = sent.get(uuids[v], v)
-    raw = frozenset(i for i in d.raw_with_uuid if i not in dup and i not in e_set)
-    klasses = d.klasses or (ItemClass.UNCLASSIFIED,) * len(uuids)
-    return _replace(
-        d,
-        e_indices=tuple(sorted(e_set)),
-        raw_with_uuid=raw,
-        dup_of=dup,
-        blind=d.blind or arrival.blind,
-        klasses=_arrival_classes(klasses, arrival, uuids),
-    )
+    raw = frozenset(i for i in planned.raw_items if i not in dup and i not in e_set)
+    classes = planned.classes or (ItemClass.UNCLASSIFIED,) * len(uuids)
+    merged = Dispatch(tuple(sorted(e_set)), raw, dup, _arrival_classes(classes, arrival, uuids))
+    return _replace(d, dispatch=merged, blind=d.blind or arrival.blind)
 
 
 def _arrival_classes(
-    klasses: Sequence[ItemClass], arrival: Arrival, uuids: Sequence[str]
+    classes: Sequence[ItemClass], arrival: Arrival, uuids: Sequence[str]
 ) -> tuple[ItemClass, ...]:
-    """`klasses` with the arrival's items classed as they were when sent: e_cached where E
+    """`classes` with the arrival's items classed as they were when sent: e_cached where E
     held the identifier then, else e_compute, and their duplicates `duplicate` (a plan made
     while E encodes them would see them cached at E by then)."""
-    out = list(klasses)
+    out = list(classes)
     for i in arrival.now:
         out[i] = ItemClass.E_CACHED if uuids[i] in arrival.e_cached else ItemClass.E_COMPUTE
-    for i in arrival.dup_of:
+    for i in arrival.shares:
         out[i] = ItemClass.DUPLICATE
     return tuple(out)
 

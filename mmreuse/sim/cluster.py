@@ -26,11 +26,10 @@ from ..accounting import (
     needed_from_e,
     occurrences_of,
 )
-from ..decision import ItemClass
-from ..demand import Availability, EncoderCacheSpace
+from ..demand import Availability, EncoderCacheSpace, ItemClass
 from ..hashing import BlockHasher
 from ..kvview import KVView
-from ..plan import AdmissionPlan, plan_admission
+from ..plan import AdmissionPlan, GivenCoverage, KVLookup, plan_admission
 from .caches import EmbeddingLRU, EncoderCache, PrefixCache
 from .config import SimConfig
 from .policies import make_policy
@@ -201,16 +200,18 @@ class Simulation:
                 num_prompt_tokens=request.num_tokens,
                 occurrences=request.mm,
                 availability=availability,
-                num_computed_tokens=num_computed_tokens,
+                coverage=GivenCoverage(num_computed_tokens),
                 encoder_cache=encoder_cache,
             )
         return plan_admission(
             num_prompt_tokens=request.num_tokens,
             occurrences=request.mm,
             availability=availability,
-            view=view,
-            block_hashes=self.block_hashes(request),
-            block_size=self.block_size,
+            coverage=KVLookup(
+                view,  # type: ignore[arg-type]  # None is refused by KVLookup, naming view
+                block_hashes=self.block_hashes(request),
+                block_size=self.block_size,
+            ),
             encoder_cache=encoder_cache,
         )
 

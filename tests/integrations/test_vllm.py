@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 import torch
 
-from mmreuse import Klass, MMOccurrence
+from mmreuse import ItemClass, MMOccurrence
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.integrations.vllm import (
     availability_from_engine,
@@ -58,7 +58,10 @@ def test_demand_for_request_stand_ins():
         cached={"B": {"r"}}, num_embeds_by_hash={"B": 8}, num_free_slots=8, freeable={}
     )
     res = demand_for_request(req, 16, encoder_cache_manager=mgr)
-    assert [d.klass for d in res.decisions] == [Klass.KV_COVERED, Klass.P_LOCAL] and res.skip_e
+    assert [d.klass for d in res.decisions] == [
+        ItemClass.KV_COVERED,
+        ItemClass.P_LOCAL,
+    ] and res.skip_e
     with pytest.raises(InvalidArgumentType, match="num_free_slots and the ordered mapping"):
         demand_for_request(req, 16, encoder_cache_manager=types.SimpleNamespace(
             cached={}, num_embeds_by_hash={}))  # fmt: skip
@@ -76,12 +79,12 @@ def test_demand_for_request_applies_rule_s():
         freeable={"C": 8, "D": 8},  # oldest first
     )
     res = demand_for_request(req, 0, encoder_cache_manager=mgr)
-    assert [d.klass for d in res.decisions] == [Klass.E_COMPUTE, Klass.E_COMPUTE]
+    assert [d.klass for d in res.decisions] == [ItemClass.E_COMPUTE, ItemClass.E_COMPUTE]
     # X evicts C; C, encoded again, then evicts D (space this step counts what it schedules)
     assert res.self_evicted == ("C", "D") and not res.encoder_cache_short
     mgr.freeable = {"D": 8, "C": 8}  # D is the oldest: X evicts it, C is reused
     res = demand_for_request(req, 0, encoder_cache_manager=mgr)
-    assert [d.klass for d in res.decisions] == [Klass.E_COMPUTE, Klass.P_LOCAL]
+    assert [d.klass for d in res.decisions] == [ItemClass.E_COMPUTE, ItemClass.P_LOCAL]
     assert res.self_evicted == ("D",)  # evicted, but this request does not need it
 
 

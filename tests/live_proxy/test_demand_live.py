@@ -77,7 +77,9 @@ def test_answers_equal_what_p_then_does(cluster):
             stored = _stored(sub)
             cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
             ids = [i.identifier for i in items]
-            by = {k: {ids[i] for i, c in enumerate(answer.classes) if c == k} for k in seen}
+            by = {
+                k: {ids[i] for i, x in enumerate(answer.items) if x.item_class == k} for k in seen
+            }
             assert answer.num_computed_tokens == cached, (n, answer, cached)
             assert probe.count("P0").log_inputs - p_before == len(by["e_compute"]), (n, answer)
             assert stored == by["e_compute"] | by["p_external"], (n, answer, stored)

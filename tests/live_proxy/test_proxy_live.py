@@ -80,7 +80,7 @@ def test_forced_eviction_falls_back_and_succeeds(proxy_flags, cluster):
     flushed = []
 
     async def after_decide(decision):
-        if not decision.raw_with_uuid or decision.plan is None or not decision.plan.hit_blocks:
+        if not decision.dispatch.raw_items or decision.plan is None or not decision.plan.hit_blocks:
             return
         for k in range(2):  # 2 x ~1500 tokens through a 64-block (2048-token) cache
             text = f"{run} filler {k} " + "lorem ipsum dolor sit amet " * 55

@@ -104,15 +104,15 @@ def test_replicas_behind_a_balancer_decide_as_p_answers_through_a_rolling_restar
             deltas = {i: _classes(urls[i]) - before[i] for i in replicas}
             (who,) = [i for i, d in deltas.items() if d]  # one replica decided it
             got = deltas[who]
-            want = Counter(answer.classes)
+            want = Counter(x.item_class.value for x in answer.items)
             p_side = {c: want[c] for c in CLASSES if c not in E_BOUND}
             same = {c: got[c] for c in CLASSES if c not in E_BOUND} == p_side and sum(
                 got[c] for c in E_BOUND
             ) == sum(want[c] for c in E_BOUND)
             # the E side is E's own record, whichever replica decided: e_cached = held by E
             e_items = [
-                i.identifier for i, c in zip(query.items, answer.classes, strict=True)
-                if c in E_BOUND
+                i.identifier for i, x in zip(query.items, answer.items, strict=True)
+                if x.item_class in E_BOUND
             ]  # fmt: skip
             same = same and got["e_cached"] == sum(1 for i in e_items if i in held)
             differ += not same

@@ -192,17 +192,16 @@ async def test_a_failing_split_costs_the_split_not_the_request(monkeypatch):
 def test_items_sent_at_arrival_keep_the_class_they_had_when_sent():
     # The plan runs while E encodes the new item: by then E's events may say E holds it, but
     # it was sent as e_compute (and what E already held when it was sent, as e_cached).
-    from mmreuse.decision import ItemClass as K
+    from mmreuse.decision import Dispatch
+    from mmreuse.demand import ItemClass as K
     from mmreuse.proxy.policy import Arrival, Decision, _with_arrival
 
     uuids = ["x", "y", "x", "z"]
-    planned = Decision(
-        0, (0, 1), dup_of={2: 0}, klasses=(K.E_CACHED, K.E_CACHED, K.DUPLICATE, K.KV_COVERED),
-        raw_with_uuid=frozenset({3}),
-    )  # fmt: skip
-    arrival = Arrival(0, now=(0, 1), dup_of={2: 0}, rest=(3,), e_cached=frozenset({"y"}))
-    merged = _with_arrival(planned, arrival, uuids)
-    assert merged.klasses == (K.E_COMPUTE, K.E_CACHED, K.DUPLICATE, K.KV_COVERED)
-    assert (merged.e_indices, dict(merged.dup_of or {}), merged.raw_with_uuid) == (
+    classes = (K.E_CACHED, K.E_CACHED, K.DUPLICATE, K.KV_COVERED)
+    planned = Decision(0, Dispatch((0, 1), frozenset({3}), {2: 0}, classes))
+    arrival = Arrival(0, now=(0, 1), shares={2: 0}, rest=(3,), e_cached=frozenset({"y"}))
+    merged = _with_arrival(planned, arrival, uuids).dispatch
+    assert merged.classes == (K.E_COMPUTE, K.E_CACHED, K.DUPLICATE, K.KV_COVERED)
+    assert (merged.e_items, dict(merged.shares), merged.raw_items) == (
         (0, 1), {2: 0}, frozenset({3}),
     )  # fmt: skip

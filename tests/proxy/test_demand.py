@@ -21,7 +21,9 @@ import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from mmreuse.demand import ItemClass as K
 from mmreuse.demand_query import (
+    AnswerItem,
     DemandAnswer,
     DemandError,
     DemandQuery,
@@ -182,8 +184,9 @@ async def test_demand_sends_e_only_what_p_needs():
 async def test_nothing_needed_means_no_e_at_all():
     # A covered, B in P's encoder cache: E gets nothing, every item raw with its uuid.
     def reply(q: DemandQuery) -> DemandAnswer:
-        return DemandAnswer(id=q.id, num_computed_tokens=56, classes=["kv_covered", "p_local"],
-                            dedup_of=[None, None], e_demand=[], p_local_reuse=[sha(B)])  # fmt: skip
+        return DemandAnswer(id=q.id, num_computed_tokens=56,
+                            items=[AnswerItem(K.KV_COVERED), AnswerItem(K.P_LOCAL)],
+                            e_demand=[], p_local_reuse=[sha(B)])  # fmt: skip
 
     async with demand_proxy() as s:
         s.ps[0].reply = reply
@@ -235,18 +238,18 @@ async def test_text_only_request_asks_nothing():
 
 
 def _wrong_id(q: DemandQuery) -> DemandAnswer:
-    return DemandAnswer(id="not-" + q.id, num_computed_tokens=0, classes=["e_compute"] * 2,
-                        dedup_of=[None, None], e_demand=[])  # fmt: skip
+    return DemandAnswer(id="not-" + q.id, num_computed_tokens=0,
+                        items=[AnswerItem(K.E_COMPUTE)] * 2, e_demand=[])  # fmt: skip
 
 
 def _wrong_count(q: DemandQuery) -> DemandAnswer:
-    return DemandAnswer(id=q.id, num_computed_tokens=0, classes=["e_compute"],
-                        dedup_of=[None], e_demand=[])  # fmt: skip
+    return DemandAnswer(id=q.id, num_computed_tokens=0, items=[AnswerItem(K.E_COMPUTE)],
+                        e_demand=[])  # fmt: skip
 
 
 def _stranger(q: DemandQuery) -> DemandAnswer:
-    return DemandAnswer(id=q.id, num_computed_tokens=0, classes=["e_compute"] * 2,
-                        dedup_of=[None, None], e_demand=[("someone-else", True)])  # fmt: skip
+    return DemandAnswer(id=q.id, num_computed_tokens=0, items=[AnswerItem(K.E_COMPUTE)] * 2,
+                        e_demand=[("someone-else", True)])  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -20,11 +20,12 @@ from mmreuse.demand_query import (
     DemandStats,
     SnapshotQuery,
     StatsQuery,
+    answer_for,
     decode_query,
     encode,
     occurrences_of,
 )
-from mmreuse.plan import plan_admission
+from mmreuse.plan import GivenCoverage, plan_admission
 
 
 def planned(c: int) -> Callable[[DemandQuery], DemandAnswer]:
@@ -35,16 +36,9 @@ def planned(c: int) -> Callable[[DemandQuery], DemandAnswer]:
             num_prompt_tokens=len(q.token_ids),
             occurrences=occurrences_of(q),
             availability=Availability(e_cached=frozenset(q.e_cached)),
-            num_computed_tokens=c,
+            coverage=GivenCoverage(c),
         )
-        d = plan.demand
-        return DemandAnswer(
-            id=q.id,
-            num_computed_tokens=c,
-            classes=["duplicate" if x.dedup_of is not None else x.klass.value for x in d.decisions],
-            dedup_of=[x.dedup_of for x in d.decisions],
-            e_demand=[(ident, fwd) for ident, fwd in d.e_demand],
-        )
+        return answer_for(q.id, c, plan.demand)
 
     return reply
 

@@ -267,8 +267,10 @@ class Tally:
             why = f"{got} ({getattr(ans, 'error', '')[:160]})"
         elif isinstance(ans, DemandError) and want not in ans.error:
             why = f"error without {want!r}: {ans.error[:160]}"
-        elif isinstance(ans, DemandAnswer) and want and any(k != want for k in ans.classes):
-            why = f"classes {ans.classes}, not all {want}"
+        elif (
+            isinstance(ans, DemandAnswer) and want and any(x.item_class != want for x in ans.items)
+        ):
+            why = f"classes {[x.item_class.value for x in ans.items]}, not all {want}"
         elif isinstance(ans, DemandStats) and ans.index_mismatches not in (None, 0):
             why = f"{ans.index_mismatches} index mismatches"
         if isinstance(ans, DemandError) and ans.id != _named_id(payload):

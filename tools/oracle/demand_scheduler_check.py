@@ -336,7 +336,7 @@ def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
             c["answers"] += 1
             c["kv_hits"] += ans.num_computed_tokens > 0
             c["reused"] += len(ans.p_local_reuse)
-            c["e_compute"] += sum(1 for x in ans.classes if x == "e_compute")
+            c["e_compute"] += sum(1 for x in ans.items if x.item_class == "e_compute")
             answers.append((qid, ans))
         for k, ((tokens, items), (qid, ans)) in enumerate(zip(batch, answers, strict=True)):
             name = f"r{rid}"
@@ -355,20 +355,23 @@ def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
         if ans.encoder_cache_short:  # spread over steps: the answer holds for the first only
             c["exact_skipped_short"] = c.get("exact_skipped_short", 0) + 1
             continue
-        expect = {i for i, x in enumerate(ans.classes) if x in ("e_compute", "e_cached")}
+        expect = {i for i, x in enumerate(ans.items) if x.item_class.needs_e}
         c["exact_checked"] += 1
         if admitted.get(name) != ans.num_computed_tokens or encoded.get(name, set()) != expect:
             c["exact_mismatch"] += 1
             if DEBUG:
                 print("MISMATCH", name, admitted.get(name), ans.num_computed_tokens,
-                      encoded.get(name), expect, ans.classes, file=sys.stderr)  # fmt: skip
+                      encoded.get(name), expect, ans.items, file=sys.stderr)  # fmt: skip
     # admission records: one per admitted request, with the C it was first admitted with;
     # for the requests answered while P was idle, the classes the answer gave
     recs = decode_answer(ours._handle(encode(RecordsQuery("r", 0, 65536))))
     truth.check_records(recs.records, c)
     by_name = {r.request_id: r for r in recs.records}
     c["record_answer_mismatch"] = sum(
-        1 for n, ans in checked if not ans.encoder_cache_short and by_name[n].classes != ans.classes
+        1
+        for n, ans in checked
+        if not ans.encoder_cache_short
+        and [x.item_class for x in by_name[n].items] != [x.item_class for x in ans.items]
     )
     st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
     c["stats"] = st

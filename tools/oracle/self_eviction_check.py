@@ -33,7 +33,7 @@ from mmreuse.integrations.vllm import (
     encoder_cache_space,
     occurrences_from_request,
 )
-from mmreuse.plan import plan_admission
+from mmreuse.plan import GivenCoverage, plan_admission
 
 IMAGE = 16  # embeds per image; the encoder cache holds two
 
@@ -76,7 +76,7 @@ def case(second: str) -> dict:
             num_prompt_tokens=r1.num_tokens,
             occurrences=occs,
             availability=avail,
-            num_computed_tokens=0,
+            coverage=GivenCoverage(0),
             encoder_cache=space,
         ).demand
         plans[name] = {
