@@ -404,7 +404,7 @@ def test_every_instance_joins_the_store_without_a_segment(tmp_path, monkeypatch)
 
 
 def test_down_stops_a_recorded_master_only_when_it_is_ours(tmp_path):
-    from mmreuse.cluster.instance import process_start_time
+    from mmreuse.cluster.instance import process_cmdline, process_start_time
     from mmreuse.cluster.mooncake import is_our_master
 
     sleep = "import time; time.sleep(60)"
@@ -414,6 +414,8 @@ def test_down_stops_a_recorded_master_only_when_it_is_ours(tmp_path):
             start_new_session=True,
         )
         try:
+            # until the child has exec'd, /proc shows the parent's (pytest's) command line
+            assert wait_for(lambda: "mooncake_master" in (process_cmdline(proc.pid) or []))
             record = {"pid": proc.pid, "pgid": proc.pid, "rpc_port": 4321,
                       "start_time": process_start_time(proc.pid)}  # fmt: skip
             state = {"version": cl.STATE_VERSION, "instances": [], "store": record}
