@@ -33,8 +33,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..availability import EmbeddingAvailability
 from ..decision import Policy
+from ..demand_query import DEMAND_ID_KEY  # P reads it from vllm_xargs
 from ..errors import InvalidArgument
-from ..integrations.plugin_config import DEMAND_ID_KEY  # P reads it from vllm_xargs
 from .config import PrefillInstance, ProxyConfig
 from .content import MediaFetcher, name_by_content
 from .demand import DemandClient
