@@ -39,6 +39,8 @@ from .errors import InvalidArgument
 from .occurrence import MMOccurrence
 from .validate import check_int
 
+DEMAND_ID_KEY = "mmreuse_demand_id"  # vllm_xargs[DEMAND_ID_KEY]: the query a P request follows
+
 # Bounds on a query, so that what one costs P is bounded by P's max_model_len (a hostile client
 # gets a DemandError naming the field, before P does any work for it).
 MAX_ID_CHARS = 128

@@ -88,8 +88,13 @@ class InstanceSpec:
     # mmreuse's EventfulEncoderCacheManager (in P or E): its encoder-cache events and replay.
     ec_events_port: int | None = None
     ec_replay_port: int | None = None
-    # mmreuse's DemandScheduler (in P or E): where it answers demand (P) and snapshot queries.
+    # mmreuse's DemandScheduler (in P or E): where it answers demand (P), snapshot and admission
+    # record queries (E runs it for its admission records only: bench-cluster attributes E's
+    # work from them).
     demand_port: int | None = None
+    # E's EventfulEncoderCacheManager: where it answers encoder-cache snapshot queries itself
+    # (needs ec_events_port); without it, a DemandScheduler's demand_port serves them
+    ec_snapshot_port: int | None = None
     # vLLM's KV-event replay buffer, in batches (None: vLLM's default, 10,000)
     kv_events_buffer_steps: int | None = None
 
@@ -112,7 +117,7 @@ class InstanceSpec:
                     "kv_events_buffer_steps", "None for an encoder", self.kv_events_buffer_steps
                 )
             check_int("kv_events_buffer_steps", self.kv_events_buffer_steps, 1)
-        for fld in ("ec_events_port", "ec_replay_port", "demand_port"):
+        for fld in ("ec_events_port", "ec_replay_port", "demand_port", "ec_snapshot_port"):
             value = getattr(self, fld)
             if value is not None:
                 check_int(fld, value, 1, 65535)
@@ -120,6 +125,8 @@ class InstanceSpec:
             fail_value(
                 "ec_replay_port", "given exactly when ec_events_port is", self.ec_replay_port
             )
+        if self.ec_snapshot_port is not None and self.ec_events_port is None:
+            fail_value("ec_snapshot_port", "given only with ec_events_port", self.ec_snapshot_port)
         if not isinstance(self.extra_args, tuple) or not all(
             isinstance(a, str) for a in self.extra_args
         ):
@@ -152,6 +159,14 @@ class InstanceSpec:
     def demand_endpoint(self) -> str | None:
         """Where a DEALER reaches P's demand answers (P binds `tcp://*:PORT`)."""
         return None if self.demand_port is None else f"tcp://{HOST}:{self.demand_port}"
+
+    @property
+    def ec_snapshot_endpoint(self) -> str | None:
+        """Where a DEALER gets this server's encoder-cache snapshot: its manager's own endpoint
+        (`ec_snapshot_port`), else its DemandScheduler's (`demand_port`), else None."""
+        if self.ec_snapshot_port is not None:
+            return f"tcp://{HOST}:{self.ec_snapshot_port}"
+        return self.demand_endpoint
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -263,6 +278,8 @@ def server_argv(
         ours["encoder_cache_events_endpoint"] = f"tcp://*:{spec.ec_events_port}"
         ours["encoder_cache_events_replay_endpoint"] = f"tcp://*:{spec.ec_replay_port}"
         argv += ["--ec-manager-config", json.dumps({"encoder_cache_manager_cls": EC_MANAGER_CLS})]  # fmt: skip
+    if spec.ec_snapshot_port is not None:  # the manager itself: no scheduler plug-in needed
+        ours["encoder_cache_snapshot_endpoint"] = f"tcp://*:{spec.ec_snapshot_port}"
     if spec.demand_port is not None:
         ours["demand_endpoint"] = f"tcp://*:{spec.demand_port}"
         # what each instance did with every request: P's classes at admission, and E's

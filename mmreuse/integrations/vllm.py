@@ -1,27 +1,30 @@
-"""vLLM adapter: plan_admission on a live vLLM `Request`, its encoder cache and EC connector.
-
-Duck-typed against vLLM 0.32.0 - 0.34.0 (no vLLM import): `Request.mm_features` / `.num_tokens`,
-`EncoderCacheManager.cached` / `.num_embeds_by_hash` / `.freeable`, and
-`ECConnectorBase.has_cache_item(identifier)`.
+"""vLLM adapter: the one import path users name, for the adapter functions and the plug-ins.
 
     from mmreuse.integrations.vllm import demand_for_request
     result = demand_for_request(request, num_computed_tokens,
                                 encoder_cache_manager=scheduler.encoder_cache_manager,
                                 ec_connector=scheduler.ec_connector)
 
+and in vLLM's flags `--scheduler-cls mmreuse.integrations.vllm.DemandScheduler`,
+`--ec-manager-config '{"encoder_cache_manager_cls":
+"mmreuse.integrations.vllm.EventfulEncoderCacheManager"}'` (docs/vllm-plugins.md). A facade:
+the code lives in `integrations.demand` (the scheduler in parts, `engine_state` for the adapter)
+and `integrations.vllm_ec`; nothing there imports this module. The plug-in classes import vLLM,
+so they load only when named (`__getattr__`), never with this module.
+
 vLLM's render output (the proxy side) is read by `mmreuse.render`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..demand import Availability, CoverageRule, DemandResult, EncoderCacheSpace
-from ..errors import InvalidArgument
-from ..occurrence import MMOccurrence
-from ..plan import GivenCoverage, plan_admission
-from ..validate import check_int, check_str, fail_type, show
+from .demand.engine_state import (
+    availability_from_engine,
+    demand_for_request,
+    encoder_cache_space,
+    occurrences_from_request,
+)
 from .vllm_hasher import fast_request_block_hasher
 
 __all__ = [  # and EventfulEncoderCacheManager, DemandScheduler: loaded on access (__getattr__)
@@ -33,140 +36,6 @@ __all__ = [  # and EventfulEncoderCacheManager, DemandScheduler: loaded on acces
 ]
 
 
-def occurrences_from_request(request: Any) -> list[MMOccurrence]:
-    """The request's `mm_features` as MMOccurrences, in vLLM's order (sorted by offset)."""
-    features = getattr(request, "mm_features", None)
-    if features is None and not hasattr(request, "mm_features"):
-        fail_type("request", "vLLM's Request (with mm_features)", request)
-    return [MMOccurrence.from_vllm(f) for f in features or ()]
-
-
-def _no_reusable_cache(manager: Any) -> bool:
-    """vLLM's EncoderDecoderCacheManager (an EncoderCacheManager without `cached`) keeps no
-    reusable encoder outputs: its cache reads as empty."""
-    return any(c.__name__ == "EncoderDecoderCacheManager" for c in type(manager).__mro__)
-
-
-def _encoder_cache(manager: Any) -> tuple[dict[str, int], set[str]]:
-    """(identifier -> num_embeds, the unreferenced ones) of an EncoderCacheManager."""
-    if _no_reusable_cache(manager):
-        return {}, set()
-    cached = getattr(manager, "cached", None)
-    counts = getattr(manager, "num_embeds_by_hash", None)
-    if not isinstance(cached, Mapping) or not isinstance(counts, Mapping):
-        fail_type(
-            "encoder_cache_manager",
-            "vLLM's EncoderCacheManager (with the mappings cached and num_embeds_by_hash)",
-            manager,
-        )
-    p_local: dict[str, int] = {}
-    freeable: set[str] = set()
-    for ident, refs in cached.items():
-        field = f"encoder_cache_manager.num_embeds_by_hash[{show(ident)}]"
-        if ident not in counts:
-            raise InvalidArgument(f"{field} is missing for an identifier in .cached")
-        p_local[check_str("encoder_cache_manager.cached keys", ident)] = check_int(
-            field, counts[ident], 1
-        )
-        if not refs:  # no referencing request: in `freeable`, evictable
-            freeable.add(ident)
-    return p_local, freeable
-
-
-def encoder_cache_space(manager: Any) -> EncoderCacheSpace | None:
-    """P's encoder-cache space for rule S (`compute_demand(encoder_cache=...)`): its free
-    slots and its freeable entries, oldest first (vLLM evicts in that order). None without a
-    reusable cache (encoder-decoder models, no manager)."""
-    if manager is None or _no_reusable_cache(manager):
-        return None
-    free = getattr(manager, "num_free_slots", None)
-    freeable = getattr(manager, "freeable", None)
-    if not isinstance(freeable, Mapping) or type(free) is not int:
-        fail_type(
-            "encoder_cache_manager",
-            "vLLM's EncoderCacheManager (with num_free_slots and the ordered mapping freeable)",
-            manager,
-        )
-    return EncoderCacheSpace(free, tuple((ident, n) for ident, n in freeable.items()))
-
-
-def availability_from_engine(
-    encoder_cache_manager: Any = None,
-    ec_connector: Any = None,
-    identifiers: Iterable[str] = (),
-    *,
-    e_cached: Iterable[str] = (),
-) -> Availability:
-    """What P's engine holds now: its encoder cache, and which `identifiers` its EC connector has.
-
-    The EC connector can only be asked per identifier (`has_cache_item`), so pass the
-    identifiers of interest (`demand_for_request` passes the request's own). E's cache is not
-    visible from P: pass `e_cached` from the proxy's view, if any.
-    """
-    for name, ids in (("identifiers", identifiers), ("e_cached", e_cached)):
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):  # str: characters
-            fail_type(name, "an iterable of identifiers", ids)
-    wanted = list(identifiers)
-    for i, ident in enumerate(wanted):
-        check_str(f"identifiers[{i}]", ident)
-    p_local: dict[str, int] = {}
-    freeable: set[str] = set()
-    if encoder_cache_manager is not None:
-        p_local, freeable = _encoder_cache(encoder_cache_manager)
-    p_external: set[str] = set()
-    if ec_connector is not None:
-        has_item = getattr(ec_connector, "has_cache_item", None)
-        if not callable(has_item):
-            fail_type(
-                "ec_connector",
-                "an EC connector with has_cache_item(identifier), like ECConnectorBase",
-                ec_connector,
-            )
-        for ident in dict.fromkeys(wanted):  # each asked once, in order
-            held = has_item(ident)
-            if not isinstance(held, bool):  # a truthy non-bool would be trusted as "held"
-                fail_type(f"ec_connector.has_cache_item({ident!r})", "a bool", held)
-            if held:
-                p_external.add(ident)
-    return Availability(
-        p_local=p_local,
-        p_local_freeable=frozenset(freeable),
-        p_external=frozenset(p_external),
-        e_cached=frozenset(e_cached),
-    )
-
-
-def demand_for_request(
-    request: Any,
-    num_computed_tokens: int,
-    *,
-    encoder_cache_manager: Any = None,
-    ec_connector: Any = None,
-    e_cached: Iterable[str] = (),
-    external_kv_tokens: int = 0,
-    is_encoder_decoder: bool = False,
-    coverage_rule: CoverageRule = "embed",
-) -> DemandResult:
-    """The demand of a live vLLM Request at its admission, where P's scheduler knows C
-    (`num_computed_tokens`): `plan_admission` with C given, and rule S over the encoder
-    cache's space when the manager is given."""
-    occs = occurrences_from_request(request)
-    if not hasattr(request, "num_tokens"):
-        fail_type("request", "vLLM's Request (with num_tokens)", request)
-    avail = availability_from_engine(
-        encoder_cache_manager, ec_connector, {m.identifier for m in occs}, e_cached=e_cached
-    )
-    return plan_admission(
-        num_prompt_tokens=request.num_tokens,
-        occurrences=occs,
-        availability=avail,
-        coverage=GivenCoverage(num_computed_tokens, external_kv_tokens),
-        coverage_rule=coverage_rule,
-        is_encoder_decoder=is_encoder_decoder,
-        encoder_cache=encoder_cache_space(encoder_cache_manager),
-    ).demand
-
-
 def __getattr__(name: str) -> Any:
     """The vLLM plug-in classes import vLLM, so they load only when vLLM asks for them (by
     qualname, e.g. `--ec-manager-config`), never with this module."""
@@ -175,7 +44,7 @@ def __getattr__(name: str) -> Any:
 
         return EventfulEncoderCacheManager
     if name in ("DemandScheduler", "AsyncDemandScheduler"):
-        from . import vllm_demand
+        from .demand import scheduler
 
-        return getattr(vllm_demand, name)
+        return getattr(scheduler, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

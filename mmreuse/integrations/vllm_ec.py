@@ -5,7 +5,15 @@ Switched on in a P/PD with
 `--ec-manager-config '{"encoder_cache_manager_cls": "mmreuse.integrations.vllm.EventfulEncoderCacheManager"}'`
 and its endpoint through `--additional-config '{"mmreuse": {"encoder_cache_events_endpoint":
 "tcp://*:PORT", "encoder_cache_events_replay_endpoint": "tcp://*:PORT2"}}'` (without an
-endpoint it behaves as vLLM's and publishes nothing). Imports vLLM: load it only inside vLLM.
+endpoint it behaves as vLLM's and publishes nothing; the settings: `plugin_config`). Imports
+vLLM: load it only inside vLLM.
+
+Snapshots. `snapshot()` is the cache as its events describe it, stamped with the batch it is
+true as of; `snapshots` serves it in chunks (`ECSnapshotQuery`), through P's demand endpoint
+(`DemandScheduler`) or, with `"encoder_cache_snapshot_endpoint"`, on the manager's own ROUTER
+(E, which runs no scheduler plug-in). Every method that changes the cache, and `snapshot()`,
+holds the manager's lock: a snapshot sees the cache between two of vLLM's calls, with every
+event recorded so far published, never in the middle of one.
 
 Each vLLM method runs first, as it is; the subclass then records what it changed, from facts
 it read before and after (O(1) per call, O(evicted) for an eviction). Events are flushed once
@@ -25,11 +33,13 @@ P: a WARNING names the version and what differs, and vLLM gets its own `EncoderC
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
+from ..demand_query import DemandError, ECSnapshotQuery, decode_query, encode
 from ..events.ec_wire import (
     EncoderCacheCleared,
     EncoderCacheEventBatch,
@@ -38,41 +48,32 @@ from ..events.ec_wire import (
     EncoderCacheReferenced,
     EncoderCacheStored,
 )
-from ..validate import check_str
-from .plugin_config import CONFIG_KEY, read_config
+from .demand.server import ControlServer, id_of
+from .demand.snapshots import ECSnapshots
+from .plugin_config import PluginSettings, read_config
 from .vllm_versions import check_running_encoder_cache
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
 
-
-def _settings(vllm_config: Any) -> tuple[str, str | None, str] | None:
-    """(endpoint, replay endpoint, topic) from P's settings, or None without an endpoint; a
-    mistyped one is refused (it must stop P at start-up, not switch the events off)."""
-    ours = read_config(vllm_config)
-    field = f"additional_config[{CONFIG_KEY!r}]"
-    endpoint = ours.get("encoder_cache_events_endpoint")
-    if not endpoint:
-        return None
-    endpoint = check_str(f"{field}['encoder_cache_events_endpoint']", endpoint)
-    replay = ours.get("encoder_cache_events_replay_endpoint")
-    if replay is not None:
-        replay = check_str(f"{field}['encoder_cache_events_replay_endpoint']", replay)
-    topic = check_str(
-        f"{field}['encoder_cache_events_topic']", ours.get("encoder_cache_events_topic", "ec")
-    )
-    return endpoint, replay, topic
+MAX_SNAPSHOT_QUERY_BYTES = 65536  # a larger frame is no ECSnapshotQuery: dropped unread
 
 
-def _publisher(settings: tuple[str, str | None, str] | None, vllm_config: Any) -> Any:
-    if settings is None:
+def _publisher(settings: PluginSettings, vllm_config: Any) -> Any:
+    """vLLM's ZMQ publisher where P's settings name an events endpoint (else None)."""
+    endpoint = settings.encoder_cache_events_endpoint
+    if endpoint is None:
         return None
     from vllm.distributed.kv_events import ZmqEventPublisher
 
-    endpoint, replay, topic = settings
     parallel = getattr(vllm_config, "parallel_config", None)
     rank = getattr(parallel, "data_parallel_rank", 0) or 0
-    publisher = ZmqEventPublisher(rank, endpoint=endpoint, replay_endpoint=replay, topic=topic)
+    publisher = ZmqEventPublisher(
+        rank,
+        endpoint=endpoint,
+        replay_endpoint=settings.encoder_cache_events_replay_endpoint,
+        topic=settings.encoder_cache_events_topic,
+    )
     logger.info("mmreuse: encoder-cache events on %s", endpoint)
     return publisher
 
@@ -87,7 +88,7 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
         publishing where P's settings say; otherwise vLLM's own EncoderCacheManager, which
         publishes nothing, and a warning naming the version and what differs (P keeps
         serving: see `vllm_versions.encoder_cache_verdict`)."""
-        settings = _settings(vllm_config)
+        settings = read_config(vllm_config)  # a mistyped setting stops vLLM here
         try:
             manager = cls(cache_size=cache_size)
         except Exception as exc:  # vLLM's __init__ changed: nothing of ours can run on it
@@ -105,11 +106,14 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
             return EncoderCacheManager.create_manager(
                 cache_size=cache_size, vllm_config=vllm_config
             )
-        if not check_running_encoder_cache(cls, manager._vllm_attributes, read_config(vllm_config)):
+        allow = settings.allow_unverified_vllm
+        if not check_running_encoder_cache(cls, manager._vllm_attributes, allow):
             return EncoderCacheManager.create_manager(
                 cache_size=cache_size, vllm_config=vllm_config
             )
         manager.publisher = _publisher(settings, vllm_config)
+        if settings.encoder_cache_snapshot_endpoint is not None:
+            manager.serve_snapshots(settings.encoder_cache_snapshot_endpoint)
         return manager
 
     def __init__(self, cache_size: int) -> None:
@@ -119,82 +123,125 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
         self.publisher: Any = None
         self._pending: list[Any] = []
         self.published = 0  # batches handed to the publisher: the seq of the next one
+        # held by every method that changes the cache, and by snapshot(): see the module doc
+        self._lock = threading.RLock()
+        self.snapshots = ECSnapshots(self.snapshot)
+        self._server: ControlServer | None = None
 
-    # ---- vLLM's methods, then what they changed -----------------------------------------------
+    # ---- vLLM's methods, then what they changed (holding the lock) -----------------------------
 
     def check_and_update_cache(self, request: Any, input_id: int) -> bool:
         mm_hash = request.mm_features[input_id].identifier
-        was_freeable = mm_hash in self.freeable
-        hit = super().check_and_update_cache(request, input_id)
-        if hit and was_freeable and mm_hash not in self.freeable:
-            self._pending.append(EncoderCacheReferenced([mm_hash]))
-        return hit
+        with self._lock:
+            was_freeable = mm_hash in self.freeable
+            hit = super().check_and_update_cache(request, input_id)
+            if hit and was_freeable and mm_hash not in self.freeable:
+                self._pending.append(EncoderCacheReferenced([mm_hash]))
+            return hit
 
     def can_allocate(
         self, request: Any, input_id: int, encoder_compute_budget: int, num_embeds_to_schedule: int
     ) -> bool:
-        n = len(self.freed)
-        ok = super().can_allocate(request, input_id, encoder_compute_budget, num_embeds_to_schedule)
-        if len(self.freed) > n:
-            self._pending.append(EncoderCacheEvicted(list(self.freed[n:])))
-        return ok
+        with self._lock:
+            n = len(self.freed)
+            ok = super().can_allocate(
+                request, input_id, encoder_compute_budget, num_embeds_to_schedule
+            )
+            if len(self.freed) > n:
+                self._pending.append(EncoderCacheEvicted(list(self.freed[n:])))
+            return ok
 
     def allocate(self, request: Any, input_id: int) -> None:
         mm_hash = request.mm_features[input_id].identifier
-        new = mm_hash not in self.num_embeds_by_hash
-        super().allocate(request, input_id)
-        if new:
-            self._pending.append(EncoderCacheStored(mm_hash, self.num_embeds_by_hash[mm_hash]))
+        with self._lock:
+            new = mm_hash not in self.num_embeds_by_hash
+            super().allocate(request, input_id)
+            if new:
+                self._pending.append(EncoderCacheStored(mm_hash, self.num_embeds_by_hash[mm_hash]))
 
     def free_encoder_input(self, request: Any, input_id: int) -> None:
         mm_hash = request.mm_features[input_id].identifier
-        was_freeable = mm_hash in self.freeable
-        super().free_encoder_input(request, input_id)
-        if not was_freeable and mm_hash in self.freeable:
-            self._pending.append(EncoderCacheFreeable([mm_hash]))
+        with self._lock:
+            was_freeable = mm_hash in self.freeable
+            super().free_encoder_input(request, input_id)
+            if not was_freeable and mm_hash in self.freeable:
+                self._pending.append(EncoderCacheFreeable([mm_hash]))
 
     def free(self, request: Any) -> None:
-        super().free(request)
-        self.flush()
+        with self._lock:
+            super().free(request)
+            self.flush()
 
     def reset(self) -> None:
-        super().reset()
-        self._pending.append(EncoderCacheCleared())
-        self.flush()
+        with self._lock:
+            super().reset()
+            self._pending.append(EncoderCacheCleared())
+            self.flush()
 
     def get_freed_mm_hashes(self) -> list[str]:
-        freed = super().get_freed_mm_hashes()
-        self.flush()
-        return freed
+        with self._lock:
+            freed = super().get_freed_mm_hashes()
+            self.flush()
+            return freed
 
     # ---- publishing ---------------------------------------------------------------------------
 
     def take_events(self) -> list[Any]:
         """The events recorded since the last flush (and forget them)."""
-        events, self._pending = self._pending, []
-        return events
+        with self._lock:
+            events, self._pending = self._pending, []
+            return events
 
     def flush(self) -> None:
         """Publish what changed since the last flush as one batch (nothing when unchanged)."""
-        if not self._pending:
-            return
-        events = self.take_events()
-        if self.publisher is None:
-            return
-        try:
-            self.publisher.publish(EncoderCacheEventBatch(time.time(), events))
-        except Exception:  # a publisher problem must never reach vLLM's scheduler
-            logger.exception("mmreuse: encoder-cache events not published")
-            return
-        self.published += 1
+        with self._lock:
+            if not self._pending:
+                return
+            events = self.take_events()
+            if self.publisher is None:
+                return
+            try:
+                self.publisher.publish(EncoderCacheEventBatch(time.time(), events))
+            except Exception:  # a publisher problem must never reach vLLM's scheduler
+                logger.exception("mmreuse: encoder-cache events not published")
+                return
+            self.published += 1
 
     def snapshot(self) -> tuple[int, list[tuple[str, int, bool]]]:
         """(stamp, entries): the cache as its events describe it, after publishing what is
         pending, so that it is true as of batch `stamp - 1`; entries not freeable first, then
-        the freeable ones oldest first (vLLM's eviction order). Call it where vLLM's scheduler
-        methods cannot run (DemandScheduler holds its lock)."""
-        self.flush()
-        freeable = self.freeable
-        held = [(h, n, False) for h, n in self.num_embeds_by_hash.items() if h not in freeable]
-        held += [(h, self.num_embeds_by_hash.get(h, n), True) for h, n in freeable.items()]
-        return self.published, held
+        the freeable ones oldest first (vLLM's eviction order). Holds the manager's lock, so
+        that no method of vLLM's changes the cache meanwhile (callable from any thread)."""
+        with self._lock:
+            self.flush()
+            freeable = self.freeable
+            held = [(h, n, False) for h, n in self.num_embeds_by_hash.items() if h not in freeable]
+            held += [(h, self.num_embeds_by_hash.get(h, n), True) for h, n in freeable.items()]
+            return self.published, held
+
+    # ---- the snapshot endpoint (E) ------------------------------------------------------------
+
+    def serve_snapshots(self, endpoint: str) -> None:
+        """Answer `ECSnapshotQuery` on `endpoint` (a ZMQ ROUTER, its own thread)."""
+        self._server = ControlServer(
+            endpoint, self.handle, MAX_SNAPSHOT_QUERY_BYTES, name="mmreuse-ec-snapshot"
+        ).start()
+        logger.info("mmreuse: encoder-cache snapshots on %s", endpoint)
+
+    def handle(self, payload: bytes) -> bytes:
+        """One frame -> one answer frame: an `ECSnapshot` chunk, or a `DemandError` for
+        anything else. Never raises."""
+        try:
+            query = decode_query(payload)
+            if not isinstance(query, ECSnapshotQuery):
+                return encode(
+                    DemandError(
+                        query.id,
+                        f"this endpoint answers ECSnapshotQuery only, got {type(query).__name__}",
+                    )
+                )
+            if self.publisher is None:
+                return encode(DemandError(query.id, "snapshot: no encoder-cache events"))
+            return encode(self.snapshots.answer(query))
+        except Exception as e:  # a malformed frame, or a bug: this answer only
+            return encode(DemandError(id_of(payload), f"{type(e).__name__}: {e}"))

@@ -194,7 +194,9 @@ class StoreSettings:
             master_server_address=mc["master_server_address"],
             metadata_server=mc["metadata_server"],
             protocol=check_str(f"{_FIELD}['mooncake']['protocol']", mc.get("protocol", "tcp")),
-            device_name=str(mc.get("device_name", "")),
+            device_name=check_str(
+                f"{_FIELD}['mooncake']['device_name']", mc.get("device_name", "")
+            ),
             global_segment_size=check_int(
                 f"{_FIELD}['mooncake']['global_segment_size']", mc.get("global_segment_size"), 0
             ),

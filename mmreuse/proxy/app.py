@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from ..availability import EmbeddingAvailability
 from ..decision import Policy
-from ..integrations.plugin_config import DEMAND_ID_KEY  # P reads it from vllm_xargs
+from ..demand_query import DEMAND_ID_KEY  # P reads it from vllm_xargs
 from .config import ProxyConfig, UuidPolicy
 from .content import MediaFetcher, name_by_content
 from .demand import DemandClient

@@ -415,7 +415,7 @@ def test_down_stops_a_recorded_master_only_when_it_is_ours(tmp_path):
         )
         try:
             # until the child has exec'd, /proc shows the parent's (pytest's) command line
-            assert wait_for(lambda: "mooncake_master" in (process_cmdline(proc.pid) or []))
+            assert wait_for(lambda p=proc.pid: "mooncake_master" in (process_cmdline(p) or []))
             record = {"pid": proc.pid, "pgid": proc.pid, "rpc_port": 4321,
                       "start_time": process_start_time(proc.pid)}  # fmt: skip
             state = {"version": cl.STATE_VERSION, "instances": [], "store": record}

@@ -1,7 +1,7 @@
 """An incomplete view bootstrapped from P's KV snapshot (`mmreuse.events.snapshot`, the
 stream's `snapshot_endpoint`): a P here is a TestPublisher whose every batch is also applied
 to a true view, and a ROUTER answering `SnapshotQuery` from that truth (as `DemandScheduler`
-does, checked against vLLM in tests/integrations/test_vllm_demand.py), or as scripted by a
+does, checked against vLLM in tests/integrations/demand/test_scheduler.py), or as scripted by a
 hostile test. The view joins late, past its replay buffer."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`mmreuse.integrations.plugin_config`: the plug-ins' settings under vLLM's
-`additional_config["mmreuse"]`, read in one place (no vLLM needed: a config is duck-typed)."""
+`additional_config["mmreuse"]`, one typed record decoded in one place (no vLLM needed: a config
+is duck-typed)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from mmreuse.demand_query import DEMAND_ID_KEY
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
-from mmreuse.integrations.plugin_config import CONFIG_KEY, DEMAND_ID_KEY, read_config, read_flag
+from mmreuse.integrations.plugin_config import CONFIG_KEY, PluginSettings, read_config
+from tests.support.paths import REPO
 
 
 def test_the_keys():
@@ -18,13 +21,52 @@ def test_the_keys():
     assert (CONFIG_KEY, DEMAND_ID_KEY) == ("mmreuse", "mmreuse_demand_id")
 
 
-def test_our_settings_are_read_and_copied():
+def test_our_settings_are_read_typed_and_frozen():
     ours = {"demand_endpoint": "tcp://*:7000", "admission_records": True}
     cfg = SimpleNamespace(additional_config={CONFIG_KEY: ours, "other_plugin": {"x": 1}})
     got = read_config(cfg)
-    assert got == ours
-    got["demand_endpoint"] = "changed"
-    assert ours["demand_endpoint"] == "tcp://*:7000"  # a copy: the engine's config untouched
+    assert got == PluginSettings(demand_endpoint="tcp://*:7000", admission_records=True)
+    assert got.snapshot_identifiers is False and got.encoder_cache_events_topic == "ec"
+    with pytest.raises(AttributeError):
+        got.demand_endpoint = "changed"  # type: ignore[misc]
+    assert ours == {"demand_endpoint": "tcp://*:7000", "admission_records": True}  # untouched
+
+
+def test_every_key_is_documented():
+    import mmreuse.integrations.plugin_config as module
+
+    doc = (REPO / "docs/vllm-plugins.md").read_text()
+    for key in PluginSettings.__struct_fields__:
+        assert f"`{key}`" in (module.__doc__ or ""), key
+        assert f"`{key}`" in doc, key
+
+
+@pytest.mark.parametrize("typo", ["demand_endpiont", "admission_record", "Demand_endpoint", ""])
+def test_an_unknown_key_is_refused_by_name(typo):
+    cfg = SimpleNamespace(additional_config={CONFIG_KEY: {typo: "tcp://*:7000"}})
+    with pytest.raises(InvalidArgument, match=rf"^additional_config\['mmreuse'\] has no key '{typo}'"):  # fmt: skip
+        read_config(cfg)
+
+
+def test_endpoints_are_non_empty_and_a_snapshot_endpoint_needs_the_events():
+    def cfg(**ours):
+        return SimpleNamespace(additional_config={CONFIG_KEY: ours})
+
+    with pytest.raises(InvalidArgument, match=r"\['demand_endpoint'\] must be a non-empty str"):
+        read_config(cfg(demand_endpoint=""))
+    assert read_config(cfg(demand_endpoint=None)).demand_endpoint is None  # JSON null: absent
+    with pytest.raises(
+        InvalidArgumentType, match=r"\['demand_endpoint'\] must be a str, got int 7"
+    ):
+        read_config(cfg(demand_endpoint=7))
+    with pytest.raises(InvalidArgument, match=r"snapshot_endpoint'\] needs .*events_endpoint'\]"):
+        read_config(cfg(encoder_cache_snapshot_endpoint="tcp://*:1"))
+    with pytest.raises(InvalidArgument, match=r"snapshot_endpoint'\] needs"):  # in code too
+        PluginSettings(encoder_cache_snapshot_endpoint="tcp://*:1")
+    both = cfg(
+        encoder_cache_events_endpoint="tcp://*:1", encoder_cache_snapshot_endpoint="tcp://*:2"
+    )
+    assert read_config(both).encoder_cache_snapshot_endpoint == "tcp://*:2"
 
 
 class _Hashable:
@@ -44,8 +86,8 @@ class _Hashable:
         SimpleNamespace(additional_config=_Hashable()),
     ],
 )
-def test_nothing_of_ours_is_empty(config):
-    assert read_config(config) == {}
+def test_nothing_of_ours_is_the_defaults(config):
+    assert read_config(config) == PluginSettings()
 
 
 @pytest.mark.parametrize("value", [None, "tcp://*:7000", ["demand_endpoint"], 1, True])
@@ -67,19 +109,29 @@ def test_what_the_cluster_writes_is_what_the_plugins_read(tmp_path):
     argv = server_argv(spec, Path("python"), tmp_path, tmp_path)
     extra = json.loads(argv[argv.index("--additional-config") + 1])
     ours = read_config(SimpleNamespace(additional_config=extra))
-    assert ours["demand_endpoint"] == "tcp://*:6"
-    assert ours["encoder_cache_events_endpoint"] == "tcp://*:4"
+    assert ours.demand_endpoint == "tcp://*:6" and ours.admission_records
+    assert ours.snapshot_identifiers and ours.encoder_cache_snapshot_endpoint is None
+    assert ours.encoder_cache_events_endpoint == "tcp://*:4"
+    # E: its encoder cache manager serves its snapshot; no scheduler plug-in without records
+    spec = InstanceSpec(
+        name="E0", role="encoder", port=1, ec_events_port=4, ec_replay_port=5, ec_snapshot_port=6
+    )
+    argv = server_argv(spec, Path("python"), tmp_path, tmp_path)
+    extra = json.loads(argv[argv.index("--additional-config") + 1])
+    ours = read_config(SimpleNamespace(additional_config=extra))
+    assert ours.encoder_cache_snapshot_endpoint == "tcp://*:6" and ours.demand_endpoint is None
+    assert "--scheduler-cls" not in argv and spec.ec_snapshot_endpoint == "tcp://127.0.0.1:6"
 
 
 def test_a_flag_is_a_json_boolean():
     def cfg(**ours):
         return SimpleNamespace(additional_config={CONFIG_KEY: ours})
 
-    assert read_flag(cfg(), "snapshot_identifiers") is False  # absent: the default
-    assert read_flag(cfg(), "snapshot_identifiers", default=True) is True
-    assert read_flag(SimpleNamespace(), "snapshot_identifiers") is False
-    assert read_flag(cfg(snapshot_identifiers=True), "snapshot_identifiers") is True
-    assert read_flag(cfg(snapshot_identifiers=False), "snapshot_identifiers", True) is False
-    for value in ("false", 0, 1, None, "true"):  # never a feature switched by a lookalike
-        with pytest.raises(InvalidArgumentType, match=r"\['snapshot_identifiers'\] must be true"):
-            read_flag(cfg(snapshot_identifiers=value), "snapshot_identifiers")
+    assert read_config(cfg()).snapshot_identifiers is False  # absent: the default
+    assert read_config(SimpleNamespace()).snapshot_identifiers is False
+    assert read_config(cfg(snapshot_identifiers=True)).snapshot_identifiers is True
+    assert read_config(cfg(snapshot_identifiers=False)).snapshot_identifiers is False
+    for key in ("snapshot_identifiers", "admission_records", "allow_unverified_vllm"):
+        for value in ("false", 0, 1, None, "true"):  # never a feature switched by a lookalike
+            with pytest.raises(InvalidArgumentType, match=rf"\['{key}'\] must be true or false"):
+                read_config(cfg(**{key: value}))

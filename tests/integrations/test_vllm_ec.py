@@ -47,7 +47,9 @@ from mmreuse.integrations.vllm_ec import EventfulEncoderCacheManager as M
 out = [M.create_manager(cache_size=8, vllm_config=N(additional_config=a)).publisher is None
        for a in ({}, {"other": 1}, {"mmreuse": {}})]
 for bad in ({"mmreuse": None}, {"mmreuse": ["x"]},
-            {"mmreuse": {"encoder_cache_events_endpoint": 5}}):
+            {"mmreuse": {"encoder_cache_events_endpoint": 5}},
+            {"mmreuse": {"encoder_cache_event_endpoint": "tcp://*:1"}},
+            {"mmreuse": {"encoder_cache_snapshot_endpoint": "tcp://*:1"}}):
     try:
         M.create_manager(cache_size=8, vllm_config=N(additional_config=bad))
         out.append("accepted")
@@ -67,6 +69,54 @@ def test_settings_read_once_and_a_mistyped_one_refused(oracle_python):
     assert got[5].startswith(
         "additional_config['mmreuse']['encoder_cache_events_endpoint'] must be a str"
     )
+    # a mistyped key stops vLLM, naming it; a snapshot endpoint needs the events it is stamped by
+    assert got[6].startswith(
+        "additional_config['mmreuse'] has no key 'encoder_cache_event_endpoint'"
+    )
+    assert got[7].startswith(
+        "additional_config['mmreuse']['encoder_cache_snapshot_endpoint'] needs "
+        "additional_config['mmreuse']['encoder_cache_events_endpoint']"
+    )
+
+
+_E_SNAPSHOT_CHECK = """
+import json, socket
+from types import SimpleNamespace as N
+import zmq
+from mmreuse.demand_query import ECSnapshot, ECSnapshotQuery, StatsQuery, decode_answer, encode
+from mmreuse.integrations.vllm_ec import EventfulEncoderCacheManager as M
+
+def port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+events, snap = port(), port()
+ours = {"encoder_cache_events_endpoint": f"tcp://127.0.0.1:{events}",
+        "encoder_cache_snapshot_endpoint": f"tcp://127.0.0.1:{snap}"}
+m = M.create_manager(cache_size=8, vllm_config=N(additional_config={"mmreuse": ours}))
+dealer = zmq.Context.instance().socket(zmq.DEALER)
+dealer.setsockopt(zmq.LINGER, 0)
+dealer.connect(f"tcp://127.0.0.1:{snap}")
+out = []
+for q in (ECSnapshotQuery("e0"), StatsQuery("s0")):
+    dealer.send(encode(q))
+    assert dealer.poll(10_000), "no answer"
+    a = decode_answer(dealer.recv())
+    out.append([type(a).__name__, a.stamp if isinstance(a, ECSnapshot) else a.error])
+m._server.stop()
+m.publisher.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.oracle
+def test_e_serves_its_snapshot_without_a_scheduler_plugin(oracle_python):
+    """With `encoder_cache_snapshot_endpoint`, the manager itself answers ECSnapshotQuery on its
+    own ROUTER (E runs no DemandScheduler), and refuses any other query, naming it."""
+    got = oracle_json(oracle_python, "-c", _E_SNAPSHOT_CHECK, timeout=300)
+    assert got[0] == ["ECSnapshot", 0], got
+    assert got[1][0] == "DemandError" and "ECSnapshotQuery only" in got[1][1], got
 
 
 def test_round_trip_and_fold():

@@ -372,3 +372,28 @@ def test_a_store_of_the_other_vllm_version_is_refused_by_name_or_shared_when_set
     assert f"in this vLLM {other}" in refused
     # the first version's namespace set on this one: it finds and loads what the first stored
     assert cross["shared_lookup"] is True and cross["shared_load"] is True
+
+
+_SETTINGS_CHECK = """
+import json
+from mmreuse.integrations.vllm_mooncake import StoreSettings
+mc = {"master_server_address": "127.0.0.1:1", "metadata_server": "http://127.0.0.1:1/m",
+      "global_segment_size": 0}
+out = [StoreSettings.read({"mooncake": mc}).device_name]
+try:
+    StoreSettings.read({"mooncake": {**mc, "device_name": 3}})
+    out.append("accepted")
+except ValueError as e:
+    out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.oracle
+def test_a_setting_of_the_wrong_type_is_refused_not_coerced(oracle_python):
+    """`device_name` is a str or the server stops at start-up, naming it (str() would turn a
+    mistyped 3 into the device "3"). Unknown keys are not refused here: vLLM reads keys of its
+    own from the same `ec_connector_extra_config` (`embedding_model_identity`)."""
+    got = oracle_json(oracle_python, "-c", _SETTINGS_CHECK, timeout=300)
+    field = "ec_transfer_config.ec_connector_extra_config"
+    assert got == ["", f"{field}['mooncake']['device_name'] must be a str, got int 3"]

@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from mmreuse.errors import InvalidArgument, InvalidArgumentType
+from mmreuse.errors import InvalidArgument
 from mmreuse.hashing.schemes import SCHEMES, scheme_for_vllm, vllm_ranges, vllm_version_key
 from mmreuse.integrations import vllm_versions as V
 from mmreuse.integrations.vllm_hasher import scheme_for_running_vllm
@@ -24,14 +24,14 @@ from tests.support.paths import REPO
 
 
 def _locked() -> tuple[str, ...]:
-    """vllm_demand._LOCKED, read from its source (importing it needs vLLM)."""
-    tree = ast.parse((REPO / "mmreuse/integrations/vllm_demand.py").read_text())
+    """demand.scheduler._LOCKED, read from its source (importing it needs vLLM)."""
+    tree = ast.parse((REPO / "mmreuse/integrations/demand/scheduler.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "_LOCKED" for t in node.targets
         ):
             return ast.literal_eval(node.value)
-    raise AssertionError("no _LOCKED in vllm_demand.py")
+    raise AssertionError("no _LOCKED in demand/scheduler.py")
 
 
 LOCKED = _locked()
@@ -246,17 +246,16 @@ def test_the_surface_is_vllms_public_methods_and_the_private_ones_mmreuse_hooks(
 
 
 def test_the_overrides():
-    assert V.allowed({}, environ={}) is False
-    assert V.allowed({"allow_unverified_vllm": True}, environ={}) is True
-    assert V.allowed({"allow_unverified_vllm": False}, environ={}) is False
+    assert V.allowed(False, environ={}) is False
+    assert V.allowed(True, environ={}) is True
     for on in ("1", "true", "YES", " 1 "):
-        assert V.allowed({}, environ={"MMREUSE_ALLOW_UNVERIFIED_VLLM": on}) is True
+        assert V.allowed(False, environ={"MMREUSE_ALLOW_UNVERIFIED_VLLM": on}) is True
     for off in ("", "0", "false", "no"):
-        assert V.allowed({}, environ={"MMREUSE_ALLOW_UNVERIFIED_VLLM": off}) is False
-    with pytest.raises(InvalidArgumentType, match=r"^additional_config\['mmreuse'\]\['allow_unverified_vllm'\] must be a bool, got str 'yes'"):  # fmt: skip
-        V.allowed({"allow_unverified_vllm": "yes"}, environ={})
+        assert V.allowed(False, environ={"MMREUSE_ALLOW_UNVERIFIED_VLLM": off}) is False
+    # a mistyped setting never gets here: read_config refuses it (tests/integrations/
+    # test_plugin_config.py); a mistyped variable is refused here
     with pytest.raises(InvalidArgument, match=r"^MMREUSE_ALLOW_UNVERIFIED_VLLM must be 1 or 0, got '2'"):  # fmt: skip
-        V.allowed({}, environ={"MMREUSE_ALLOW_UNVERIFIED_VLLM": "2"})
+        V.allowed(False, environ={"MMREUSE_ALLOW_UNVERIFIED_VLLM": "2"})
 
 
 def test_the_message_is_one_line_naming_field_value_and_override():
@@ -348,8 +347,8 @@ def test_the_encoder_cache_verdict_degrades_an_unverified_vllm(caplog, monkeypat
     monkeypatch.delenv(V.ALLOW_ENV, raising=False)
     logger = "vllm.mmreuse.integrations.vllm_versions"
     with caplog.at_level(logging.INFO, logger=logger):
-        assert V.encoder_cache_verdict("0.34.0", [], {}) is True
-        assert V.encoder_cache_verdict(UNVERIFIED, ["a", "b"], {}) is False
+        assert V.encoder_cache_verdict("0.34.0", [], False) is True
+        assert V.encoder_cache_verdict(UNVERIFIED, ["a", "b"], False) is False
     info, off = caplog.records
     assert info.levelname == "INFO" and "verified with vLLM 0.34.0" in info.getMessage()
     msg = off.getMessage()
@@ -359,15 +358,15 @@ def test_the_encoder_cache_verdict_degrades_an_unverified_vllm(caplog, monkeypat
     # the overrides: it runs, warned
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=logger):
-        assert V.encoder_cache_verdict(UNVERIFIED, ["a"], {"allow_unverified_vllm": True})
+        assert V.encoder_cache_verdict(UNVERIFIED, ["a"], True)
         monkeypatch.setenv(V.ALLOW_ENV, "1")
-        assert V.encoder_cache_verdict(UNVERIFIED, ["a"], {})
+        assert V.encoder_cache_verdict(UNVERIFIED, ["a"], False)
     assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
     assert all("override set" in r.getMessage() for r in caplog.records)
     # a mistyped override is refused, as every mistyped setting
     monkeypatch.setenv(V.ALLOW_ENV, "maybe")
     with pytest.raises(InvalidArgument, match="MMREUSE_ALLOW_UNVERIFIED_VLLM must be 1 or 0"):
-        V.encoder_cache_verdict(UNVERIFIED, ["a"], {})
+        V.encoder_cache_verdict(UNVERIFIED, ["a"], False)
 
 
 # ---- against the real vLLMs (oracle venvs: 0.33.0, 0.34.0) ---------------------------------------

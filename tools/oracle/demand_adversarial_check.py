@@ -1,14 +1,14 @@
 """Run in a vLLM oracle venv (0.33.0, 0.34.0; PYTHONPATH = the mmreuse checkout): `DemandScheduler` under
 a hostile demand client, side by side with vLLM's real `Scheduler` driven identically.
 
-Between engine steps, hostile frames go to `DemandScheduler._handle` directly and over the real
-ROUTER socket (`_DemandServer` on a free loopback port, a DEALER client): garbage, truncated
+Between engine steps, hostile frames go to `Answers.handle` (the scheduler's `_answers`) directly and over the real
+ROUTER socket (`ControlServer` on a free loopback port, a DEALER client): garbage, truncated
 msgpack, wrong types per field, too many tokens / items / e_cached entries, 1 MB strings, bad
 item placements and masks, unknown adapters, out-of-range ints, NaN, duplicate ids, stats
 queries; over the socket also multipart and empty frames, a frame over the size limit, raw TCP
 garbage and a burst of 2,000 queries whose answers are not read while the engine steps.
 
-Counted, and printed as one JSON line: exceptions escaping `_handle` (`raised`), answers that
+Counted, and printed as one JSON line: exceptions escaping `Answers.handle` (`raised`), answers that
 are neither a DemandError nor a valid answer (`invalid`), answers other than the expected kind
 (`unexpected`, with names), pool-state changes across an answer (`side_effects`), steps whose
 outputs differ from vLLM's (`output_mismatch`), residency-index mismatches (`index_mismatch`),
@@ -46,8 +46,8 @@ from mmreuse.demand_query import (
     decode_query,
     encode,
 )
+from mmreuse.integrations.demand.server import ControlServer
 from mmreuse.integrations.vllm import DemandScheduler
-from mmreuse.integrations.vllm_demand import _DemandServer
 
 _spec = importlib.util.spec_from_file_location(
     "demand_check", Path(__file__).with_name("demand_scheduler_check.py")
@@ -315,7 +315,7 @@ def main(seed: int = 0, turns: int = 12) -> dict:
         if check.output_key(a) != check.output_key(b):
             c["output_mismatch"] += 1
         c["steps"] += 1
-        st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
+        st = msgspec.msgpack.decode(ours._answers.handle(encode(StatsQuery("s", check_index=True))))
         c["index_mismatch"] += st["index_mismatches"]
 
     def turn(between: Any) -> None:
@@ -325,14 +325,14 @@ def main(seed: int = 0, turns: int = 12) -> dict:
         for tokens, items in batch:
             name, qid = f"r{rid[0]}", f"q{rid[0]}"
             rid[0] += 1
-            ours._handle(encode(check.query(qid, tokens, items)))
+            ours._answers.handle(encode(check.query(qid, tokens, items)))
             ours.add_request(check.request(name, tokens, items, hasher, qid))
             ref.add_request(check.request(name, tokens, items, hasher))
         for _ in range(4):
             step()
             between(*batch[-1])
 
-    # 1. direct: every hostile frame through _handle, between steps, pool state compared
+    # 1. direct: every hostile frame through Answers.handle, between steps, pool state compared
     frames: list[tuple] = []
 
     def direct(tokens: list[int], items: list) -> None:
@@ -345,10 +345,10 @@ def main(seed: int = 0, turns: int = 12) -> dict:
             before = check.pool_state(ours)
             t0 = time.perf_counter()
             try:
-                raw = ours._handle(payload)
+                raw = ours._answers.handle(payload)
             except BaseException as e:  # the contract: never
                 c["raised"] += 1
-                tally.findings.append(f"{name}: _handle raised {type(e).__name__}: {e}"[:300])
+                tally.findings.append(f"{name}: handle raised {type(e).__name__}: {e}"[:300])
                 continue
             finally:
                 tally.time(name, time.perf_counter() - t0)
@@ -362,13 +362,17 @@ def main(seed: int = 0, turns: int = 12) -> dict:
         turn(direct)
     c["hostile_kinds"] = len(hostile_frames([1, 2, 3], [], rng))
     # one byte over the largest well-formed query for this P: refused unread
-    frames.append(("oversize", b"\x00" * (ours._max_query_bytes + 1), ("error", "payload has")))
+    frames.append(
+        ("oversize", b"\x00" * (ours._answers.max_query_bytes + 1), ("error", "payload has"))
+    )
     direct([], [])
 
     # 2. the socket: the same frames over a DEALER, between steps
     port = check.free_port()
     # as DemandScheduler starts it for a demand_endpoint (its frame limit included)
-    server = _DemandServer(f"tcp://127.0.0.1:{port}", ours._handle, ours._max_query_bytes)
+    server = ControlServer(
+        f"tcp://127.0.0.1:{port}", ours._answers.handle, ours._answers.max_query_bytes
+    )
     server.start()
     ctx = zmq.Context.instance()
     endpoint = f"tcp://127.0.0.1:{port}"
@@ -449,7 +453,7 @@ def main(seed: int = 0, turns: int = 12) -> dict:
     c["alive_after_tcp_garbage"] = alive("tcp_garbage")
     big = dealer()
     t0 = time.perf_counter()
-    raw = ask(big, b"\x00" * (ours._max_query_bytes + 1), timeout=3.0)
+    raw = ask(big, b"\x00" * (ours._answers.max_query_bytes + 1), timeout=3.0)
     c["oversize_answered"] = raw is not None
     c["oversize_s"] = round(time.perf_counter() - t0, 3)
     big.close(0)
@@ -462,10 +466,10 @@ def main(seed: int = 0, turns: int = 12) -> dict:
         calls[0] += 1
         if calls[0] == 1:
             raise MemoryError("a handler bug")
-        return ours._handle(payload)
+        return ours._answers.handle(payload)
 
     port2 = check.free_port()
-    flaky_server = _DemandServer(f"tcp://127.0.0.1:{port2}", flaky)
+    flaky_server = ControlServer(f"tcp://127.0.0.1:{port2}", flaky)
     flaky_server.start()
     d2 = ctx.socket(zmq.DEALER)
     d2.setsockopt(zmq.LINGER, 0)
@@ -483,7 +487,7 @@ def main(seed: int = 0, turns: int = 12) -> dict:
     burst.setsockopt(zmq.SNDHWM, 0)  # queue them all on the client side
     hostile = hostile_frames(tokens, items, rng)
     small = [f[1] for f in hostile if len(f[1]) < 64 * 1024 and f[2][0] != "stats"]
-    counters = ours._counters
+    counters = ours._answers.counters
     start = counters.answers + counters.errors - rid[0]  # rid: one direct answer per request
 
     def answered() -> int:
@@ -519,7 +523,7 @@ def main(seed: int = 0, turns: int = 12) -> dict:
         if not ours.has_requests():
             break
         step()
-    final = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("f", check_index=True))))
+    final = msgspec.msgpack.decode(ours._answers.handle(encode(StatsQuery("f", check_index=True))))
     c["final_index_mismatches"] = final["index_mismatches"]
     c["thread_alive"] = server._thread.is_alive()
     server.stop()

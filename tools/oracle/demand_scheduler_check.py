@@ -62,8 +62,8 @@ from mmreuse.demand_query import (
     decode_answer,
     encode,
 )
+from mmreuse.integrations.demand.server import ControlServer
 from mmreuse.integrations.vllm import DemandScheduler
-from mmreuse.integrations.vllm_demand import _DemandServer
 
 BLOCK = 16
 DEBUG = False
@@ -295,7 +295,7 @@ def lockstep(ours, ref, truth, c: dict) -> None:
     ours.update_from_output(a, runner_output(a))
     ref.update_from_output(b, runner_output(b))
     c["steps"] += 1
-    st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
+    st = msgspec.msgpack.decode(ours._answers.handle(encode(StatsQuery("s", check_index=True))))
     c["index_mismatch"] += st["index_mismatches"]
 
 
@@ -328,7 +328,7 @@ def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
         for tokens, items in batch:
             qid = f"q{turn}-{len(answers)}"
             before = pool_state(ours)
-            raw = ours._handle(encode(query(qid, tokens, items)))
+            raw = ours._answers.handle(encode(query(qid, tokens, items)))
             if pool_state(ours) != before:
                 c["side_effects"] += 1
             ans = decode_answer(raw, query(qid, tokens, items))
@@ -364,7 +364,7 @@ def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
                       encoded.get(name), expect, ans.items, file=sys.stderr)  # fmt: skip
     # admission records: one per admitted request, with the C it was first admitted with;
     # for the requests answered while P was idle, the classes the answer gave
-    recs = decode_answer(ours._handle(encode(RecordsQuery("r", 0, 65536))))
+    recs = decode_answer(ours._answers.handle(encode(RecordsQuery("r", 0, 65536))))
     truth.check_records(recs.records, c)
     by_name = {r.request_id: r for r in recs.records}
     c["record_answer_mismatch"] = sum(
@@ -373,14 +373,14 @@ def main(seed: int = 0, turns: int = 160, async_: int = 0) -> dict:
         if not ans.encoder_cache_short
         and [x.item_class for x in by_name[n].items] != [x.item_class for x in ans.items]
     )
-    st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s", check_index=True))))
+    st = msgspec.msgpack.decode(ours._answers.handle(encode(StatsQuery("s", check_index=True))))
     c["stats"] = st
     # soundness, counted at admission inside the scheduler: a proof that held, another C
     c["unsound"] = st.get("valid_hit_shorter", 0)
 
     # the answer thread, over the real socket
     port = free_port()
-    server = _DemandServer(f"tcp://127.0.0.1:{port}", ours._handle)
+    server = ControlServer(f"tcp://127.0.0.1:{port}", ours._answers.handle)
     server.start()
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.connect(f"tcp://127.0.0.1:{port}")
@@ -437,7 +437,7 @@ def preemption(seed: int = 0, requests: int = 40, runner: str = "default") -> di
             items.append((ident, len(tokens), images[ident]))
             tokens += [PAD] * images[ident] + [rng.randrange(4, 900) for _ in range(4)]
         name, qid = f"r{k}", f"q{k}"
-        answer = decode_answer(ours._handle(encode(query(qid, tokens, items))))
+        answer = decode_answer(ours._answers.handle(encode(query(qid, tokens, items))))
         assert isinstance(answer, DemandAnswer), answer
         max_tokens = rng.randrange(8, 40)
         ours.add_request(request(name, tokens, items, hasher, qid, max_tokens))
@@ -450,9 +450,9 @@ def preemption(seed: int = 0, requests: int = 40, runner: str = "default") -> di
             break
         step()
     c["unfinished"] = ours.get_num_unfinished_requests()
-    recs = decode_answer(ours._handle(encode(RecordsQuery("r", 0, 65536))))
+    recs = decode_answer(ours._answers.handle(encode(RecordsQuery("r", 0, 65536))))
     truth.check_records(recs.records, c)
-    st = msgspec.msgpack.decode(ours._handle(encode(StatsQuery("s"))))
+    st = msgspec.msgpack.decode(ours._answers.handle(encode(StatsQuery("s"))))
     c["stats"] = {k: st.get(k) for k in ("admitted", "proof_valid", "changed")}
     return c
 

@@ -48,7 +48,7 @@ def drive(cls, model, batches, hasher, ask: bool) -> tuple[list[float], list[flo
             qid = f"q{turn}-{rid}"
             if ask:
                 t0 = time.perf_counter()
-                s._handle(encode(check.query(qid, tokens, items)))
+                s._answers.handle(encode(check.query(qid, tokens, items)))
                 answers.append(time.perf_counter() - t0)
             s.add_request(check.request(f"r{rid}", tokens, items, hasher, qid if ask else None))
             rid += 1
@@ -82,7 +82,7 @@ def busy_answers(model, batches, hasher) -> list[float]:
     for k in range(300):
         tokens, items = batches[k % len(batches)][0]
         t0 = time.perf_counter()
-        s._handle(encode(check.query(f"busy-{k}", tokens, items)))
+        s._answers.handle(encode(check.query(f"busy-{k}", tokens, items)))
         lat.append(time.perf_counter() - t0)
     stop.set()
     t.join()

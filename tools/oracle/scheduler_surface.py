@@ -2,7 +2,7 @@
 plug-ins' start-up checks (`mmreuse.integrations.vllm_versions.VERIFIED`: DemandScheduler;
 `EC_VERIFIED`: EventfulEncoderCacheManager). Run it in each verified vLLM's venv
 (PYTHONPATH = the mmreuse checkout), after that vLLM passed the plug-ins' tests
-(tests/integrations/test_vllm_demand.py, test_vllm_ec.py):
+(tests/integrations/demand/test_scheduler.py, test_vllm_ec.py):
 
     PYTHONPATH=. ~/.cache/mmreuse/venv-oracle-0.34.0/bin/python tools/oracle/scheduler_surface.py --write
     PYTHONPATH=. ~/.cache/mmreuse/venv-oracle-0.33.0/bin/python tools/oracle/scheduler_surface.py --write
@@ -26,7 +26,7 @@ from pathlib import Path
 import vllm
 
 from mmreuse.integrations import vllm_versions as V
-from mmreuse.integrations.vllm_demand import _LOCKED, AsyncDemandScheduler, DemandScheduler
+from mmreuse.integrations.demand.scheduler import _LOCKED, AsyncDemandScheduler, DemandScheduler
 from mmreuse.integrations.vllm_ec import EventfulEncoderCacheManager
 
 REPO = Path(__file__).resolve().parents[2]

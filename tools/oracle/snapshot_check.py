@@ -39,7 +39,7 @@ from mmreuse.demand_query import (
 from mmreuse.events import RemoteKVIndex
 from mmreuse.events.ec_wire import apply_ec_batch
 from mmreuse.events.wire import decode_batch
-from mmreuse.integrations import vllm_demand
+from mmreuse.integrations.demand import snapshots
 from mmreuse.integrations.vllm import DemandScheduler, EventfulEncoderCacheManager
 
 
@@ -50,7 +50,7 @@ def table(index: RemoteKVIndex) -> dict[int, int]:
 def snapshot(sched, sid: str) -> KVSnapshot:
     chunks, offset = [], 0
     while True:
-        chunk = decode_answer(sched._handle(encode(SnapshotQuery(sid, offset))))
+        chunk = decode_answer(sched._answers.handle(encode(SnapshotQuery(sid, offset))))
         assert isinstance(chunk, KVSnapshot), chunk
         chunks.append(chunk)
         offset += len(chunk.block_ids)
@@ -64,11 +64,12 @@ def snapshot(sched, sid: str) -> KVSnapshot:
     )
 
 
-def ec_snapshot(sched, sid: str) -> tuple[int, dict]:
-    """The whole ECSnapshot over the query path, as the state it bootstraps."""
+def ec_snapshot(handle, sid: str) -> tuple[int, dict]:
+    """The whole ECSnapshot over a query path (`handle`: P's demand endpoint's, or the encoder
+    cache manager's own, as E serves it), as the state it bootstraps."""
     state, offset = {}, 0
     while True:
-        chunk = decode_answer(sched._handle(encode(ECSnapshotQuery(sid, offset))))
+        chunk = decode_answer(handle(encode(ECSnapshotQuery(sid, offset))))
         assert isinstance(chunk, ECSnapshot), chunk
         for e in chunk.entries:
             state[e.identifier] = [e.num_embeds, e.freeable]
@@ -89,7 +90,7 @@ class Recorder:
 
 def main(seed: int = 0, turns: int = 120) -> dict:
     rng = random.Random(seed)
-    vllm_demand.SNAPSHOT_MIN_INTERVAL_S = 0.0  # a snapshot at any step (the limit: below)
+    snapshots.SNAPSHOT_MIN_INTERVAL_S = 0.0  # a snapshot at any step (the limit: below)
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BLOCK, sha256)
     sched = make_scheduler(DemandScheduler, tiny_model_dir(), num_blocks=40, cache_size=96,
@@ -103,11 +104,11 @@ def main(seed: int = 0, turns: int = 120) -> dict:
         counted(batch)
 
     sched.kv_event_publisher.publish = record
-    sched._snapshot_chunk = 7  # several chunks per snapshot
+    sched._kv_snapshots.chunk = 7  # several chunks per snapshot
     ecm = EventfulEncoderCacheManager(cache_size=96)  # the scheduler's encoder cache, eventful
     ecm.publisher = Recorder()
     sched.encoder_cache_manager = ecm
-    sched._ec_snapshot_chunk = 2
+    ecm.snapshots.chunk = 2
     ec_boots: list[tuple[int, dict]] = []
     stream = Stream(rng)
     taken: list[tuple[KVSnapshot, RemoteKVIndex]] = []  # each snapshot's bootstrapped view
@@ -124,7 +125,9 @@ def main(seed: int = 0, turns: int = 120) -> dict:
         taken.append((snap, view))
         c["snapshots"] += 1
         c["pending_at_snapshot"] += pending > 0
-        ec_boots.append(ec_snapshot(sched, f"e{len(ec_boots)}-{where}"))
+        # alternately through P's demand endpoint and the manager's own (E's)
+        handle = ecm.handle if len(ec_boots) % 2 else sched._answers.handle
+        ec_boots.append(ec_snapshot(handle, f"e{len(ec_boots)}-{where}"))
         c["ec_entries_max"] = max(c.get("ec_entries_max", 0), len(ec_boots[-1][1]))
         c["max_blocks"] = max(c["max_blocks"], snap.total)
 
@@ -160,13 +163,15 @@ def main(seed: int = 0, turns: int = 120) -> dict:
     c["batches"] = len(batches)
     c["chunked"] = sum(1 for snap, _ in taken if snap.total > 7)
     # the rate limit: an unchanged P shares its last snapshot; a changed one waits the interval
-    vllm_demand.SNAPSHOT_MIN_INTERVAL_S = 1000.0
+    snapshots.SNAPSHOT_MIN_INTERVAL_S = 1000.0
     first = snapshot(sched, "limit-1")
     again = snapshot(sched, "limit-2")  # nothing changed: the same copy, no error
     c["unchanged_shared"] = (again.stamp, again.block_ids) == (first.stamp, first.block_ids)
-    sched._kv_published += 1  # as if P had published a batch since (its stream may be stuck)
+    sched._kv_snapshots.published += (
+        1  # as if P had published a batch since (its stream may be stuck)
+    )
     c["changed"] = True
-    limited = decode_answer(sched._handle(encode(SnapshotQuery("limit-3"))))
+    limited = decode_answer(sched._answers.handle(encode(SnapshotQuery("limit-3"))))
     c["changed_limited"] = "one per" in getattr(limited, "error", "")
     ecm.flush()
     real = {h: [n, h in ecm.freeable] for h, n in ecm.num_embeds_by_hash.items()}
@@ -178,10 +183,13 @@ def main(seed: int = 0, turns: int = 120) -> dict:
     c["ec_batches"] = len(ecm.publisher.batches)
     # a P without KV events has no snapshot to give: a DemandError that says why
     quiet = make_scheduler(DemandScheduler, tiny_model_dir(), num_blocks=40, cache_size=96)
-    err = decode_answer(quiet._handle(encode(SnapshotQuery("q"))))
+    err = decode_answer(quiet._answers.handle(encode(SnapshotQuery("q"))))
     c["no_events_error"] = getattr(err, "error", None)
-    err = decode_answer(quiet._handle(encode(ECSnapshotQuery("q"))))
+    err = decode_answer(quiet._answers.handle(encode(ECSnapshotQuery("q"))))
     c["no_ec_events_error"] = getattr(err, "error", None)
+    # the manager's own endpoint answers encoder-cache snapshots only
+    err = decode_answer(ecm.handle(encode(SnapshotQuery("kv"))))
+    c["ec_endpoint_kv_error"] = getattr(err, "error", None)
     return c
 
 

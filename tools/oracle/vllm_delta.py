@@ -24,7 +24,7 @@ from pathlib import Path
 WATCHED: dict[str, str] = {
     "vllm/v1/core/kv_cache_utils.py": "hashing rule, fast hasher (schemes.py, vllm_hasher.py)",
     "vllm/utils/hashing.py": "hash functions (schemes.py, _hashcore)",
-    "vllm/v1/request.py": "Request / token container (vllm_hasher.py, vllm_demand.py)",
+    "vllm/v1/request.py": "Request / token container (vllm_hasher.py, demand/answers.py)",
     "vllm/v1/token_buffer.py": "token container read by the fast path (hashcore.cpp)",
     "vllm/v1/engine/__init__.py": "EngineCoreRequest wire (hash_oracle.py)",
     "vllm/v1/engine/core.py": "where the fast hasher is patched in (vllm_hasher.register)",

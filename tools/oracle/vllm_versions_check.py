@@ -34,7 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from mmreuse.errors import InvalidArgument
 from mmreuse.integrations import vllm_hasher, vllm_versions
-from mmreuse.integrations.vllm_demand import _LOCKED, AsyncDemandScheduler, DemandScheduler
+from mmreuse.integrations.demand.scheduler import _LOCKED, AsyncDemandScheduler, DemandScheduler
 
 
 class _Lines(logging.Handler):
@@ -86,7 +86,7 @@ def as_is() -> dict:
     return {
         "version": vllm.__version__,
         "checked": [
-            vllm_versions.check_running_scheduler(c, {}, _LOCKED)
+            vllm_versions.check_running_scheduler(c, False, _LOCKED)
             for c in (DemandScheduler, AsyncDemandScheduler)
         ],
         "problems": {

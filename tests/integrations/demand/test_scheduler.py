@@ -103,18 +103,19 @@ def test_rule_s_is_what_vllms_scheduler_does(oracle_python):
 
 _HYBRID_CHECK = """
 import json, types
-from mmreuse.integrations.vllm_demand import DemandScheduler
+from mmreuse.integrations.demand.index_feed import IndexFeed
 ns = lambda **kw: types.SimpleNamespace(**kw)
 out = {}
 for groups in (1, 2):
+    pool = ns(num_gpu_blocks=8, _insert_block_hash=None, _remove_cached_block_hashes=None,
+              reset_prefix_cache=None)
     stand_in = ns(
-        kv_cache_manager=ns(enable_caching=True, block_pool=ns(num_gpu_blocks=8)),
+        kv_cache_manager=ns(enable_caching=True, block_pool=pool),
         kv_cache_config=ns(kv_cache_groups=[object()] * groups),
         block_size=16,
-        _hook_pool=lambda pool, index: None,
     )
-    index, note = DemandScheduler._make_index(stand_in)
-    out[groups] = [index is not None, note]
+    feed = IndexFeed(stand_in)
+    out[groups] = [feed.index is not None, feed.note]
 print(json.dumps(out))
 """
 
@@ -144,9 +145,11 @@ def test_a_snapshot_and_the_events_after_its_stamp_are_the_whole_stream(oracle_p
     assert c["snapshots"] >= 50 and c["pending_at_snapshot"] >= 2 and c["chunked"] >= 20, c
     assert c["batches"] >= 20 and c["max_blocks"] >= 20, c
     assert "publishes no KV events" in c["no_events_error"], c
-    # the encoder cache's snapshot (EventfulEncoderCacheManager in the scheduler), 2 a chunk
+    # the encoder cache's snapshot (EventfulEncoderCacheManager in the scheduler), 2 a chunk,
+    # through P's demand endpoint and the manager's own (E's), alternately
     assert c["ec_mismatch"] == 0 and c["ec_snapshots"] >= 50 and c["ec_entries_max"] >= 3, c
     assert "publishes no events" in c["no_ec_events_error"], c
+    assert "ECSnapshotQuery only" in c["ec_endpoint_kv_error"], c
     # taking one holds the engine's lock: an unchanged P shares its last, a changed one waits
     assert c["unchanged_shared"] and c["changed"] and c["changed_limited"], c
 
@@ -164,7 +167,7 @@ from mmreuse.errors import InvalidArgumentType
 from mmreuse.events import RemoteKVIndex
 from mmreuse.events.snapshot import chunk_identifiers
 from mmreuse.events.wire import decode_batch
-from mmreuse.integrations import vllm_demand
+from mmreuse.integrations.demand import snapshots
 from mmreuse.integrations.vllm import DemandScheduler
 
 flag = {"value": True}
@@ -184,7 +187,7 @@ def scheduler():
 def snapshot(sched, sid):
     chunks, offset = [], 0
     while True:
-        chunk = decode_answer(sched._handle(encode(SnapshotQuery(sid, offset))))
+        chunk = decode_answer(sched._answers.handle(encode(SnapshotQuery(sid, offset))))
         assert isinstance(chunk, KVSnapshot), chunk
         chunks.append(chunk)
         offset += len(chunk.block_ids)
@@ -193,11 +196,11 @@ def snapshot(sched, sid):
 
 seed = int(sys.argv[2])
 rng = random.Random(seed)
-vllm_demand.SNAPSHOT_MIN_INTERVAL_S = 0.0
+snapshots.SNAPSHOT_MIN_INTERVAL_S = 0.0
 init_none_hash(sha256)
 hasher = get_request_block_hasher(dsc.BLOCK, sha256)
 sched = scheduler()
-sched._snapshot_chunk = 7
+sched._kv_snapshots.chunk = 7
 batches = []
 counted = sched.kv_event_publisher.publish
 def record(batch):
@@ -239,7 +242,7 @@ def catch_up():
     want = (full.counts(), full.identifiers(), full.identifiers_known())
     c["mismatch"] += sum(
         (v.counts(), v.identifiers(), v.identifiers_known()) != want for _, v in views)
-    c["p_mismatch"] += sched._identifiers.carriers() != full.carriers()
+    c["p_mismatch"] += sched._kv_snapshots.identifiers.carriers() != full.carriers()
 
 stream = dsc.Stream(rng)
 rid = 0
@@ -263,7 +266,7 @@ c["full_identifiers"] = len(full.identifiers())
 # a JSON boolean stops P at start-up
 flag["value"] = None
 quiet = scheduler()
-c["default_followed"] = decode_answer(quiet._handle(encode(SnapshotQuery("q")))).identifiers_followed
+c["default_followed"] = decode_answer(quiet._answers.handle(encode(SnapshotQuery("q")))).identifiers_followed
 flag["value"] = "yes"
 try:
     scheduler()

@@ -1,0 +1,239 @@
+"""Snapshots a late proxy bootstraps from: P's prefix cache (`KVSnapshots`, served by
+`DemandScheduler`) and an encoder cache (`ECSnapshots`, served by `EventfulEncoderCacheManager`
+on its own endpoint, or through P's demand endpoint).
+
+KV. A `SnapshotQuery` gets P's prefix cache as a KV-event view holds it, stamped with the
+KV-event batch it is consistent with (`demand_query.KVSnapshot`). vLLM's publisher numbers
+batches in the order `publish` is called, and the scheduler calls it from `update_from_output`,
+holding the demand lock: counting the calls gives the stamp. The block counts come from the
+residency index; the block pool's events not yet published (queued by `schedule` for the next
+batch) are undone on the copy, so the snapshot is P as of the last batch published. With
+`"snapshot_identifiers": true` it also carries the mm identifiers its blocks carry: the block
+pool keeps no extra keys per block, so P follows them from the batches it publishes
+(`events.snapshot.PublishedIdentifiers`, fed right after each publish, under the lock: as of the
+same stamp), bounded by its block count. Opt-in: under the engine's lock it costs about 15 ns
+per block of a text-only store, but about 1 us per block stored that carries an identifier and
+0.4 us per block removed while any is held (on a slow 2-core machine:
+benchmarks/test_bench_events.py), and about 100 bytes per such block held.
+
+Both: a snapshot is taken at offset 0 and held (the last `SNAPSHOTS_KEPT` ids) for its later
+chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cachetools
+
+from ...blockhash import to_event_id
+from ...demand_query import (
+    MAX_SNAPSHOT_BLOCKS,
+    MAX_SNAPSHOT_ENTRIES,
+    DemandError,
+    ECEntry,
+    ECSnapshot,
+    ECSnapshotQuery,
+    KVSnapshot,
+    SnapshotQuery,
+)
+from ...events.snapshot import PublishedIdentifiers, identifier_chunk
+from .index_feed import IndexFeed
+
+# under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
+logger = logging.getLogger(f"vllm.{__name__}")
+
+__all__ = ["SNAPSHOTS_KEPT", "SNAPSHOT_MIN_INTERVAL_S", "ECSnapshots", "KVSnapshots", "incarnation"]
+
+SNAPSHOTS_KEPT = 2  # snapshots held for their later chunks (a new id beyond: the oldest goes)
+# Taking a KV snapshot holds the lock the engine waits on (~0.14 s for 1M blocks): at most one
+# per interval while P changes (replicas starting together share one while it does not).
+SNAPSHOT_MIN_INTERVAL_S = 1.0
+
+# A snapshot as taken: (stamp, event ids, block counts, the ids' identifiers or None where P
+# does not follow them).
+_Taken = tuple[int, list[int], list[int], dict[int, tuple[str, ...]] | None]
+
+
+def incarnation() -> str:
+    """This process's name on the snapshots it serves (a restarted server has another)."""
+    return f"{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def _base_take_events() -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return KVConnectorBase_V1.take_events
+
+
+class KVSnapshots:
+    """P's KV snapshots. `engine`: vLLM's scheduler (its block pool, KV connector and event
+    publisher); `feed`: its residency index; `lock`: the demand lock; `follow_identifiers`:
+    "snapshot_identifiers"."""
+
+    def __init__(
+        self, engine: Any, feed: IndexFeed, lock: threading.RLock, follow_identifiers: bool
+    ) -> None:
+        self._engine = engine
+        self._feed = feed
+        self._lock = lock
+        self.published = 0  # KV-event batches published so far: the stamp of a snapshot
+        self.incarnation = incarnation()
+        self.chunk = MAX_SNAPSHOT_BLOCKS  # block ids per KVSnapshot (tests: fewer)
+        self._last: tuple[float, _Taken] | None = None
+        self._held: cachetools.LRUCache[str, _Taken] = cachetools.LRUCache(SNAPSHOTS_KEPT)
+        self.identifiers = self._make_identifiers(follow_identifiers)
+        self._count_published()
+
+    def _make_identifiers(self, follow: bool) -> PublishedIdentifiers | None:
+        """P's follower of its blocks' identifiers, where asked and a snapshot can be taken."""
+        if not follow:
+            return None
+        pool = self._engine.kv_cache_manager.block_pool
+        if self._feed.index is None or not getattr(pool, "enable_kv_cache_events", False):
+            logger.warning(
+                "mmreuse: snapshot_identifiers is set, but P takes no KV snapshots (index %s, "
+                "KV events %s)",
+                self._feed.note,
+                "on" if getattr(pool, "enable_kv_cache_events", False) else "off",
+            )
+            return None
+        return PublishedIdentifiers(int(pool.num_gpu_blocks))
+
+    def _count_published(self) -> None:
+        """Count the KV-event batches handed to vLLM's publisher (it numbers them in this order:
+        the n-th call's batch is seq n-1). Called from update_from_output, under the lock."""
+        publisher = getattr(self._engine, "kv_event_publisher", None)
+        if publisher is None:
+            return
+        publish = publisher.publish
+        identifiers = self.identifiers
+
+        def counted(batch: Any) -> None:
+            publish(batch)
+            self.published += 1
+            if identifiers is not None:  # as of the same batch: what a snapshot's stamp says
+                identifiers.follow(batch.events)
+
+        publisher.publish = counted
+
+    def answer(self, query: SnapshotQuery) -> KVSnapshot | DemandError:
+        """Chunk `offset` of snapshot `id` (taken at offset 0, under the lock)."""
+        pool = self._engine.kv_cache_manager.block_pool
+        if query.offset == 0:
+            with self._lock:
+                last = self._last
+                now = time.monotonic()
+                if last is not None and last[1][0] == self.published and not pool.kv_event_queue:
+                    taken: Any = last[1]  # nothing changed since: the same copy serves
+                elif last is not None and now - last[0] < SNAPSHOT_MIN_INTERVAL_S:
+                    return DemandError(
+                        query.id,
+                        f"snapshot: one per {SNAPSHOT_MIN_INTERVAL_S} s while P changes; ask again",
+                    )
+                else:
+                    taken = self._take()
+                    if not isinstance(taken, str):
+                        self._last = (now, taken)
+            if isinstance(taken, str):
+                return DemandError(query.id, f"snapshot: {taken}")
+            self._held[query.id] = taken
+        held = self._held.get(query.id)
+        if held is None:
+            return DemandError(query.id, "snapshot: no longer held (ask again from offset 0)")
+        stamp, ids, counts, carried = held
+        if query.offset > len(ids):
+            return DemandError(query.id, f"snapshot: offset {query.offset} > total {len(ids)}")
+        end = query.offset + self.chunk
+        table: list[str] = []
+        pairs: list[tuple[int, list[int]]] = []
+        if carried is not None:  # a chunk ends early where its identifiers reach their bounds
+            end, table, pairs = identifier_chunk(ids, carried, query.offset, self.chunk)
+        return KVSnapshot(
+            id=query.id,
+            stamp=stamp,
+            incarnation=self.incarnation,
+            total=len(ids),
+            offset=query.offset,
+            blocks=int(pool.num_gpu_blocks),
+            block_ids=ids[query.offset : end],
+            counts=counts[query.offset : end],
+            identifiers_followed=carried is not None,
+            identifiers=table,
+            carried=pairs,
+        )
+
+    def _take(self) -> _Taken | str:
+        """(stamp, event ids, block counts, their identifiers) of the prefix cache as of the
+        last KV-event batch published, or why there is none. Holding the lock."""
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        index = self._feed.sync()
+        if index is None:
+            return f"the residency index is {self._feed.note}"
+        pool = self._engine.kv_cache_manager.block_pool
+        if not getattr(pool, "enable_kv_cache_events", False):
+            return "P publishes no KV events (--kv-events-config enable_kv_cache_events)"
+        connector = getattr(self._engine, "connector", None)
+        if connector is not None and type(connector).take_events is not _base_take_events():
+            return (
+                f"P's KV connector {type(connector).__name__} publishes events of its own "
+                "(other media), which a snapshot of the prefix cache does not hold"
+            )
+        counts = index.counts()  # event id -> the blocks holding it
+        # undo what the next batch will tell: the copy is P as of the last batch published
+        for event in reversed(pool.kv_event_queue):
+            if isinstance(event, AllBlocksCleared):
+                return "a prefix-cache reset is being published; ask again"
+            step = -1 if isinstance(event, BlockStored) else 1
+            if not isinstance(event, BlockStored | BlockRemoved):
+                return f"an unexpected pending event {type(event).__name__}"
+            for h in event.block_hashes:
+                ident = to_event_id(h)
+                n = counts.get(ident, 0) + step
+                if n < 0:
+                    return "the pending events do not match the index (a bug); ask again"
+                if n:
+                    counts[ident] = n
+                else:
+                    counts.pop(ident, None)
+        # the identifiers as of the same batch (followed from the batches published); None
+        # where not followed or not known
+        carried = None if self.identifiers is None else self.identifiers.carriers()
+        return self.published, list(counts), list(counts.values()), carried
+
+
+class ECSnapshots:
+    """An encoder cache's snapshots, in chunks. `take`: (stamp, [(identifier, num_embeds,
+    freeable)]), consistent with the events published (`EventfulEncoderCacheManager.snapshot`,
+    which takes the manager's lock)."""
+
+    def __init__(self, take: Callable[[], tuple[int, list[tuple[str, int, bool]]]]) -> None:
+        self._take = take
+        self.incarnation = incarnation()
+        self.chunk = MAX_SNAPSHOT_ENTRIES  # entries per ECSnapshot (tests: fewer)
+        self._held: cachetools.LRUCache[str, tuple[int, list[Any]]] = cachetools.LRUCache(
+            SNAPSHOTS_KEPT
+        )
+
+    def answer(self, query: ECSnapshotQuery) -> ECSnapshot | DemandError:
+        """Chunk `offset` of encoder-cache snapshot `id` (taken at offset 0)."""
+        if query.offset == 0:
+            self._held[query.id] = self._take()
+        held = self._held.get(query.id)
+        if held is None:
+            return DemandError(query.id, "snapshot: no longer held (ask again from offset 0)")
+        stamp, entries = held
+        if query.offset > len(entries):
+            return DemandError(query.id, f"snapshot: offset {query.offset} > total {len(entries)}")
+        part = entries[query.offset : query.offset + self.chunk]
+        return ECSnapshot(
+            query.id, stamp, self.incarnation, len(entries), query.offset,
+            [ECEntry(h, n, f) for h, n, f in part],
+        )  # fmt: skip
