@@ -190,8 +190,9 @@ class Cluster:
                 f"{self.prefills} prefills: one per P (None: vLLM's default)"
             )
         self.kv_events_buffer_steps = kv_events_buffer_steps or (None,) * self.prefills
-        # every E runs EventfulEncoderCacheManager and DemandScheduler (its snapshots): the E
-        # side every proxy replica sees alike
+        # every E runs EventfulEncoderCacheManager (its events, and its snapshots on its own
+        # endpoint: the E side every proxy replica sees alike) and DemandScheduler, only for
+        # its admission records (what bench-cluster attributes E's work from)
         self.encoder_events = bool(encoder_events)
         self.instances: dict[str, Instance] = {}
         self.startup_seconds: dict[str, float] = {}
@@ -224,10 +225,10 @@ class Cluster:
 
     def specs(self) -> list[InstanceSpec]:
         """The instances' specs, on freshly chosen free ports."""
-        ports = iter(free_ports(4 * self.encoders + 6 * self.prefills))
+        ports = iter(free_ports(5 * self.encoders + 6 * self.prefills))
         specs = []
         for i in range(self.encoders):
-            port, ec_port, ec_replay, demand_port = (next(ports) for _ in range(4))
+            port, ec_port, ec_replay, snapshot_port, demand_port = (next(ports) for _ in range(5))
             events = self.encoder_events
             specs.append(
                 InstanceSpec(
@@ -236,6 +237,7 @@ class Cluster:
                     port,
                     ec_events_port=ec_port if events else None,
                     ec_replay_port=ec_replay if events else None,
+                    ec_snapshot_port=snapshot_port if events else None,
                     demand_port=demand_port if events else None,
                     extra_args=self.encoder_extra_args,
                 )
@@ -343,7 +345,7 @@ class Cluster:
             [
                 "--e-cache-events-endpoints", ",".join(str(s.ec_events_endpoint) for s in es),
                 "--e-cache-events-replay-endpoints", ",".join(str(s.ec_replay_endpoint) for s in es),
-                "--e-snapshot-endpoints", ",".join(str(s.demand_endpoint) for s in es),
+                "--e-snapshot-endpoints", ",".join(str(s.ec_snapshot_endpoint) for s in es),
             ]
             if es and all(s.ec_events_endpoint for s in es)
             else []

@@ -256,7 +256,7 @@ class EncodeInstance:
     url: str
     ec_events: str | None = None  # --e-cache-events-endpoints
     ec_replay: str | None = None  # --e-cache-events-replay-endpoints
-    snapshot: str | None = None  # --e-snapshot-endpoints: E's DemandScheduler endpoint
+    snapshot: str | None = None  # --e-snapshot-endpoints: E's encoder-cache snapshot endpoint
 
     def __post_init__(self) -> None:
         _check_endpoints(
@@ -876,9 +876,11 @@ _VIEWS: tuple[_Flag, ...] = (
         "--e-snapshot-endpoints",
         {
             "default": None,
-            "help": "each E's DemandScheduler endpoint (additional_config mmreuse.demand_endpoint), "
-            "aligned the same way (optional): a proxy started late, restarted or replicated "
-            "completes its E view from E's snapshot",
+            "help": "each E's encoder-cache snapshot endpoint (additional_config "
+            "mmreuse.encoder_cache_snapshot_endpoint, served by EventfulEncoderCacheManager; "
+            "a DemandScheduler's demand_endpoint serves it too), aligned the same way "
+            "(optional): a proxy started late, restarted or replicated completes its E view "
+            "from E's snapshot",
         },
     ),
 )

@@ -297,8 +297,9 @@ def test_cluster_runs_demand_scheduler_per_p_with_one_additional_config(tmp_path
 
 
 def test_every_e_runs_the_encoder_cache_events_and_its_snapshots(tmp_path):
-    # E's EventfulEncoderCacheManager and DemandScheduler (snapshots and admission records:
-    # E keeps no prefix cache) make the E side a fact every proxy replica shares.
+    # E's EventfulEncoderCacheManager (its events, and its snapshots on its own endpoint) make
+    # the E side a fact every proxy replica shares; DemandScheduler only keeps E's admission
+    # records (bench-cluster's account of E's work: E keeps no prefix cache).
     from mmreuse.cluster import Cluster
     from mmreuse.cluster.instance import SCHEDULER_CLS
 
@@ -312,6 +313,7 @@ def test_every_e_runs_the_encoder_cache_events_and_its_snapshots(tmp_path):
     assert ours == {
         "encoder_cache_events_endpoint": f"tcp://*:{e.ec_events_port}",
         "encoder_cache_events_replay_endpoint": f"tcp://*:{e.ec_replay_port}",
+        "encoder_cache_snapshot_endpoint": f"tcp://*:{e.ec_snapshot_port}",
         "demand_endpoint": f"tcp://*:{e.demand_port}",
         "admission_records": True,  # E's account: its cache, the store, or a forward
     }
@@ -322,7 +324,10 @@ def test_every_e_runs_the_encoder_cache_events_and_its_snapshots(tmp_path):
         args[args.index("--e-cache-events-endpoints") + 1]
         == c.instances["E0"].spec.ec_events_endpoint
     )
-    assert args[args.index("--e-snapshot-endpoints") + 1] == c.instances["E0"].spec.demand_endpoint
+    assert (
+        args[args.index("--e-snapshot-endpoints") + 1]
+        == c.instances["E0"].spec.ec_snapshot_endpoint
+    )
     off = Cluster(tmp_path, encoders=1, prefills=1, encoder_events=False)
     e = next(s for s in off.specs() if s.role == "encoder")
     assert "--scheduler-cls" not in server_argv(e, Path("python"), tmp_path, tmp_path)

@@ -95,7 +95,9 @@ def test_replicas_behind_a_balancer_decide_as_p_answers_through_a_rolling_restar
             down = k % 3
             stop(down)  # the rolling restart: this one is out while the request is served
             query, answer = _ask(cluster, body, f"{run}-{k}")
-            held = {e.identifier for e in fetch_snapshot(e0.demand_endpoint, kind="ec").entries}
+            held = {
+                e.identifier for e in fetch_snapshot(e0.ec_snapshot_endpoint, kind="ec").entries
+            }
             before = {i: _classes(urls[i]) for i in replicas}
             try:
                 assert post_json(lb + "/v1/chat/completions", body, timeout=300)["choices"]
