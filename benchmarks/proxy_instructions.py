@@ -206,7 +206,7 @@ def targets(args: argparse.Namespace, e_url: str, pd_url: str) -> Iterator[tuple
         yield f"mmreuse {tree}", measure(str(tree), cmd, env, tree, args, args.work, port)
     if not args.reference:
         return
-    from mmreuse.proxy.reference import fetch_reference, reference_python
+    from mmreuse.cluster.reference import fetch_reference, reference_python
 
     ref = args.reference_file or fetch_reference()
     py = args.reference_python or reference_python()

@@ -9,6 +9,11 @@ errors are aiohttp's client errors (`ClientOSError`, `ServerDisconnectedError`,
 no more: a POST of a body in memory; an answer's body by Content-Length, chunked or until close;
 no redirect followed, no cookie kept, no compression (none is asked for: a compressed answer is
 refused). The other calls (health, models, render, demand, the store, media) stay on aiohttp.
+
+The answers are framed by llhttp (Node.js's parser, through MagicStack's `httptools`, as uvicorn
+does), strictly: anything it or this module refuses (a malformed head, Content-Length with
+Transfer-Encoding, a bad chunk size, bytes after the answer's end, a head over MAX_HEAD) fails
+the answer with `ClientPayloadError` and closes the connection, which is never pooled again.
 """
 
 from __future__ import annotations
@@ -16,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import re
 import ssl
 from collections.abc import Mapping
 
 import aiohttp
+import httptools
 import yarl
 
 # Unread body bytes above which a connection stops reading (a stream forwarded to a slow
@@ -30,12 +35,7 @@ LOW_WATER = 1 << 18
 MAX_HEAD = 1 << 16  # status line and headers: an answer with more is refused
 _SMALL_BODY = 1 << 14  # joined with the head into one write below this; two writes above
 
-# Parser states.
-_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
-
 Key = tuple[str, str, int]
-_STATUS = re.compile(rb"HTTP/1\.[01] ([1-5][0-9][0-9])(?: .*)?")
-_CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;.*)?")
 
 
 @functools.lru_cache(maxsize=256)
@@ -50,20 +50,27 @@ def _target(url: yarl.URL) -> tuple[Key, bytes]:
 class UpstreamResponse:
     """One answer: `status` and `headers` (lower-case names) once its head is in; its body read
     whole (`read`) or as it comes (`readany`); `release()` after, in a `finally`, which pools
-    the connection when the body was read to its end and closes it otherwise."""
+    the connection when the body was read to its end and closes it otherwise.
+
+    Framed by llhttp (`httptools.HttpResponseParser`, one per answer): the `on_*` methods are
+    its callbacks, not for callers."""
 
     __slots__ = (
         "_body",
-        "_buf",
         "_chunks",
         "_conn",
+        "_done",
         "_error",
+        "_framing",
         "_head",
-        "_left",
+        "_head_size",
+        "_informational",
+        "_parser",
         "_paused",
+        "_received",
         "_reusable",
         "_size",
-        "_state",
+        "_until_close",
         "_waiter",
         "_whole",
         "headers",
@@ -75,9 +82,13 @@ class UpstreamResponse:
         self.headers: dict[str, str] = {}
         self._conn: _Connection | None = conn
         self._head: asyncio.Future[None] = loop.create_future()
-        self._state = _HEAD
-        self._left = 0  # bytes left: of the body (Content-Length) or of the current chunk
-        self._buf = bytearray()  # received, not yet parsed
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+        self._received = 0  # body bytes parsed
+        self._framing = 0  # bytes fed since the last body byte (heads, chunk sizes, trailers)
+        self._head_size = 0  # the head's bytes, as the parser reports them
+        self._informational = False  # a 1xx answer is being parsed: the real one follows
+        self._until_close = False  # the body ends when the connection does
+        self._done = False  # the answer was read to its end
         self._chunks: collections.deque[bytes] = collections.deque()  # body, not yet read
         self._size = 0  # bytes in _chunks
         self._waiter: asyncio.Future[None] | None = None
@@ -96,10 +107,12 @@ class UpstreamResponse:
         self._whole = True
         if self._paused:
             self._resume()
-        while self._state != _DONE:
+        while not self._done:
             if self._error is not None:
                 raise self._error
             await self._wait()
+        if self._error is not None:  # bytes after the answer's end
+            raise self._error
         data = self._body = b"".join(self._chunks)
         self._chunks.clear()
         self._size = 0
@@ -112,10 +125,10 @@ class UpstreamResponse:
     async def readany(self) -> bytes:
         """The body bytes received and not yet read, once there are some; b"" at its end."""
         while not self._chunks:
-            if self._state == _DONE:
-                return b""
             if self._error is not None:
                 raise self._error
+            if self._done:
+                return b""
             await self._wait()
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
@@ -128,10 +141,11 @@ class UpstreamResponse:
     def release(self) -> None:
         """Give the connection back: pooled if the body was read to its end, closed if not."""
         conn, self._conn = self._conn, None
+        self._parser = None  # it refers back to this answer: no cycle left for the collector
         if conn is None:
             return
         conn.response = None
-        if self._state == _DONE and self._reusable and self._error is None:
+        if self._done and self._reusable and self._error is None:
             conn.pool.put(conn)
         else:
             conn.close()
@@ -157,145 +171,113 @@ class UpstreamResponse:
     # ---- parsing (the connection) -------------------------------------------------------------
 
     def feed(self, data: bytes) -> None:
-        if self._state == _LENGTH and not self._buf and len(data) <= self._left:
-            self._push(data)  # the common case: body bytes, not past its end
-            self._left -= len(data)
-            if not self._left:
-                self._finish()
+        """Bytes from the backend, to the parser; any it refuses fail the answer."""
+        parser = self._parser
+        if parser is None or self._error is not None:
             return
-        self._buf += data
+        received = self._received
         try:
-            self._parse()
-        except (ValueError, UnicodeDecodeError) as e:
-            self.fail(aiohttp.ClientPayloadError(f"invalid answer from the backend: {e}"))
+            parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
+            # a callback's refusal is the error's context: its words, not "callback error"
+            reason = e.__context__ if isinstance(e, httptools.HttpParserCallbackError) else e
+            if self._done:
+                self._after_end(f"{reason or type(e).__name__}")
+            else:
+                self.fail(aiohttp.ClientPayloadError(f"invalid answer from the backend: {reason}"))
+            return
+        if self._received != received or self._done:
+            self._framing = 0
+            return
+        # no body byte in these: a head, chunk framing or trailers, which the parser holds
+        # whole until they end, so bounded here
+        self._framing += len(data)
+        if self._framing > MAX_HEAD:
+            what = "trailers or chunk framing" if self._head.done() else "a head"
+            error = f"invalid answer from the backend: {what} over {MAX_HEAD} bytes"
+            self.fail(aiohttp.ClientPayloadError(error))
 
-    def _parse(self) -> None:
-        buf = self._buf
-        while buf:
-            state = self._state
-            if state == _HEAD:
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(buf) > MAX_HEAD:
-                        raise ValueError(f"a head over {MAX_HEAD} bytes")
-                    return
-                head = bytes(buf[:end])
-                del buf[: end + 4]
-                self._start(head)
-            elif state in (_LENGTH, _CHUNK_DATA):
-                n = min(self._left, len(buf))
-                self._push(bytes(buf[:n]))
-                del buf[:n]
-                self._left -= n
-                if not self._left:
-                    if state == _LENGTH:
-                        self._finish()
-                    else:
-                        self._state = _CHUNK_END
-            elif state == _CHUNK_SIZE:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > 4096:
-                        raise ValueError("a chunk size line over 4096 bytes")
-                    return
-                line = _CHUNK_SIZE_LINE.fullmatch(buf, 0, end)
-                if line is None:
-                    raise ValueError(f"chunk size line {bytes(buf[:end][:80])!r}")
-                size = int(line.group(1), 16)
-                del buf[: end + 2]
-                self._state, self._left = (_CHUNK_DATA, size) if size else (_TRAILER, 0)
-            elif state == _CHUNK_END:
-                if len(buf) < 2:
-                    return
-                if buf[:2] != b"\r\n":
-                    raise ValueError("no CRLF after a chunk")
-                del buf[:2]
-                self._state = _CHUNK_SIZE
-            elif state == _TRAILER:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    return
-                del buf[: end + 2]
-                if end == 0:
-                    self._finish()
-            elif state == _UNTIL_CLOSE:
-                self._push(bytes(buf))
-                buf.clear()
-            else:  # bytes past the answer's end: the connection cannot be trusted again
-                self._reusable = False
-                buf.clear()
+    def on_message_begin(self) -> None:
+        if self._done:  # a second answer to one request: the backend and the proxy disagree
+            raise ValueError("another answer begins")
 
-    def _start(self, head: bytes) -> None:
-        """The status line and headers: how the body is framed."""
-        lines = head.split(b"\r\n")
-        match = _STATUS.fullmatch(lines[0])
-        if match is None:
-            raise ValueError(f"status line {lines[0][:80]!r}")
-        version, status = lines[0][:8], int(match.group(1))
-        if 100 <= status < 200 and status != 101:  # informational: the answer follows
+    def on_status(self, reason: bytes) -> None:
+        self._head_size += len(reason) + 15  # "HTTP/1.1 200 " and CRLF
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head.done():  # a trailer: nothing the proxy reads
+            return
+        self._head_size += len(name) + len(value) + 4  # ": " and CRLF
+        key = name.decode("latin-1").lower()
+        headers = self.headers
+        if key == "transfer-encoding" and (key in headers or value.lower() != b"chunked"):
+            # chunked is all the backends send; anything else is a coding not asked for, or
+            # a framing another parser on the way may read differently
+            raise ValueError(f"Transfer-Encoding {value[:40]!r} (only one, chunked, is read)")
+        headers[key] = value.decode("latin-1").strip()
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        assert parser is not None
+        if self._head_size > MAX_HEAD:
+            raise ValueError(f"a head over {MAX_HEAD} bytes")
+        status = parser.get_status_code()
+        if 100 <= status < 200:
+            if status == 101:
+                raise ValueError("101 Switching Protocols: no upgrade was asked for")
+            self._informational = True  # skipped, as aiohttp does: the answer follows
+            self.headers.clear()
             return
         headers = self.headers
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise ValueError(f"header line {line[:80]!r}")
-            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-        self.status = status
-        connection = headers.get("connection", "").lower()
-        if connection == "close" or (version == b"HTTP/1.0" and connection != "keep-alive"):
-            self._reusable = False
-        encoding = headers.get("content-encoding", "identity").strip().lower()
+        encoding = headers.get("content-encoding", "identity").lower()
         if encoding not in ("", "identity"):
             raise ValueError(f"a {encoding[:40]!r}-encoded body (no compression was asked for)")
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._state = _CHUNK_SIZE
-        elif (length := headers.get("content-length")) is not None:
-            if not length.isdigit():
-                raise ValueError(f"Content-Length {length[:40]!r}")
-            self._left = int(length)
-            self._state = _LENGTH
-            if not self._left:
-                self._finish()
-        elif status in (101, 204, 304):
-            self._finish()
-        else:
-            self._state = _UNTIL_CLOSE
-            self._reusable = False
-        if not self._head.done():
-            self._head.set_result(None)
+        self.status = status
+        self._until_close = (
+            "content-length" not in headers
+            and "transfer-encoding" not in headers
+            and status not in (204, 304)
+        )
+        self._head.set_result(None)
 
-    def _push(self, data: bytes) -> None:
-        if data:
-            self._chunks.append(data)
-            self._size += len(data)
-            if self._size > HIGH_WATER and not self._whole and not self._paused:
-                conn = self._conn
-                if conn is not None and conn.transport is not None:
-                    self._paused = True
-                    conn.transport.pause_reading()
-            self._wake()
+    def on_body(self, body: bytes) -> None:
+        self._received += len(body)
+        self._chunks.append(body)
+        self._size += len(body)
+        if self._size > HIGH_WATER and not self._whole and not self._paused:
+            conn = self._conn
+            if conn is not None and conn.transport is not None:
+                self._paused = True
+                conn.transport.pause_reading()
+        self._wake()
 
-    def _finish(self) -> None:
-        self._state = _DONE
-        if self._buf:
-            self._reusable = False
-            self._buf.clear()
+    def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
+        parser = self._parser
+        assert parser is not None
+        self._reusable = self._reusable and parser.should_keep_alive()
+        self._done = True
         self._wake()
 
     def ended(self, exc: BaseException | None) -> None:
         """The connection closed (or half-closed): the end of an until-close body, an error
         otherwise."""
-        if self._state == _UNTIL_CLOSE:
-            self._finish()
-        elif self._state != _DONE:
-            if not self._head.done():
-                self.fail(aiohttp.ServerDisconnectedError())
-            else:
-                detail = f": {exc}" if exc is not None else ""
-                self.fail(aiohttp.ClientPayloadError(f"Response payload is not completed{detail}"))
+        if self._done or self._error is not None:
+            return
+        if self._head.done() and self._until_close:
+            self._reusable = False
+            self._done = True
+            self._wake()
+        elif not self._head.done():
+            self.fail(aiohttp.ServerDisconnectedError())
+        else:
+            detail = f": {exc}" if exc is not None else ""
+            self.fail(aiohttp.ClientPayloadError(f"Response payload is not completed{detail}"))
 
     def fail(self, error: BaseException) -> None:
-        if self._error is None and self._state != _DONE:
+        if self._error is None and not self._done:
             self._error = error
             self._reusable = False
             if not self._head.done():
@@ -305,6 +287,19 @@ class UpstreamResponse:
             conn = self._conn
             if conn is not None:
                 conn.close()
+
+    def _after_end(self, reason: str) -> None:
+        """Bytes after the answer's end: the connection is closed, never pooled; a body not yet
+        returned to the caller is not trusted either."""
+        self._reusable = False
+        if self._error is None:
+            self._error = aiohttp.ClientPayloadError(
+                f"invalid answer from the backend: bytes after its end ({reason})"
+            )
+        self._wake()
+        conn = self._conn
+        if conn is not None:
+            conn.close()
 
 
 class _Connection(asyncio.Protocol):
@@ -392,8 +387,7 @@ class Upstream:
                 transport.writelines([b"".join(lines), body])
             await response._head
         except BaseException:  # cancelled (the client left) or failed: never reused
-            conn.response = None
-            conn.close()
+            response.release()  # not read to its end: closed
             raise
         return response
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
@@ -27,9 +28,11 @@ Reply = Callable[[bytes], list[bytes]]  # request bytes -> the chunks to write b
 
 
 @contextlib.asynccontextmanager
-async def server(reply: Reply, *, close_after: bool = False) -> AsyncIterator[tuple[str, dict]]:
-    """A raw HTTP/1.1 server answering each request with `reply(request)`'s chunks; `seen`
-    counts the connections and requests."""
+async def server(
+    reply: Reply, *, close_after: bool = False, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[str, dict]]:
+    """A raw HTTP/1.1 server (HTTPS with `tls`) answering each request with `reply(request)`'s
+    chunks; `seen` counts the connections and requests."""
     seen = {"connections": 0, "requests": [], "closed": 0}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -55,10 +58,11 @@ async def server(reply: Reply, *, close_after: bool = False) -> AsyncIterator[tu
             seen["closed"] += 1
             writer.close()
 
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
     port = srv.sockets[0].getsockname()[1]
+    scheme = "https" if tls else "http"
     try:
-        yield f"http://127.0.0.1:{port}/v1/chat/completions", seen
+        yield f"{scheme}://127.0.0.1:{port}/v1/chat/completions", seen
     finally:
         srv.close()
 
@@ -213,9 +217,16 @@ async def test_an_invalid_answer_is_refused(wire):
 
 
 async def test_an_informational_answer_is_skipped():
-    async with server(fixed(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)) as (url, _seen):
+    """1xx answers before the real one are skipped, as aiohttp skips them: their headers are
+    not the answer's, and the connection stays reusable."""
+    early = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+    async with server(fixed(early + OK)) as (url, seen):
         up = Upstream(2.0)
-        assert (await post(up, url))[:1] == (200,)
+        status, headers, body = await post(up, url)
+        assert (status, body) == (200, b'{"a": true}')
+        assert "link" not in headers
+        assert await post(up, url) == (status, headers, body)
+        assert seen["connections"] == 1
         await up.close()
 
 
@@ -267,3 +278,226 @@ async def test_header_values_cannot_inject_lines():
     up = Upstream(2.0)
     with pytest.raises(ValueError, match="line break"):
         await up.post(yarl.URL("http://127.0.0.1:1/x"), b"", {"x-request-id": "a\r\nX: y"})
+
+
+# ---- hostile backends: each answer refused with aiohttp's error, its connection closed and never
+# pooled, and the next request on the same pool served by a fresh connection ---------------------
+
+OK_HEADERS = {"content-type": "application/json", "content-length": "11"}
+
+
+def first_then_ok(*chunks: bytes) -> Reply:
+    """`chunks` for the first request the server sees, OK for every later one."""
+    calls = [0]
+
+    def reply(_request: bytes) -> list[bytes]:
+        calls[0] += 1
+        return list(chunks) if calls[0] == 1 else [OK]
+
+    return reply
+
+
+async def refused_then_served(
+    reply: Reply, error: type[BaseException], match: str | None, *, close_after: bool = False
+) -> None:
+    async with server(reply, close_after=close_after) as (url, seen):
+        up = Upstream(2.0)
+        key = ("http", "127.0.0.1", yarl.URL(url).port)
+        with pytest.raises(error, match=match):
+            await post(up, url)
+        assert not up._idle.get(key)  # not pooled
+        await wait_for(lambda: seen["closed"] == 1)  # closed, by one end or the other
+        assert not up._open
+        assert await post(up, url) == (200, OK_HEADERS, b'{"a": true}')
+        assert seen["connections"] == 2
+        await up.close()
+
+
+BAD_FRAMING = {
+    "status line without a code": b"HTTP/1.1 OK\r\nContent-Length: 0\r\n\r\n",
+    "status line of another protocol": b"HTTP/2 200 OK\r\nContent-Length: 0\r\n\r\n",
+    "a negative chunk size": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\nhello\r\n",
+    "a chunk size over 64 bits": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1" + b"f" * 16 + b"\r\nab\r\n"
+    ),
+    "no CRLF after a chunk": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n0\r\n\r\n"
+    ),
+    "Content-Length and Transfer-Encoding": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n0\r\n\r\n"
+    ),
+    "two differing Content-Lengths": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\nhello"
+    ),
+    "a Content-Length over 64 bits": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999999\r\n\r\nx"
+    ),
+    "a transfer coding other than chunked": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nxyz"
+    ),
+    "two Transfer-Encodings": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"0\r\n\r\n"
+    ),
+    "a folded header": b"HTTP/1.1 200 OK\r\nX: a\r\n b\r\nContent-Length: 0\r\n\r\n",
+    "a bare LF": b"HTTP/1.1 200 OK\nContent-Length: 0\n\n",
+    "101 Switching Protocols": (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("wire", BAD_FRAMING.values(), ids=BAD_FRAMING.keys())
+async def test_a_badly_framed_answer_is_refused(wire):
+    await refused_then_served(first_then_ok(wire), aiohttp.ClientPayloadError, "invalid answer")
+
+
+@pytest.mark.parametrize("pieces", [1, 64])
+async def test_a_head_over_the_limit_is_refused(pieces):
+    """Whole in one write, or in pieces that never end it: refused once over MAX_HEAD, not
+    held in memory until the backend stops."""
+    head = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * upstream_mod.MAX_HEAD
+    wire = head + b"\r\nContent-Length: 0\r\n\r\n" if pieces == 1 else head
+    step = -(-len(wire) // pieces)
+    chunks = [wire[i : i + step] for i in range(0, len(wire), step)]
+    await refused_then_served(first_then_ok(*chunks), aiohttp.ClientPayloadError, "head over")
+
+
+async def test_endless_chunk_framing_is_refused():
+    """Chunk extensions or trailers that never end carry no body byte: bounded like a head."""
+    wire = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;" + b"e" * 70_000
+    await refused_then_served(first_then_ok(wire), aiohttp.ClientPayloadError, "chunk framing")
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        b"GARBAGE",  # a body longer than its Content-Length
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nno",  # two answers to one request
+    ],
+    ids=["garbage", "a second answer"],
+)
+async def test_bytes_after_the_answer_are_refused_and_never_read_as_the_next(after):
+    await refused_then_served(
+        first_then_ok(OK + after), aiohttp.ClientPayloadError, "after its end"
+    )
+
+
+async def test_bytes_after_a_connection_close_answer_are_refused():
+    wire = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nokEXTRA"
+    await refused_then_served(first_then_ok(wire), aiohttp.ClientPayloadError, "after its end")
+
+
+async def test_bytes_after_a_released_answer_close_its_pooled_connection():
+    """What comes after the answer, once released, is an answer to nothing: the idle connection
+    is closed, and the next request gets a fresh one."""
+    async with server(first_then_ok(OK)) as (url, seen):
+        up = Upstream(2.0)
+        assert (await post(up, url))[0] == 200
+        (conn,) = up._open
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        assert conn.closed and not up._open
+        assert (await post(up, url))[0] == 200
+        assert seen["connections"] == 2
+        await up.close()
+
+
+EOF_CASES = {
+    "mid-head": (b"HTTP/1.1 200 OK\r\nContent-Le", aiohttp.ServerDisconnectedError, None),
+    "mid-body": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc",
+        aiohttp.ClientPayloadError,
+        "not completed",
+    ),
+    "mid-chunk": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel",
+        aiohttp.ClientPayloadError,
+        "not completed",
+    ),
+    "before the last chunk": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+        aiohttp.ClientPayloadError,
+        "not completed",
+    ),
+    "after an informational answer": (
+        b"HTTP/1.1 100 Continue\r\n\r\n",
+        aiohttp.ServerDisconnectedError,
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", EOF_CASES.values(), ids=EOF_CASES.keys())
+async def test_a_backend_that_hangs_up_mid_answer(case):
+    wire, error, match = case
+    await refused_then_served(first_then_ok(wire), error, match, close_after=True)
+
+
+async def test_an_answer_that_never_ends_is_closed_when_its_caller_cancels():
+    """The caller's cancel (its timeout, the client gone) closes the connection: no hang, no
+    connection left open on either end."""
+    wire = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"
+    async with server(first_then_ok(wire)) as (url, seen):
+        up = Upstream(2.0)
+        got = []
+
+        async def stream() -> None:
+            resp = await up.post(yarl.URL(url), b"{}", {})
+            try:
+                while chunk := await resp.readany():
+                    got.append(chunk)
+            finally:
+                resp.release()
+
+        task = asyncio.ensure_future(stream())
+        await wait_for(lambda: got == [b"abc"])
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not up._open and not any(up._idle.values())
+        await wait_for(lambda: seen["closed"] == 1)
+        assert await post(up, url) == (200, OK_HEADERS, b'{"a": true}')
+        await up.close()
+        await wait_for(lambda: seen["closed"] == 2)
+
+
+# ---- https ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ca():
+    trustme = pytest.importorskip("trustme")
+    return trustme.CA()
+
+
+def tls_server_context(ca) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    return context
+
+
+async def test_https_backends_are_verified_against_the_default_trust_store(
+    ca, tmp_path, monkeypatch
+):
+    """`https://` backend URLs (the config accepts them) go over TLS with the default
+    verification, whose trust store SSL_CERT_FILE points at the test CA; pooled as plain ones."""
+    pem = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(pem))
+    monkeypatch.setenv("SSL_CERT_FILE", str(pem))
+    async with server(fixed(OK), tls=tls_server_context(ca)) as (url, seen):
+        assert url.startswith("https://")
+        up = Upstream(2.0)
+        assert await post(up, url) == (200, OK_HEADERS, b'{"a": true}')
+        assert await post(up, url) == (200, OK_HEADERS, b'{"a": true}')
+        assert seen["connections"] == 1
+        await up.close()
+
+
+async def test_https_with_an_untrusted_certificate_is_a_client_error(ca):
+    async with server(fixed(OK), tls=tls_server_context(ca)) as (url, seen):
+        up = Upstream(2.0)
+        with pytest.raises(aiohttp.ClientOSError, match=r"ssl:default.*CERTIFICATE_VERIFY_FAILED"):
+            await post(up, url)
+        assert not up._open and not seen["requests"]
+        await up.close()
