@@ -56,7 +56,7 @@ def _index_proxy(**subscriber: object) -> Proxy:
          "--hash-seed", "0", "--block-size", str(BLOCK)]
     )  # fmt: skip
     proxy = Proxy(config)
-    proxy.views[0].subscriber = SimpleNamespace(is_alive=True, error=None, **subscriber)
+    proxy.views[0].stream = SimpleNamespace(is_alive=True, error=None, **subscriber)
     return proxy
 
 

@@ -281,7 +281,7 @@ def _map_items(request: Mapping[str, Any], fn: Any) -> dict[str, Any]:
 def rewrite_for_decode(
     request: Mapping[str, Any],
     item_meta: Mapping[int, list[dict[str, Any]]],
-    raw_with_uuid: frozenset[int] = frozenset(),
+    raw_items: frozenset[int] = frozenset(),
     uuids: Sequence[str] | None = None,
     items: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any] | Mapping[str, Any]:
@@ -290,7 +290,7 @@ def rewrite_for_decode(
 
     `item_meta` is, per item index, the features E reported (modality, metadata, mm_hash,
     transfer_id), as the reference's `fanout_encoder_primer` returns. An item without metadata
-    stays raw (P preprocesses it), as in the reference; an item in `raw_with_uuid` (skipped for E
+    stays raw (P preprocesses it), as in the reference; an item in `raw_items` (skipped for E
     by a demand-aware policy) stays raw *with* its uuid, so P keys it as E would have and vLLM's
     own order applies (KV, encoder cache, EC connector, its own encoder). `uuids`: the items'
     uuids when already computed (else computed here), `items` its media parts likewise. Audio
@@ -315,7 +315,7 @@ def rewrite_for_decode(
     how: list[str] = []
     for i in range(len(items)):
         features = item_meta.get(i, [])
-        if raw_audio or i in raw_with_uuid:
+        if raw_audio or i in raw_items:
             how.append("uuid")
         elif not features or any(not f["metadata"] for f in features):
             how.append("raw")

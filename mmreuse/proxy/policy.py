@@ -214,7 +214,7 @@ class Planner:
             new: set[str] = set()
         else:
             # P's encoder cache, from its events (untenanted, as vLLM's cache is)
-            salt = None if view.ec_subscriber is not None else request.get("cache_salt")
+            salt = None if view.ec_stream is not None else request.get("cache_salt")
             new = distinct - self.availability.p_holds(view.name, distinct, cache_salt=salt)
             if external:
                 new -= external
@@ -560,7 +560,7 @@ class Planner:
         from its events, is untenanted as vLLM's is; the store's records are per tenant; E's
         side answers for itself (`ESide`)."""
         avail, ids = self.availability, identifiers
-        p_salt = None if view.ec_subscriber is not None else cache_salt
+        p_salt = None if view.ec_stream is not None else cache_salt
         p_side = avail.availability_for(view.name, cache_salt=p_salt, identifiers=ids)
         external = p_side.p_external
         if p_salt != cache_salt:

@@ -22,7 +22,7 @@ logger = logging.getLogger("mmreuse.proxy")
 
 
 class InstanceView:
-    """One P (or PD) as the proxy sees it. Usable only while its subscriber runs and its hash
+    """One P (or PD) as the proxy sees it. Usable only while its event stream runs and its hash
     check has found no mismatch; otherwise the proxy plans as if it held nothing (E gets
     everything for it), and says why in /health and /metrics."""
 
@@ -50,9 +50,9 @@ class InstanceView:
         self.hasher: BlockHasher | None = None
         self.check: HashConfigCheck | None = None
         self._reported_mismatch = False
-        self.subscriber: Any = None  # its KV EventStream once started (pyzmq loads lazily)
+        self.stream: Any = None  # its KV EventStream once started (pyzmq loads lazily)
         self.availability = availability
-        self.ec_subscriber: Any = None  # its encoder-cache EventStream, when configured
+        self.ec_stream: Any = None  # its encoder-cache EventStream, when configured
         # Set once P publishes a second KV cache group (hybrid attention): the view follows
         # block hashes, not groups, so it would over-estimate hits; it is then off, saying why.
         self.hybrid: str | None = None
@@ -76,7 +76,7 @@ class InstanceView:
             from ..events.ec_sink import EncoderCacheSink
             from ..events.stream import EventStream  # pyzmq: only where a view is asked
 
-            self.ec_subscriber = EventStream(
+            self.ec_stream = EventStream(
                 inst.ec_events,
                 inst.ec_replay,
                 sink=EncoderCacheSink(self.availability, instance=self.name),
@@ -88,7 +88,7 @@ class InstanceView:
         from ..events.kv_sink import KVIndexSink
         from ..events.stream import EventStream  # pyzmq: only where a view is asked
 
-        self.subscriber = EventStream(
+        self.stream = EventStream(
             inst.kv_events,
             inst.kv_replay,
             sink=KVIndexSink(self.index),
@@ -98,11 +98,11 @@ class InstanceView:
         ).start()
 
     def stop(self) -> None:
-        for sub in (self.subscriber, self.ec_subscriber):
+        for sub in (self.stream, self.ec_stream):
             if sub is not None:
                 sub.stop()
 
-    # ---- the subscriber thread ----------------------------------------------------------------
+    # ---- the event streams' threads -------------------------------------------------------------
 
     def _on_batch(self, batch: KVEventBatch) -> None:
         self._metrics.view_lag.labels(self.name).set(max(0.0, time.time() - batch.ts))
@@ -152,11 +152,11 @@ class InstanceView:
         out = []
         if self.instance.kv_events is None:
             out.append("no KV events endpoint")
-        elif self.subscriber is None or not self.subscriber.is_alive:
-            err = getattr(self.subscriber, "error", None)
+        elif self.stream is None or not self.stream.is_alive:
+            err = getattr(self.stream, "error", None)
             out.append(f"KV-event subscriber not running{f': {err}' if err else ''}")
         if self.instance.ec_events is not None and (
-            self.ec_subscriber is None or not self.ec_subscriber.is_alive
+            self.ec_stream is None or not self.ec_stream.is_alive
         ):
             out.append("encoder-cache event subscriber not running")
         if self.check is not None and not self.check.status.ok:
@@ -173,7 +173,7 @@ class InstanceView:
         events, and the encoder-cache events when followed): a late join or a gap the replay
         could not fill leaves it missing what was stored before, which is never published
         again, so a miss in it is unknown rather than a miss at P."""
-        kv, ec = self.subscriber, self.ec_subscriber
+        kv, ec = self.stream, self.ec_stream
         return (
             kv is not None
             and bool(getattr(kv, "complete", False))
@@ -185,7 +185,7 @@ class InstanceView:
         """What an operator is told while the view is not complete."""
         which = [
             name
-            for name, sub in (("KV", self.subscriber), ("encoder-cache", self.ec_subscriber))
+            for name, sub in (("KV", self.stream), ("encoder-cache", self.ec_stream))
             if sub is not None and not sub.complete
         ]
         return (
@@ -201,8 +201,8 @@ class InstanceView:
     def usable(self) -> bool:
         return (
             self.hasher is not None
-            and self.subscriber is not None
-            and self.subscriber.is_alive
+            and self.stream is not None
+            and self.stream.is_alive
             and self.check is not None
             and self.check.status.ok
             and self.hybrid is None
@@ -272,7 +272,7 @@ class EncoderView:
         self.name, self.instance = name, instance
         self.availability = availability
         self._metrics = metrics
-        self.subscriber: Any = None  # its encoder-cache EventStream once started
+        self.stream: Any = None  # its encoder-cache EventStream once started
 
     def start(self) -> None:
         from ..events.ec_sink import EncoderCacheSink
@@ -280,7 +280,7 @@ class EncoderView:
 
         inst = self.instance
         assert inst.ec_events is not None, "an E view follows E's encoder-cache events"
-        self.subscriber = EventStream(
+        self.stream = EventStream(
             inst.ec_events,
             inst.ec_replay,
             sink=EncoderCacheSink(self.availability, instance=self.name, side="e"),
@@ -289,16 +289,16 @@ class EncoderView:
         ).start()
 
     def stop(self) -> None:
-        if self.subscriber is not None:
-            self.subscriber.stop()
+        if self.stream is not None:
+            self.stream.stop()
 
     @property
     def complete(self) -> bool:
-        return bool(getattr(self.subscriber, "complete", False))
+        return bool(getattr(self.stream, "complete", False))
 
     @property
     def problems(self) -> list[str]:
-        sub = self.subscriber
+        sub = self.stream
         if sub is None or not sub.is_alive:
             err = getattr(sub, "error", None)
             return [f"encoder-cache event subscriber not running{f': {err}' if err else ''}"]

@@ -455,7 +455,7 @@ PAIR = chat(TEXT, img(A), img(B))
 async def _joined(s) -> None:
     """Until the view's subscriber receives live batches (the slow joiner: with a buffer of 2,
     a batch published before it connects may be lost for good)."""
-    sub = s.proxy.views[0].subscriber
+    sub = s.proxy.views[0].stream
     await s.publish(0, [], lambda: sub.applied_seq is not None)
 
 
