@@ -61,6 +61,7 @@ Imports vLLM: load it only inside vLLM.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import time
@@ -89,7 +90,7 @@ from ..embedding_store import (
 )
 from ..errors import InvalidArgument
 from ..hashing.schemes import vllm_version_key
-from ..validate import check_bool, check_float, check_int, check_str, fail_type
+from ..validate import check_bool, check_float, check_int, check_str, fail_type, fail_value, show
 from .vllm_versions import ALLOW_ENV, allowed_by_env, public_version, unverified_message
 
 __all__ = [
@@ -104,6 +105,19 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 _FIELD = "ec_transfer_config.ec_connector_extra_config"
 _MOONCAKE_KEYS = ("master_server_address", "metadata_server")
+# Every key the Mooncake client's own dict may hold: it is the connector's alone, so any other
+# key there is a mistake.
+_MOONCAKE_SETTINGS = frozenset(
+    {*_MOONCAKE_KEYS, "protocol", "device_name", "global_segment_size", "local_buffer_size",
+     "local_hostname"}
+)  # fmt: skip
+# The connector's keys beside it in ec_connector_extra_config. vLLM and other components read
+# keys of their own from the same dict (e.g. embedding_model_identity), so an unknown key there
+# is refused only where it is one edit away from one of these: a mistyped setting of ours.
+_EXTRA_SETTINGS = (
+    "mooncake", "embedding_namespace", "embedding_width", "allow_unverified_vllm",
+    "store_timeout_s", "store_backoff_s", "namespace_cards",
+)  # fmt: skip
 
 # one client per (process, configuration, segment): the scheduler and the worker of one
 # process share it; a process mounts its segment once
@@ -178,9 +192,17 @@ class StoreSettings:
     def read(extra: Any) -> StoreSettings:
         if not isinstance(extra, dict):
             fail_type(_FIELD, "a dict", extra)
+        _refuse_mistyped(extra)
         mc = extra.get("mooncake")
         if not isinstance(mc, dict):
             fail_type(f"{_FIELD}['mooncake']", "a dict (the Mooncake client's settings)", mc)
+        unknown = sorted(str(k) for k in mc if k not in _MOONCAKE_SETTINGS)
+        if unknown:
+            fail_value(
+                f"{_FIELD}['mooncake'][{unknown[0]!r}]",
+                f"one of the Mooncake client's settings {sorted(_MOONCAKE_SETTINGS)}",
+                mc[unknown[0]],
+            )
         for key in _MOONCAKE_KEYS:
             check_str(f"{_FIELD}['mooncake'][{key!r}]", mc.get(key), nonempty=True)
         namespace = extra.get("embedding_namespace")
@@ -219,6 +241,20 @@ class StoreSettings:
             allow_unverified=allow,
             cards=check_bool(f"{_FIELD}['namespace_cards']", extra.get("namespace_cards", True)),
         )
+
+
+def _refuse_mistyped(extra: dict[Any, Any]) -> None:
+    """Refuse a key one edit away from one of the connector's settings (`store_timeout` for
+    `store_timeout_s`): left alone, it would be ignored and the default used in silence."""
+    for key in extra:
+        if not isinstance(key, str) or key in _EXTRA_SETTINGS:
+            continue
+        near = difflib.get_close_matches(key, _EXTRA_SETTINGS, n=1, cutoff=0.8)
+        if near:
+            raise InvalidArgument(
+                f"{_FIELD}[{key!r}] must be one of the Mooncake connector's settings (did you "
+                f"mean {near[0]!r}? they are {', '.join(_EXTRA_SETTINGS)}), got {show(extra[key])}"
+            )
 
 
 def _store_calls(settings: StoreSettings, segment: int) -> StoreCalls:

@@ -207,6 +207,10 @@ bad = {
     "['embedding_width']": {"embedding_width": "wide"},
     "['allow_unverified_vllm']": {"allow_unverified_vllm": "yes"},
     "['namespace_cards']": {"namespace_cards": "no"},
+    # a key of the client's own dict that it does not have; one of ours, mistyped (vLLM's own
+    # keys beside them, as embedding_model_identity in every config here, stay accepted)
+    "['mooncake']['local_hostnme']": {"mooncake": {**MC, "local_hostnme": "h"}},
+    "['store_timeout']": {"store_timeout": 5},
 }
 out["malformed"] = {
     key: raised(lambda: Connector(v2.config(model, "ec_both", extra), WORKER))
@@ -316,6 +320,8 @@ MALFORMED = [
     "['embedding_width']",
     "['allow_unverified_vllm']",
     "['namespace_cards']",
+    "['mooncake']['local_hostnme']",
+    "['store_timeout']",
 ]
 
 
