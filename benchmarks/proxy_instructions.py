@@ -5,7 +5,7 @@ vLLM's reference proxy in the same run.
 It starts the instant stub backends (1 E, 1 PD; `stub_backends.py`) once, then for each target in
 turn runs it under callgrind: `mmreuse proxy --policy eager` of each tree (that tree's package, by
 PYTHONPATH), and with `--reference` vLLM's `disagg_epd_proxy.py` (fetched by
-`mmreuse.proxy.reference`, run by `--reference-python`), as shipped and with its INFO logging off
+`mmreuse.cluster.reference`, run by `--reference-python`), as shipped and with its INFO logging off
 (`reference-nolog`, as `proxy_overhead.py` runs it). Each gets the same flags
 (`--prefill-servers-urls none --decode-retries 1`, as `proxy_overhead.py`), warm-up requests one
 at a time, zeroed counters, `--requests` more, a dump, and the instructions divided by the
