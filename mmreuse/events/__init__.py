@@ -22,6 +22,7 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
+    from .ec_sink import EncoderCacheSink
     from .kv_sink import KVIndexSink
     from .stream import END_SEQ, EventSink, EventStream, StreamDied, StreamLimits
 
@@ -32,11 +33,12 @@ _LAZY = {
     "StreamDied": "stream",
     "StreamLimits": "stream",
     "KVIndexSink": "kv_sink",
+    "EncoderCacheSink": "ec_sink",
 }
 
 
 def __getattr__(name: str) -> object:
-    """The stream and its KV sink load on first use: they need pyzmq (`mmreuse[events]`), the
+    """The stream and its sinks load on first use: they need pyzmq (`mmreuse[events]`), the
     wire format and the index do not."""
     if name in _LAZY:
         import importlib
@@ -54,6 +56,7 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "EncoderCacheSink",
     "EventSink",
     "EventStream",
     "HashCheckStatus",

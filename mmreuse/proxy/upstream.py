@@ -29,9 +29,8 @@ import httptools
 import yarl
 
 # Unread body bytes above which a connection stops reading (a stream forwarded to a slow
-# client), and below which it reads again.
+# client); the next read takes every unread byte and reads again.
 HIGH_WATER = 1 << 20
-LOW_WATER = 1 << 18
 MAX_HEAD = 1 << 16  # status line and headers: an answer with more is refused
 _SMALL_BODY = 1 << 14  # joined with the head into one write below this; two writes above
 
@@ -146,6 +145,10 @@ class UpstreamResponse:
             return
         conn.response = None
         if self._done and self._reusable and self._error is None:
+            if self._paused:  # the answer ended while its reader lagged: the socket reads again
+                self._paused = False
+                if conn.transport is not None:
+                    conn.transport.resume_reading()
             conn.pool.put(conn)
         else:
             conn.close()
@@ -262,11 +265,11 @@ class UpstreamResponse:
         self._wake()
 
     def ended(self, exc: BaseException | None) -> None:
-        """The connection closed (or half-closed): the end of an until-close body, an error
-        otherwise."""
+        """The connection closed (or half-closed): the end of an until-close body when it closed
+        cleanly, an error otherwise (a reset: nothing says the body was whole)."""
         if self._done or self._error is not None:
             return
-        if self._head.done() and self._until_close:
+        if self._head.done() and self._until_close and exc is None:
             self._reusable = False
             self._done = True
             self._wake()

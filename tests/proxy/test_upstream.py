@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
+import struct
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
@@ -13,15 +15,12 @@ import yarl
 
 from mmreuse.proxy import upstream as upstream_mod
 from mmreuse.proxy.upstream import Upstream
-from tests.support.waiting import WAIT_S
+from tests.support.waiting import WAIT_S, async_wait_for
 
 
 async def wait_for(cond: Callable[[], object]) -> None:
     """Until `cond()` holds (a hang guard, not a timing check)."""
-    end = asyncio.get_running_loop().time() + WAIT_S
-    while not cond():
-        assert asyncio.get_running_loop().time() < end, "the condition never held"
-        await asyncio.sleep(0.01)
+    assert await async_wait_for(cond), "the condition never held"
 
 
 Reply = Callable[[bytes], list[bytes]]  # request bytes -> the chunks to write back
@@ -252,7 +251,6 @@ async def test_a_cancelled_request_closes_its_connection():
 
 async def test_a_slow_reader_pauses_the_backend(monkeypatch):
     monkeypatch.setattr(upstream_mod, "HIGH_WATER", 1000)
-    monkeypatch.setattr(upstream_mod, "LOW_WATER", 10)
     big = b"y" * 100_000
     wire = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big
     async with server(fixed(wire)) as (url, _seen):
@@ -267,6 +265,57 @@ async def test_a_slow_reader_pauses_the_backend(monkeypatch):
         finally:
             resp.release()
         await up.close()
+
+
+async def test_an_answer_that_ended_while_its_reader_lagged_is_pooled_reading(monkeypatch):
+    # The whole answer arrived while reading was paused (more unread than HIGH_WATER) and the
+    # caller let go of it unread (a streaming client that left): the pooled connection must read
+    # again, or the next request on it waits for an answer it never reads.
+    monkeypatch.setattr(upstream_mod, "HIGH_WATER", 1000)
+    body = b"z" * 5000
+    wire = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    async with server(fixed(wire)) as (url, seen):
+        up = Upstream(2.0)
+        resp = await up.post(yarl.URL(url), b"{}", {})
+        await wait_for(lambda: resp._done)
+        assert resp._paused
+        resp.release()  # unread
+        again = await asyncio.wait_for(up.post(yarl.URL(url), b"{}", {}), WAIT_S)
+        try:
+            assert await asyncio.wait_for(again.read(), WAIT_S) == body
+        finally:
+            again.release()
+        assert seen["connections"] == 1  # the same connection, reused
+        await up.close()
+
+
+async def test_an_answer_until_close_cut_by_a_reset_is_not_whole():
+    # No length, no chunking: the body ends when the connection does. A clean close ends it;
+    # a reset says nothing of what was lost, so the body is refused.
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\npartial")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # under test: the body's first bytes are read before the reset
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # an RST, not a FIN
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    up = Upstream(2.0)
+    try:
+        resp = await up.post(yarl.URL(f"http://127.0.0.1:{port}/x"), b"{}", {})
+        try:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(resp.read(), WAIT_S)
+        finally:
+            resp.release()
+        assert not up._idle  # never pooled
+    finally:
+        await up.close()
+        srv.close()
+        await srv.wait_closed()
 
 
 def test_settings_are_checked():
