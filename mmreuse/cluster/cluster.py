@@ -360,14 +360,23 @@ class Cluster:
             if self.store is not None
             else []
         )
+        # A PD without one: an empty slot; a flag no PD has an endpoint for is left out (the
+        # proxy refuses one with every slot empty).
+        optional = [
+            (flag, ",".join(ep or "" for ep in eps))
+            for flag, eps in (
+                ("--encoder-cache-events-endpoints", [s.ec_events_endpoint for s in ps]),
+                ("--encoder-cache-events-replay-endpoints", [s.ec_replay_endpoint for s in ps]),
+                ("--demand-endpoints", [s.demand_endpoint for s in ps]),
+            )
+            if any(eps)
+        ]
         return [
             "--encode-servers-urls", ",".join(s.url for s in es),
             "--decode-servers-urls", ",".join(s.url for s in ps),
             "--kv-events-endpoints", ",".join(str(s.kv_events_endpoint) for s in ps),
             "--kv-events-replay-endpoints", ",".join(str(s.replay_endpoint) for s in ps),
-            "--encoder-cache-events-endpoints", ",".join(s.ec_events_endpoint or "" for s in ps),
-            "--encoder-cache-events-replay-endpoints", ",".join(s.ec_replay_endpoint or "" for s in ps),
-            "--demand-endpoints", ",".join(s.demand_endpoint or "" for s in ps),
+            *(arg for pair in optional for arg in pair),
             "--hash-algo", "sha256",
             "--hash-seed", SERVER_ENV["PYTHONHASHSEED"],
             "--block-size", str(BLOCK_SIZE),

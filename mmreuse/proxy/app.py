@@ -32,7 +32,7 @@ from ..availability import EmbeddingAvailability
 from ..decision import Policy
 from ..demand_query import DEMAND_ID_KEY  # P reads it from vllm_xargs
 from .config import ProxyConfig, UuidPolicy
-from .content import MediaFetcher, name_by_content
+from .content import MediaFetcher, MediaLimits, name_by_content
 from .demand import DemandClient
 from .encoder import EMPTY, EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
 from .errors import ProxyError
@@ -109,7 +109,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.upstream: Upstream | None = None  # E's, P's and D's POSTs (the rest: session)
         self.media_session: aiohttp.ClientSession | None = None  # --uuid-policy content's
-        self.media = MediaFetcher(config.media, self._fetch_media)
+        self.media = MediaFetcher(config.media or MediaLimits(), self._fetch_media)
         self.availability = EmbeddingAvailability(
             ttl_s=config.e_cache_ttl_s, max_entries=config.e_cache_items, metrics=self.metrics.views
         )
@@ -204,7 +204,7 @@ class Proxy:
         if self.config.uuid_policy == UuidPolicy.CONTENT:
             from .content import media_session  # no cookies; only checked addresses
 
-            self.media_session = media_session(self.config.media)
+            self.media_session = media_session(self.media.limits)
         views: list[InstanceView | EncoderView] = [*self.views, *self.e_views]
         for view in views:
             await asyncio.to_thread(view.start)

@@ -5,7 +5,9 @@ Every rule is checked once, by the records (`ProxyConfig`, `PrefillInstance`, `E
 so a configuration built in code is held to the same rules as one from flags. A broken rule
 raises `ConfigError`, whose message names fields; the parser only maps flags to fields (the
 tables below, one per section: serving, media, the reference's own, planning, views, store) and
-reports a record's error naming the flags instead (`FLAGS`, field -> flag)."""
+reports a record's error naming the flags instead (`FLAGS`, field -> flag). It refuses itself
+only what the records cannot see: a flag's entries that do not align with the URLs or are all
+empty, and a blank `--allowed-media-domains` entry (shown as written)."""
 
 from __future__ import annotations
 
@@ -120,12 +122,12 @@ def _field_name(key: str) -> str:
     return out.lstrip(".")
 
 
-def _flag_name(key: str) -> str:
-    """A field path as the CLI reads it: its flag (FLAGS), with `: entry i` for one instance's
-    slot in an aligned flag; the field's own name where it has no flag."""
+def _flag_name(key: str, flags: Mapping[str, str] = FLAGS) -> str:
+    """A field path as the CLI reads it: its flag (`flags`), with `: entry i` for one
+    instance's slot in an aligned flag; the field's own name where it has no flag."""
     parts = key.split("/")
     name = ".".join(_RECORDS.get(p, p) for p in parts if p != "*" and not p.isdigit())
-    flag = FLAGS.get(name)
+    flag = flags.get(name)
     if flag is None:
         return _field_name(key)
     index = [p for p in parts if p.isdigit()]
@@ -152,15 +154,17 @@ class ConfigError(InvalidArgument):
         self.template, self.values = template, values
         super().__init__(template.format_map(_Names(_field_name, values)))
 
-    def in_flags(self) -> str:
-        return self.template.format_map(_Names(_flag_name, self.values))
+    def in_flags(self, flags: Mapping[str, str] = FLAGS) -> str:
+        """The message naming each field by its flag in `flags` (FLAGS, or the CLI's own view
+        of which flag set a field: `media` is the media flag given)."""
+        return self.template.format_map(_Names(lambda key: _flag_name(key, flags), self.values))
 
 
-def in_flags(error: InvalidArgument) -> str:
+def in_flags(error: InvalidArgument, flags: Mapping[str, str] = FLAGS) -> str:
     """`error`'s message naming the CLI's flags: a ConfigError's own, and MediaLimits'
     (`MediaLimits.max_item_bytes must be >= 1, got 0`) as `--media-max-bytes=0 must be >= 1`."""
     if isinstance(error, ConfigError):
-        return error.in_flags()
+        return error.in_flags(flags)
 
     def media(m: re.Match[str]) -> str:
         flag = FLAGS.get(f"media.{m[1]}")
@@ -291,7 +295,9 @@ class ProxyConfig:
     decode_retries: int = 1
     no_rewrite: bool = False
     uuid_policy: UuidPolicy = UuidPolicy.REFERENCE  # --uuid-policy: how items are named for E and P
-    media: MediaLimits = field(default_factory=MediaLimits)  # what --uuid-policy content fetches
+    # What --uuid-policy content fetches. None: not set, MediaLimits' defaults under content; under
+    # another policy nothing is fetched, and limits set anyway (even to the defaults) are refused.
+    media: MediaLimits | None = None
     log_requests: bool = False
     encoder_max_batch_size: int = 0
     policy: Policy = Policy.EAGER
@@ -470,19 +476,22 @@ class ProxyConfig:
             raise ConfigError("{block_size}={v!r} must be an int >= 1", v=self.block_size)
 
     def _check_media(self) -> None:
-        """What --uuid-policy content fetches: bounds set under another policy do nothing."""
+        """What --uuid-policy content fetches (its defaults where not set): bounds set under
+        another policy do nothing, whatever their values, so they are refused."""
         media = self.media
-        if not isinstance(media, MediaLimits):
-            raise ConfigError("{media} must be a MediaLimits, got {v!r}", v=media)
+        if media is not None and not isinstance(media, MediaLimits):
+            raise ConfigError("{media} must be a MediaLimits or None, got {v!r}", v=media)
         if self.uuid_policy != UuidPolicy.CONTENT:
-            default = MediaLimits()
-            for f in dataclasses.fields(media):
-                if getattr(media, f.name) != getattr(default, f.name):
-                    raise ConfigError(
-                        f"{{media/{f.name}}} bounds what {{uuid_policy}} content fetches: it "
-                        "does nothing under {uuid_policy} {p}",
-                        p=self.uuid_policy.value,
-                    )
+            if media is not None:
+                raise ConfigError(
+                    "{media} bounds what {uuid_policy} content fetches: it does nothing under "
+                    "{uuid_policy} {p}",
+                    p=self.uuid_policy.value,
+                )
+            return
+        if media is None:
+            media = MediaLimits()
+            object.__setattr__(self, "media", media)
         domains = media.allowed_domains
         if domains is not None and any("/" in d or ":" in d for d in domains):
             raise ConfigError(
@@ -930,6 +939,10 @@ _STORE: tuple[_Flag, ...] = (
         },
     ),
 )
+# The media flags, and the MediaLimits field each sets (FLAGS' `media.*`).
+_MEDIA_FIELDS = {
+    flag: key.removeprefix("media.") for key, flag in FLAGS.items() if key.startswith("media.")
+}
 # The flags aligned with the instances that prefill, and the PrefillInstance field each fills.
 _ALIGNED = {
     "--kv-events-endpoints": "kv_events",
@@ -991,7 +1004,8 @@ def parse_args(
     try:
         return config_from_args(args, env)
     except InvalidArgument as e:
-        _fail(parser, in_flags(e))
+        given = [flag for flag in _MEDIA_FIELDS if getattr(args, _flag_dest(flag)) is not None]
+        _fail(parser, in_flags(e, {**FLAGS, "media": given[0]} if given else FLAGS))
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -1027,6 +1041,18 @@ def _slots(
     return slots
 
 
+def _check_some_slot_set(args: argparse.Namespace, flags: Mapping[str, str], which: str) -> None:
+    """An aligned flag given with every slot empty (`,`) is refused: it reads as no endpoint
+    at all, which leaving the flag out says; the records see only the empty slots."""
+    for flag in flags:
+        value = getattr(args, _flag_dest(flag))
+        if value is not None and not any(_aligned(value)):
+            raise InvalidArgument(
+                f"{flag}: {value!r} has no endpoint in any entry: give at least one (aligned "
+                f"with {which}), or leave the flag out"
+            )
+
+
 def _env_number(env: Mapping[str, str], name: str, default: str, kind: type) -> Any:
     raw = env.get(name, default)
     try:
@@ -1036,21 +1062,28 @@ def _env_number(env: Mapping[str, str], name: str, default: str, kind: type) -> 
         raise InvalidArgument(f"{name}={raw!r} is not {what}") from None
 
 
-def _media(args: argparse.Namespace) -> MediaLimits:
-    """MediaLimits from the media flags given (the others: MediaLimits' defaults)."""
-    given: dict[str, Any] = {
-        "max_item_bytes": args.media_max_bytes,
-        "timeout_s": args.media_fetch_timeout,
-        "request_timeout_s": args.media_request_timeout,
-        "max_redirects": args.media_max_redirects,
+def _media(args: argparse.Namespace) -> MediaLimits | None:
+    """MediaLimits from the media flags given (the others: MediaLimits' defaults); None where
+    none is given, so that the record tells a flag given (refused under a policy that does not
+    fetch, whatever its value) from one left out."""
+    given = {
+        name: getattr(args, _flag_dest(flag))
+        for flag, name in _MEDIA_FIELDS.items()
+        if getattr(args, _flag_dest(flag)) is not None
     }
-    if args.allow_private_media_networks is not None:
-        given["private_networks"] = parse_networks(
-            "--allow-private-media-networks", args.allow_private_media_networks
-        )
-    if args.allowed_media_domains is not None:
-        given["allowed_domains"] = frozenset(d.strip().lower() for d in args.allowed_media_domains)
-    return MediaLimits(**{k: v for k, v in given.items() if v is not None})
+    if not given:
+        return None
+    if "private_networks" in given:
+        nets = given["private_networks"]
+        given["private_networks"] = parse_networks("--allow-private-media-networks", nets)
+    if "allowed_domains" in given:
+        domains = given["allowed_domains"]
+        if not all(d.strip() for d in domains):  # as the user wrote them, not MediaLimits' view
+            raise InvalidArgument(
+                f"--allowed-media-domains: {domains!r} must be host names (no scheme, port or path)"
+            )
+        given["allowed_domains"] = frozenset(d.strip().lower() for d in domains)
+    return MediaLimits(**given)
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyConfig:
@@ -1070,7 +1103,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
     which = "--prefill-servers-urls" if prefill else "--decode-servers-urls"
     slots = _slots(args, _ALIGNED, urls, which)
     e_slots = _slots(args, _E_ALIGNED, e_urls, "--encode-servers-urls")
-    return ProxyConfig(
+    config = ProxyConfig(
         encode_urls=e_urls,
         decode_urls=d_urls,
         prefill_urls=prefill,
@@ -1106,3 +1139,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         backend_keep_alive_s=_env_number(env, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5", float),
         api_key=env.get("OPENAI_API_KEY", ""),
     )
+    # After the records: where they refuse an empty slot (a policy that asks every P/PD) they
+    # name it; what is left is a flag that names nothing.
+    _check_some_slot_set(args, _ALIGNED, which)
+    _check_some_slot_set(args, _E_ALIGNED, "--encode-servers-urls")
+    return config

@@ -514,3 +514,69 @@ def test_the_environment_is_read_into_the_config():
 def test_a_bad_keep_alive_is_refused(capsys, value):
     err = usage_error(capsys, BASE, env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": value})
     assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" in err
+
+
+# ---- refusals the argparse layer made, kept now that the records check -----------------------
+
+P2 = ["--encode-servers-urls", E, "--decode-servers-urls", PD]
+P2 += ["--prefill-servers-urls", "http://p0:1,http://p1:2"]
+CONTENT = ["--uuid-policy", "content"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        # A media flag under a policy that fetches nothing, at its default value too.
+        *(
+            ([*BASE, "--uuid-policy", policy, flag, value],
+             f"{flag} bounds what --uuid-policy content fetches: it does nothing under "
+             f"--uuid-policy {policy}")
+            for policy in ("reference", "tenant")
+            for flag, value in (
+                ("--media-max-bytes", "33554432"), ("--media-fetch-timeout", "5"),
+                ("--media-request-timeout", "30"), ("--media-max-redirects", "5"),
+                ("--allowed-media-domains", "a.com"),
+                ("--allow-private-media-networks", "10.0.0.0/8"),
+            )
+        ),
+        # An aligned flag given with every slot empty: no endpoint at all, not a choice.
+        *(
+            ([*E2, flag, ","], f"{flag}: ',' has no endpoint in any entry")
+            for flag in (
+                "--e-cache-events-endpoints", "--e-cache-events-replay-endpoints",
+                "--e-snapshot-endpoints",
+            )
+        ),
+        *(([*P2, flag, ","], f"{flag}: ',' has no endpoint in any entry") for flag in ALIGNED),
+        ([*BASE, "--kv-events-endpoints", ""], "--kv-events-endpoints: '' has no endpoint"),
+        (
+            [*E2, "--e-cache-events-endpoints", "tcp://e0:5,tcp://e1:6", "--e-snapshot-endpoints", ","],
+            "--e-snapshot-endpoints: ',' has no endpoint in any entry: give at least one "
+            "(aligned with --encode-servers-urls), or leave the flag out",
+        ),
+        # Empty or blank media domains: named by the flag, as the user wrote them.
+        ([*BASE, *CONTENT, "--allowed-media-domains", ""],
+         "--allowed-media-domains: [''] must be host names (no scheme, port or path)"),
+        ([*BASE, *CONTENT, "--allowed-media-domains", "a.com", " "],
+         "--allowed-media-domains: ['a.com', ' '] must be host names (no scheme, port or path)"),
+    ],
+)  # fmt: skip
+def test_a_refusal_of_the_flags_is_kept(capsys, argv, words):
+    assert words in usage_error(capsys, argv)
+
+
+def test_media_limits_are_content_only_in_code_too():
+    from mmreuse.proxy.content import MediaLimits
+
+    base = {"encode_urls": (E,), "decode_urls": (PD,)}
+    assert ProxyConfig(**base).media is None  # nothing fetched, nothing to bound
+    content = ProxyConfig(**base, uuid_policy="content")
+    assert content.media == MediaLimits()  # the record's defaults apply under content
+    assert dataclasses.replace(content, seed=1).media == MediaLimits()
+    assert dataclasses.replace(ProxyConfig(**base), seed=1).media is None
+    with pytest.raises(InvalidArgument, match=r"^media bounds what uuid_policy content fetches"):
+        ProxyConfig(**base, media=MediaLimits())  # set, even to the defaults: refused
+    with pytest.raises(InvalidArgument, match="under uuid_policy tenant"):
+        ProxyConfig(**base, uuid_policy="tenant", media=MediaLimits(max_redirects=0))
+    assert parse_args(BASE, env={}).media is None
+    assert parse_args([*BASE, *CONTENT], env={}).media == MediaLimits()

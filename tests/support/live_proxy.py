@@ -32,6 +32,9 @@ def proxy_args(cluster, prefills):
         ):
             parts = value.split(",")
             value = ",".join(parts[k] for k in keep)
+            if not any(parts[k].strip() for k in keep):  # none kept has one: the flag left out
+                i += 2
+                continue
         out += [flag, value]
         i += 2
     return out
