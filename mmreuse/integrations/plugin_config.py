@@ -15,7 +15,9 @@ does a value of the wrong type, with an error naming the key and the value):
   `encoder_cache_events_topic` (str, "ec"): where `EventfulEncoderCacheManager` publishes its
   events (absent endpoint: it publishes nothing).
 - `encoder_cache_snapshot_endpoint` (str): where `EventfulEncoderCacheManager` itself answers
-  `ECSnapshotQuery` (E, which runs no scheduler plug-in; needs the events endpoint).
+  `ECSnapshotQuery` (E, which needs no scheduler plug-in; needs the events endpoint). With
+  `demand_endpoint` too (a cluster's E keeps admission records), both endpoints answer it, from
+  the same held snapshots (thread-safe, one rate limit: `integrations.snapshots`).
 - `allow_unverified_vllm` (bool, false; `mmreuse.integrations.vllm_versions`): on a vLLM it was
   not verified with, DemandScheduler starts instead of refusing, and EventfulEncoderCacheManager
   publishes its events instead of leaving P to vLLM's own manager; warned either way.
@@ -60,6 +62,14 @@ class PluginSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
                 f"{_FIELD}['encoder_cache_events_endpoint'] (a snapshot is stamped with the "
                 f"events published), got {show(self.encoder_cache_snapshot_endpoint)} without it"
             )
+        bound = [(key, getattr(self, key)) for key in _ENDPOINTS if getattr(self, key)]
+        for i, (key, endpoint) in enumerate(bound):  # one socket each: the second bind fails
+            for other, again in bound[i + 1 :]:
+                if again == endpoint:
+                    raise InvalidArgument(
+                        f"{_FIELD}[{key!r}] and {_FIELD}[{other!r}] must differ (each binds a "
+                        f"socket of its own), got {show(endpoint)} for both"
+                    )
 
 
 _ENDPOINTS = (

@@ -9,11 +9,18 @@ endpoint it behaves as vLLM's and publishes nothing; the settings: `plugin_confi
 vLLM: load it only inside vLLM.
 
 Snapshots. `snapshot()` is the cache as its events describe it, stamped with the batch it is
-true as of; `snapshots` serves it in chunks (`ECSnapshotQuery`), through P's demand endpoint
-(`DemandScheduler`) or, with `"encoder_cache_snapshot_endpoint"`, on the manager's own ROUTER
-(E, which runs no scheduler plug-in). Every method that changes the cache, and `snapshot()`,
-holds the manager's lock: a snapshot sees the cache between two of vLLM's calls, with every
-event recorded so far published, never in the middle of one.
+true as of; `snapshots` (`integrations.snapshots.ECSnapshots`) serves it in chunks
+(`ECSnapshotQuery`), through a `DemandScheduler`'s demand endpoint or, with
+`"encoder_cache_snapshot_endpoint"`, on the manager's own ROUTER (E, which needs no scheduler
+plug-in); both may be set (a cluster's E keeps admission records): the two answer threads share
+the same held snapshots and rate limit. Every method that changes the cache, and `snapshot()`,
+holds the manager's lock, and `snapshot()` first publishes what is pending: a snapshot sees
+the cache between two of the manager's calls, never in the middle of one, and is true as of
+the last batch published (`stamp - 1`). It is not taken under the scheduler's lock, so it may
+land inside a scheduler step (say between `can_allocate`'s eviction and `allocate`): that
+step's events then come in two batches, each the truth as of its seq, so the snapshot plus the
+batches from its stamp is the cache exactly, and a view bootstrapped from it never holds what
+the cache removed (tools/oracle/ec_events_check.py takes snapshots at such points).
 
 Each vLLM method runs first, as it is; the subclass then records what it changed, from facts
 it read before and after (O(1) per call, O(evicted) for an eviction). Events are flushed once
@@ -48,9 +55,9 @@ from ..events.ec_wire import (
     EncoderCacheReferenced,
     EncoderCacheStored,
 )
-from .demand.server import ControlServer, id_of
-from .demand.snapshots import ECSnapshots
+from .control import ControlServer, id_of
 from .plugin_config import PluginSettings, read_config
+from .snapshots import ECSnapshots
 from .vllm_versions import check_running_encoder_cache
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
@@ -125,7 +132,7 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
         self.published = 0  # batches handed to the publisher: the seq of the next one
         # held by every method that changes the cache, and by snapshot(): see the module doc
         self._lock = threading.RLock()
-        self.snapshots = ECSnapshots(self.snapshot)
+        self.snapshots = ECSnapshots(self.snapshot, self._settled, self._lock)
         self._server: ControlServer | None = None
 
     # ---- vLLM's methods, then what they changed (holding the lock) -----------------------------
@@ -218,6 +225,12 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
             held = [(h, n, False) for h, n in self.num_embeds_by_hash.items() if h not in freeable]
             held += [(h, self.num_embeds_by_hash.get(h, n), True) for h, n in freeable.items()]
             return self.published, held
+
+    def _settled(self) -> int | None:
+        """The stamp `snapshot()` would give now, or None while events are pending (the cache
+        changed since the last batch)."""
+        with self._lock:
+            return None if self._pending else self.published
 
     # ---- the snapshot endpoint (E) ------------------------------------------------------------
 

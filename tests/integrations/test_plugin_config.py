@@ -69,6 +69,33 @@ def test_endpoints_are_non_empty_and_a_snapshot_endpoint_needs_the_events():
     assert read_config(both).encoder_cache_snapshot_endpoint == "tcp://*:2"
 
 
+def test_a_process_may_answer_ec_snapshots_on_both_endpoints_but_not_one_port_twice():
+    """A demand endpoint and an encoder-cache snapshot endpoint together (a cluster's E: its
+    admission records, its snapshots) are allowed: both answer ECSnapshotQuery from the same
+    thread-safe snapshots (tests/integrations/test_snapshots.py). Two keys naming one endpoint
+    are refused, naming both."""
+    ours = {
+        "demand_endpoint": "tcp://*:7000",
+        "encoder_cache_events_endpoint": "tcp://*:7001",
+        "encoder_cache_snapshot_endpoint": "tcp://*:7002",
+    }
+    got = read_config(SimpleNamespace(additional_config={CONFIG_KEY: ours}))
+    assert (got.demand_endpoint, got.encoder_cache_snapshot_endpoint) == (
+        "tcp://*:7000",
+        "tcp://*:7002",
+    )
+    same = {**ours, "encoder_cache_snapshot_endpoint": "tcp://*:7000"}
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^additional_config\['mmreuse'\]\['demand_endpoint'\] and "
+        r"additional_config\['mmreuse'\]\['encoder_cache_snapshot_endpoint'\] must differ "
+        r".*got 'tcp://\*:7000' for both",
+    ):
+        read_config(SimpleNamespace(additional_config={CONFIG_KEY: same}))
+    with pytest.raises(InvalidArgument, match="must differ"):  # in code too
+        PluginSettings(encoder_cache_events_endpoint="tcp://*:1", encoder_cache_events_replay_endpoint="tcp://*:1")  # fmt: skip
+
+
 class _Hashable:
     """A platform's own additional_config (vLLM: `dict | SupportsHash`)."""
 

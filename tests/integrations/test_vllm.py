@@ -78,3 +78,12 @@ def test_no_import_cycle_in_integrations():
     # the parts of DemandScheduler (and the EC manager) never import it: only the facade does
     users = {m for m in graph if "mmreuse.integrations.demand.scheduler" in graph[m]}
     assert users == {"mmreuse.integrations.vllm"}, users
+    # the encoder cache's plug-in (E runs it without a scheduler plug-in) and the pieces both
+    # plug-ins share take nothing from DemandScheduler's parts
+    for name in (
+        "mmreuse.integrations.vllm_ec",
+        "mmreuse.integrations.control",
+        "mmreuse.integrations.snapshots",
+    ):
+        demand = {m for m in graph[name] if m.startswith("mmreuse.integrations.demand")}
+        assert not demand, (name, demand)

@@ -46,7 +46,7 @@ from mmreuse.demand_query import (
     decode_query,
     encode,
 )
-from mmreuse.integrations.demand.server import ControlServer
+from mmreuse.integrations.control import ControlServer
 from mmreuse.integrations.vllm import DemandScheduler
 
 _spec = importlib.util.spec_from_file_location(

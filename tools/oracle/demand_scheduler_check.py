@@ -62,7 +62,7 @@ from mmreuse.demand_query import (
     decode_answer,
     encode,
 )
-from mmreuse.integrations.demand.server import ControlServer
+from mmreuse.integrations.control import ControlServer
 from mmreuse.integrations.vllm import DemandScheduler
 
 BLOCK = 16

@@ -4,8 +4,9 @@ scheduler-like sequence of hits, allocations with evictions, frees and resets, w
 `Request`s; receive its events over vLLM's own ZMQ publisher; after every flush, the state the
 events describe must equal the manager's real one. Then a replay from seq 0 must rebuild it.
 At random points the manager's snapshot (`EventfulEncoderCacheManager.snapshot`, what
-DemandScheduler serves as an ECSnapshot) is taken: it plus every batch from its stamp on must
-equal the real state at the end, with the freeable entries in vLLM's eviction order.
+it serves as an ECSnapshot) is taken, some inside a step (between an eviction and the
+allocation it made room for): it plus every batch from its stamp on must equal the real state
+at the end, with the freeable entries in vLLM's eviction order.
 Prints one JSON line of counts."""
 
 from __future__ import annotations
@@ -77,6 +78,17 @@ def main(seed: int = 0, steps: int = 400) -> dict:
         if state != real_state(m):
             counts["mismatch"] += 1
 
+    def snapshot(mid_step: bool = False) -> None:
+        """What a late proxy bootstraps from. Mid-step: between `can_allocate`'s eviction and
+        `allocate` (the manager's lock is not the scheduler's), so the step's events come in
+        two batches."""
+        stamp, entries = m.snapshot()
+        boots.append((stamp, {h: [n, f] for h, n, f in entries}))
+        counts["snapshots"] += 1
+        counts["snapshots_mid_step"] += mid_step
+        counts["snapshot_order_mismatch"] += [h for h, _, f in entries if f] != list(m.freeable)
+
+    counts["snapshots_mid_step"] = 0
     for _ in range(steps):
         op = rng.random()
         if op < 0.4 or not live:  # a new request's items go through the scheduler's checks
@@ -94,6 +106,8 @@ def main(seed: int = 0, steps: int = 400) -> dict:
                 else:
                     n = len(m.freed)
                     if m.can_allocate(req, i, 10_000, scheduled):
+                        if len(m.freed) > n and rng.random() < 0.3:  # inside the step: see below
+                            snapshot(mid_step=True)
                         m.allocate(req, i)
                         scheduled += req.get_num_encoder_embeds(i)
                     counts["evictions"] += len(m.freed) - n
@@ -111,10 +125,7 @@ def main(seed: int = 0, steps: int = 400) -> dict:
         if rng.random() < 0.6:  # the next scheduler step
             m.get_freed_mm_hashes()
         if rng.random() < 0.1:  # a late proxy asks for the snapshot (what is pending, published)
-            stamp, entries = m.snapshot()
-            boots.append((stamp, {h: [n, f] for h, n, f in entries}))
-            counts["snapshots"] += 1
-            counts["snapshot_order_mismatch"] += [h for h, _, f in entries if f] != list(m.freeable)
+            snapshot()
         if not m._pending:  # everything recorded is published: the events must tell it all
             counts["flushes"] += 1
             drain(state != real_state(m))

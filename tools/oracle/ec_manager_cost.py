@@ -1,10 +1,13 @@
 """Run in a vLLM oracle venv (0.33.0, 0.34.0; PYTHONPATH = the mmreuse checkout): what
 EventfulEncoderCacheManager adds to vLLM's EncoderCacheManager per scheduler call, publisher
 attached (vLLM's ZmqEventPublisher on loopback, no subscriber): the same scripted sequence of
-hits, allocations with evictions, frees and per-step flushes through both; best of 7."""
+hits, allocations with evictions, frees and per-step flushes through both; best of 7. Also the
+plug-in with its lock replaced by a no-op (`mmreuse_unlocked`): what the RLock taken by every
+method costs (uncontended: no snapshot is asked meanwhile)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
@@ -54,14 +57,24 @@ def drive(m, reqs) -> tuple[float, int]:
     return time.perf_counter() - t0, calls
 
 
+def unlocked(m):
+    """The plug-in with a no-op in place of its lock (measuring only: never thread-safe)."""
+    m._lock = contextlib.nullcontext()
+    return m
+
+
 def main() -> dict:
     reqs = script()
-    cfg = SimpleNamespace(additional_config={"mmreuse": {"encoder_cache_events_endpoint": f"tcp://*:{port()}"}}, parallel_config=SimpleNamespace(data_parallel_rank=0))  # fmt: skip
+
+    def cfg() -> SimpleNamespace:  # a port of its own each time (a publisher's close lingers)
+        return SimpleNamespace(additional_config={"mmreuse": {"encoder_cache_events_endpoint": f"tcp://*:{port()}"}}, parallel_config=SimpleNamespace(data_parallel_rank=0))  # fmt: skip
+
     best = {}
     for _ in range(7):
         for name, make in (
             ("vllm", lambda: EncoderCacheManager(cache_size=160)),
-            ("mmreuse", lambda: EventfulEncoderCacheManager.create_manager(cache_size=160, vllm_config=cfg)),
+            ("mmreuse", lambda: EventfulEncoderCacheManager.create_manager(cache_size=160, vllm_config=cfg())),
+            ("mmreuse_unlocked", lambda: unlocked(EventfulEncoderCacheManager.create_manager(cache_size=160, vllm_config=cfg()))),
         ):  # fmt: skip
             m = make()
             for r in reqs:
@@ -78,6 +91,7 @@ def main() -> dict:
         "vllm_us_per_request": best["vllm"] / n * 1e6,
         "mmreuse_us_per_request": best["mmreuse"] / n * 1e6,
         "added_us_per_call": (best["mmreuse"] - best["vllm"]) / best["vllm_calls"] * 1e6,
+        "lock_us_per_call": (best["mmreuse"] - best["mmreuse_unlocked"]) / best["vllm_calls"] * 1e6,
     }
 
 

@@ -39,7 +39,7 @@ from mmreuse.demand_query import (
 from mmreuse.events import RemoteKVIndex
 from mmreuse.events.ec_wire import apply_ec_batch
 from mmreuse.events.wire import decode_batch
-from mmreuse.integrations.demand import snapshots
+from mmreuse.integrations import snapshots
 from mmreuse.integrations.vllm import DemandScheduler, EventfulEncoderCacheManager
 
 
@@ -190,6 +190,15 @@ def main(seed: int = 0, turns: int = 120) -> dict:
     # the manager's own endpoint answers encoder-cache snapshots only
     err = decode_answer(ecm.handle(encode(SnapshotQuery("kv"))))
     c["ec_endpoint_kv_error"] = getattr(err, "error", None)
+    # the encoder cache's snapshot is paced as P's, whichever endpoint asks: one taken now...
+    snapshots.SNAPSHOT_MIN_INTERVAL_S = 0.0
+    first = ec_snapshot(sched._answers.handle, "ec-limit-1")
+    snapshots.SNAPSHOT_MIN_INTERVAL_S = 1000.0
+    again = ec_snapshot(ecm.handle, "ec-limit-2")  # ...shared while nothing changed
+    c["ec_unchanged_shared"] = again == first
+    ecm.published += 1  # as if the manager had published a batch since
+    limited = decode_answer(ecm.handle(encode(ECSnapshotQuery("ec-limit-3"))))
+    c["ec_changed_limited"] = "one per" in getattr(limited, "error", "")
     return c
 
 

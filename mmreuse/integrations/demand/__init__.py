@@ -6,11 +6,11 @@
 - `answers`: demand answers (the `Request` a query makes, its hit, proof and trust), stats, and
   the proofs checked at admission;
 - `records`: admission records (what P did with every request);
-- `snapshots`: KV snapshots (P's prefix cache as of a KV-event batch) and encoder-cache
-  snapshot chunks;
-- `server`: the ZMQ ROUTER thread that answers frames (also the encoder cache's, on E);
+- `snapshots`: KV snapshots (P's prefix cache as of a KV-event batch);
 - `engine_state`: what P's engine holds, read from vLLM's objects (duck-typed, no vLLM import).
 
-The parts take the scheduler as a duck-typed `engine` and never import `scheduler`. Importing
-this package imports nothing of vLLM.
+What it shares with the encoder cache's plug-in lives beside it, not in it: the ROUTER thread
+(`integrations.control`) and held, paced snapshots with the encoder cache's chunks
+(`integrations.snapshots`). The parts take the scheduler as a duck-typed `engine` and never
+import `scheduler`. Importing this package imports nothing of vLLM.
 """

@@ -38,10 +38,10 @@ from ...demand_query import (
     max_query_bytes,
     occurrences_of,
 )
+from ..control import id_of
 from .engine_state import plan_at
 from .index_feed import IndexFeed
 from .records import demand_id_of
-from .server import id_of
 
 if TYPE_CHECKING:
     from .records import AdmissionLog

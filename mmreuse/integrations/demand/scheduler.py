@@ -31,11 +31,11 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ..control import ControlServer
 from ..plugin_config import read_config
 from .answers import Answers
 from .index_feed import SYNC_INDEX_AFTER, IndexFeed
 from .records import AdmissionLog
-from .server import ControlServer
 from .snapshots import KVSnapshots
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log

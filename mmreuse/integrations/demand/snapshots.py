@@ -1,8 +1,7 @@
-"""Snapshots a late proxy bootstraps from: P's prefix cache (`KVSnapshots`, served by
-`DemandScheduler`) and an encoder cache (`ECSnapshots`, served by `EventfulEncoderCacheManager`
-on its own endpoint, or through P's demand endpoint).
+"""P's KV snapshots (`KVSnapshots`, served by `DemandScheduler`): what a late proxy bootstraps
+its KV view from (held and paced as every snapshot: `integrations.snapshots`).
 
-KV. A `SnapshotQuery` gets P's prefix cache as a KV-event view holds it, stamped with the
+A `SnapshotQuery` gets P's prefix cache as a KV-event view holds it, stamped with the
 KV-event batch it is consistent with (`demand_query.KVSnapshot`). vLLM's publisher numbers
 batches in the order `publish` is called, and the scheduler calls it from `update_from_output`,
 holding the demand lock: counting the calls gives the stamp. The block counts come from the
@@ -15,55 +14,28 @@ same stamp), bounded by its block count. Opt-in: under the engine's lock it cost
 per block of a text-only store, but about 1 us per block stored that carries an identifier and
 0.4 us per block removed while any is held (on a slow 2-core machine:
 benchmarks/test_bench_events.py), and about 100 bytes per such block held.
-
-Both: a snapshot is taken at offset 0 and held (the last `SNAPSHOTS_KEPT` ids) for its later
-chunks.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
-import cachetools
-
 from ...blockhash import to_event_id
-from ...demand_query import (
-    MAX_SNAPSHOT_BLOCKS,
-    MAX_SNAPSHOT_ENTRIES,
-    DemandError,
-    ECEntry,
-    ECSnapshot,
-    ECSnapshotQuery,
-    KVSnapshot,
-    SnapshotQuery,
-)
+from ...demand_query import MAX_SNAPSHOT_BLOCKS, DemandError, KVSnapshot, SnapshotQuery
 from ...events.snapshot import PublishedIdentifiers, identifier_chunk
+from ..snapshots import HeldSnapshots, incarnation
 from .index_feed import IndexFeed
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
 
-__all__ = ["SNAPSHOTS_KEPT", "SNAPSHOT_MIN_INTERVAL_S", "ECSnapshots", "KVSnapshots", "incarnation"]
-
-SNAPSHOTS_KEPT = 2  # snapshots held for their later chunks (a new id beyond: the oldest goes)
-# Taking a KV snapshot holds the lock the engine waits on (~0.14 s for 1M blocks): at most one
-# per interval while P changes (replicas starting together share one while it does not).
-SNAPSHOT_MIN_INTERVAL_S = 1.0
+__all__ = ["KVSnapshots"]
 
 # A snapshot as taken: (stamp, event ids, block counts, the ids' identifiers or None where P
 # does not follow them).
 _Taken = tuple[int, list[int], list[int], dict[int, tuple[str, ...]] | None]
-
-
-def incarnation() -> str:
-    """This process's name on the snapshots it serves (a restarted server has another)."""
-    return f"{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def _base_take_events() -> Any:
@@ -82,12 +54,10 @@ class KVSnapshots:
     ) -> None:
         self._engine = engine
         self._feed = feed
-        self._lock = lock
         self.published = 0  # KV-event batches published so far: the stamp of a snapshot
         self.incarnation = incarnation()
         self.chunk = MAX_SNAPSHOT_BLOCKS  # block ids per KVSnapshot (tests: fewer)
-        self._last: tuple[float, _Taken] | None = None
-        self._held: cachetools.LRUCache[str, _Taken] = cachetools.LRUCache(SNAPSHOTS_KEPT)
+        self._snapshots: HeldSnapshots[_Taken] = HeldSnapshots(lock, "P")
         self.identifiers = self._make_identifiers(follow_identifiers)
         self._count_published()
 
@@ -127,24 +97,14 @@ class KVSnapshots:
         """Chunk `offset` of snapshot `id` (taken at offset 0, under the lock)."""
         pool = self._engine.kv_cache_manager.block_pool
         if query.offset == 0:
-            with self._lock:
-                last = self._last
-                now = time.monotonic()
-                if last is not None and last[1][0] == self.published and not pool.kv_event_queue:
-                    taken: Any = last[1]  # nothing changed since: the same copy serves
-                elif last is not None and now - last[0] < SNAPSHOT_MIN_INTERVAL_S:
-                    return DemandError(
-                        query.id,
-                        f"snapshot: one per {SNAPSHOT_MIN_INTERVAL_S} s while P changes; ask again",
-                    )
-                else:
-                    taken = self._take()
-                    if not isinstance(taken, str):
-                        self._last = (now, taken)
-            if isinstance(taken, str):
-                return DemandError(query.id, f"snapshot: {taken}")
-            self._held[query.id] = taken
-        held = self._held.get(query.id)
+            opened = self._snapshots.open(
+                query.id,
+                self._take,
+                lambda last: last[0] == self.published and not pool.kv_event_queue,
+            )
+            if isinstance(opened, str):
+                return DemandError(query.id, f"snapshot: {opened}")
+        held = self._snapshots.get(query.id)
         if held is None:
             return DemandError(query.id, "snapshot: no longer held (ask again from offset 0)")
         stamp, ids, counts, carried = held
@@ -207,33 +167,3 @@ class KVSnapshots:
         # where not followed or not known
         carried = None if self.identifiers is None else self.identifiers.carriers()
         return self.published, list(counts), list(counts.values()), carried
-
-
-class ECSnapshots:
-    """An encoder cache's snapshots, in chunks. `take`: (stamp, [(identifier, num_embeds,
-    freeable)]), consistent with the events published (`EventfulEncoderCacheManager.snapshot`,
-    which takes the manager's lock)."""
-
-    def __init__(self, take: Callable[[], tuple[int, list[tuple[str, int, bool]]]]) -> None:
-        self._take = take
-        self.incarnation = incarnation()
-        self.chunk = MAX_SNAPSHOT_ENTRIES  # entries per ECSnapshot (tests: fewer)
-        self._held: cachetools.LRUCache[str, tuple[int, list[Any]]] = cachetools.LRUCache(
-            SNAPSHOTS_KEPT
-        )
-
-    def answer(self, query: ECSnapshotQuery) -> ECSnapshot | DemandError:
-        """Chunk `offset` of encoder-cache snapshot `id` (taken at offset 0)."""
-        if query.offset == 0:
-            self._held[query.id] = self._take()
-        held = self._held.get(query.id)
-        if held is None:
-            return DemandError(query.id, "snapshot: no longer held (ask again from offset 0)")
-        stamp, entries = held
-        if query.offset > len(entries):
-            return DemandError(query.id, f"snapshot: offset {query.offset} > total {len(entries)}")
-        part = entries[query.offset : query.offset + self.chunk]
-        return ECSnapshot(
-            query.id, stamp, self.incarnation, len(entries), query.offset,
-            [ECEntry(h, n, f) for h, n, f in part],
-        )  # fmt: skip

@@ -152,6 +152,8 @@ def test_a_snapshot_and_the_events_after_its_stamp_are_the_whole_stream(oracle_p
     assert "ECSnapshotQuery only" in c["ec_endpoint_kv_error"], c
     # taking one holds the engine's lock: an unchanged P shares its last, a changed one waits
     assert c["unchanged_shared"] and c["changed"] and c["changed_limited"], c
+    # the encoder cache's too, through either endpoint (E's, P's demand endpoint)
+    assert c["ec_unchanged_shared"] and c["ec_changed_limited"], c
 
 
 _IDENTIFIERS_CHECK = """
@@ -167,7 +169,7 @@ from mmreuse.errors import InvalidArgumentType
 from mmreuse.events import RemoteKVIndex
 from mmreuse.events.snapshot import chunk_identifiers
 from mmreuse.events.wire import decode_batch
-from mmreuse.integrations.demand import snapshots
+from mmreuse.integrations import snapshots
 from mmreuse.integrations.vllm import DemandScheduler
 
 flag = {"value": True}

@@ -1,6 +1,6 @@
-"""The answer thread of a plug-in's control endpoint: a ZMQ ROUTER, one answer frame per
-query frame (`DemandScheduler`'s demand endpoint; `EventfulEncoderCacheManager`'s snapshot
-endpoint on E). Imports no vLLM."""
+"""A plug-in's control endpoint: a ZMQ ROUTER on its own thread, one answer frame per query
+frame (`DemandScheduler`'s demand endpoint; `EventfulEncoderCacheManager`'s encoder-cache
+snapshot endpoint), and `id_of`, the id an error answer names. Imports no vLLM."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from ...demand_query import MAX_ID_CHARS
+from ..demand_query import MAX_ID_CHARS
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
