@@ -148,11 +148,19 @@ class DemandAnswer(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     answer_us: float = 0.0
 
 
+# The longest a peer may ask to be asked again after (a paced snapshot): past it, a hostile
+# or broken peer's answer is refused rather than waited out.
+MAX_RETRY_AFTER_S = 60.0
+
+
 class DemandError(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    """The query could not be answered; `error` says why (naming the field)."""
+    """The query could not be answered; `error` says why (naming the field). `retry_after_s`:
+    set where the same query will be answered after that long (a snapshot paced while the
+    cache changes), None where asking again will not help."""
 
     id: str
     error: str
+    retry_after_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_RETRY_AFTER_S)] | None = None
 
 
 class DemandStats(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

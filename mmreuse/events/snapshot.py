@@ -85,7 +85,8 @@ def fetch_snapshot(
     kind: str = "kv",
 ) -> Snapshot:
     """P's whole KV snapshot from its demand endpoint, within `deadline_s` in all, each chunk
-    within `quiet_s` of its ask, `max_blocks` and `max_bytes` (the answers' frames in all, None:
+    within `quiet_s` of its ask (a snapshot P paces, `DemandError.retry_after_s`, is asked for
+    again after that long, within the deadline), `max_blocks` and `max_bytes` (the answers' frames in all, None:
     unbounded; a chunk at most `MAX_ANSWER_BYTES` past it); `cancelled()` (checked every 50 ms)
     ends it (reason `stop`). `kind`: "kv" (KVSnapshot) or "ec" (ECSnapshot; `max_blocks` bounds
     its entries)."""
@@ -115,7 +116,18 @@ def fetch_snapshot(
         while True:
             have = len(ids) + len(entries)
             sock.send(encode(ask(sid, have)))
-            chunk, size = _receive(sock, sid, min(end, time.monotonic() + quiet_s), cancelled, want)
+            try:
+                chunk, size = _receive(
+                    sock, sid, min(end, time.monotonic() + quiet_s), cancelled, want
+                )
+            except _Paced as paced:
+                if have or time.monotonic() + paced.after_s >= end:
+                    raise SnapshotRefused("error", str(paced)) from None
+                _pause(paced.after_s, cancelled)
+                sid = (
+                    f"snapshot-{secrets.token_hex(8)}"  # a new ask: the old one's frames are strays
+                )
+                continue
             nbytes += size
             if max_bytes is not None and nbytes > max_bytes:
                 raise SnapshotRefused(
@@ -184,11 +196,30 @@ def _receive(
         if getattr(answer, "id", None) != sid:
             continue  # not this fetch's (a stray frame): keep waiting within the deadline
         if isinstance(answer, DemandError):
+            if answer.retry_after_s is not None:
+                raise _Paced(answer.retry_after_s, f"P paced the snapshot: {answer.error}")
             raise SnapshotRefused("error", f"P refused the snapshot: {answer.error}")
         if not isinstance(answer, want):
             raise SnapshotRefused("malformed", f"a {type(answer).__name__} for a snapshot")
         assert isinstance(answer, KVSnapshot | ECSnapshot)
         return answer, len(frame)
+
+
+class _Paced(Exception):
+    """P will answer this snapshot query after `after_s` (it paces snapshots)."""
+
+    def __init__(self, after_s: float, detail: str) -> None:
+        super().__init__(detail)
+        self.after_s = after_s
+
+
+def _pause(seconds: float, cancelled: Callable[[], bool]) -> None:
+    """Wait `seconds`, or less if `cancelled()` (checked every 50 ms) says stop."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if cancelled():
+            raise SnapshotRefused("stop", "stopped while fetching the snapshot")
+        time.sleep(min(left, 0.05))
 
 
 def chunk_identifiers(chunk: KVSnapshot) -> dict[int, tuple[str, ...]]:

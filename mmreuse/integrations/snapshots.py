@@ -5,9 +5,9 @@ demand endpoint; P's KV snapshots: `integrations.demand.snapshots`). Imports no 
 
 Taking a snapshot holds the lock the engine waits on and copies what the cache holds, so while
 the cache changes at most one is taken per `SNAPSHOT_MIN_INTERVAL_S`; a query within it gets a
-DemandError ("ask again": the proxy's stream retries). While nothing was published since the
-last one, that copy serves every query (replicas starting together share it) at no cost to the
-engine. A snapshot served is always a fresh one: stamped at the stream's last batch, it never
+DemandError naming when to ask again (`retry_after_s`: `fetch_snapshot` waits it out within
+its deadline). While nothing was published since the last one, that copy serves every query
+(replicas starting together share it) at no cost to the engine. A snapshot served is always a fresh one: stamped at the stream's last batch, it never
 needs the replay endpoint to catch up. Thread-safe: any number of answer threads may serve the
 same snapshots (a process with both a demand and an encoder-cache snapshot endpoint).
 """
@@ -24,13 +24,21 @@ from typing import Any, Generic, TypeVar
 
 import cachetools
 
-from ..demand_query import MAX_SNAPSHOT_ENTRIES, DemandError, ECEntry, ECSnapshot, ECSnapshotQuery
+from ..demand_query import (
+    MAX_RETRY_AFTER_S,
+    MAX_SNAPSHOT_ENTRIES,
+    DemandError,
+    ECEntry,
+    ECSnapshot,
+    ECSnapshotQuery,
+)
 
 __all__ = [
     "SNAPSHOTS_KEPT",
     "SNAPSHOT_MIN_INTERVAL_S",
     "ECSnapshots",
     "HeldSnapshots",
+    "Paced",
     "incarnation",
 ]
 
@@ -41,6 +49,23 @@ SNAPSHOTS_KEPT = 2  # snapshots held for their later chunks (a new id beyond: th
 SNAPSHOT_MIN_INTERVAL_S = 1.0
 
 T = TypeVar("T")
+
+
+class Paced:
+    """No snapshot now: the last was taken under `SNAPSHOT_MIN_INTERVAL_S` ago and the cache
+    changed since. `after_s`: when asking again will be answered; `reason`: for the error."""
+
+    __slots__ = ("after_s", "reason")
+
+    def __init__(self, after_s: float, reason: str) -> None:
+        self.after_s = after_s
+        self.reason = reason
+
+    def error(self, ident: str) -> DemandError:
+        """The answer saying so, with when to ask again."""
+        # (a hint, capped where the wire's bound is: the interval is a second in practice)
+        after = min(self.after_s, MAX_RETRY_AFTER_S)
+        return DemandError(ident, f"snapshot: {self.reason}", retry_after_s=after)
 
 
 def incarnation() -> str:
@@ -63,18 +88,19 @@ class HeldSnapshots(Generic[T]):
 
     def open(
         self, ident: str, take: Callable[[], T | str], unchanged: Callable[[T], bool]
-    ) -> T | str:
+    ) -> T | str | Paced:
         """Snapshot `ident`, held for its later chunks: the last one taken while `unchanged`
         says nothing was published since it (both called holding the cache's lock), else a new
-        one from `take`; or why there is none (`take`'s reason, or the interval)."""
+        one from `take`; or why there is none (`take`'s reason, or `Paced`)."""
         with self._lock:
             last = self._last
             now = time.monotonic()
             if last is not None and unchanged(last[1]):
                 taken = last[1]  # nothing changed since: the same copy serves
             elif last is not None and now - last[0] < SNAPSHOT_MIN_INTERVAL_S:
-                return (
-                    f"one per {SNAPSHOT_MIN_INTERVAL_S} s while {self._changing} changes; ask again"
+                return Paced(
+                    SNAPSHOT_MIN_INTERVAL_S - (now - last[0]),
+                    f"one per {SNAPSHOT_MIN_INTERVAL_S} s while {self._changing} changes; ask again",
                 )
             else:
                 fresh = take()
@@ -120,6 +146,8 @@ class ECSnapshots:
             opened = self._snapshots.open(
                 query.id, self._take, lambda last: last[0] == self._published()
             )
+            if isinstance(opened, Paced):
+                return opened.error(query.id)
             if isinstance(opened, str):
                 return DemandError(query.id, f"snapshot: {opened}")
         held = self._snapshots.get(query.id)

@@ -374,6 +374,35 @@ def test_stop_ends_a_fetch_in_progress(ctx, p, metrics):
     assert not sub.is_alive and outcome(metrics, "stop") == 1
 
 
+def test_a_paced_snapshot_is_asked_for_again_after_the_time_p_names(ctx, p):
+    # P paces snapshots while its cache changes: the fetch waits what P says, then asks again
+    # (a new ask: the paced one's id is done), within its deadline.
+    served_before(p)
+    asked: list[str] = []
+
+    def paced_once(q, truth):
+        asked.append(q.id)
+        if len(asked) == 1:
+            return [DemandError(q.id, "snapshot: one per 1.0 s; ask again", retry_after_s=0.2)]
+        return [truth]
+
+    p.script = paced_once
+    snap = fetch_snapshot(p.endpoint, context=ctx, deadline_s=30.0)
+    assert dict(zip(snap.block_ids, snap.counts, strict=True)) == p.truth.counts()
+    assert asked[0] != asked[1]  # the second ask is another snapshot's
+    # Paced past the deadline: refused now, not waited out.
+    p.script = lambda q, t: [DemandError(q.id, "snapshot: later", retry_after_s=50.0)]
+    with pytest.raises(SnapshotRefused) as e:
+        fetch_snapshot(p.endpoint, context=ctx, deadline_s=5.0)
+    assert e.value.reason == "error" and "paced" in str(e.value)
+    # A wait past the wire's bound (a hostile or broken P) is a malformed answer, not waited.
+    p.script = lambda q, t: [msgspec.msgpack.encode(
+        {"type": "DemandError", "id": q.id, "error": "later", "retry_after_s": 1e9})]  # fmt: skip
+    with pytest.raises(SnapshotRefused) as e:
+        fetch_snapshot(p.endpoint, context=ctx, deadline_s=5.0)
+    assert e.value.reason == "malformed" and "retry_after_s" in str(e.value)
+
+
 def test_fetch_snapshot_validates_its_arguments():
     from mmreuse.errors import InvalidArgument
 

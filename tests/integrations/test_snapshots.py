@@ -10,6 +10,7 @@ import threading
 import zmq
 
 from mmreuse.demand_query import (
+    MAX_RETRY_AFTER_S,
     DemandError,
     ECSnapshot,
     ECSnapshotQuery,
@@ -92,6 +93,7 @@ def test_unchanged_cache_shares_one_snapshot_and_a_changing_one_is_paced(monkeyp
     assert limited.error == (
         "snapshot: one per 1000.0 s while the encoder cache changes; ask again"
     )
+    assert limited.retry_after_s == MAX_RETRY_AFTER_S  # when to ask: the wire's bound at most
     assert isinstance(served.answer(ECSnapshotQuery("b", 2)), ECSnapshot)
     # events pending (recorded, not yet published): changed too
     cache.pending = True

@@ -25,7 +25,7 @@ from typing import Any
 from ...blockhash import to_event_id
 from ...demand_query import MAX_SNAPSHOT_BLOCKS, DemandError, KVSnapshot, SnapshotQuery
 from ...events.snapshot import PublishedIdentifiers, identifier_chunk
-from ..snapshots import HeldSnapshots, incarnation
+from ..snapshots import HeldSnapshots, Paced, incarnation
 from .index_feed import IndexFeed
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
@@ -102,6 +102,8 @@ class KVSnapshots:
                 self._take,
                 lambda last: last[0] == self.published and not pool.kv_event_queue,
             )
+            if isinstance(opened, Paced):
+                return opened.error(query.id)
             if isinstance(opened, str):
                 return DemandError(query.id, f"snapshot: {opened}")
         held = self._snapshots.get(query.id)
