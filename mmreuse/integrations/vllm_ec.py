@@ -177,18 +177,20 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
     def free(self, request: Any) -> None:
         with self._lock:
             super().free(request)
-            self.flush()
+            if self._pending:
+                self._publish()
 
     def reset(self) -> None:
         with self._lock:
             super().reset()
             self._pending.append(EncoderCacheCleared())
-            self.flush()
+            self._publish()
 
     def get_freed_mm_hashes(self) -> list[str]:
         with self._lock:
             freed = super().get_freed_mm_hashes()
-            self.flush()
+            if self._pending:
+                self._publish()
             return freed
 
     # ---- publishing ---------------------------------------------------------------------------
@@ -202,17 +204,21 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
     def flush(self) -> None:
         """Publish what changed since the last flush as one batch (nothing when unchanged)."""
         with self._lock:
-            if not self._pending:
-                return
-            events = self.take_events()
-            if self.publisher is None:
-                return
-            try:
-                self.publisher.publish(EncoderCacheEventBatch(time.time(), events))
-            except Exception:  # a publisher problem must never reach vLLM's scheduler
-                logger.exception("mmreuse: encoder-cache events not published")
-                return
-            self.published += 1
+            if self._pending:
+                self._publish()
+
+    def _publish(self) -> None:
+        """`flush`'s work, the lock held by the caller (vLLM's methods above call it there, so
+        that a step's free and flush take the lock once, not three times)."""
+        events, self._pending = self._pending, []
+        if self.publisher is None:
+            return
+        try:
+            self.publisher.publish(EncoderCacheEventBatch(time.time(), events))
+        except Exception:  # a publisher problem must never reach vLLM's scheduler
+            logger.exception("mmreuse: encoder-cache events not published")
+            return
+        self.published += 1
 
     def snapshot(self) -> tuple[int, list[tuple[str, int, bool]]]:
         """(stamp, entries): the cache as its events describe it, after publishing what is
