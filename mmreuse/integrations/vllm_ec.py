@@ -13,14 +13,17 @@ true as of; `snapshots` (`integrations.snapshots.ECSnapshots`) serves it in chun
 (`ECSnapshotQuery`), through a `DemandScheduler`'s demand endpoint or, with
 `"encoder_cache_snapshot_endpoint"`, on the manager's own ROUTER (E, which needs no scheduler
 plug-in); both may be set (a cluster's E keeps admission records): the two answer threads share
-the same held snapshots and rate limit. Every method that changes the cache, and `snapshot()`,
-holds the manager's lock, and `snapshot()` first publishes what is pending: a snapshot sees
-the cache between two of the manager's calls, never in the middle of one, and is true as of
-the last batch published (`stamp - 1`). It is not taken under the scheduler's lock, so it may
-land inside a scheduler step (say between `can_allocate`'s eviction and `allocate`): that
-step's events then come in two batches, each the truth as of its seq, so the snapshot plus the
-batches from its stamp is the cache exactly, and a view bootstrapped from it never holds what
-the cache removed (tools/oracle/ec_events_check.py takes snapshots at such points).
+the same held snapshots and rate limit. `snapshot()` first publishes what is pending and holds
+the manager's lock: it sees the cache between two of the manager's calls, never in the middle
+of one, and is true as of the last batch published (`stamp - 1`). Where the manager serves its
+own endpoint, each of vLLM's calls into it holds that lock too (`create_manager` builds the
+locked variant), and a snapshot may land inside a scheduler step (say between `can_allocate`'s
+eviction and `allocate`): that step's events then come in two batches, each the truth as of
+its seq, so the snapshot plus the batches from its stamp is the cache exactly, and a view
+bootstrapped from it never holds what the cache removed (tools/oracle/ec_events_check.py takes
+snapshots at such points). Otherwise only a `DemandScheduler`'s answer thread takes snapshots,
+holding the engine lock that vLLM's calls hold: no lock per call (it cost +27 % of the
+manager's instructions per call, BENCHMARKS.md).
 
 Each vLLM method runs first, as it is; the subclass then records what it changed, from facts
 it read before and after (O(1) per call, O(evicted) for an eviction). Events are flushed once
@@ -96,8 +99,11 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
         publishes nothing, and a warning naming the version and what differs (P keeps
         serving: see `vllm_versions.encoder_cache_verdict`)."""
         settings = read_config(vllm_config)  # a mistyped setting stops vLLM here
+        own_endpoint = settings.encoder_cache_snapshot_endpoint is not None
         try:
-            manager = cls(cache_size=cache_size)
+            manager = (_LockedEventfulEncoderCacheManager if own_endpoint else cls)(
+                cache_size=cache_size
+            )
         except Exception as exc:  # vLLM's __init__ changed: nothing of ours can run on it
             import vllm
 
@@ -135,63 +141,54 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
         self.snapshots = ECSnapshots(self.snapshot, self._settled, self._lock)
         self._server: ControlServer | None = None
 
-    # ---- vLLM's methods, then what they changed (holding the lock) -----------------------------
+    # ---- vLLM's methods, then what they changed (`_Locked...` holds the lock around each) ------
 
     def check_and_update_cache(self, request: Any, input_id: int) -> bool:
         mm_hash = request.mm_features[input_id].identifier
-        with self._lock:
-            was_freeable = mm_hash in self.freeable
-            hit = super().check_and_update_cache(request, input_id)
-            if hit and was_freeable and mm_hash not in self.freeable:
-                self._pending.append(EncoderCacheReferenced([mm_hash]))
-            return hit
+        was_freeable = mm_hash in self.freeable
+        hit = super().check_and_update_cache(request, input_id)
+        if hit and was_freeable and mm_hash not in self.freeable:
+            self._pending.append(EncoderCacheReferenced([mm_hash]))
+        return hit
 
     def can_allocate(
         self, request: Any, input_id: int, encoder_compute_budget: int, num_embeds_to_schedule: int
     ) -> bool:
-        with self._lock:
-            n = len(self.freed)
-            ok = super().can_allocate(
-                request, input_id, encoder_compute_budget, num_embeds_to_schedule
-            )
-            if len(self.freed) > n:
-                self._pending.append(EncoderCacheEvicted(list(self.freed[n:])))
-            return ok
+        n = len(self.freed)
+        ok = super().can_allocate(request, input_id, encoder_compute_budget, num_embeds_to_schedule)
+        if len(self.freed) > n:
+            self._pending.append(EncoderCacheEvicted(list(self.freed[n:])))
+        return ok
 
     def allocate(self, request: Any, input_id: int) -> None:
         mm_hash = request.mm_features[input_id].identifier
-        with self._lock:
-            new = mm_hash not in self.num_embeds_by_hash
-            super().allocate(request, input_id)
-            if new:
-                self._pending.append(EncoderCacheStored(mm_hash, self.num_embeds_by_hash[mm_hash]))
+        new = mm_hash not in self.num_embeds_by_hash
+        super().allocate(request, input_id)
+        if new:
+            self._pending.append(EncoderCacheStored(mm_hash, self.num_embeds_by_hash[mm_hash]))
 
     def free_encoder_input(self, request: Any, input_id: int) -> None:
         mm_hash = request.mm_features[input_id].identifier
-        with self._lock:
-            was_freeable = mm_hash in self.freeable
-            super().free_encoder_input(request, input_id)
-            if not was_freeable and mm_hash in self.freeable:
-                self._pending.append(EncoderCacheFreeable([mm_hash]))
+        was_freeable = mm_hash in self.freeable
+        super().free_encoder_input(request, input_id)
+        if not was_freeable and mm_hash in self.freeable:
+            self._pending.append(EncoderCacheFreeable([mm_hash]))
 
     def free(self, request: Any) -> None:
-        with self._lock:
-            super().free(request)
-            if self._pending:
-                self._publish()
-
-    def reset(self) -> None:
-        with self._lock:
-            super().reset()
-            self._pending.append(EncoderCacheCleared())
+        super().free(request)
+        if self._pending:
             self._publish()
 
+    def reset(self) -> None:
+        super().reset()
+        self._pending.append(EncoderCacheCleared())
+        self._publish()
+
     def get_freed_mm_hashes(self) -> list[str]:
-        with self._lock:
-            freed = super().get_freed_mm_hashes()
-            if self._pending:
-                self._publish()
-            return freed
+        freed = super().get_freed_mm_hashes()
+        if self._pending:
+            self._publish()
+        return freed
 
     # ---- publishing ---------------------------------------------------------------------------
 
@@ -264,3 +261,42 @@ class EventfulEncoderCacheManager(EncoderCacheManager):
             return encode(self.snapshots.answer(query))
         except Exception as e:  # a malformed frame, or a bug: this answer only
             return encode(DemandError(id_of(payload), f"{type(e).__name__}: {e}"))
+
+
+class _LockedEventfulEncoderCacheManager(EventfulEncoderCacheManager):
+    """The manager where it serves snapshots on its own endpoint (E): each of vLLM's calls
+    holds the manager's lock, so that a snapshot, taken by the endpoint's thread under it, sees
+    the cache between two calls. Elsewhere no other thread reads the cache but a
+    `DemandScheduler`'s, under the engine lock vLLM's calls already hold: no lock per call."""
+
+    def check_and_update_cache(self, request: Any, input_id: int) -> bool:
+        with self._lock:
+            return super().check_and_update_cache(request, input_id)
+
+    def can_allocate(
+        self, request: Any, input_id: int, encoder_compute_budget: int, num_embeds_to_schedule: int
+    ) -> bool:
+        with self._lock:
+            return super().can_allocate(
+                request, input_id, encoder_compute_budget, num_embeds_to_schedule
+            )
+
+    def allocate(self, request: Any, input_id: int) -> None:
+        with self._lock:
+            super().allocate(request, input_id)
+
+    def free_encoder_input(self, request: Any, input_id: int) -> None:
+        with self._lock:
+            super().free_encoder_input(request, input_id)
+
+    def free(self, request: Any) -> None:
+        with self._lock:
+            super().free(request)
+
+    def reset(self) -> None:
+        with self._lock:
+            super().reset()
+
+    def get_freed_mm_hashes(self) -> list[str]:
+        with self._lock:
+            return super().get_freed_mm_hashes()

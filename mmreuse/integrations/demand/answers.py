@@ -159,12 +159,17 @@ class Answers:
 
     def _ec_snapshot(self, query: ECSnapshotQuery) -> Any:
         """P's encoder-cache snapshot, where its manager publishes events (the manager's own
-        snapshots: consistent under its own lock)."""
+        snapshots). Taken (offset 0) holding the engine lock, which every one of vLLM's calls
+        into the manager holds too: it sees the cache between two scheduler calls (a later
+        chunk is the held copy's)."""
         ecm = self._engine.encoder_cache_manager
         snapshots = getattr(ecm, "snapshots", None)
         if snapshots is None or getattr(ecm, "publisher", None) is None:
             return DemandError(query.id, NO_EC_EVENTS)
-        return snapshots.answer(query)
+        if query.offset:
+            return snapshots.answer(query)
+        with self._lock:
+            return snapshots.answer(query)
 
     def request_for(self, query: DemandQuery) -> tuple[list[Any], Any]:
         """The query's occurrences, and the query as the `Request` vLLM would build for it (its
