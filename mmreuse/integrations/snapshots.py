@@ -117,6 +117,26 @@ class HeldSnapshots(Generic[T]):
         with self._guard:
             return self._held.get(ident)
 
+    def for_query(
+        self,
+        ident: str,
+        offset: int,
+        take: Callable[[], T | str],
+        unchanged: Callable[[T], bool],
+    ) -> T | DemandError:
+        """The snapshot a chunk query asks for: opened at offset 0 (`open`), held after; or the
+        answer saying why there is none (paced: when to ask again)."""
+        if offset == 0:
+            opened = self.open(ident, take, unchanged)
+            if isinstance(opened, Paced):
+                return opened.error(ident)
+            if isinstance(opened, str):
+                return DemandError(ident, f"snapshot: {opened}")
+        held = self.get(ident)
+        if held is None:
+            return DemandError(ident, "snapshot: no longer held (ask again from offset 0)")
+        return held
+
 
 # An encoder cache as taken: (stamp, [(identifier, num_embeds, freeable)]).
 ECTaken = tuple[int, list[tuple[str, int, bool]]]
@@ -142,17 +162,11 @@ class ECSnapshots:
 
     def answer(self, query: ECSnapshotQuery) -> ECSnapshot | DemandError:
         """Chunk `offset` of encoder-cache snapshot `id` (taken at offset 0). Any thread."""
-        if query.offset == 0:
-            opened = self._snapshots.open(
-                query.id, self._take, lambda last: last[0] == self._published()
-            )
-            if isinstance(opened, Paced):
-                return opened.error(query.id)
-            if isinstance(opened, str):
-                return DemandError(query.id, f"snapshot: {opened}")
-        held = self._snapshots.get(query.id)
-        if held is None:
-            return DemandError(query.id, "snapshot: no longer held (ask again from offset 0)")
+        held = self._snapshots.for_query(
+            query.id, query.offset, self._take, lambda last: last[0] == self._published()
+        )
+        if isinstance(held, DemandError):
+            return held
         stamp, entries = held
         if query.offset > len(entries):
             return DemandError(query.id, f"snapshot: offset {query.offset} > total {len(entries)}")

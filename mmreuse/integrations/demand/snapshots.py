@@ -25,7 +25,7 @@ from typing import Any
 from ...blockhash import to_event_id
 from ...demand_query import MAX_SNAPSHOT_BLOCKS, DemandError, KVSnapshot, SnapshotQuery
 from ...events.snapshot import PublishedIdentifiers, identifier_chunk
-from ..snapshots import HeldSnapshots, Paced, incarnation
+from ..snapshots import HeldSnapshots, incarnation
 from .index_feed import IndexFeed
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
@@ -96,19 +96,14 @@ class KVSnapshots:
     def answer(self, query: SnapshotQuery) -> KVSnapshot | DemandError:
         """Chunk `offset` of snapshot `id` (taken at offset 0, under the lock)."""
         pool = self._engine.kv_cache_manager.block_pool
-        if query.offset == 0:
-            opened = self._snapshots.open(
-                query.id,
-                self._take,
-                lambda last: last[0] == self.published and not pool.kv_event_queue,
-            )
-            if isinstance(opened, Paced):
-                return opened.error(query.id)
-            if isinstance(opened, str):
-                return DemandError(query.id, f"snapshot: {opened}")
-        held = self._snapshots.get(query.id)
-        if held is None:
-            return DemandError(query.id, "snapshot: no longer held (ask again from offset 0)")
+        held = self._snapshots.for_query(
+            query.id,
+            query.offset,
+            self._take,
+            lambda last: last[0] == self.published and not pool.kv_event_queue,
+        )
+        if isinstance(held, DemandError):
+            return held
         stamp, ids, counts, carried = held
         if query.offset > len(ids):
             return DemandError(query.id, f"snapshot: offset {query.offset} > total {len(ids)}")
