@@ -357,21 +357,28 @@ PyObject* EventId(PyObject*, PyObject* h) {
   return PyLong_FromUnsignedLongLong(key);
 }
 
+// The `field` argument of event_ids / check_event_ids (args[1] when given), as UTF-8.
+bool FieldArg(const char* fn, PyObject* const* args, Py_ssize_t nargs, const char** field) {
+  if (nargs < 1 || nargs > 2) {
+    PyErr_Format(PyExc_TypeError, "%s() takes 1 or 2 arguments (%zd given)", fn, nargs);
+    return false;
+  }
+  *field = "block_hashes";
+  if (nargs == 2) {
+    *field = PyUnicode_Check(args[1]) ? PyUnicode_AsUTF8(args[1]) : nullptr;
+    if (*field == nullptr) {
+      if (!PyErr_Occurred()) FailType("field", "a str", args[1]);
+      return false;
+    }
+  }
+  return true;
+}
+
 // event_ids(block_hashes, field="block_hashes") -> list[int]: `event_id` of each hash of a list
 // or tuple, naming the index of a refused one (`block_hashes[3]`), like blockhash.to_event_ids.
 PyObject* EventIds(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs < 1 || nargs > 2) {
-    PyErr_Format(PyExc_TypeError, "event_ids() takes 1 or 2 arguments (%zd given)", nargs);
-    return nullptr;
-  }
-  const char* field = "block_hashes";
-  if (nargs == 2) {
-    field = PyUnicode_Check(args[1]) ? PyUnicode_AsUTF8(args[1]) : nullptr;
-    if (field == nullptr) {
-      if (!PyErr_Occurred()) FailType("field", "a str", args[1]);
-      return nullptr;
-    }
-  }
+  const char* field;
+  if (!FieldArg("event_ids", args, nargs, &field)) return nullptr;
   Items items;
   if (!items.Open(args[0], field)) return nullptr;
   const Py_ssize_t n = items.size();
@@ -387,6 +394,20 @@ PyObject* EventIds(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyList_SET_ITEM(out.get(), i, v);
   }
   return out.release();
+}
+
+// check_event_ids(block_hashes, field="block_hashes") -> None: event_ids' check alone, for a
+// caller that keeps the hashes (plan_admission): no key is built or boxed.
+PyObject* CheckEventIds(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  const char* field;
+  if (!FieldArg("check_event_ids", args, nargs, &field)) return nullptr;
+  Items items;
+  if (!items.Open(args[0], field)) return nullptr;
+  uint64_t key;
+  for (Py_ssize_t i = 0; i < items.size(); ++i) {
+    if (!KeyOf(items[i], field, i, &key)) return nullptr;
+  }
+  Py_RETURN_NONE;
 }
 
 // table_put_many(keys, vals, key_list, val_list) -> keys inserted (the rest updated).
@@ -557,6 +578,9 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL,
      "event_ids(block_hashes, field='block_hashes') -> list[int]: event_id of each hash of a "
      "list or tuple, naming the index of a refused one"},
+    {"check_event_ids", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(CheckEventIds)),
+     METH_FASTCALL,
+     "check_event_ids(block_hashes, field='block_hashes') -> None: event_ids' check alone"},
     {"table_put_many", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(TablePutMany)),
      METH_FASTCALL, "table_put_many(keys, vals, key_list, val_list) -> inserted"},
     {"table_del_many", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(TableDelMany)),

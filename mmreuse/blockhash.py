@@ -24,6 +24,7 @@ __all__ = [
     "BlockHash",
     "EventBlockId",
     "ExternalBlockHash",
+    "check_block_hashes",
     "to_event_id",
     "to_event_ids",
 ]
@@ -63,3 +64,12 @@ def to_event_ids(block_hashes: Iterable[Any], field: str = "block_hashes") -> li
         else:
             out.append(to_event_id(h, f"{field}[{i}]"))
     return out
+
+
+def check_block_hashes(block_hashes: Iterable[Any], field: str = "block_hashes") -> None:
+    """`to_event_ids`' check alone, for a caller that keeps the hashes: refuses a bad one
+    naming its index, builds no ids (a list or tuple is checked in one C call)."""
+    if type(block_hashes) is list or type(block_hashes) is tuple:
+        _index.check_event_ids(block_hashes, field)
+    else:
+        to_event_ids(block_hashes, field)

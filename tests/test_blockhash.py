@@ -11,7 +11,7 @@ pytest.importorskip("torch")  # mmreuse.residency (BlockIndex) needs it
 
 from mmreuse import _index
 from mmreuse._table import HashTable
-from mmreuse.blockhash import MIN_DIGEST_BYTES, to_event_id, to_event_ids
+from mmreuse.blockhash import MIN_DIGEST_BYTES, check_block_hashes, to_event_id, to_event_ids
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.events import RemoteKVIndex
 from mmreuse.residency import BlockIndex
@@ -74,6 +74,22 @@ def test_to_event_ids_names_the_refused_index():
     for bad in (b"12345678", "abc", 5, None):
         with pytest.raises(InvalidArgumentType, match="block_hashes must be a sequence"):
             to_event_ids(bad)
+
+
+def test_check_block_hashes_refuses_like_to_event_ids():
+    assert check_block_hashes([b"\x00" * 7 + b"\x05", 7]) is None
+    assert check_block_hashes((1, 2**64 - 1)) is None
+    with pytest.raises(InvalidArgument, match=rf"^block_hashes\[3\] must be {IN_RANGE}, got -5$"):
+        check_block_hashes((1, 2, 3, -5))
+    with pytest.raises(InvalidArgumentType, match=r"^hs\[1\] must be a block hash"):
+        check_block_hashes([1, "x"], field="hs")
+    with pytest.raises(InvalidArgumentType, match=r"^field must be a str"):
+        _index.check_event_ids([1], 5)
+    with pytest.raises(TypeError, match=r"takes 1 or 2 arguments \(0 given\)"):
+        _index.check_event_ids()
+    for bad in (b"12345678", "abc", 5, None):
+        with pytest.raises(InvalidArgumentType, match="block_hashes must be a sequence"):
+            check_block_hashes(bad)
 
 
 # ---- Python and C agree: same key, or the same refusal -------------------------------------
@@ -192,3 +208,7 @@ def test_c_event_ids_match_python_one_by_one(hashes, kind):
         expected = ("ok", out)
     assert _c(lambda x: to_event_ids(kind(x)), hashes) == expected
     assert _c(lambda x: to_event_ids(iter(x)), hashes) == expected  # the generic path
+    # check_block_hashes: the same refusal (C for a list or tuple, Python otherwise), no ids
+    checked = ("ok", None) if expected[0] == "ok" else expected
+    assert _c(lambda x: check_block_hashes(kind(x)), hashes) == checked
+    assert _c(lambda x: check_block_hashes(iter(x)), hashes) == checked

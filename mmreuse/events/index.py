@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._table import HashTable
-from ..blockhash import ExternalBlockHash, to_event_id, to_event_ids
+from ..blockhash import ExternalBlockHash, check_block_hashes, to_event_id, to_event_ids
 from ..demand_query import MAX_IDENT_CHARS
 from ..errors import InvalidArgument
 from ..kvview import PrefixMatch
@@ -350,7 +350,7 @@ class RemoteKVIndex:
             table = self._media.get(medium)
             if table is not None:
                 return table.prefix(hashes)[0]
-        to_event_ids(hashes)  # nothing held there: still validate
+        check_block_hashes(hashes)  # nothing held there: still validate
         return 0
 
     def match_prefix(self, block_hashes: Sequence[ExternalBlockHash]) -> PrefixMatch:
