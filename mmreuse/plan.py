@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .blockhash import ExternalBlockHash, to_event_ids
+from .blockhash import ExternalBlockHash, check_block_hashes
 from .demand import (
     Availability,
     CoverageRule,
@@ -96,7 +96,7 @@ class GivenCoverage:
             object.__setattr__(self, "block_hashes", _check_hashes(hashes))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class KVLookup:
     """C looked up in a view of P's prefix cache (`BlockIndex`, `RemoteKVIndex`): the request's
     hashes, given (`block_hashes` + `block_size`) or computed (`hasher` + `token_ids`, keyed
@@ -105,7 +105,8 @@ class KVLookup:
 
     Attributes:
         view: the view of P's prefix cache.
-        block_hashes, block_size: the request's full-block hashes and their block size.
+        block_hashes, block_size: the request's full-block hashes (a tuple once checked) and
+            their block size.
         hasher, token_ids, identity: what computes them instead (`block_size`, if given, must
             be `hasher.block_size`).
         kv_coverage_args: kv_coverage's keywords but `cached_prefix_tokens`: its `block_size` is
@@ -114,59 +115,86 @@ class KVLookup:
     """
 
     view: KVView
-    block_hashes: Sequence[ExternalBlockHash] | None = None
-    block_size: int | None = None
-    hasher: BlockHasher | None = None
-    token_ids: Sequence[int] | None = None
-    identity: RequestIdentity | None = None
-    kv_coverage_args: Mapping[str, Any] | None = None
+    block_hashes: Sequence[ExternalBlockHash] | None
+    block_size: int | None
+    hasher: BlockHasher | None
+    token_ids: Sequence[int] | None
+    identity: RequestIdentity | None
+    kv_coverage_args: Mapping[str, Any]
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        view: KVView,
+        block_hashes: Sequence[ExternalBlockHash] | None = None,
+        block_size: int | None = None,
+        hasher: BlockHasher | None = None,
+        token_ids: Sequence[int] | None = None,
+        identity: RequestIdentity | None = None,
+        kv_coverage_args: Mapping[str, Any] | None = None,
+    ) -> None:
+        # Written out, not dataclass-made: every plan builds one, and a frozen dataclass's
+        # __init__ pays an object.__setattr__ call per field (here one bound setter).
         # What isinstance(view, KVView) checks, without its ~7 us (typing's protocol walk).
-        if not callable(getattr(self.view, "match_prefix", None)):
-            fail_type("view", "a KVView (with match_prefix(block_hashes))", self.view)
-        if self.identity is not None and not isinstance(self.identity, RequestIdentity):
-            fail_type("identity", "a RequestIdentity", self.identity)
-        if self.block_hashes is not None:
-            self._check_given_hashes()
+        if not callable(getattr(view, "match_prefix", None)):
+            fail_type("view", "a KVView (with match_prefix(block_hashes))", view)
+        if identity is not None and not isinstance(identity, RequestIdentity):
+            fail_type("identity", "a RequestIdentity", identity)
+        if block_hashes is not None:
+            if hasher is not None or token_ids is not None or identity is not None:
+                _refuse_both(hasher, token_ids, identity)
+            if block_size is None:
+                raise InvalidArgument(
+                    "block_hashes without block_size: the hit is counted in blocks, and C in tokens"
+                )
+            bs = check_int("block_size", block_size, 1)
+            block_hashes = _check_hashes(block_hashes)
         else:
-            self._check_hasher()
-        args = _coverage_args(self.kv_coverage_args, self.hasher)
-        object.__setattr__(self, "kv_coverage_args", args)
+            bs = _check_hasher(hasher, token_ids, identity, block_size)
+        set_field = object.__setattr__.__get__(self)
+        set_field("view", view)
+        set_field("block_hashes", block_hashes)
+        set_field("block_size", block_size)
+        set_field("hasher", hasher)
+        set_field("token_ids", token_ids)
+        set_field("identity", identity)
+        set_field("kv_coverage_args", _coverage_args(kv_coverage_args, hasher, bs))
 
-    def _check_given_hashes(self) -> None:
-        both = [k for k in ("hasher", "token_ids", "identity") if getattr(self, k) is not None]
-        if both:
-            raise InvalidArgument(
-                f"block_hashes with {', '.join(both)}: give the hashes, or hasher + token_ids "
-                "(+ identity) to compute them, not both"
-            )
-        if self.block_size is None:
-            raise InvalidArgument(
-                "block_hashes without block_size: the hit is counted in blocks, and C in tokens"
-            )
-        check_int("block_size", self.block_size, 1)
-        object.__setattr__(self, "block_hashes", _check_hashes(self.block_hashes))
 
-    def _check_hasher(self) -> None:
-        hasher, token_ids = self.hasher, self.token_ids
-        if hasher is None or token_ids is None:
-            have = [k for k in ("hasher", "token_ids", "identity") if getattr(self, k) is not None]
-            got = f" (got only {', '.join(have)})" if have else ""
-            raise InvalidArgument(
-                f"a lookup without the request's hashes{got}: pass block_hashes (+ block_size), "
-                "or hasher + token_ids (+ identity)"
-            )
-        if not isinstance(hasher, BlockHasher):
-            fail_type("hasher", "a BlockHasher", hasher)
-        bs = hasher.block_size
-        if self.block_size is not None and check_int("block_size", self.block_size, 1) != bs:
-            raise InvalidArgument(
-                f"block_size must be hasher.block_size={bs} (the hashes' block size), got "
-                f"{self.block_size}"
-            )
-        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-            fail_type("token_ids", "a sequence of token ids", token_ids)
+def _refuse_both(hasher: Any, token_ids: Any, identity: Any) -> None:
+    both = [
+        k
+        for k, v in (("hasher", hasher), ("token_ids", token_ids), ("identity", identity))
+        if v is not None
+    ]
+    raise InvalidArgument(
+        f"block_hashes with {', '.join(both)}: give the hashes, or hasher + token_ids "
+        "(+ identity) to compute them, not both"
+    )
+
+
+def _check_hasher(hasher: Any, token_ids: Any, identity: Any, block_size: Any) -> int:
+    """A lookup's hasher + token_ids (its hashes computed); the hashes' block size."""
+    if hasher is None or token_ids is None:
+        have = [
+            k
+            for k, v in (("hasher", hasher), ("token_ids", token_ids), ("identity", identity))
+            if v is not None
+        ]
+        got = f" (got only {', '.join(have)})" if have else ""
+        raise InvalidArgument(
+            f"a lookup without the request's hashes{got}: pass block_hashes (+ block_size), "
+            "or hasher + token_ids (+ identity)"
+        )
+    if not isinstance(hasher, BlockHasher):
+        fail_type("hasher", "a BlockHasher", hasher)
+    bs: int = hasher.block_size
+    if block_size is not None and check_int("block_size", block_size, 1) != bs:
+        raise InvalidArgument(
+            f"block_size must be hasher.block_size={bs} (the hashes' block size), got {block_size}"
+        )
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        fail_type("token_ids", "a sequence of token ids", token_ids)
+    return bs
 
 
 def plan_admission(
@@ -195,10 +223,8 @@ def plan_admission(
         hit, proof = 0, None
     elif type(coverage) is KVLookup:  # C looked up: hashes -> the view's hit -> kv_coverage
         hashes, bs = _request_hashes(n, occurrences, coverage)
-        args = dict(coverage.kv_coverage_args or {})
-        args.setdefault("block_size", bs)
         hit, proof = _match(coverage.view, hashes)
-        c, ext = kv_coverage(n, cached_prefix_tokens=hit * bs, **args)
+        c, ext = kv_coverage(n, cached_prefix_tokens=hit * bs, **coverage.kv_coverage_args)
     else:
         fail_type("coverage", "a KVLookup or a GivenCoverage", coverage)
     demand = compute_demand(
@@ -239,7 +265,7 @@ def _check_hashes(block_hashes: Any) -> tuple[ExternalBlockHash, ...]:
     if isinstance(block_hashes, (str, bytes, bytearray)) or not isinstance(block_hashes, Sequence):
         fail_type("block_hashes", "a sequence of block hashes", block_hashes)
     hashes = tuple(block_hashes)
-    to_event_ids(hashes, "block_hashes")  # refuses a bad one, naming block_hashes[i]
+    check_block_hashes(hashes)  # refuses a bad one, naming block_hashes[i]
     return hashes
 
 
@@ -277,11 +303,11 @@ def _match(view: KVView, hashes: tuple[ExternalBlockHash, ...]) -> tuple[int, An
     return hit, match.proof
 
 
-def _coverage_args(coverage: Any, hasher: BlockHasher | None) -> dict[str, Any]:
-    """kv_coverage's keywords: `coverage`, checked, with a hasher's hash_lookahead defaulting
-    to (and held equal to) its lookahead."""
+def _coverage_args(coverage: Any, hasher: BlockHasher | None, block_size: int) -> dict[str, Any]:
+    """kv_coverage's keywords: `coverage`, checked, its block_size defaulting to the hashes'
+    and, with a hasher, its hash_lookahead defaulting to (and held equal to) the lookahead."""
     if coverage is None:
-        args: dict[str, Any] = {}
+        args: dict[str, Any] = {"block_size": block_size}
     elif not isinstance(coverage, Mapping):
         fail_type("kv_coverage_args", "a mapping of kv_coverage keywords", coverage)
     else:
@@ -292,6 +318,7 @@ def _coverage_args(coverage: Any, hasher: BlockHasher | None) -> dict[str, Any]:
                 f"kv_coverage_args keys must be kv_coverage keywords {sorted(_COVERAGE_KEYS)}, got "
                 f"{', '.join(unknown)}"
             )
+        args.setdefault("block_size", block_size)
     if hasher is not None:
         lookahead = args.setdefault("hash_lookahead", hasher.lookahead)
         if type(lookahead) is not int or lookahead != hasher.lookahead:
