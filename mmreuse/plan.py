@@ -161,6 +161,7 @@ class KVLookup:
 
 
 def _refuse_both(hasher: Any, token_ids: Any, identity: Any) -> None:
+    """Given hashes with what would compute them: refused, naming those given."""
     both = [
         k
         for k, v in (("hasher", hasher), ("token_ids", token_ids), ("identity", identity))

@@ -284,6 +284,23 @@ def test_plan_is_frozen_and_module_is_torch_free():
     assert isinstance(BlockIndex(1), KVView) and isinstance(RemoteKVIndex("p"), KVView)
 
 
+def test_kv_lookup_is_a_frozen_record_with_its_defaults_filled():
+    """KVLookup's written-out __init__ keeps the dataclass's contract: frozen, equal by value,
+    `dataclasses.replace` re-checks, and the coverage arguments hold block_size's default."""
+    view = BlockIndex(16)
+    lookup = KVLookup(view, block_hashes=[1, 2], block_size=16)
+    assert lookup.block_hashes == (1, 2) and lookup.kv_coverage_args == {"block_size": 16}
+    assert lookup == KVLookup(view, block_hashes=(1, 2), block_size=16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lookup.block_size = 8  # type: ignore[misc]
+    wider = dataclasses.replace(lookup, kv_coverage_args={"block_size": 32})
+    assert wider.kv_coverage_args == {"block_size": 32} and wider.block_hashes == (1, 2)
+    with pytest.raises(InvalidArgument, match=r"block_hashes\[0\] must be an event id"):
+        dataclasses.replace(lookup, block_hashes=[-1])
+    hashed = KVLookup(view, hasher=BlockHasher("sha256", block_size=16), token_ids=[1] * 20)
+    assert hashed.kv_coverage_args == {"block_size": 16, "hash_lookahead": 0}
+
+
 # ---- misuse -----------------------------------------------------------------------------------
 
 
