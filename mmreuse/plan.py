@@ -160,27 +160,24 @@ class KVLookup:
         set_field("kv_coverage_args", _coverage_args(kv_coverage_args, hasher, bs))
 
 
+def _given(hasher: Any, token_ids: Any, identity: Any) -> list[str]:
+    """Which of the arguments that compute a request's hashes were given."""
+    named = (("hasher", hasher), ("token_ids", token_ids), ("identity", identity))
+    return [name for name, value in named if value is not None]
+
+
 def _refuse_both(hasher: Any, token_ids: Any, identity: Any) -> None:
     """Given hashes with what would compute them: refused, naming those given."""
-    both = [
-        k
-        for k, v in (("hasher", hasher), ("token_ids", token_ids), ("identity", identity))
-        if v is not None
-    ]
     raise InvalidArgument(
-        f"block_hashes with {', '.join(both)}: give the hashes, or hasher + token_ids "
-        "(+ identity) to compute them, not both"
+        f"block_hashes with {', '.join(_given(hasher, token_ids, identity))}: give the hashes, "
+        "or hasher + token_ids (+ identity) to compute them, not both"
     )
 
 
 def _check_hasher(hasher: Any, token_ids: Any, identity: Any, block_size: Any) -> int:
     """A lookup's hasher + token_ids (its hashes computed); the hashes' block size."""
     if hasher is None or token_ids is None:
-        have = [
-            k
-            for k, v in (("hasher", hasher), ("token_ids", token_ids), ("identity", identity))
-            if v is not None
-        ]
+        have = _given(hasher, token_ids, identity)
         got = f" (got only {', '.join(have)})" if have else ""
         raise InvalidArgument(
             f"a lookup without the request's hashes{got}: pass block_hashes (+ block_size), "
