@@ -70,6 +70,11 @@ def fixed(*chunks: bytes) -> Reply:
     return lambda _request: list(chunks)
 
 
+def ok_with(body: bytes) -> bytes:
+    """A 200 answer framed by Content-Length, carrying `body`."""
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"a": true}'
 
 
@@ -252,8 +257,7 @@ async def test_a_cancelled_request_closes_its_connection():
 async def test_a_slow_reader_pauses_the_backend(monkeypatch):
     monkeypatch.setattr(upstream_mod, "HIGH_WATER", 1000)
     big = b"y" * 100_000
-    wire = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big
-    async with server(fixed(wire)) as (url, _seen):
+    async with server(fixed(ok_with(big))) as (url, _seen):
         up = Upstream(2.0)
         resp = await up.post(yarl.URL(url), b"{}", {})
         try:
@@ -273,8 +277,7 @@ async def test_an_answer_that_ended_while_its_reader_lagged_is_pooled_reading(mo
     # again, or the next request on it waits for an answer it never reads.
     monkeypatch.setattr(upstream_mod, "HIGH_WATER", 1000)
     body = b"z" * 5000
-    wire = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
-    async with server(fixed(wire)) as (url, seen):
+    async with server(fixed(ok_with(body))) as (url, seen):
         up = Upstream(2.0)
         resp = await up.post(yarl.URL(url), b"{}", {})
         await wait_for(lambda: resp._done)
