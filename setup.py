@@ -7,6 +7,8 @@
   (TORCH_CUDA_ARCH_LIST, or a visible GPU). MMREUSE_CUDA=0/1 overrides that choice.
 - `mmreuse._index`: the block-hash tables of BlockIndex and RemoteKVIndex (plain CPython C++,
   no torch, always built: `import mmreuse.events` must not load libtorch).
+- `mmreuse._jsonscan`: the proxy's one pass over a request body before it is decoded (plain
+  CPython C++, no torch, always built).
 - `mmreuse._hashcore`: the hashing fast path (plain CPython C++; needs OpenSSL headers).
   MMREUSE_HASHCORE=0 skips it (the pure-Python reference path is then used).
 
@@ -32,7 +34,8 @@ except ImportError:  # the torch-free core
 ROOT = Path(__file__).parent
 
 
-_PLAIN_SOURCES = ("hashcore.cpp", "index_table.cpp")  # plain CPython extensions, not in _C
+# plain CPython extensions, not in _C
+_PLAIN_SOURCES = ("hashcore.cpp", "index_table.cpp", "json_scan.cpp")
 
 
 def _opt_flags() -> list[str]:
@@ -78,6 +81,15 @@ def _index_extension():
     )
 
 
+def _jsonscan_extension():
+    return Extension(
+        "mmreuse._jsonscan",
+        ["csrc/json_scan.cpp"],
+        extra_compile_args=[*_opt_flags(), "-std=c++17"],
+        language="c++",
+    )
+
+
 def _hashcore_extension():
     if os.environ.get("MMREUSE_HASHCORE", "auto") == "0":
         return []
@@ -106,6 +118,7 @@ setup(
     ext_modules=[
         *([] if torch is None else [_torch_extension()]),
         _index_extension(),
+        _jsonscan_extension(),
         *_hashcore_extension(),
     ],
     cmdclass={} if torch is None else {"build_ext": BuildExtension},
