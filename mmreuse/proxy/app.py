@@ -25,12 +25,15 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import yarl
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from ..availability import EmbeddingAvailability
 from ..decision import Policy
 from ..demand_query import DEMAND_ID_KEY  # P reads it from vllm_xargs
+from . import body as bodies
+from .body import Blobs, BodyLimits, encode_body
 from .config import ProxyConfig, UuidPolicy
 from .content import MediaFetcher, MediaLimits, name_by_content
 from .demand import DemandClient
@@ -39,6 +42,7 @@ from .errors import ProxyError
 from .eside import ESide
 from .media import (
     EMBEDS_PARTS,
+    check_cache_salt,
     item_uuid,
     namespace_uuids,
     rewrite_for_decode,
@@ -54,35 +58,19 @@ from .views import EncoderView, InstanceView
 logger = logging.getLogger("mmreuse.proxy")
 
 _decode = msgspec.json.Decoder()
-_encode = msgspec.json.Encoder()
 _JSON = {"Content-Type": "application/json"}
 # The proxy's own channel to P and D: a client's values would reach them verbatim (a connector
 # handle naming a host of its choosing, an embedding cached under an identifier others share).
 CLIENT_FIELDS_STRIPPED = ("ec_transfer_params", "kv_transfer_params")
 _ABSENT = object()
-# A body larger than this is decoded and walked off the event loop (a thread): a request of
-# many parts then stalls no other request. Smaller ones cost less than the thread hop.
+# A body larger than this is scanned, decoded, walked and named off the event loop (a thread;
+# its inline media is never decoded: `proxy.body`). Smaller ones cost less than the thread hop.
 OFF_LOOP_BYTES = 1 << 20
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The request's body as sent: a compressed one is refused, never inflated (aiohttp's
-    default inflates, and its size limit applies to the inflated bytes: a decompression bomb)."""
-    encoding = request.headers.get("Content-Encoding")
-    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
-        raise ProxyError(
-            415,
-            f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
-            stage="proxy",
-        )
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ProxyError(
-            413,
-            f"the request body is over {request.client_max_size} bytes (--max-body-bytes)",
-            stage="proxy",
-        ) from None
+async def read_body(request: web.Request) -> bytes | bytearray:
+    """The request's body as sent, at most --max-body-bytes (`proxy.body.read_body`)."""
+    return await bodies.read_body(request, request.client_max_size)
 
 
 AfterDecide = Callable[[Decision], Awaitable[None]]
@@ -110,6 +98,9 @@ class Proxy:
         self.upstream: Upstream | None = None  # E's, P's and D's POSTs (the rest: session)
         self.media_session: aiohttp.ClientSession | None = None  # --uuid-policy content's
         self.media = MediaFetcher(config.media or MediaLimits(), self._fetch_media)
+        self.limits = BodyLimits(
+            config.max_body_bytes, config.max_body_values, config.max_body_text_bytes
+        )
         self.availability = EmbeddingAvailability(
             ttl_s=config.e_cache_ttl_s, max_entries=config.e_cache_items, metrics=self.metrics.views
         )
@@ -247,8 +238,12 @@ class Proxy:
         return await fetch_hop(self.media_session, url, cap, timeout_s, charge)
 
     async def _post_json(self, url: str, body: Any) -> tuple[int, bytes]:
-        async with self._session().post(url, data=_encode.encode(body), headers=_JSON) as r:
-            return r.status, await r.read()
+        """POST `body` (a request's, its inline media spliced in) as JSON: status, answer."""
+        resp = await self._upstream().post(_url(url), await encode_body(body), _JSON)
+        try:
+            return resp.status, await resp.read()
+        finally:
+            resp.release()
 
     # ---- POST /v1/chat/completions ------------------------------------------------------------
 
@@ -256,6 +251,7 @@ class Proxy:
         t0 = time.perf_counter()
         m = self.metrics
         policy = self.config.policy
+        blobs = bodies.CURRENT.set(None)  # the request's inline media, once read (`_chat`)
         try:
             response = await self._chat(request)
         except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler)
@@ -270,21 +266,20 @@ class Proxy:
             m.errors.labels("proxy").inc()
             m.request(policy, "server_error").inc()
             return web.json_response({"detail": f"Proxy error: {e}"}, status=500)
+        finally:
+            bodies.CURRENT.reset(blobs)
         outcome = getattr(response, "mmreuse_outcome", None) or _outcome(response.status)
         m.request(policy, outcome).inc()
         m.stage["total"].observe(time.perf_counter() - t0)
         return response
 
-    def _parse(self, body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The client's request, without the fields only the proxy may set, and its media
-        parts as vLLM classifies them (`scan_parts`: the parts themselves, so the naming below
-        is in place); a 400 for what cannot be passed on."""
-        try:
-            req = _decode.decode(body)
-        except msgspec.DecodeError as e:
-            raise ProxyError(400, f"Invalid JSON body: {e}", stage="proxy") from e
-        except RecursionError:  # msgspec's own depth limit
-            raise ProxyError(400, "Invalid JSON body: nested too deeply", stage="proxy") from None
+    def _parse(self, body: bytes | bytearray) -> _Read:
+        """The client's request (`proxy.body.decode`, within --max-body-*), without the fields
+        only the proxy may set, its media parts as vLLM classifies them (`scan_parts`: the
+        parts themselves, so the naming is in place) and, unless --uuid-policy content names
+        them by their fetched bytes, their uuids; a 400 for what cannot be passed on, before
+        any per-item work."""
+        req, blobs = bodies.decode(body, self.limits, keep=len(body) > OFF_LOOP_BYTES)
         if not isinstance(req, dict):
             raise ProxyError(400, "The body must be a JSON object", stage="proxy")
         for key in CLIENT_FIELDS_STRIPPED:
@@ -294,37 +289,47 @@ class Proxy:
         if isinstance(xargs, dict) and DEMAND_ID_KEY in xargs:  # the proxy's channel to P
             req["vllm_xargs"] = {k: v for k, v in xargs.items() if k != DEMAND_ID_KEY}
             self.metrics.stripped(f"vllm_xargs.{DEMAND_ID_KEY}").inc()
-        return req, scan_parts(req, self.config.limit_mm_per_prompt)
+        check_cache_salt(req)  # vLLM refuses the request: before naming hashes it per item
+        items = scan_parts(req, self.config.limit_mm_per_prompt)
+        self.encoders.check_shared(req, items, len(body), blobs)
+        if self.config.uuid_policy == UuidPolicy.CONTENT:
+            return req, items, None, blobs  # named by their bytes (`_read`)
+        if self.config.uuid_policy == UuidPolicy.TENANT:
+            namespace_uuids(req, blobs)
+        return req, items, [item_uuid(item, blobs) for item in items], blobs
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         """Read, decide, then encode, prefill and decode (`_forward`)."""
-        req, items = await self._read(request)
+        req, items, uuids, blobs = await self._read(request)
+        if blobs is not None:  # a large body: its inline media spliced into, and its bodies
+            bodies.CURRENT.set(blobs)  # built for E, P and D off the loop (`bodies.sized`)
         req_id = request.headers.get("x-request-id")
         if req_id is None:  # as the reference: an empty header stays empty
             req_id = str(uuidlib.UUID(new_hex(128), version=4))
-        uuids = [item_uuid(item) for item in items]  # once: E, the rewrite and render use them
         decision, encoded = await self._decide(req, items, uuids, req_id)
         if self.after_decide is not None:
             await self.after_decide(dataclasses.replace(decision, request_id=req_id))
         return await self._forward(request, req, items, uuids, decision, encoded, req_id)
 
-    async def _read(self, request: web.Request) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The client's request and its media parts (`_parse`), named by --uuid-policy."""
+    async def _read(
+        self, request: web.Request
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str], Blobs | None]:
+        """The client's request, its media parts and their uuids (`_parse`, named by
+        --uuid-policy), and its inline media."""
         raw = await read_body(request)
-        if len(raw) > OFF_LOOP_BYTES:  # its decode and walk stall no other request
-            req, items = await asyncio.to_thread(self._parse, raw)
-        else:
-            req, items = self._parse(raw)
+        big = len(raw) > OFF_LOOP_BYTES  # its scan, decode, walk and hashes: in a thread
+        req, items, uuids, blobs = (
+            await asyncio.to_thread(self._parse, raw) if big else self._parse(raw)
+        )
         del raw
-        if self.config.uuid_policy == "tenant":
-            namespace_uuids(req)
-        elif self.config.uuid_policy == "content":
+        if uuids is None:  # --uuid-policy content
             tm = time.perf_counter()
-            fetched = await name_by_content(req, self.media)
+            fetched, blobs = await name_by_content(req, self.media, blobs, off_loop=big)
             self.metrics.stage["media"].observe(time.perf_counter() - tm)
             if fetched:
                 self.metrics.media_fetched.inc(fetched)
-        return req, items
+            uuids = [item_uuid(item) for item in items]  # each named by its bytes now
+        return req, items, uuids, blobs
 
     async def _decide(
         self, req: dict[str, Any], items: list[dict[str, Any]], uuids: list[str], req_id: str
@@ -397,7 +402,7 @@ class Proxy:
                 td = time.perf_counter()
                 resp = await self._upstream().post(
                     chat_url(d_url),
-                    _encode.encode(body),
+                    await encode_body(body),
                     {"x-request-id": req_id, "Content-Type": "application/json"},
                 )
                 try:
@@ -528,7 +533,9 @@ class Proxy:
         if self.config.no_rewrite:
             prepared: Mapping[str, Any] = req
         else:
-            prepared = rewrite_for_decode(req, item_meta, decision.dispatch.raw_items, uuids, items)
+            prepared = await bodies.sized(
+                rewrite_for_decode, req, item_meta, decision.dispatch.raw_items, uuids, items
+            )
         if result.ec_params:
             handles = dict(prepared.get("ec_transfer_params") or {})
             handles.update(result.ec_params)
@@ -724,7 +731,7 @@ class Proxy:
         try:
             resp = await self._upstream().post(
                 chat_url(p_url),
-                _encode.encode(body),
+                await encode_body(body),
                 {"x-request-id": req_id, "Content-Type": "application/json"},
             )
             try:
@@ -772,9 +779,11 @@ class Proxy:
                 event = held[start:end]
                 start = end
                 # Byte searches, no JSON, on this per-stream path: a comment or keep-alive has
-                # no data; vLLM's preamble (every choice's first event) names the role, which
-                # no token event does (the model's text is escaped); the error names its type.
-                if b"data:" not in event or b'"role"' in event:
+                # no data; vLLM's preamble (every choice's first event) is a delta that starts
+                # with the role (DeltaMessage's first field), which no token event is (a token
+                # "role" is `"delta":{"content":"role"}`; the model's text is escaped); the
+                # error names its type.
+                if b"data:" not in event or _PREAMBLE in event or _PREAMBLE_SPACED in event:
                     continue
                 if b"InternalServerError" in event:
                     data = _event_data(event)
@@ -841,6 +850,14 @@ class Proxy:
             self.metrics.fallbacks.labels(view.name, "kv_short").inc()
 
 
+_Read = tuple[dict[str, Any], list[dict[str, Any]], list[str] | None, Blobs | None]
+
+
+@functools.lru_cache(maxsize=256)
+def _url(url: str) -> yarl.URL:
+    return yarl.URL(url)
+
+
 def _outcome(status: int) -> str:
     return "ok" if status < 400 else "client_error" if status < 500 else "server_error"
 
@@ -852,6 +869,8 @@ def _outcome(status: int) -> str:
 # carries no finer reason to the client.
 _REQUEST_ERROR = {"message": "Internal server error", "type": "InternalServerError", "code": 500}
 HOLD_BYTES = 1 << 20  # a stream held for its first token: at most this much, then forwarded
+_PREAMBLE = b'"delta":{"role"'  # vLLM's first event of a choice (pydantic's compact JSON)
+_PREAMBLE_SPACED = b'"delta": {"role"'  # ... as Python's json.dumps spaces it
 
 
 class _EmbeddingLost(Exception):

@@ -33,6 +33,11 @@ MIN_WORKER_STALL_S = 1.0  # --worker-stall-timeout: below this, a busy loop is n
 # The largest request body (--max-body-bytes): vLLM's per-request media budget
 # (VLLM_MAX_MEDIA_REQUEST_DOWNLOAD_SIZE_MB=256), since inline media is what makes a body large.
 DEFAULT_MAX_BODY_BYTES = 256 << 20
+# What of a body is decoded (proxy.body): its JSON values (an object's member counting as one)
+# and its bytes that are not inline media. At these, the decode of the worst body holds the
+# event loop well under 0.1 s (BENCHMARKS.md, "The longest loop stall one request causes").
+DEFAULT_MAX_BODY_VALUES = 1 << 17
+DEFAULT_MAX_BODY_TEXT_BYTES = 8 << 20
 _NO_PREFILL = ("disable", "none", "")
 _UNSUPPORTED = {
     "--dynamic-registration": "dynamic registration (POST /instances)",
@@ -91,6 +96,8 @@ FLAGS: Mapping[str, str] = {
     "e_store_timeout_s": "--e-store-timeout",
     "limit_mm_per_prompt": "--limit-mm-per-prompt",
     "max_body_bytes": "--max-body-bytes",
+    "max_body_values": "--max-body-values",
+    "max_body_text_bytes": "--max-body-text-bytes",
     "backend_keep_alive_s": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
     "api_key": "OPENAI_API_KEY",
     "instances.kv_events": "--kv-events-endpoints",
@@ -326,6 +333,10 @@ class ProxyConfig:
     limit_mm_per_prompt: Mapping[str, int] = field(default_factory=dict)
     # --max-body-bytes: the largest request body read (inline base64 media included)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # --max-body-values / --max-body-text-bytes: what of a body may be decoded (its JSON values;
+    # its bytes other than inline media), refused with a 400 before anything is decoded
+    max_body_values: int = DEFAULT_MAX_BODY_VALUES
+    max_body_text_bytes: int = DEFAULT_MAX_BODY_TEXT_BYTES
     # VLLM_HTTP_TIMEOUT_KEEP_ALIVE (vLLM's env, 5 s by default): how long E, P and D keep an idle
     # connection; the proxy retires its own sooner (0: no pooling)
     backend_keep_alive_s: float = 5.0
@@ -395,8 +406,9 @@ class ProxyConfig:
         keep = self.backend_keep_alive_s
         if not (_is_number(keep) and math.isfinite(keep) and keep >= 0):
             raise ConfigError("{backend_keep_alive_s}={v!r} must be seconds >= 0", v=keep)
-        if not _at_least(self.max_body_bytes, 1):
-            raise ConfigError("{max_body_bytes}={v!r} must be an int >= 1", v=self.max_body_bytes)
+        for key in ("max_body_bytes", "max_body_values", "max_body_text_bytes"):
+            if not _at_least(getattr(self, key), 1):
+                raise ConfigError(f"{{{key}}}={{v!r}} must be an int >= 1", v=getattr(self, key))
         if not isinstance(self.api_key, str):
             raise ConfigError("{api_key} must be a str, got a {t}", t=type(self.api_key).__name__)
 
@@ -725,6 +737,25 @@ _MEDIA: tuple[_Flag, ...] = (
             "default": DEFAULT_MAX_BODY_BYTES,
             "help": "the largest request body read, inline base64 media included (default 256 MiB, "
             "vLLM's per-request media download budget)",
+        },
+    ),
+    (
+        "--max-body-values",
+        {
+            "type": int,
+            "default": DEFAULT_MAX_BODY_VALUES,
+            "help": "the most JSON values a request body may hold, an object's member counting as "
+            f"one (default {DEFAULT_MAX_BODY_VALUES}): a larger one is refused before it is decoded",
+        },
+    ),
+    (
+        "--max-body-text-bytes",
+        {
+            "type": int,
+            "default": DEFAULT_MAX_BODY_TEXT_BYTES,
+            "help": "the most bytes of a request body that are not inline media (default 8 MiB); "
+            "inline media, any string of 64 KiB or more of plain ASCII (base64, data: URLs), is "
+            "forwarded as it came and not counted: a larger one is refused before it is decoded",
         },
     ),
 )
@@ -1136,6 +1167,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         e_store_timeout_s=args.e_store_timeout,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         max_body_bytes=args.max_body_bytes,
+        max_body_values=args.max_body_values,
+        max_body_text_bytes=args.max_body_text_bytes,
         backend_keep_alive_s=_env_number(env, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5", float),
         api_key=env.get("OPENAI_API_KEY", ""),
     )

@@ -21,7 +21,7 @@ import re
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -32,6 +32,9 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from ..errors import InvalidArgument, InvalidArgumentType
 from .errors import ProxyError
 from .media import EMBEDS_PARTS, MM_TYPES, MODALITY
+
+if TYPE_CHECKING:
+    from .body import Blobs
 
 logger = logging.getLogger("mmreuse.proxy")
 
@@ -268,19 +271,26 @@ async def fetch_hop(
         return r.status, headers, bytes(body)
 
 
-def content_name(salt: Any, modality: str, media: str) -> str:
+def content_name(
+    salt: Any, modality: str, media: str | bytes, blobs: Blobs | None = None, *, json: bool = False
+) -> str:
     """The uuid of media as forwarded: sha256 of the salt and the modality (a JSON array, which
     ends itself), then `media`, the text that carries the bytes (a data: URL, an
-    `input_audio`'s canonical JSON). That text determines every byte vLLM decodes, so one name
-    is never two contents."""
+    `input_audio`'s canonical JSON: `json=True`, bytes). That text determines every byte vLLM
+    decodes, so one name is never two contents. `blobs`: the request's inline media, hashed as
+    the text it stands for."""
     h = hashlib.sha256(_json(["mmreuse-content-v1", salt, modality]))
-    h.update(media.encode())
+    data = media.encode() if isinstance(media, str) else media
+    if blobs is None:
+        h.update(data)
+    else:
+        blobs.update(h, data, json=json)
     return h.hexdigest()
 
 
-def embeds_name(salt: Any, kind: str, value: Any) -> str:
+def embeds_name(salt: Any, kind: str, value: Any, blobs: Blobs | None = None) -> str:
     """The uuid of a client's `*_embeds` part: its payload's canonical JSON, named as media."""
-    return content_name(salt, kind, _canonical(value).decode())
+    return content_name(salt, kind, _canonical(value), blobs, json=True)
 
 
 def _url_of(part: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -402,42 +412,32 @@ class MediaFetcher:
         )
 
 
-async def name_by_content(request: dict[str, Any], fetcher: MediaFetcher) -> int:
+# Fetched media up to this many bytes is inlined as a string; larger, as inline media kept as
+# bytes (`proxy.body.Blobs`), base64-encoded and hashed in a thread in pieces: never one long
+# GIL-holding call on the event loop.
+_INLINE_FETCHED = 48 << 10
+_B64_PIECE = 3 << 20  # bytes base64-encoded per call (a multiple of 3: no padding between)
+
+
+async def name_by_content(
+    request: dict[str, Any],
+    fetcher: MediaFetcher,
+    blobs: Blobs | None = None,
+    *,
+    off_loop: bool = False,
+) -> tuple[int, Blobs | None]:
     """Give every media part its content uuid, in place, fetching http(s) media and inlining it
     as a data: URL; every `*_embeds` part that carries a uuid gets its payload's. Returns how
-    many bytes were fetched. Raises `MediaRefused` (a 400) for a part that cannot be named."""
+    many bytes were fetched, and the request's inline media (`blobs`, or new ones for large
+    fetched media). `off_loop`: hash the request's own media in a thread (a large body). Raises
+    `MediaRefused` (a 400) for a part that cannot be named."""
     salt = request.get("cache_salt")
-    fetches: list[tuple[str, dict[str, Any], Any, str]] = []
-    for where, part in media_parts(request):
-        kind = part["type"]
-        if kind in EMBEDS_PARTS:
-            if part.get(kind) is None:  # "cached by uuid": nothing to check the name against
-                raise MediaRefused(
-                    where, "the part names no embedding (a uuid alone cannot be checked)"
-                )
-            if part.get("uuid"):
-                part["uuid"] = embeds_name(salt, kind, part.get(kind))
-            continue
-        modality = MODALITY[kind]
-        if kind == "input_audio":
-            audio = part.get("input_audio")
-            if not isinstance(audio, Mapping) or not isinstance(audio.get("data"), str):
-                raise MediaRefused(where, "input_audio carries no data")
-            text = _canonical(audio).decode()
-            part["uuid"] = content_name(salt, modality, text)
-            continue
-        ref, url = _url_of(part)
-        if not isinstance(url, str) or not url:
-            raise MediaRefused(
-                where, "the part names no media (a uuid alone cannot be checked against it)"
-            )
-        if url[:5].lower() == "data:":
-            part["uuid"] = content_name(salt, modality, url)  # vLLM refuses a malformed one
-        else:
-            fetcher.check_host(url, where)  # every refusal before any fetch
-            fetches.append((where, part, ref, url))
+    if off_loop:
+        fetches = await asyncio.to_thread(_name_inline, request, fetcher, salt, blobs)
+    else:
+        fetches = _name_inline(request, fetcher, salt, blobs)
     if not fetches:
-        return 0
+        return 0, blobs
     lim = fetcher.limits
     budget = [lim.max_request_bytes]
     gate = asyncio.Semaphore(lim.concurrency)  # a request's fetches at once
@@ -464,9 +464,67 @@ async def name_by_content(request: dict[str, Any], fetcher: MediaFetcher) -> int
     fetched = 0
     for (_, part, ref, _), task in zip(fetches, got, strict=True):
         media_type, body = task.result()
-        inline = f"data:{media_type};base64,{base64.b64encode(body).decode()}"
         kind = part["type"]
+        if len(body) <= _INLINE_FETCHED:
+            inline = f"data:{media_type};base64,{base64.b64encode(body).decode()}"
+            uuid = content_name(salt, MODALITY[kind], inline, blobs)
+        else:
+            if blobs is None:
+                from .body import Blobs
+
+                blobs = Blobs()
+            inline, uuid = await asyncio.to_thread(
+                _inline_fetched, blobs, salt, MODALITY[kind], media_type, body
+            )
         part[kind] = {**ref, "url": inline} if isinstance(ref, Mapping) else {"url": inline}
-        part["uuid"] = content_name(salt, MODALITY[kind], inline)
+        part["uuid"] = uuid
         fetched += len(body)
-    return fetched
+    return fetched, blobs
+
+
+def _inline_fetched(
+    blobs: Blobs, salt: Any, modality: str, media_type: str, body: bytes
+) -> tuple[str, str]:
+    """(a placeholder for the data: URL of `body`, its content name): base64 in pieces."""
+    pieces = [base64.b64encode(body[i : i + _B64_PIECE]) for i in range(0, len(body), _B64_PIECE)]
+    inline = blobs.add(f"data:{media_type};base64,".encode(), *pieces)
+    return inline, content_name(salt, modality, inline, blobs)
+
+
+def _name_inline(
+    request: dict[str, Any], fetcher: MediaFetcher, salt: Any, blobs: Blobs | None
+) -> list[tuple[str, dict[str, Any], Any, str]]:
+    """Name every part whose media the request carries, in place; the http(s) ones to fetch
+    (where, part, its reference, URL), each host checked before any fetch."""
+    fetches: list[tuple[str, dict[str, Any], Any, str]] = []
+    for where, part in media_parts(request):
+        kind = part["type"]
+        if kind in EMBEDS_PARTS:
+            if part.get(kind) is None:  # "cached by uuid": nothing to check the name against
+                raise MediaRefused(
+                    where, "the part names no embedding (a uuid alone cannot be checked)"
+                )
+            if part.get("uuid"):
+                part["uuid"] = embeds_name(salt, kind, part.get(kind), blobs)
+            continue
+        modality = MODALITY[kind]
+        if kind == "input_audio":
+            audio = part.get("input_audio")
+            if not isinstance(audio, Mapping) or not isinstance(audio.get("data"), str):
+                raise MediaRefused(where, "input_audio carries no data")
+            part["uuid"] = content_name(salt, modality, _canonical(audio), blobs, json=True)
+            continue
+        ref, url = _url_of(part)
+        if not isinstance(url, str) or not url:
+            raise MediaRefused(
+                where, "the part names no media (a uuid alone cannot be checked against it)"
+            )
+        head = url[:5] if blobs is None else blobs.head(url, 5)
+        if head.lower() == "data:":
+            part["uuid"] = content_name(salt, modality, url, blobs)  # vLLM refuses a malformed one
+        elif blobs is not None and blobs.length(url) != len(url):
+            raise MediaRefused(where, f"an http(s) URL of {blobs.length(url)} characters")
+        else:
+            fetcher.check_host(url, where)  # every refusal before any fetch
+            fetches.append((where, part, ref, url))
+    return fetches

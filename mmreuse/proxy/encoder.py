@@ -23,14 +23,20 @@ from typing import Any
 import msgspec
 import yarl
 
+from .body import Blobs, encode_body, size_of
 from .errors import ProxyError
 from .media import EMBEDS_TYPES, item_uuid, uses_audio_in_video
 from .upstream import Upstream
 
 logger = logging.getLogger("mmreuse.proxy")
 
-# Copied from the client request onto each E sub-request when present.
+# Copied from the client request onto each E sub-request when present (E processes and loads
+# the media as P will, and schedules it as asked).
 E_COPIED_KEYS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
+# What those copies may add to E's traffic for one request, in all: this much, or the request's
+# own size where larger. Audio and video go one item per sub-request, so a request of many
+# small items and a large copied field would otherwise multiply that field into E (999 x it).
+E_COPIES_FLOOR = 1 << 20
 
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
@@ -85,6 +91,45 @@ class EncoderFanout:
         urls, start = self.urls, self._cursor
         self._cursor = (start + count) % len(urls)
         return [urls[(start + i) % len(urls)] for i in range(count)]
+
+    def subrequests_bound(self, items: Sequence[Mapping[str, Any]]) -> int:
+        """The most sub-requests `items` can take (`groups`, whichever E gets them): one per
+        audio or video item, one per encoder batch of images."""
+        images = sum(1 for item in items if item["type"] == "image_url")
+        batches = images // self.max_batch_size if self.max_batch_size else 0
+        return len(items) - images + min(images, len(self.urls)) + batches
+
+    def check_shared(
+        self,
+        request: Mapping[str, Any],
+        items: Sequence[Mapping[str, Any]],
+        request_bytes: int,
+        blobs: Blobs | None = None,
+    ) -> None:
+        """Refuse (a 400 naming the field) a request whose E_COPIED_KEYS, copied into each of
+        its sub-requests, would send E more than E_COPIES_FLOOR or `request_bytes` in all:
+        checked when the request is read, before anything is sent."""
+        present = [key for key in E_COPIED_KEYS if key in request]
+        if not present or not items:
+            return
+        sizes = {}
+        for key in present:
+            out = _encode.encode(request[key])
+            sizes[key] = len(out) if blobs is None else size_of(blobs.splice(out))
+        subs = self.subrequests_bound(items)
+        total = sum(sizes.values()) * subs
+        allowed = max(E_COPIES_FLOOR, request_bytes)
+        if total > allowed:
+            largest = max(present, key=sizes.__getitem__)
+            raise ProxyError(
+                400,
+                f"{largest} ({sizes[largest]} bytes) is copied into each encoder sub-request, "
+                f"and this request takes up to {subs} (one per audio or video item): "
+                f"{total} bytes in all, over the {allowed} allowed (the request's own size, "
+                f"at least {E_COPIES_FLOOR}); send fewer such items per request, or a smaller "
+                f"{largest}",
+                stage="proxy",
+            )
 
     def groups(self, items: Sequence[Mapping[str, Any]], indices: Sequence[int]):
         """(encoder url, item indices) per sub-request."""
@@ -292,7 +337,7 @@ def _collect(
 async def _post(
     upstream: Upstream, url: yarl.URL, body: Any, headers: dict[str, str]
 ) -> tuple[int, bytes]:
-    resp = await upstream.post(url, _encode.encode(body), headers)
+    resp = await upstream.post(url, await encode_body(body), headers)
     try:
         return resp.status, await resp.read()
     finally:

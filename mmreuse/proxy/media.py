@@ -11,11 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from .errors import ProxyError
+
+if TYPE_CHECKING:
+    from .body import Blobs
 
 MM_TYPES = frozenset({"image_url", "audio_url", "input_audio", "video_url"})
 
@@ -36,12 +39,19 @@ MODALITY = {
 }
 
 
-def content_uuid(item: Mapping[str, Any]) -> str:
-    """The reference's content key: sha256 of the item's URL string, else of its sorted JSON."""
+def content_uuid(item: Mapping[str, Any], blobs: Blobs | None = None) -> str:
+    """The reference's content key: sha256 of the item's URL string, else of its sorted JSON.
+    `blobs`: the request's inline media (`proxy.body`), hashed as the text it stands for."""
     ref = item.get("image_url") or item.get("audio_url") or item.get("video_url") or {}
     url = ref.get("url") if isinstance(ref, Mapping) else None
-    payload = url or json.dumps(item, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()
+    if blobs is None:
+        return hashlib.sha256((url or json.dumps(item, sort_keys=True)).encode()).hexdigest()
+    h = hashlib.sha256()
+    if url:
+        blobs.update(h, url)
+    else:
+        blobs.update(h, json.dumps(item, sort_keys=True).encode(), json=True)
+    return h.hexdigest()
 
 
 # The content types of a `*_embeds` part (a client's input, or the proxy's reference to E's).
@@ -49,21 +59,40 @@ EMBEDS_PARTS = frozenset(EMBEDS_TYPES.values())
 _json = msgspec.json.Encoder().encode  # compact JSON: an unambiguous key, in C
 
 
-def tenant_uuid(part: Mapping[str, Any], cache_salt: Any) -> str:
+def tenant_uuid(part: Mapping[str, Any], cache_salt: Any, blobs: Blobs | None = None) -> str:
     """`--uuid-policy tenant`: the part's uuid (the client's, else the reference's content key)
     namespaced by the request's cache salt, so that no tenant can name, or be served, another
-    tenant's embedding (vLLM keys P's encoder cache and the EC store by uuid, unscoped)."""
-    client = part.get("uuid")
-    key = ["uuid", client] if client else ["content", content_uuid(part)]
-    return hashlib.sha256(_json(["mmreuse-tenant-v1", cache_salt, *key])).hexdigest()
+    tenant's embedding (vLLM keys P's encoder cache and the EC store by uuid, unscoped):
+    sha256 of `["mmreuse-tenant-v1", cache_salt, "uuid", <client uuid>]` (or `"content",
+    <content key>`) as compact JSON."""
+    return _tenant_prefix(cache_salt)(part, blobs)
 
 
-def namespace_uuids(request: dict[str, Any]) -> int:
+def _tenant_prefix(cache_salt: Any) -> Any:
+    """`tenant_uuid` for one salt, the salt hashed once: (part, blobs) -> uuid."""
+    head = _json(["mmreuse-tenant-v1", cache_salt])
+    prefix = hashlib.sha256(head[:-1] + b",")  # `["mmreuse-tenant-v1",<salt>,` then the key
+
+    def name(part: Mapping[str, Any], blobs: Blobs | None) -> str:
+        client = part.get("uuid")
+        key = ["uuid", client] if client else ["content", content_uuid(part, blobs)]
+        h = prefix.copy()
+        rest = _json(key)[1:]
+        if blobs is None:
+            h.update(rest)
+        else:
+            blobs.update(h, rest, json=True)
+        return h.hexdigest()
+
+    return name
+
+
+def namespace_uuids(request: dict[str, Any], blobs: Blobs | None = None) -> int:
     """Give every media part its tenant uuid, and every `*_embeds` part that carries a uuid
     (even `""`, which vLLM keeps as the item's identifier) its namespaced one, in place;
     returns how many parts changed. Parts are those `scan_parts` let through: their type says
-    what vLLM takes them for."""
-    salt = request.get("cache_salt")
+    what vLLM takes them for. The salt is hashed once for the request."""
+    name = _tenant_prefix(request.get("cache_salt"))
     n = 0
     for msg in request.get("messages") or ():
         content = msg.get("content") if isinstance(msg, Mapping) else None
@@ -74,14 +103,40 @@ def namespace_uuids(request: dict[str, Any]) -> int:
                 continue
             kind = part.get("type")
             if kind in MM_TYPES or (kind in EMBEDS_PARTS and part.get("uuid") is not None):
-                part["uuid"] = tenant_uuid(part, salt)
+                part["uuid"] = name(part, blobs)
                 n += 1
     return n
 
 
-def item_uuid(item: Mapping[str, Any]) -> str:
+def item_uuid(item: Mapping[str, Any], blobs: Blobs | None = None) -> str:
     """The identifier the proxy gives an item: the client's `uuid`, else `content_uuid`."""
-    return item.get("uuid") or content_uuid(item)
+    return item.get("uuid") or content_uuid(item, blobs)
+
+
+# vLLM's rule for a request's cache_salt (0.32-0.34 `validate_cache_salt`): a non-empty string of
+# at most 128 characters, none of them '@', '/', '\' or NUL (the EC connectors' key separators).
+MAX_CACHE_SALT_CHARS = 128
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(request: Mapping[str, Any]) -> None:
+    """Refuse (a 400, vLLM's words) a `cache_salt` every vLLM the proxy fronts refuses, before
+    any work that reads it (naming hashes it per item). A salt long enough to be kept as inline
+    media (`proxy.body`) is refused too: its placeholder holds a NUL."""
+    salt = request.get("cache_salt")
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise ProxyError(
+            400, "Parameter 'cache_salt' must be a non-empty string if provided.", stage="proxy"
+        )
+    if len(salt) > MAX_CACHE_SALT_CHARS or not _SALT_FORBIDDEN.isdisjoint(salt):
+        raise ProxyError(
+            400,
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', "
+            "'/', '\\\\', or NUL.",
+            stage="proxy",
+        )
 
 
 def extract_mm_items(request: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -119,6 +174,10 @@ MEDIA_KINDS: dict[str, str | None] = {
 _KIND_OF_TYPE = {"input_image": "image_url"}
 _DETAILS = ("low", "high", "auto")  # what vLLM's `input_image` part may say of its detail
 DEFAULT_MM_LIMIT = 999  # vLLM's --limit-mm-per-prompt default, per modality
+# The JSON values one media part may hold, itself included: vLLM reads a type, the media (a URL,
+# or an audio's data and format), a detail and a uuid. A part's content key is its sorted JSON
+# (`content_uuid`), one C call: bounded here, it cannot hold the event loop.
+MAX_PART_VALUES = 64
 
 
 def vllm_part_kind(part: Mapping[str, Any]) -> str | None:
@@ -211,6 +270,12 @@ def scan_parts(
                         f"at most {limit} {modality} item(s) may be provided in one prompt "
                         "(--limit-mm-per-prompt)",
                     )
+            if _values_over(part, MAX_PART_VALUES):
+                raise PartRefused(
+                    f"messages[{i}].content[{j}]",
+                    f"a media part may hold at most {MAX_PART_VALUES} JSON values (its type, "
+                    "media, uuid and the few keys vLLM reads)",
+                )
             if kind in MM_TYPES:
                 items.append(part)
             elif kind in EMBEDS_PARTS:
@@ -218,6 +283,27 @@ def scan_parts(
                 if kind == "video_embeds" and "audio_embeds" in part:
                     _check_embeds(part, "audio_embeds", f"messages[{i}].content[{j}]")
     return items
+
+
+def _values_over(x: Any, budget: int) -> bool:
+    """Whether `x` holds more than `budget` JSON values (itself included); visits at most
+    `budget` + 1 of them."""
+    stack = [x]
+    while stack:
+        v = stack.pop()
+        budget -= 1
+        if type(v) is dict:
+            budget -= len(v)  # each key a value more
+            if budget < len(v):
+                return True
+            stack.extend(v.values())
+        elif type(v) is list:
+            if budget < len(v):
+                return True
+            stack.extend(v)
+        if budget < 0:
+            return True
+    return False
 
 
 def _check_embeds(part: Mapping[str, Any], key: str, where: str) -> None:

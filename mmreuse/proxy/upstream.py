@@ -35,6 +35,7 @@ MAX_HEAD = 1 << 16  # status line and headers: an answer with more is refused
 _SMALL_BODY = 1 << 14  # joined with the head into one write below this; two writes above
 
 Key = tuple[str, str, int]
+Buffer = bytes | bytearray | memoryview
 
 
 @functools.lru_cache(maxsize=256)
@@ -363,9 +364,10 @@ class Upstream:
         self._ssl: ssl.SSLContext | None = None
 
     async def post(
-        self, url: yarl.URL, body: bytes, headers: Mapping[str, str]
+        self, url: yarl.URL, body: bytes | list[Buffer], headers: Mapping[str, str]
     ) -> UpstreamResponse:
-        """POST `body` to `url` with `headers` (and Host, Content-Length, and Connection: close
+        """POST `body` (bytes, or buffers written in turn: a request's inline media as it came,
+        `proxy.body`) to `url` with `headers` (and Host, Content-Length, and Connection: close
         without keep-alive: the bytes aiohttp's client writes); the answer once its
         status line and headers are in. Call its `release()` when done with it."""
         key, head = _target(url)
@@ -374,7 +376,8 @@ class Upstream:
             if "\r" in value or "\n" in value:
                 raise ValueError(f"header {name}: a line break in {value[:80]!r}")
             lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
-        lines.append(self._end % len(body))
+        size = len(body) if isinstance(body, bytes) else sum(memoryview(b).nbytes for b in body)
+        lines.append(self._end % size)
         conn = self._take(key)
         if conn is None:
             conn = await self._connect(key)
@@ -383,7 +386,9 @@ class Upstream:
         transport = conn.transport
         assert transport is not None
         try:
-            if len(body) < _SMALL_BODY:
+            if not isinstance(body, bytes):
+                transport.writelines([b"".join(lines), *body])
+            elif len(body) < _SMALL_BODY:
                 lines.append(body)
                 transport.write(b"".join(lines))
             else:

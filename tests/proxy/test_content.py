@@ -347,7 +347,7 @@ async def test_a_requests_media_is_bounded_in_all_not_only_per_item():
         await name_by_content(chat(*(img(u) for u in urls)), MediaFetcher(limits, get))
     assert e.value.status == 400 and "over 1000 in all" in e.value.detail
     two = chat(*(img(u) for u in urls[:2]))
-    assert await name_by_content(two, MediaFetcher(limits, get)) == 800
+    assert await name_by_content(two, MediaFetcher(limits, get)) == (800, None)
     assert [p["image_url"]["url"] for p in two["messages"][0]["content"]] == [
         data_url(b"x" * 400)
     ] * 2
