@@ -2,9 +2,9 @@
 # The library tier on Python 3.12, torch-free: a second venv (.venv-py312) with the core and the
 # [test-core] extra (events, proxy, pytest, hypothesis, pytest-benchmark; no torch: its 3.12
 # wheel would be a multi-GB CUDA download), the torch-free extensions built (mmreuse._index,
-# mmreuse._hashcore; setup.py skips mmreuse._C without torch), then the tests that need neither
-# torch nor the vLLM oracle. Modules that need torch skip themselves (pytest.importorskip); the
-# oracle and live tiers are deselected. .ci/run runs it after the main tests.
+# mmreuse._jsonscan, mmreuse._hashcore; setup.py skips mmreuse._C without torch), then the tests
+# that need neither torch nor the vLLM oracle. Modules that need torch skip themselves
+# (pytest.importorskip); the oracle and live tiers are deselected. .ci/run runs it after the main tests.
 #   bash tools/test_py312.sh [PYTEST ARGS]
 #   env: MMREUSE_PY312 (a python3.12 to use), MMREUSE_PY312_VENV (default .venv-py312)
 # Fails, loudly, when no Python 3.12 is found: on PATH, in pyenv, or in MMREUSE_PY312.
@@ -41,7 +41,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --no-build-isolation -e '.[test-core]'
 "$VENV/bin/python" - <<'EOF'
 import importlib.util, sys
-import mmreuse, mmreuse._index
+import mmreuse, mmreuse._index, mmreuse._jsonscan
 from mmreuse.hashing import fast_path_available
 assert importlib.util.find_spec("torch") is None, "torch must not be installed in the 3.12 venv"
 assert fast_path_available(), "mmreuse._hashcore (the hashing fast path) was not built"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ from tests.support.proxy_fakes import chat, img
 from tests.support.waiting import async_wait_until
 
 A = "http://media/a.png"
+JSON_TYPE = {"Content-Type": "application/json"}
 
 
 def _spawn(*argv: str) -> subprocess.Popen:
@@ -206,6 +208,64 @@ async def test_a_worker_busy_for_less_than_the_bound_is_not_killed(fakes):
         health = await _until(recovered, "worker 0 never answered again")
         assert health["workers"]["0"]["pid"] == pid0, health
         assert health["workers"]["0"]["restarts"] == 0, health
+        async with aiohttp.ClientSession() as s, s.get(f"{mbase}/metrics") as r:
+            assert _restarts(await r.text()) == {}
+
+
+def _hostile_bodies() -> list[bytes]:
+    """The largest requests of the kinds that held a worker's loop for seconds (the third
+    hostile review): a 4 MiB cache_salt on 999 images (naming hashed it per image), 999 audio
+    items with 1 MiB of processor kwargs (copied into each E sub-request), an audio part with
+    1,000,000 extra keys (its content key, its sorted JSON), 64 MiB of inline media."""
+    images = [img(f"http://media/{i}.png") for i in range(999)]
+    audio = [
+        {"type": "input_audio", "input_audio": {"data": f"UklGR{i:03d}", "format": "wav"}}
+        for i in range(999)
+    ]
+    keys = b",".join(b'"k%d":0' % i for i in range(1_000_000))
+    inline = "data:image/png;base64," + "QUJD" * (16 << 20)
+    return [
+        json.dumps(chat(*images, cache_salt="s" * (4 << 20))).encode(),
+        json.dumps(chat(*audio, mm_processor_kwargs={"pad": "p" * (1 << 20)})).encode(),
+        b'{"model":"tiny","messages":[{"role":"user","content":[{"type":"input_audio",'
+        b'"input_audio":{"data":"UklGRg==","format":"wav",' + keys + b"}}]}]}",
+        json.dumps(chat(img(inline))).encode(),
+    ]
+
+
+async def test_no_clients_request_gets_a_worker_killed(fakes):
+    # Each of these once held a worker's loop past --worker-stall-timeout: the watchdog killed
+    # it, and the other clients' requests on it were lost. Now each is refused or served
+    # within its bound, and every request of the other clients meanwhile is answered.
+    e, pd = await fakes("e"), await fakes("pd")
+    argv = ("--encode-servers-urls", e.url, "--decode-servers-urls", pd.url)
+    async with workers(2, *argv, "--uuid-policy", "tenant", "--worker-stall-timeout", "2") as (
+        _, base, mbase,
+    ):  # fmt: skip
+        done = asyncio.Event()
+        answered: list[int] = []
+
+        async def others() -> None:
+            async with aiohttp.ClientSession() as s:
+                while not done.is_set():
+                    body = chat(img(A), cache_salt="other")
+                    async with s.post(f"{base}/v1/chat/completions", json=body) as r:
+                        answered.append(r.status)
+
+        canary = asyncio.create_task(others())
+        statuses = []
+        for body in _hostile_bodies():
+            connector = aiohttp.TCPConnector(force_close=True)  # a worker picked per connection
+            async with (
+                aiohttp.ClientSession(connector=connector) as s,
+                s.post(f"{base}/v1/chat/completions", data=body, headers=JSON_TYPE) as r,
+            ):
+                statuses.append(r.status)
+        await asyncio.sleep(2.5)  # past the stall bound: a watchdog kill would have happened
+        done.set()
+        await canary
+        assert statuses == [400, 400, 400, 200], statuses
+        assert answered and set(answered) == {200}, answered
         async with aiohttp.ClientSession() as s, s.get(f"{mbase}/metrics") as r:
             assert _restarts(await r.text()) == {}
 
