@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -22,13 +23,14 @@ namespace {
 
 constexpr uint64_t kOnes = 0x0101010101010101ULL;
 constexpr uint64_t kHighs = 0x8080808080808080ULL;
+constexpr Py_ssize_t kReleaseGilBytes = 64 << 10;  // smaller bodies are scanned holding it
 
 // Whether any byte of `v` is zero (may also flag bytes above a zero one: callers re-check
 // bytewise).
 inline uint64_t HasZero(uint64_t v) { return (v - kOnes) & ~v & kHighs; }
 
-// Whether any byte of `w` may end a plain run: a quote, a backslash, a byte under 0x20 or over
-// 0x7e (non-zero when one does; false positives only next to a real one).
+// Whether any byte of `w` is not plain: a quote, a backslash, a byte under 0x20 or over 0x7e
+// (non-zero when one is; false positives only next to a real one).
 inline bool MayStop(uint64_t w) {
   const uint64_t quote = HasZero(w ^ (kOnes * '"'));
   const uint64_t backslash = HasZero(w ^ (kOnes * '\\'));
@@ -38,6 +40,51 @@ inline bool MayStop(uint64_t w) {
   return (quote | backslash | control | high | del) != 0;
 }
 
+// Whether the `n` bytes at `s` are all plain (printable ASCII, no quote or backslash).
+bool IsPlain(const unsigned char* s, Py_ssize_t n) {
+  Py_ssize_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint64_t w;
+    std::memcpy(&w, s + j, 8);
+    if (MayStop(w)) break;
+  }
+  for (; j < n; ++j) {
+    const unsigned char d = s[j];
+    if (d < 0x20 || d > 0x7e || d == '"' || d == '\\') return false;
+  }
+  return true;
+}
+
+// The offset of the quote that ends the string whose contents start at `j`, or `n` if none: the
+// next quote not escaped, i.e. not after an odd run of backslashes (memchr finds each quote).
+Py_ssize_t StringEnd(const unsigned char* s, Py_ssize_t j, Py_ssize_t n) {
+  while (j < n) {
+    const void* hit = std::memchr(s + j, '"', static_cast<size_t>(n - j));
+    if (hit == nullptr) return n;
+    const Py_ssize_t q = static_cast<const unsigned char*>(hit) - s;
+    Py_ssize_t slashes = 0;
+    while (q - slashes - 1 >= j && s[q - slashes - 1] == '\\') ++slashes;
+    if (slashes % 2 == 0) return q;
+    j = q + 1;
+  }
+  return n;
+}
+
+// What a byte outside a string is to the scan.
+enum ByteClass : unsigned char { kOther, kComma, kOpen, kClose, kQuote };
+
+constexpr std::array<unsigned char, 256> MakeClasses() {
+  std::array<unsigned char, 256> t{};
+  t[','] = kComma;
+  t['['] = kOpen;
+  t['{'] = kOpen;
+  t[']'] = kClose;
+  t['}'] = kClose;
+  t['"'] = kQuote;
+  return t;
+}
+constexpr std::array<unsigned char, 256> kClass = MakeClasses();
+
 struct Shape {
   Py_ssize_t values = 1;          // the root, then one per array element or object member
   Py_ssize_t depth = 0;           // the deepest nesting of arrays and objects
@@ -46,61 +93,46 @@ struct Shape {
 };
 
 void ScanBytes(const unsigned char* s, Py_ssize_t n, Py_ssize_t plain_min, Shape* out) {
-  Py_ssize_t level = 0;
+  // Locals, not `out`'s fields: bytes may alias anything, so the compiler would reload those.
+  Py_ssize_t values = 1, depth = 0, level = 0;
   Py_ssize_t skipped = 0;  // bytes of the long plain strings' contents
   Py_ssize_t i = 0;
   while (i < n) {
-    const unsigned char c = s[i];
-    if (c == '"') {
-      const Py_ssize_t start = i + 1;
-      Py_ssize_t j = start;
-      bool plain = true;
-      while (j < n) {
-        if (plain && j + 8 <= n) {
-          uint64_t w;
-          std::memcpy(&w, s + j, 8);
-          if (!MayStop(w)) {
-            j += 8;
-            continue;
-          }
-        }
-        const unsigned char d = s[j];
-        if (d == '"') break;
-        if (d == '\\') {
-          plain = false;
-          j += 2;  // the escaped byte cannot end the string
+    switch (kClass[s[i]]) {
+      case kQuote: {
+        const Py_ssize_t start = i + 1;
+        const Py_ssize_t end = StringEnd(s, start, n);
+        if (end >= n) {  // unterminated: the decoder refuses the body
+          i = n;
           continue;
         }
-        if (d < 0x20 || d > 0x7e) plain = false;
-        ++j;
+        if (end - start >= plain_min && IsPlain(s + start, end - start)) {
+          out->spans.push_back(start);
+          out->spans.push_back(end);
+          skipped += end - start;
+        }
+        i = end + 1;
+        continue;
       }
-      if (j >= n) break;  // unterminated: the decoder refuses the body
-      if (plain && j - start >= plain_min) {
-        out->spans.push_back(start);
-        out->spans.push_back(j);
-        skipped += j - start;
-      }
-      i = j + 1;
-      continue;
-    }
-    switch (c) {
-      case ',':
-        ++out->values;
+      case kComma:
+        ++values;
         break;
-      case '[':
-      case '{':
-        ++out->values;
-        if (++level > out->depth) out->depth = level;
+      case kOpen:
+        ++values;
+        if (++level > depth) depth = level;
         break;
-      case ']':
-      case '}':
+      case kClose:
         --level;
         break;
-      default:
-        break;
+      default:  // whitespace, digits, literals: on to the next byte that is not one
+        while (++i < n && kClass[s[i]] == kOther) {
+        }
+        continue;
     }
     ++i;
   }
+  out->values = values;
+  out->depth = depth;
   out->text = n - skipped;
 }
 
@@ -119,21 +151,41 @@ PyObject* Scan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_buffer view;
   if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0) return nullptr;
   Shape shape;
-  Py_BEGIN_ALLOW_THREADS;
-  ScanBytes(static_cast<const unsigned char*>(view.buf), view.len, plain_min, &shape);
-  Py_END_ALLOW_THREADS;
+  const auto* bytes = static_cast<const unsigned char*>(view.buf);
+  if (view.len < kReleaseGilBytes) {  // microseconds: cheaper than handing the GIL over
+    ScanBytes(bytes, view.len, plain_min, &shape);
+  } else {
+    Py_BEGIN_ALLOW_THREADS;
+    ScanBytes(bytes, view.len, plain_min, &shape);
+    Py_END_ALLOW_THREADS;
+  }
   PyBuffer_Release(&view);
+  PyObject* out = PyTuple_New(4);
   PyObject* spans = PyList_New(static_cast<Py_ssize_t>(shape.spans.size()));
-  if (spans == nullptr) return nullptr;
+  if (out == nullptr || spans == nullptr) {
+    Py_XDECREF(out);
+    Py_XDECREF(spans);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(out, 3, spans);
+  const Py_ssize_t counts[3] = {shape.values, shape.depth, shape.text};
+  for (Py_ssize_t k = 0; k < 3; ++k) {
+    PyObject* v = PyLong_FromSsize_t(counts[k]);
+    if (v == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, k, v);
+  }
   for (size_t k = 0; k < shape.spans.size(); ++k) {
     PyObject* v = PyLong_FromSsize_t(shape.spans[k]);
     if (v == nullptr) {
-      Py_DECREF(spans);
+      Py_DECREF(out);
       return nullptr;
     }
     PyList_SET_ITEM(spans, static_cast<Py_ssize_t>(k), v);
   }
-  return Py_BuildValue("(nnnN)", shape.values, shape.depth, shape.text, spans);
+  return out;
 }
 
 PyMethodDef kMethods[] = {
@@ -141,7 +193,7 @@ PyMethodDef kMethods[] = {
      "scan(body, plain_min) -> (values, depth, text_bytes, spans): a JSON body's values (an "
      "object member counting as one), its deepest nesting, its bytes other than the contents of "
      "plain-ASCII strings of at least plain_min bytes, and those contents' [start, end) offsets, "
-     "flat; with the GIL released"},
+     "flat; with the GIL released (bodies of 64 KiB or more)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_jsonscan",

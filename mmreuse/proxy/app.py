@@ -19,7 +19,6 @@ import functools
 import logging
 import random
 import time
-import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,7 +36,16 @@ from .body import Blobs, BodyLimits, encode_body
 from .config import ProxyConfig, UuidPolicy
 from .content import MediaFetcher, MediaLimits, name_by_content
 from .demand import DemandClient
-from .encoder import EMPTY, EncodeResult, EncoderFanout, Encoding, chat_url, new_hex
+from .encoder import (
+    E_COPIED_KEYS,
+    EMPTY,
+    EncodeResult,
+    EncoderFanout,
+    Encoding,
+    chat_url,
+    new_hex,
+    new_uuid4,
+)
 from .errors import ProxyError
 from .eside import ESide
 from .media import (
@@ -251,7 +259,6 @@ class Proxy:
         t0 = time.perf_counter()
         m = self.metrics
         policy = self.config.policy
-        blobs = bodies.CURRENT.set(None)  # the request's inline media, once read (`_chat`)
         try:
             response = await self._chat(request)
         except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler)
@@ -267,7 +274,8 @@ class Proxy:
             m.request(policy, "server_error").inc()
             return web.json_response({"detail": f"Proxy error: {e}"}, status=500)
         finally:
-            bodies.CURRENT.reset(blobs)
+            if bodies.CURRENT.get() is not None:  # set by `_chat` for a large body
+                bodies.CURRENT.set(None)
         outcome = getattr(response, "mmreuse_outcome", None) or _outcome(response.status)
         m.request(policy, outcome).inc()
         m.stage["total"].observe(time.perf_counter() - t0)
@@ -289,9 +297,11 @@ class Proxy:
         if isinstance(xargs, dict) and DEMAND_ID_KEY in xargs:  # the proxy's channel to P
             req["vllm_xargs"] = {k: v for k, v in xargs.items() if k != DEMAND_ID_KEY}
             self.metrics.stripped(f"vllm_xargs.{DEMAND_ID_KEY}").inc()
-        check_cache_salt(req)  # vLLM refuses the request: before naming hashes it per item
+        if "cache_salt" in req:  # vLLM refuses a bad one: before naming hashes it per item
+            check_cache_salt(req)
         items = scan_parts(req, self.config.limit_mm_per_prompt)
-        self.encoders.check_shared(req, items, len(body), blobs)
+        if items and not req.keys().isdisjoint(E_COPIED_KEYS):
+            self.encoders.check_shared(req, items, len(body), blobs)
         if self.config.uuid_policy == UuidPolicy.CONTENT:
             return req, items, None, blobs  # named by their bytes (`_read`)
         if self.config.uuid_policy == UuidPolicy.TENANT:
@@ -305,7 +315,7 @@ class Proxy:
             bodies.CURRENT.set(blobs)  # built for E, P and D off the loop (`bodies.sized`)
         req_id = request.headers.get("x-request-id")
         if req_id is None:  # as the reference: an empty header stays empty
-            req_id = str(uuidlib.UUID(new_hex(128), version=4))
+            req_id = new_uuid4()
         decision, encoded = await self._decide(req, items, uuids, req_id)
         if self.after_decide is not None:
             await self.after_decide(dataclasses.replace(decision, request_id=req_id))
@@ -316,7 +326,7 @@ class Proxy:
     ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str], Blobs | None]:
         """The client's request, its media parts and their uuids (`_parse`, named by
         --uuid-policy), and its inline media."""
-        raw = await read_body(request)
+        raw = await bodies.read_body(request, self.config.max_body_bytes)
         big = len(raw) > OFF_LOOP_BYTES  # its scan, decode, walk and hashes: in a thread
         req, items, uuids, blobs = (
             await asyncio.to_thread(self._parse, raw) if big else self._parse(raw)
@@ -533,9 +543,11 @@ class Proxy:
         if self.config.no_rewrite:
             prepared: Mapping[str, Any] = req
         else:
-            prepared = await bodies.sized(
-                rewrite_for_decode, req, item_meta, decision.dispatch.raw_items, uuids, items
-            )
+            args = (req, item_meta, decision.dispatch.raw_items, uuids, items)
+            if bodies.CURRENT.get() is None:  # a small body: on the loop (`bodies.sized`)
+                prepared = rewrite_for_decode(*args)
+            else:
+                prepared = await asyncio.to_thread(rewrite_for_decode, *args)
         if result.ec_params:
             handles = dict(prepared.get("ec_transfer_params") or {})
             handles.update(result.ec_params)

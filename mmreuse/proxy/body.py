@@ -28,7 +28,7 @@ import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -41,8 +41,6 @@ from .errors import ProxyError
 # bytes it came in: every inline image (the smallest PNG is ~100 bytes of base64; a thumbnail a
 # few KB), and any long plain text, which needs no decoding either.
 PLAIN_MIN = 1 << 10
-# Bodies up to this size are read whole by aiohttp; larger ones in pieces into one buffer.
-_READ_WHOLE = 1 << 20
 
 _enc = msgspec.json.Encoder()
 _MARK = "\x00mmreuse-blob:"  # a placeholder's start, as text
@@ -83,14 +81,15 @@ class BodyLimits:
 class Blobs:
     """One request's inline media: the bytes of each long plain string, by placeholder."""
 
-    __slots__ = ("__weakref__", "_json_mark", "_parts", "_text_mark", "nonce")
+    __slots__ = ("__weakref__", "_json_mark", "_parts", "_text_mark", "nonce")  # weakref: finalize
 
     def __init__(self) -> None:
         self.nonce = os.urandom(16).hex()
         self._text_mark = f"{_MARK}{self.nonce}:"
         self._json_mark = self._text_mark.replace("\x00", "\\u0000").encode()
         self._parts: list[tuple[Buffer, ...]] = []
-        _LIVE[self.nonce] = self
+        _LIVE.add(self.nonce)
+        weakref.finalize(self, _LIVE.discard, self.nonce)
 
     def __len__(self) -> int:
         return len(self._parts)
@@ -176,17 +175,21 @@ def _index(digits: str) -> int | None:
     return int(digits) if digits.isascii() and digits.isdigit() and len(digits) < 12 else None
 
 
-# Every request's Blobs while it is alive, by nonce (`encode_json`'s check), and the one of the
+# The nonce of every request's Blobs while it is alive (`encode_json`'s check), and the one of the
 # request the current task serves (set by the chat route for the request's lifetime).
-_LIVE: weakref.WeakValueDictionary[str, Blobs] = weakref.WeakValueDictionary()
+_LIVE: set[str] = set()
 CURRENT: contextvars.ContextVar[Blobs | None] = contextvars.ContextVar(
     "mmreuse_request_blobs", default=None
 )
 
 
 async def encode_body(obj: Any) -> Out:
-    """`encode_json`, in a thread for a large request (`sized`)."""
-    return await sized(encode_json, obj)
+    """`encode_json`, in a thread for a large request (as `sized`)."""
+    if not _LIVE:  # no large request in flight: nothing to splice (the common path)
+        return _enc.encode(obj)
+    if CURRENT.get() is None:
+        return encode_json(obj)
+    return await asyncio.to_thread(encode_json, obj)
 
 
 async def sized(fn: Callable[..., T], *args: Any) -> T:
@@ -244,7 +247,7 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes | bytearray:
     refused (415), never inflated (aiohttp's default inflates, and its size limit applies to the
     inflated bytes: a decompression bomb). A large body is read in pieces into one buffer, so
     no copy of it is made on the event loop at once (aiohttp's `read()` makes one at the end,
-    and `bytearray(n)` zeroes n bytes)."""
+    and `bytearray(n)` zeroes n bytes); reading stops at the first piece past `max_bytes`."""
     encoding = request.headers.get("Content-Encoding")
     if encoding is not None and encoding.strip().lower() not in ("", "identity"):
         raise ProxyError(
@@ -252,19 +255,19 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes | bytearray:
             f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
             stage="proxy",
         )
-    length = request.content_length
-    if length is not None and length > max_bytes:
-        raise _too_big(max_bytes)
-    if length is not None and length <= _READ_WHOLE:
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _too_big(max_bytes) from None
-    buf = bytearray()  # grown as bytes arrive (realloc moves no bytes at this size: mremap)
-    while chunk := await request.content.readany():
-        if len(buf) + len(chunk) > max_bytes:
+    content = request.content
+    first = await content.readany()  # a small body is one piece: returned as it came
+    more = await content.readany() if first else b""
+    if not more:
+        if len(first) > max_bytes:
             raise _too_big(max_bytes)
-        buf += chunk
+        return first
+    buf = bytearray(first)  # grown as bytes arrive (realloc moves no bytes at this size: mremap)
+    while more:
+        if len(buf) + len(more) > max_bytes:
+            raise _too_big(max_bytes)
+        buf += more
+        more = await content.readany()
     return buf
 
 
@@ -275,19 +278,10 @@ def _too_big(max_bytes: int) -> ProxyError:
 
 
 _decode = msgspec.json.Decoder()
+_NEVER = 1 << 62  # a `plain_min` no string reaches: a small body keeps none as a blob
 
 
-def decode(
-    raw: bytes | bytearray, limits: BodyLimits, *, keep: bool = True
-) -> tuple[Any, Blobs | None]:
-    """`raw` decoded, its long plain strings kept as blobs (`keep`, a large body: its Blobs,
-    empty where it has none; else None: a small body, decoded whole on the event loop); refused
-    (a 400 naming the bound) when over `limits`, before any of it is decoded. Holds the GIL only
-    for the decode of what is not inline media, which `limits` bound (`max_text_bytes` counts,
-    unless `keep`, every byte)."""
-    values, depth, text, spans = scan(raw, PLAIN_MIN)
-    if not keep:
-        text, spans = len(raw), []
+def _refuse(values: int, depth: int, text: int, limits: BodyLimits) -> NoReturn:
     if depth > limits.max_depth:
         raise BodyRefused(
             400,
@@ -300,16 +294,30 @@ def decode(
             f"the request body holds {values} JSON values, more than --max-body-values "
             f"{limits.max_values}",
         )
-    if text > limits.max_text_bytes:
-        raise BodyRefused(
-            400,
-            f"the request body has {text} bytes that are not inline media (strings of "
-            f"{PLAIN_MIN} bytes or more of plain ASCII), more than --max-body-text-bytes "
-            f"{limits.max_text_bytes}",
-        )
-    blobs = Blobs() if keep else None
+    raise BodyRefused(
+        400,
+        f"the request body has {text} bytes that are not inline media (strings of "
+        f"{PLAIN_MIN} bytes or more of plain ASCII), more than --max-body-text-bytes "
+        f"{limits.max_text_bytes}",
+    )
+
+
+def decode(
+    raw: bytes | bytearray, limits: BodyLimits, *, keep: bool = True
+) -> tuple[Any, Blobs | None]:
+    """`raw` decoded, its long plain strings kept as blobs (`keep`, a large body: its Blobs,
+    empty where it has none; else None: a small body, decoded whole on the event loop); refused
+    (a 400 naming the bound) when over `limits`, before any of it is decoded. Holds the GIL only
+    for the decode of what is not inline media, which `limits` bound (`max_text_bytes` counts,
+    unless `keep`, every byte)."""
+    values, depth, text, spans = scan(raw, PLAIN_MIN if keep else _NEVER)
+    if values > limits.max_values or depth > limits.max_depth or text > limits.max_text_bytes:
+        _refuse(values, depth, text, limits)
+    if not keep:
+        return _decoded(raw), None
+    blobs = Blobs()
     small: Buffer = raw
-    if blobs is not None and spans:
+    if spans:
         view = memoryview(raw)
         pieces: list[Buffer] = []
         at = 0
@@ -321,8 +329,12 @@ def decode(
             at = end
         pieces.append(view[at:])
         small = b"".join(pieces)
+    return _decoded(small), blobs
+
+
+def _decoded(raw: Buffer) -> Any:
     try:
-        return _decode.decode(small), blobs
+        return _decode.decode(raw)
     except msgspec.DecodeError as e:
         raise BodyRefused(400, f"Invalid JSON body: {e}") from e
     except RecursionError:  # msgspec's own depth limit

@@ -31,7 +31,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 from ..errors import InvalidArgument, InvalidArgumentType
 from .errors import ProxyError
-from .media import EMBEDS_PARTS, MM_TYPES, MODALITY
+from .media import EMBEDS_PARTS, MM_TYPES, MODALITY, check_named_by_json
 
 if TYPE_CHECKING:
     from .body import Blobs
@@ -290,6 +290,7 @@ def content_name(
 
 def embeds_name(salt: Any, kind: str, value: Any, blobs: Blobs | None = None) -> str:
     """The uuid of a client's `*_embeds` part: its payload's canonical JSON, named as media."""
+    check_named_by_json(value)
     return content_name(salt, kind, _canonical(value), blobs, json=True)
 
 
@@ -512,6 +513,7 @@ def _name_inline(
             audio = part.get("input_audio")
             if not isinstance(audio, Mapping) or not isinstance(audio.get("data"), str):
                 raise MediaRefused(where, "input_audio carries no data")
+            check_named_by_json(part)
             part["uuid"] = content_name(salt, modality, _canonical(audio), blobs, json=True)
             continue
         ref, url = _url_of(part)

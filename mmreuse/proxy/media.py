@@ -43,7 +43,9 @@ def content_uuid(item: Mapping[str, Any], blobs: Blobs | None = None) -> str:
     """The reference's content key: sha256 of the item's URL string, else of its sorted JSON.
     `blobs`: the request's inline media (`proxy.body`), hashed as the text it stands for."""
     ref = item.get("image_url") or item.get("audio_url") or item.get("video_url") or {}
-    url = ref.get("url") if isinstance(ref, Mapping) else None
+    url = ref.get("url") if type(ref) is dict or isinstance(ref, Mapping) else None
+    if not url:
+        check_named_by_json(item)
     if blobs is None:
         return hashlib.sha256((url or json.dumps(item, sort_keys=True)).encode()).hexdigest()
     h = hashlib.sha256()
@@ -52,6 +54,18 @@ def content_uuid(item: Mapping[str, Any], blobs: Blobs | None = None) -> str:
     else:
         blobs.update(h, json.dumps(item, sort_keys=True).encode(), json=True)
     return h.hexdigest()
+
+
+def check_named_by_json(part: Any) -> None:
+    """Refuse (a 400) a part to be named by its JSON (no URL: its sorted JSON is hashed, in one
+    C call) that holds more than MAX_PART_VALUES values, before that JSON is written."""
+    if _values_over(part, MAX_PART_VALUES):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        raise PartRefused(
+            f"the {kind[:40]} part" if isinstance(kind, str) else "a media part",
+            f"a media part named by its JSON (no URL) may hold at most {MAX_PART_VALUES} JSON "
+            "values (its type, media, uuid and the few keys vLLM reads)",
+        )
 
 
 # The content types of a `*_embeds` part (a client's input, or the proxy's reference to E's).
@@ -174,9 +188,10 @@ MEDIA_KINDS: dict[str, str | None] = {
 _KIND_OF_TYPE = {"input_image": "image_url"}
 _DETAILS = ("low", "high", "auto")  # what vLLM's `input_image` part may say of its detail
 DEFAULT_MM_LIMIT = 999  # vLLM's --limit-mm-per-prompt default, per modality
-# The JSON values one media part may hold, itself included: vLLM reads a type, the media (a URL,
-# or an audio's data and format), a detail and a uuid. A part's content key is its sorted JSON
-# (`content_uuid`), one C call: bounded here, it cannot hold the event loop.
+# The JSON values one media part named by its JSON may hold (no URL: `input_audio`, `*_embeds`),
+# itself included: vLLM reads a type, the media (an audio's data and format), a detail and a
+# uuid. Such a part's content key is its sorted JSON (`content_uuid`, `content.embeds_name`), one
+# C call: bounded here, it cannot hold the event loop.
 MAX_PART_VALUES = 64
 
 
@@ -270,12 +285,6 @@ def scan_parts(
                         f"at most {limit} {modality} item(s) may be provided in one prompt "
                         "(--limit-mm-per-prompt)",
                     )
-            if _values_over(part, MAX_PART_VALUES):
-                raise PartRefused(
-                    f"messages[{i}].content[{j}]",
-                    f"a media part may hold at most {MAX_PART_VALUES} JSON values (its type, "
-                    "media, uuid and the few keys vLLM reads)",
-                )
             if kind in MM_TYPES:
                 items.append(part)
             elif kind in EMBEDS_PARTS:

@@ -161,7 +161,7 @@ async def test_a_media_part_carrying_more_than_its_media_is_refused(policy):
     async with epd(flags=("--uuid-policy", policy)) as s:
         r = await s.post(chat(TEXT, part, cache_salt="t"))
         assert r.status == 400, await r.text()
-        assert (await r.json())["detail"].startswith("messages[0].content[1]: a media part")
+        assert (await r.json())["detail"].startswith("the input_audio part: a media part named")
         assert nothing_sent(s)
 
 
@@ -201,15 +201,16 @@ def nested(depth: int) -> bytes:
     return b'{"model":"tiny","messages":[{"role":"user","content":[%s]}]}' % part
 
 
-@pytest.mark.parametrize("depth", [40, 100, 122, 123, 124, 125, 500, 975, 980, 984])
+@pytest.mark.parametrize("depth", [40, 100, 124, 125, 126, 127, 500, 975, 980, 984])
 async def test_a_part_nested_near_any_depth_limit_is_a_client_error(depth):
     # At 975-984 levels msgspec decoded the body, then the proxy's own re-encoding for E failed
-    # a level or two deeper: a 502 blaming E, or a 500 with a traceback. Now a part holds at
-    # most MAX_PART_VALUES values and a body nests at most 128 levels: served, or a 400.
+    # a level or two deeper: a 502 blaming E, or a 500 with a traceback. Now a body nests at
+    # most 128 levels, well under what the proxy re-encodes: served, or a 400.
     async with epd() as s:
         r = await s.client.post("/v1/chat/completions", data=nested(depth), headers=JSON_TYPE)
-        if depth + 5 <= MAX_PART_VALUES:  # the part's chain of lists is its values
+        if depth + 3 <= 128:  # the body's object, messages, message and content hold the part
             assert r.status == 200, await r.text()
+            assert [len(x.body["messages"][0]["content"]) for x in s.e[0].chats()] == [1]
             return
         assert r.status == 400, await r.text()
         assert nothing_sent(s)

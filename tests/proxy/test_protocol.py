@@ -137,12 +137,23 @@ async def test_encoder_subrequest_shape(options):
             assert final[key] == value
 
 
+def test_generated_request_ids_are_uuid4s_as_str_uuid4_writes_them():
+    from mmreuse.proxy.encoder import new_uuid4
+
+    ids = [new_uuid4() for _ in range(2000)]
+    for rid in ids:
+        u = uuid.UUID(rid)
+        assert (u.version, u.variant, str(u)) == (4, uuid.RFC_4122, rid)
+    assert len(set(ids)) == len(ids)
+
+
 async def test_request_id_generated_when_the_client_sends_none():
     # chat_completions: req_id = x-request-id, else str(uuid.uuid4()).
     async with epd() as s:
         assert (await s.post(chat(img("http://img/a.png")), request_id=None)).status == 200
         rid = s.pd.chats()[0].headers["x-request-id"]
         assert uuid.UUID(rid).version == 4 and str(uuid.UUID(rid)) == rid
+        assert uuid.UUID(rid).variant == uuid.RFC_4122
         assert re.fullmatch(f"{rid}:0:{HEX6}", s.e[0].chats()[0].headers["x-request-id"])
         await s.post(chat(img("http://img/a.png")), request_id=None)
         assert s.pd.chats()[1].headers["x-request-id"] != rid  # a fresh one per request
