@@ -27,11 +27,21 @@ card of every other rule it knows in the time buckets around now (one `batch_is_
 instance that misses what this one stores. The key carries the time, so no card is ever
 rewritten (a put, never an update of an object another client may hold a lease on) and a card
 of an instance that stopped lapses by itself. Nothing here imports vLLM or Mooncake.
+
+Anyone who reaches the master can put any bytes under a card's key (the key is predictable), so
+a card counts only where it agrees with itself and its key: it decodes, its rule is its key's,
+its namespace is of this model and not this instance's own (one that shares embeddings is no
+conflict), and its `written` lies within one bucket of its key's and within two periods of now
+(a card lapses two periods after its last write, as its key does). Any other is logged once
+(a warning, per key: its key is not read again while it is looked at) and ignored, and the
+look goes on to the other keys; a card that could not be read (a failed get) leaves the look
+unanswered, never judged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import struct
 import threading
@@ -44,12 +54,13 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from .validate import check_float, check_int, check_str, fail_value
+from .validate import check_float, check_int, check_str, fail_type, fail_value, show
 
 __all__ = [
     "CARD_PREFIX",
     "DTYPE_CODES",
     "HEADER",
+    "IGNORED",
     "LOAD_MISS_LOG",
     "MAGIC",
     "UNAVAILABLE_LOG",
@@ -82,6 +93,17 @@ OK, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS = 0, -200, -705
 CARD_PREFIX = "mmreuse-card@"
 CARD_MAX_BYTES = 4096
 _ENCODER_PART = "@encoder:"
+# why a card found under another rule's key is ignored: counted in `NamespaceCards.stats` as
+# "ignored_<reason>" (once per key), and logged once per key with the text
+IGNORED = {
+    "undecodable": "it is not a namespace card",
+    "rule_mismatch": "its rule is not its key's",
+    "other_model": "its namespace is not of its key's model",
+    "own_namespace": "it names this instance's own namespace (no conflict)",
+    "off_bucket": "its time is not within one time bucket of its key's",
+    "stale": "its time is more than two periods from now",
+}
+_LOGGER = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -283,15 +305,28 @@ class NamespaceCard:
             raise StoreObjectError("card lacks its rule, vllm or namespace")
         if not isinstance(written, (int, float)) or isinstance(written, bool):
             raise StoreObjectError("card lacks its time")
-        return NamespaceCard(rule, vllm, namespace, float(written))
+        try:
+            seconds = float(written)  # an int too large for a float raises
+        except OverflowError:
+            seconds = math.inf
+        if not math.isfinite(seconds):
+            raise StoreObjectError("card's time is not a finite number of seconds")
+        return NamespaceCard(rule, vllm, namespace, seconds)
+
+
+def _said(text: str, limit: int = 300) -> str:
+    """`text` as a card said it, quoted and cut (a namespace is ~150 characters; a card's up
+    to 4 KB)."""
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 class NamespaceCards:
     """One instance's namespace card in a store, and the look for cards of other namespace
     rules for the same model (see the module docstring). `card` is this instance's (its
     `written` is set at each write); `rules`, every rule to look for (its own is left out);
-    `period`, the card's time bucket in seconds; `clock`, unix time. Every call goes through
-    `calls` (bounded; a failed one is an unanswered look or an unwritten card, never a raise).
+    `period`, the card's time bucket in seconds; `clock`, unix time; `logger`, where an
+    ignored card is logged. Every call goes through `calls` (bounded; a failed one is an
+    unanswered look or an unwritten card, never a raise).
     """
 
     def __init__(
@@ -302,6 +337,7 @@ class NamespaceCards:
         *,
         period: float = 60.0,
         clock: Callable[[], float] = time.time,
+        logger: logging.Logger = _LOGGER,
     ) -> None:
         model = namespace_model(card.namespace)
         if model is None:
@@ -314,7 +350,11 @@ class NamespaceCards:
         self.others = tuple(sorted(set(rules) - {card.rule}))
         self.period = check_float("period", period, 0, lo_open=True)
         self.clock = clock
+        if not isinstance(logger, logging.Logger):
+            fail_type("logger", "a logging.Logger", logger)
+        self.logger = logger
         self._written: int | None = None  # the time bucket this instance last wrote a card in
+        self._ignored: dict[str, str] = {}  # key -> reason, of the keys looked at last
         self._due = float("-inf")
         self.stats: Counter[str] = Counter()
 
@@ -325,34 +365,73 @@ class NamespaceCards:
         return math.floor(now / self.period)
 
     def find_other(self) -> tuple[bool, NamespaceCard | None]:
-        """(whether the store answered, a fresh card of another rule or None). A card whose
-        object cannot be read or decoded is named by its key: its rule, version and
-        namespace "?" (the key alone says that another rule's instance wrote it)."""
+        """(whether the store answered, a fresh card of another rule or None). A card that does
+        not count (the module docstring) is ignored and the look goes on to the next key; one
+        that could not be read makes the look unanswered unless a later key holds a card."""
         if not self.others:
             return True, None
         now = self.clock()
         bucket = self._bucket(now)
         # the next bucket too: a writer whose clock runs ahead by up to a period
-        found = [(r, self.key(r, b)) for r in self.others for b in (bucket + 1, bucket, bucket - 1)]
-        keys = [k for _, k in found]
+        found = [
+            (r, b, self.key(r, b)) for r in self.others for b in (bucket + 1, bucket, bucket - 1)
+        ]
+        keys = [k for _, _, k in found]
+        self._ignored = {k: self._ignored[k] for k in keys if k in self._ignored}
         self.stats["looks"] += 1
         states: Any = self.calls.call("batch_is_exist", lambda s: s.batch_is_exist(keys), [])
         if not isinstance(states, list) or len(states) != len(keys):
             self.stats["unanswered"] += 1
             return False, None
-        for (rule, key), state in zip(found, states, strict=True):
-            if state == 1:
+        answered = True
+        for (rule, key_bucket, key), state in zip(found, states, strict=True):
+            if state != 1 or key in self._ignored:
+                continue
+            data = self._get(key)
+            if data is None or data == b"":  # Mooncake's get answers b"" when it fails
+                self.stats["unread"] += 1
+                answered = False
+                continue
+            card, reason, detail = self._judge(data, rule, key_bucket, now)
+            if reason is None:
                 self.stats["found"] += 1
-                return True, self._read(rule, key)
-        return True, None
+                return True, card
+            self._ignored[key] = reason
+            self.stats[f"ignored_{reason}"] += 1
+            self.logger.warning(
+                "mmreuse: the namespace card under %s is ignored: %s (%s)",
+                key, IGNORED[reason], detail,
+            )  # fmt: skip
+        return answered, None
 
-    def _read(self, rule: str, key: str) -> NamespaceCard:
-        data = self.calls.call("get", lambda s: s.get(key), b"")
+    def _get(self, key: str) -> Any:
+        """The object under `key`, or None where the call failed."""
+        return self.calls.call("get", lambda s: s.get(key), None)
+
+    def _judge(
+        self, data: Any, rule: str, bucket: int, now: float
+    ) -> tuple[NamespaceCard | None, str | None, str]:
+        """(the card, why it does not count or None, what it says) for `data` found under
+        the key of `rule` and `bucket`."""
         try:
             card = NamespaceCard.unpack(data)
-        except StoreObjectError:
-            return NamespaceCard(rule, "?", "?")
-        return replace(card, rule=rule)
+        except StoreObjectError as exc:
+            return None, "undecodable", str(exc)
+        says = (
+            f"rule {show(card.rule)}, vLLM {show(card.vllm)}, namespace {_said(card.namespace)}, "
+            f"written {card.written}"
+        )
+        if card.rule != rule:
+            return card, "rule_mismatch", says
+        if namespace_model(card.namespace) != self.model:
+            return card, "other_model", says
+        if card.namespace == self.card.namespace:
+            return card, "own_namespace", says
+        if abs(self._bucket(card.written) - bucket) > 1:
+            return card, "off_bucket", says
+        if abs(now - card.written) > 2 * self.period:
+            return card, "stale", says
+        return card, None, says
 
     def write(self) -> bool:
         """Put this instance's card for the current time bucket (once a bucket; a card of the

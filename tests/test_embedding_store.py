@@ -3,6 +3,7 @@ and calls into a store that stalls, fails or answers junk, each bounded in time.
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -190,6 +191,11 @@ NS_034 = (
     "@protocol:v3"
 )
 RULES = ("md5-list", "sha256-json")
+CARD_OF_HUGE_TIME = (
+    b'{"mmreuse_card": 1, "rule": "r", "vllm": "v", "namespace": "n", "written": '
+    + b"9" * 400
+    + b"}"
+)
 
 
 def cards(store, clock, namespace, rule, vllm, period=60.0):
@@ -230,6 +236,12 @@ def test_a_card_round_trips_and_junk_is_refused_by_name():
             b'{"mmreuse_card": 1, "rule": "r", "vllm": "v", "namespace": "n", "written": true}',
             "time",
         ),
+        # a time that is no number of seconds: infinite, or an int too large for a float
+        (
+            b'{"mmreuse_card": 1, "rule": "r", "vllm": "v", "namespace": "n", "written": 1e999}',
+            "time",
+        ),
+        (CARD_OF_HUGE_TIME, "time"),
     ]:
         with pytest.raises(StoreObjectError, match=match):
             NamespaceCard.unpack(junk)
@@ -311,11 +323,146 @@ def test_a_card_from_a_clock_a_little_ahead_is_fresh():
     assert cards(store, behind, NS_034, "sha256-json", "0.34.0").start()[1] is not None
 
 
-def test_an_unreadable_card_is_named_by_its_key():
+# ---- a card that does not count: logged once, ignored, and the look goes on ----
+
+NOW = 1_000_000.0  # bucket 16666 of 60 s (40 s into it)
+BUCKET = 16666
+
+
+def newcomer(store, clock, caplog):
+    """A 0.34 instance (rule sha256-json) looking for 0.33's cards (md5-list), its log kept."""
+    caplog.set_level(logging.WARNING, logger="mmreuse.embedding_store")
+    clock.now = NOW
+    return cards(store, clock, NS_034, "sha256-json", "0.34.0")
+
+
+def ignored_logs(caplog):
+    return [r.getMessage() for r in caplog.records if "is ignored" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"\x00junk",
+        b"x" * 5000,
+        b'{"mmreuse_card": 1}',
+        b'{"mmreuse_card": 1, "rule": "md5-list", "vllm": "0.33.0", "namespace": "n", '
+        b'"written": 1e999}',
+        CARD_OF_HUGE_TIME,
+    ],
+)
+def test_junk_under_another_rules_key_is_ignored_and_start_writes_its_card(junk, caplog):
     store, clock = FakeMooncakeStore(), Clock()
-    c = cards(store, clock, NS_034, "sha256-json", "0.34.0")
-    store.objects[c.key("md5-list", 0)] = b"junk"
-    assert c.start() == (True, NamespaceCard("md5-list", "?", "?"))
+    c = newcomer(store, clock, caplog)
+    store.objects[c.key("md5-list", BUCKET)] = junk
+    assert c.start() == (True, None)
+    assert c.key("sha256-json", BUCKET) in store.objects  # it started: its own card written
+    assert c.stats["ignored_undecodable"] == 1 and c.stats["found"] == 0
+    [line] = ignored_logs(caplog)
+    assert f"card under {c.key('md5-list', BUCKET)} is ignored: it is not a namespace card" in line
+
+
+OTHER_MODEL = NS_033.replace("model:tiny", "model:other")
+
+
+@pytest.mark.parametrize(
+    ("card", "bucket", "reason"),
+    [
+        # the namespace of this very instance: no conflict, whatever its key says
+        (NamespaceCard("md5-list", "0.33.0", NS_034, NOW), BUCKET, "own_namespace"),
+        # written 57 years ago, or two minutes after its key's minute
+        (NamespaceCard("md5-list", "0.33.0", NS_033, 1.0), BUCKET, "off_bucket"),
+        (NamespaceCard("md5-list", "0.33.0", NS_033, NOW + 150), BUCKET, "off_bucket"),
+        # its key's minute give or take one, yet more than two minutes from now
+        (NamespaceCard("md5-list", "0.33.0", NS_033, NOW - 150), BUCKET - 1, "stale"),
+        (NamespaceCard("md5-list", "0.33.0", NS_033, NOW + 130), BUCKET + 1, "stale"),
+        # another model's namespace (or none of vLLM's) under this model's key
+        (NamespaceCard("md5-list", "0.33.0", OTHER_MODEL, NOW), BUCKET, "other_model"),
+        (NamespaceCard("md5-list", "0.33.0", "my-shared-namespace", NOW), BUCKET, "other_model"),
+        # a rule that is not its key's (this instance's own, or one nobody knows)
+        (NamespaceCard("sha256-json", "0.34.0", NS_033, NOW), BUCKET, "rule_mismatch"),
+        (NamespaceCard("rule-x", "0.33.0", NS_033, NOW), BUCKET, "rule_mismatch"),
+    ],
+)
+def test_a_card_contradicting_itself_or_its_key_is_ignored(card, bucket, reason, caplog):
+    store, clock = FakeMooncakeStore(), Clock()
+    c = newcomer(store, clock, caplog)
+    store.objects[c.key("md5-list", bucket)] = card.pack()
+    assert c.start() == (True, None)
+    assert c.key("sha256-json", BUCKET) in store.objects
+    assert c.stats[f"ignored_{reason}"] == 1 and c.stats["found"] == 0
+    [line] = ignored_logs(caplog)
+    assert f"card under {c.key('md5-list', bucket)} is ignored: " in line
+    assert "vLLM '0.33.0'" in line or "vLLM '0.34.0'" in line  # what the card says, shown
+
+
+def test_an_ignored_card_is_read_and_logged_once_not_at_every_look(caplog):
+    store, clock = FakeMooncakeStore(), Clock()
+    c = newcomer(store, clock, caplog)
+    store.objects[c.key("md5-list", BUCKET)] = b"\x00junk"
+    c.start()
+    for _ in range(5):
+        clock.now += 1
+        c._due = float("-inf")
+        assert c.refresh() == (True, None)
+    assert Counter(store.calls)["get"] == 1  # read once; its key is still looked at
+    assert len(ignored_logs(caplog)) == 1 and c.stats["ignored_undecodable"] == 1
+    assert c.stats["looks"] == 6
+
+
+@pytest.mark.parametrize(
+    "decoy",
+    [b"\x00junk", NamespaceCard("md5-list", "0.33.0", NS_034, 1.0).pack()],
+)
+def test_a_junk_card_does_not_hide_a_real_one_under_another_key(decoy, caplog):
+    store, clock = FakeMooncakeStore(), Clock()
+    c = newcomer(store, clock, caplog)
+    store.objects[c.key("md5-list", BUCKET + 1)] = decoy  # the first key looked at
+    real = NamespaceCard("md5-list", "0.33.0", NS_033, NOW - 30)
+    store.objects[c.key("md5-list", BUCKET)] = real.pack()
+    assert c.start() == (True, real)
+    assert c.key("sha256-json", BUCKET) not in store.objects  # refused: no card of its own
+    assert len(ignored_logs(caplog)) == 1
+
+
+@pytest.mark.parametrize(
+    ("written", "bucket"),
+    [(NOW - 100, BUCKET - 1), (NOW - 30, BUCKET), (NOW, BUCKET), (NOW + 50, BUCKET + 1)],
+)
+def test_namespace_card_of_the_other_version_still_refuses(written, bucket, caplog):
+    store, clock = FakeMooncakeStore(), Clock()
+    c = newcomer(store, clock, caplog)
+    theirs = NamespaceCard("md5-list", "0.33.0", NS_033, written)
+    store.objects[c.key("md5-list", bucket)] = theirs.pack()
+    assert c.start() == (True, theirs)
+    assert c.stats["found"] == 1 and ignored_logs(caplog) == []
+    assert c.key("sha256-json", BUCKET) not in store.objects
+
+
+class LossyStore(FakeMooncakeStore):
+    """A store whose `get` answers b"" (Mooncake's answer to a failed get) `lose` times."""
+
+    def __init__(self, lose: int) -> None:
+        super().__init__()
+        self.lose = lose
+
+    def get(self, key: str) -> bytes:
+        if self.lose:
+            self.lose -= 1
+            self._call("get")
+            return b""
+        return super().get(key)
+
+
+def test_a_card_that_could_not_be_read_is_an_unanswered_look_not_an_ignored_card(caplog):
+    store, clock = LossyStore(lose=1), Clock()
+    c = newcomer(store, clock, caplog)
+    theirs = NamespaceCard("md5-list", "0.33.0", NS_033, NOW)
+    store.objects[c.key("md5-list", BUCKET)] = theirs.pack()
+    assert c.start() == (False, None)  # not judged by a failed get: no card written either
+    assert c.key("sha256-json", BUCKET) not in store.objects
+    assert c.stats["unread"] == 1 and ignored_logs(caplog) == []
+    assert c.refresh() == (True, theirs)  # read at the next look
 
 
 def test_a_failing_store_is_an_unanswered_look_never_a_raise():

@@ -54,8 +54,12 @@ At start-up a fresh card of another rule for the same model refuses the instance
 vLLM versions and namespaces and the fix: one store per vLLM version, or the same
 `embedding_namespace` on every instance (which makes them share; a set namespace skips the
 cards). Found later (an instance that was idle past its card's life), it is logged as an
-error. A card that cannot be read is logged, never fatal; `"namespace_cards": false` turns
-them off.
+error. Anyone who reaches the master can put bytes under a card's key, so only a card that
+agrees with itself and its key counts: it decodes, its rule is its key's, it names another
+namespace of this model, and it was written within a minute of its key's minute and within
+two minutes of now. Any other is logged once (a warning) and ignored, never fatal; one that
+cannot be read is looked at again at the next steps; `"namespace_cards": false` turns them
+off.
 Imports vLLM: load it only inside vLLM.
 """
 
@@ -411,7 +415,9 @@ class MooncakeStoreConnector(ECExampleConnector):
             return
         rules = {*VERIFIED_VLLM.values(), _namespace_rule(self.vllm_version)}
         card = NamespaceCard(_namespace_rule(self.vllm_version), self.vllm_version, self.namespace)
-        self.cards = NamespaceCards(self.calls, card, rules, period=CARD_PERIOD_S, clock=_wall)
+        self.cards = NamespaceCards(
+            self.calls, card, rules, period=CARD_PERIOD_S, clock=_wall, logger=logger
+        )
         if not self.calls.ready(_SETUP_WAIT_S):
             logger.warning(
                 "mmreuse: no Mooncake client %.0f s into start-up (%s): namespace cards are "
@@ -444,15 +450,12 @@ class MooncakeStoreConnector(ECExampleConnector):
         assert self.cards is not None
         mine = self.cards.card
         period = self.cards.period
-        theirs = other.vllm
-        if theirs == "?":
-            known = [v for v, r in VERIFIED_VLLM.items() if r == other.rule]
-            theirs = " or ".join(known) if known else f"of namespace rule {other.rule}"
-        ago = self.cards.clock() - other.written
-        age = f", its card written {ago:.0f} s ago" if other.written else ""
+        ago = self.cards.clock() - other.written  # within two periods (a card that counts)
+        age = f"{ago:.0f} s ago" if ago >= 0 else f"{-ago:.0f} s ahead of this clock"
         return (
-            f"vLLM {theirs} also uses this Mooncake Store "
-            f"({self.settings.master_server_address}) for {self.cards.model}{age}, under "
+            f"vLLM {other.vllm} also uses this Mooncake Store "
+            f"({self.settings.master_server_address}) for {self.cards.model}, its card "
+            f"written {age}, under "
             f"another embedding namespace: {other.namespace} (rule {other.rule}) there, "
             f"{mine.namespace} (rule {mine.rule}) in this vLLM {mine.vllm}. Each would miss "
             "every embedding the other stores. Use one store per vLLM version, or set "

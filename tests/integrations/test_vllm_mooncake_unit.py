@@ -17,7 +17,7 @@ from tests.support.oracle import oracle_json
 from tests.support.paths import ORACLE_TOOLS
 
 _UNIT = r"""
-import json, os, sys, threading
+import json, os, sys, threading, types
 
 sys.path.insert(0, sys.argv[1])
 import mooncake_v2_check as v2  # installs the shared fake store (v2.STORE)
@@ -178,6 +178,49 @@ out["cards"]["shared"] = [shared.namespace == theirs, shared.cards is None]
 for key in [k for k in STORE.objects if k.startswith("mmreuse-card@")]:
     del STORE.objects[key]
 
+
+# ---- cards that do not count (junk, or contradicting themselves): logged once, ignored ----
+def start_beside(planted, refreshes=0):
+    # a scheduler of this version started on a store holding `planted` (bucket offset from
+    # now -> object, under the other rule's key), the clock held: what it did and logged
+    now, wall = vm._wall(), vm._wall
+    bucket = int(now // vm.CARD_PERIOD_S)
+    for offset, obj in planted.items():
+        STORE.objects[cards.key(other_rule, bucket + offset)] = obj(now) if callable(obj) else obj
+    vm._wall = lambda: now
+    try:
+        LOG.take()
+        conn = raised(lambda: Connector(v2.config(pg, "ec_consumer", ident), SCHED))
+        got = {"started": conn if isinstance(conn, str) else type(conn).__name__}
+        if not isinstance(conn, str):
+            got["own_card"] = cards.key(rule, bucket) in STORE.objects
+            STORE.calls.clear()
+            so = types.SimpleNamespace(scheduled_new_reqs=[], scheduled_encoder_inputs={})
+            for _ in range(refreshes):
+                conn.cards._due = float("-inf")
+                conn.build_connector_meta(so)
+            got["refresh_calls"] = list(STORE.calls)
+            got["stats"] = dict(conn.cards.stats)
+        got["log"] = [[lvl, m] for lvl, m in LOG.take() if "card" in m]
+        got["key"] = cards.key(other_rule, bucket)
+    finally:
+        vm._wall = wall
+        for key in [k for k in STORE.objects if k.startswith("mmreuse-card@")]:
+            del STORE.objects[key]
+    return got
+
+
+out["odd_cards"] = {
+    "junk": start_beside({0: b"\x00junk"}, refreshes=2),
+    # this instance's own namespace, written 57 years ago: no conflict, and no fresh card
+    "contradicting": start_beside({0: NamespaceCard(other_rule, other_vllm, mine, 1.0).pack()}),
+    # junk under the first key looked at does not hide a real card under the next
+    "hidden": start_beside({
+        1: b"\x00junk",
+        0: lambda now: NamespaceCard(other_rule, other_vllm, theirs, now - 20).pack(),
+    }),
+}
+
 # ---- a consumer on Model Runner V2 with the encoder's LoRA: refused; a producer starts ----
 def lora(role, extra=None):  # on the multimodal model: 0.34 takes no text-only producer
     cfg = v2.config(pg, role, {**ident, **(extra or {})})
@@ -290,6 +333,40 @@ def test_a_fresh_card_of_the_other_rule_refuses_naming_both(unit):
     assert refused.startswith(f"RAISED InvalidArgument: vLLM {cards['other_vllm']} also uses")
     assert f"{cards['theirs']} (rule" in refused and f"{cards['mine']} (rule" in refused
     assert f"in this vLLM {unit['vllm']}" in refused and "embedding_namespace" in refused
+
+
+@pytest.mark.oracle
+def test_namespace_card_of_junk_does_not_stop_startup(unit):
+    got = unit["odd_cards"]["junk"]
+    assert got["started"] == "MooncakeStoreConnector" and got["own_card"] is True
+    # logged once, as a warning naming the key; not read (nor logged) again at the refreshes
+    [[level, message]] = got["log"]
+    assert level == "WARNING" and message.startswith(
+        f"mmreuse: the namespace card under {got['key']} is ignored: it is not a namespace card"
+    )
+    assert got["refresh_calls"] == ["batch_is_exist", "batch_is_exist"]
+    assert got["stats"]["ignored_undecodable"] == 1 and got["stats"]["looks"] == 3
+
+
+@pytest.mark.oracle
+def test_namespace_card_contradicting_itself_does_not_stop_startup(unit):
+    got = unit["odd_cards"]["contradicting"]
+    assert got["started"] == "MooncakeStoreConnector" and got["own_card"] is True
+    [[level, message]] = got["log"]
+    assert level == "WARNING" and f"card under {got['key']} is ignored: it names this" in message
+    assert unit["cards"]["mine"] in message and "written 1.0" in message
+    assert got["stats"]["ignored_own_namespace"] == 1
+
+
+@pytest.mark.oracle
+def test_namespace_card_of_the_other_version_still_refuses_beside_junk(unit):
+    got, cards = unit["odd_cards"]["hidden"], unit["cards"]
+    refused = got["started"]
+    assert refused.startswith(f"RAISED InvalidArgument: vLLM {cards['other_vllm']} also uses")
+    # what the card says: its version, its namespace, its age; and the fix
+    assert f"{cards['theirs']} (rule" in refused and "its card written 20 s ago" in refused
+    assert "embedding_namespace" in refused
+    assert [level for level, _ in got["log"]] == ["WARNING"]  # the junk beside it, ignored
 
 
 @pytest.mark.oracle

@@ -464,8 +464,15 @@ def cards(store_out: str | None) -> dict:
     second = raised(lambda: MooncakeStoreConnector(config(pg, "ec_consumer", ident),
                                                    ECConnectorRole.SCHEDULER).vllm_version)  # fmt: skip
     out["same_rule"] = second
-    # another rule (the version the connector reads, simulated): refused by name
-    vm._running_vllm = lambda: other
+    # another rule (the version the connector reads, and its namespace, simulated): refused
+    # by name (a card naming this instance's own namespace would be no conflict)
+    namespace = vm._namespace
+
+    def other_namespace(vllm_config):  # the same model, another @encoder: part
+        head, tail = namespace(vllm_config).split("@encoder:")
+        return f"{head}@encoder:{'f' * 40}@{tail.split('@', 1)[1]}"
+
+    vm._running_vllm, vm._namespace = (lambda: other), other_namespace
     try:
         out["other_rule"] = raised(
             lambda: MooncakeStoreConnector(
@@ -497,7 +504,7 @@ def cards(store_out: str | None) -> dict:
         late.cards._written = None
         late.cards.write()
     finally:
-        vm._running_vllm = real
+        vm._running_vllm, vm._namespace = real, namespace
     STORE.calls.clear()
     LOG.take()
     so = types.SimpleNamespace(scheduled_new_reqs=[], scheduled_encoder_inputs={})
