@@ -312,7 +312,7 @@ class Proxy:
         """Read, decide, then encode, prefill and decode (`_forward`)."""
         req, items, uuids, blobs = await self._read(request)
         if blobs is not None:  # a large body: its inline media spliced into, and its bodies
-            bodies.CURRENT.set(blobs)  # built for E, P and D off the loop (`bodies.sized`)
+            bodies.CURRENT.set(blobs)  # built for E, P and D off the loop (`bodies.CURRENT`)
         req_id = request.headers.get("x-request-id")
         if req_id is None:  # as the reference: an empty header stays empty
             req_id = new_uuid4()
@@ -326,7 +326,7 @@ class Proxy:
     ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str], Blobs | None]:
         """The client's request, its media parts and their uuids (`_parse`, named by
         --uuid-policy), and its inline media."""
-        raw = await bodies.read_body(request, self.config.max_body_bytes)
+        raw = await bodies.read_body(request, self.limits.max_bytes)
         big = len(raw) > OFF_LOOP_BYTES  # its scan, decode, walk and hashes: in a thread
         req, items, uuids, blobs = (
             await asyncio.to_thread(self._parse, raw) if big else self._parse(raw)
@@ -544,7 +544,7 @@ class Proxy:
             prepared: Mapping[str, Any] = req
         else:
             args = (req, item_meta, decision.dispatch.raw_items, uuids, items)
-            if bodies.CURRENT.get() is None:  # a small body: on the loop (`bodies.sized`)
+            if bodies.CURRENT.get() is None:  # a small body: on the loop (`bodies.CURRENT`)
                 prepared = rewrite_for_decode(*args)
             else:
                 prepared = await asyncio.to_thread(rewrite_for_decode, *args)

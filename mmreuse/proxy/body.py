@@ -26,9 +26,8 @@ import asyncio
 import contextvars
 import os
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol
 
 import msgspec
 from aiohttp import web
@@ -48,7 +47,6 @@ _MARK_JSON = b"\\u0000mmreuse-blob:"  # ... and as JSON writes it (msgspec and j
 _END = "\x00"
 _END_JSON = b"\\u0000"
 
-T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
 Out = bytes | list[Buffer]  # what a backend is sent: one buffer, or several to write in turn
 
@@ -162,7 +160,7 @@ class Blobs:
     def update(self, h: Hasher, data: bytes | str, *, json: bool = False) -> None:
         """Feed `data` (text, or JSON with `json=True`) to `h`, this request's blobs spliced
         in: what hashing the decoded request's real text gives."""
-        raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+        raw = data.encode() if isinstance(data, str) else data
         out = self.splice(raw, json=json)
         if isinstance(out, bytes):
             h.update(out)
@@ -175,8 +173,9 @@ def _index(digits: str) -> int | None:
     return int(digits) if digits.isascii() and digits.isdigit() and len(digits) < 12 else None
 
 
-# The nonce of every request's Blobs while it is alive (`encode_json`'s check), and the one of the
-# request the current task serves (set by the chat route for the request's lifetime).
+# The nonce of every request's Blobs while it is alive (`encode_json`'s check), and the Blobs of
+# the large request the current task serves (set by the chat route for the request's lifetime):
+# while it is set, what grows with the body (walking, encoding, splicing it) runs in a thread.
 _LIVE: set[str] = set()
 CURRENT: contextvars.ContextVar[Blobs | None] = contextvars.ContextVar(
     "mmreuse_request_blobs", default=None
@@ -184,21 +183,12 @@ CURRENT: contextvars.ContextVar[Blobs | None] = contextvars.ContextVar(
 
 
 async def encode_body(obj: Any) -> Out:
-    """`encode_json`, in a thread for a large request (as `sized`)."""
+    """`encode_json`, in a thread while the current task serves a large request (`CURRENT`)."""
     if not _LIVE:  # no large request in flight: nothing to splice (the common path)
         return _enc.encode(obj)
     if CURRENT.get() is None:
         return encode_json(obj)
     return await asyncio.to_thread(encode_json, obj)
-
-
-async def sized(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)`, in a thread while the current task serves a large request (one with its
-    Blobs: read off the event loop), on the loop otherwise: what grows with the request's body
-    (walking, encoding, splicing its parts) never holds the loop for the others."""
-    if CURRENT.get() is None:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
 
 
 def encode_json(obj: Any) -> Out:
@@ -225,11 +215,6 @@ def size_of(out: Out) -> int:
     if isinstance(out, bytes):
         return len(out)
     return sum(memoryview(p).nbytes for p in out)
-
-
-def join(out: Out) -> bytes:
-    """`out` as one bytes object (a copy where it is several buffers)."""
-    return out if isinstance(out, bytes) else b"".join(out)
 
 
 # ---- reading and decoding ------------------------------------------------------------------------

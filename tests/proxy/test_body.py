@@ -19,12 +19,19 @@ from hypothesis import strategies as st
 from mmreuse._jsonscan import scan
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.proxy import body
-from mmreuse.proxy.body import Blobs, BodyLimits, BodyRefused, decode, encode_json, join
+from mmreuse.proxy.body import Blobs, BodyLimits, BodyRefused, Out, decode, encode_json
 from mmreuse.proxy.content import content_name, embeds_name
 from mmreuse.proxy.errors import ProxyError
 from mmreuse.proxy.media import content_uuid, tenant_uuid
 
 _enc = msgspec.json.Encoder().encode
+
+
+def join(out: Out) -> bytes:
+    """What a backend receives of `out` (one buffer, or several written in turn)."""
+    return out if isinstance(out, bytes) else b"".join(out)
+
+
 LIMITS = BodyLimits()
 
 
