@@ -71,7 +71,7 @@ async def test_a_cache_salt_vllm_takes_is_served(policy):
         assert r.status == 200, await r.text()
 
 
-SALT_CORPUS = [None, "", "a", "t" * 128, "t" * 129, "a/b", "a@b", "a\\b", "a\x00b", "é" * 128,
+SALT_CORPUS = ["", "a", "t" * 128, "t" * 129, "a/b", "a@b", "a\\b", "a\x00b", "é" * 128,
                "é" * 129, "a b", "a:b", "a#b", 7, 1.5, True, ["a"], {"a": 1}]  # fmt: skip
 
 _VLLM_SALTS = """
@@ -93,25 +93,34 @@ print(json.dumps(out))
 """
 
 
-def test_the_proxys_cache_salt_rule_is_vllms(oracle_python):
+def vllm_salt_verdicts(python: Any) -> list[bool]:
+    """Whether `python`'s vLLM takes each salt of SALT_CORPUS (its chat request model)."""
     out = subprocess.run(
-        [str(oracle_python), "-c", _VLLM_SALTS],
+        [str(python), "-c", _VLLM_SALTS],
         input=json.dumps(SALT_CORPUS),
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )
-    vllm = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check_salts(vllm: list[bool]) -> None:
+    """The proxy refuses exactly the salts vLLM refuses (and the corpus has both)."""
     for salt, accepted in zip(SALT_CORPUS, vllm, strict=True):
         try:
-            check_cache_salt({} if salt is None else {"cache_salt": salt})
+            check_cache_salt({"cache_salt": salt})
             ours = True
         except ProxyError as e:
             assert e.status == 400
             ours = False
         assert ours == accepted, (salt, accepted)
     assert not all(vllm) and any(vllm)
+
+
+def test_the_proxys_cache_salt_rule_is_vllms(oracle_python):
+    check_salts(vllm_salt_verdicts(oracle_python))
 
 
 # ---- H2: request-wide fields copied into each E sub-request ---------------------------------------
