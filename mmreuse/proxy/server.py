@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -126,6 +127,11 @@ async def serve(
                 else metrics_path or f"{config.metrics_host or config.host}:{config.metrics_port}"
             )
             raise StartupFailed(f"cannot listen on {where}: {e.strerror or e}") from e
+        # What start-up made lives as long as the process: out of the cyclic collector's reach,
+        # a full collection (on whichever thread, the loop's too) walks a request's objects only
+        # (~20 ms for the ~50,000 objects of a started proxy, every such collection, otherwise).
+        gc.collect()
+        gc.freeze()
         logger.info(
             "mmreuse proxy on %s:%d (policy %s, routing %s): E %s, P %s, D %s",
             config.host, config.port, config.policy, config.routing,

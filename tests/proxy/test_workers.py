@@ -330,3 +330,33 @@ def test_a_config_built_in_code_checks_its_workers():
         with pytest.raises(InvalidArgument, match=r"worker_stall_timeout=.* must be 0 \(never\)"):
             ProxyConfig(**base, worker_stall_timeout=bad)
     assert ProxyConfig(**base, worker_stall_timeout=0).worker_stall_timeout == 0  # never
+
+
+async def test_what_start_up_made_is_out_of_the_collectors_reach(fakes):
+    # a full collection then walks a request's objects only, not the started proxy's ~50,000
+    import gc
+
+    from mmreuse.proxy.config import parse_args
+    from mmreuse.proxy.server import serve
+
+    e, pd = await fakes("e"), await fakes("pd")
+    [port] = free_ports(1)
+    config = parse_args(
+        ["--host", "127.0.0.1", "--port", str(port), "--encode-servers-urls", e.url,
+         "--decode-servers-urls", pd.url],
+        env={},
+    )  # fmt: skip
+    gc.unfreeze()
+    frozen: list[int] = []
+    ready = asyncio.Event()
+    task = asyncio.ensure_future(
+        serve(config, ready=lambda: (frozen.append(gc.get_freeze_count()), ready.set()))
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 30)  # a hang guard
+        assert frozen and frozen[0] > 10_000, frozen
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        gc.unfreeze()
