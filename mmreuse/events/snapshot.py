@@ -347,8 +347,11 @@ class PublishedIdentifiers:
                 held[ids[i]] = [1, idents]
                 continue
             was[0] += 1
-            extra = tuple(x for x in idents if x not in was[1])
-            if extra:  # not vLLM's rule (same hash, same keys): the union, bounded
+            if idents is was[1] or idents == was[1]:  # vLLM's rule: same hash, same keys
+                continue
+            have = set(was[1])
+            extra = tuple(x for x in idents if x not in have)
+            if extra:  # not vLLM's rule: the union, bounded
                 was[1] += extra
                 if len(was[1]) > MAX_SNAPSHOT_IDENTS_PER_BLOCK:
                     self._stop("a hash named with ever new identifiers")
