@@ -32,11 +32,11 @@ SKIP_NOT_PUBLISHED = "extra keys not published"
 SKIP_MALFORMED = "extra keys malformed"
 SKIP_SNAPSHOT = "loaded from a snapshot"
 
-# How much of a batch `RemoteKVIndex.apply` does per hold of the view's lock, in blocks plus
-# extra-key items (each a few dict operations): between two such slices a reader waiting for
-# the lock (the proxy's request path) takes it, so it waits for one slice (a few milliseconds
-# at most), never for a whole batch. A slice ends at a block's end (the block's items, at most
-# MAX_EXTRA_KEYS_PER_BLOCK, are never split).
+# How much of a batch `RemoteKVIndex.apply` does per hold of the view's lock: SLICE_WORK
+# blocks, and the extra-key items of blocks naming several (each a few dict operations), give
+# or take a block's items and a window of SLICE_WORK blocks between checks. Between two slices
+# a reader waiting for the lock (the proxy's request path) takes it, so it waits for a slice
+# (a few milliseconds at most), never for a whole batch.
 SLICE_WORK = 2048
 # The longest a pausing writer waits for the reader it lets in, and how often a reader waiting
 # for the lock says so again (a pause may have let another reader in first).
@@ -135,8 +135,8 @@ class RemoteKVIndex:
     reaches zero, so an identifier counts the held hashes carrying it. A block naming more than
     `max_identifiers_per_block` distinct ones (a block of `block_size` tokens overlaps at most
     that many items: pass P's block size where known) makes the medium's identifiers unknown.
-    Memory: only hashes that carry an identifier are remembered, equal identifier tuples of a
-    batch and equal identifier strings of a medium are shared.
+    Memory: only hashes that carry an identifier are remembered; a block naming what the
+    block before it named shares its tuple, and a medium keeps one string per identifier.
 
     Readers never wait for a whole batch: `apply` holds the lock for a slice of it at a time
     (SLICE_WORK) and hands it to a waiting reader in between, so a reader may see a batch in
@@ -204,10 +204,19 @@ class RemoteKVIndex:
             lock.take()
             try:
                 budget = SLICE_WORK
-                memo: dict[tuple[str, ...], tuple[str, ...]] = {}  # the batch's tuples, shared
+                last: tuple[str, ...] = ()  # the last block's identifiers (shared with the next)
+                track = self.track_identifiers
                 for e in events:
                     if isinstance(e, BlockStored):
-                        budget = self._apply_stored(e, budget, memo)
+                        hashes = e.block_hashes
+                        n = len(hashes)
+                        if n and track:
+                            budget, last = self._store(e, budget, last)
+                        elif n < budget:  # the usual event: within the slice
+                            self._table(e.medium).add(hashes, 1)
+                            budget -= n + 1
+                        else:
+                            budget = self._add_hashes(self._table(e.medium), hashes, 0, budget)
                     elif isinstance(e, BlockRemoved):
                         budget = self._apply_removed(e, budget)
                     elif isinstance(e, AllBlocksCleared):
@@ -221,58 +230,58 @@ class RemoteKVIndex:
                 lock.release()
         return len(events)
 
-    def _apply_stored(
-        self, e: BlockStored, budget: int, memo: dict[tuple[str, ...], tuple[str, ...]]
+    def _add_hashes(
+        self, table: HashTable, hashes: list[ExternalBlockHash], lo: int, budget: int
     ) -> int:
-        """A BlockStored (validated), a slice of its blocks at a time (their identifiers, then
-        their hashes), pausing between slices once `budget` is spent; returns what is left."""
-        table = self._table(e.medium)
-        hashes = e.block_hashes
+        """Count `hashes[lo:]` held, `budget` of them at a time, pausing whenever it is spent;
+        returns the budget left."""
         n = len(hashes)
-        medium = MEDIUM_GPU if e.medium is None else e.medium
-        keys = self._keys_to_follow(e, medium) if n and self.track_identifiers else None
-        last: tuple[str, ...] = ()  # the previous block's identifiers: an item spans many blocks
-        lo = 0
+        if not lo and n < budget:  # the usual event: within the slice
+            table.add(hashes, 1)
+            return budget - n - 1
         while True:
-            hi = min(n, lo + max(budget, 1))  # a block is 1 at least
-            if keys is not None:
-                hi, spent, last = self._store_identifiers(
-                    medium, keys, hashes, lo, hi, budget, last, memo
-                )
-                budget -= spent
+            hi = min(n, lo + max(budget, 1))
             table.add(hashes if hi - lo == n else hashes[lo:hi], 1)
             budget -= hi - lo
-            if hi >= n:
-                return budget
             lo = hi
             if budget <= 0:
                 self._lock.pause()
                 budget = SLICE_WORK
+            if lo >= n:
+                return budget
 
     def _apply_removed(self, e: BlockRemoved, budget: int) -> int:
-        """A BlockRemoved (validated), by pieces of SLICE_WORK hashes; returns the budget left."""
+        """A BlockRemoved (validated), `budget` hashes at a time, pausing whenever it is spent;
+        returns the budget left."""
         key = MEDIUM_GPU if e.medium is None else e.medium
         hashes = e.block_hashes
         n = len(hashes)
         table = self._media.get(key)
         if table is None:  # nothing held there (a BlockRemoved creates no table)
             return budget - 1
+        if n < budget:  # the usual event: within the slice
+            gone = table.add(hashes, -1)  # hashes no block holds now
+            if gone and self.track_identifiers:
+                carried = self._carried.get(key)
+                if carried:
+                    self._release_identifiers(key, carried, table, hashes, gone)
+            return budget - n - 1
         lo = 0
         while True:
-            hi = min(n, lo + SLICE_WORK)
-            piece = hashes if hi - lo == n else hashes[lo:hi]
-            gone = table.add(piece, -1)  # hashes no block holds now
+            hi = min(n, lo + max(budget, 1))
+            piece = hashes[lo:hi]
+            gone = table.add(piece, -1)
             if gone and self.track_identifiers:
                 carried = self._carried.get(key)
                 if carried:
                     self._release_identifiers(key, carried, table, piece, gone)
             budget -= hi - lo
-            if hi >= n:
-                return budget
             lo = hi
             if budget <= 0:
                 self._lock.pause()
                 budget = SLICE_WORK
+            if lo >= n:
+                return budget
 
     # ---- identifiers ---------------------------------------------------------------------
 
@@ -293,120 +302,126 @@ class RemoteKVIndex:
         self._names.clear()
         self._ids_unknown.clear()
 
-    def _keys_to_follow(self, e: BlockStored, medium: str) -> list[Any] | tuple[Any, ...] | None:
-        """A BlockStored's extra keys where some block's may name identifiers; None where there
-        is nothing to follow (text only, or the medium's identifiers unknown: made so here by
-        keys not published or not one entry a block)."""
+    def _store(
+        self, e: BlockStored, budget: int, last: tuple[str, ...]
+    ) -> tuple[int, tuple[str, ...]]:
+        """A BlockStored (validated, some hashes) where identifiers are followed: its blocks'
+        identifiers and hashes, a slice at a time (`budget` blocks and extra-key items, then
+        the slice's hashes, then a pause). Returns the budget left and the last block's
+        identifiers (the previous block's, `last`, are shared where equal: an item spans many
+        blocks). Never raises on any `extra_keys`: junk is counted in `identifier_skips`.
+        Linear in the items: a dict per block, not a scan."""
+        medium = MEDIUM_GPU if e.medium is None else e.medium
+        table = self._table(e.medium)
+        hashes, keys = e.block_hashes, e.extra_keys
+        n = len(hashes)
         if medium in self._ids_unknown:
-            return None
-        keys, n = e.extra_keys, len(e.block_hashes)
+            return self._add_hashes(table, hashes, 0, budget), last
         if keys is None:  # vLLM < 0.17, an offloading connector's medium: nothing to follow
             self._unknown(medium, SKIP_NOT_PUBLISHED, n)
-            return None
+            return self._add_hashes(table, hashes, 0, budget), last
         if (type(keys) is not list and type(keys) is not tuple) or len(keys) != n:
             self._unknown(medium, SKIP_MALFORMED, n)
-            return None
+            return self._add_hashes(table, hashes, 0, budget), last
         if keys.count(None) == n:  # text only: the common case, one C call
-            return None
-        return keys
-
-    def _store_identifiers(
-        self,
-        medium: str,
-        keys: list[Any] | tuple[Any, ...],
-        hashes: list[ExternalBlockHash],
-        lo: int,
-        hi: int,
-        budget: int,
-        last: tuple[str, ...],
-        memo: dict[tuple[str, ...], tuple[str, ...]],
-    ) -> tuple[int, int, tuple[str, ...]]:
-        """The identifiers of stored blocks from `lo`, up to `hi` or until `budget` is spent
-        (blocks plus extra-key items; the hashes are validated, and counted by the caller
-        after). Returns where it stopped, the extra-key items read and the last block's
-        identifiers (the next call's `last`). Never raises on any `extra_keys`: junk is counted
-        in `identifier_skips`. Linear in the items: a dict per block, not a scan."""
-        if medium in self._ids_unknown:
-            return hi, 0, last
+            return self._add_hashes(table, hashes, 0, budget), last
         bound = self.max_identifiers_per_block
-        ids: list[int] | None = None
-        carried: dict[int, tuple[str, ...]] = {}
-        counts: dict[str, int] = {}
-        names: dict[str, str] = {}
-        idents: tuple[str, ...] | None
-        spent = 0
-        for i in range(lo, hi):
-            if spent + i - lo >= budget:
-                return i, spent, last
-            entry = keys[i]
-            if entry is None:
-                continue
-            kind = type(entry)
-            if (kind is not list and kind is not tuple) or len(entry) > MAX_EXTRA_KEYS_PER_BLOCK:
-                self._unknown(medium, SKIP_MALFORMED, 1)
-                return hi, spent, last
-            spent += len(entry)
-            k = entry[0] if len(entry) == 1 else None
-            if (
-                (type(k) is list or type(k) is tuple)  # vLLM's usual entry: one mm key
-                and len(k) == 2
-                and type(k[0]) is str
-                and type(k[1]) is int
-                and last
-                and k[0] == last[0]
-                and len(last) == 1
-            ):
-                idents = last  # same identifier as the previous block: checked already
-            else:
-                found = entry_identifiers(entry)
-                if found is None or len(found[0]) > bound:
+        carried = self._carried.get(medium)
+        if carried is None:  # the medium's three maps come and go together
+            carried = self._carried[medium] = {}
+            self._ident_counts[medium], self._names[medium] = {}, {}
+        counts, names = self._ident_counts[medium], self._names[medium]
+        # The slice ends at block `limit` (blocks count 1, the items of an entry of several
+        # each 1 too: checked there, and at each window of SLICE_WORK blocks).
+        lo = 0  # the first block whose hash is not counted yet
+        limit = budget
+        idents: tuple[str, ...]
+        for w in range(0, n, SLICE_WORK):  # a C call for the window's ids
+            if w >= limit:  # the slice is spent: its hashes, then a waiting reader's turn
+                table.add(hashes[lo:w], 1)
+                self._lock.pause()
+                lo, limit = w, w + SLICE_WORK
+            part = keys if n <= SLICE_WORK else keys[w : w + SLICE_WORK]
+            lim = limit - w  # `limit`, within the window
+            ids: list[int] | None = None
+            for j, entry in enumerate(part):
+                if entry is None:
+                    continue
+                kind = type(entry)
+                m = len(entry) if kind is list or kind is tuple else MAX_EXTRA_KEYS_PER_BLOCK + 1
+                if m == 1:  # a block (vLLM's usual: one mm key): the window counts it
+                    k = entry[0]
+                else:  # items to count (or junk): the slice may end before them
+                    if m > MAX_EXTRA_KEYS_PER_BLOCK:
+                        self._unknown(medium, SKIP_MALFORMED, 1)
+                        return self._add_hashes(table, hashes, lo, w + lim - lo), last
+                    if j >= lim:
+                        table.add(hashes[lo : w + j], 1)
+                        self._lock.pause()
+                        lo, lim = w + j, j + SLICE_WORK
+                    lim -= m
+                    k = None
+                if (
+                    (type(k) is list or type(k) is tuple)  # vLLM's usual entry: one mm key
+                    and len(k) == 2
+                    and type(k[0]) is str
+                    and type(k[1]) is int
+                    and len(last) == 1
+                    and k[0] == last[0]
+                ):
+                    idents = last  # same identifier as the previous block: checked already
+                else:
+                    found = self._block_identifiers(entry, names)
+                    if found is None:
+                        self._unknown(medium, SKIP_MALFORMED, 1)
+                        return self._add_hashes(table, hashes, lo, w + lim - lo), last
+                    if not found:
+                        continue
+                    idents = last = last if found == last else found
+                if ids is None:  # validated already
+                    ids = to_event_ids(hashes if n <= SLICE_WORK else hashes[w : w + SLICE_WORK])
+                eid = ids[j]
+                held = carried.get(eid)
+                if held is None:
+                    carried[eid] = idents
+                    for ident in idents:
+                        counts[ident] = counts.get(ident, 0) + 1
+                    continue
+                if held is idents or held == idents:  # stored again (vLLM's: the same keys)
+                    continue
+                have = set(held)
+                extra = [x for x in idents if x not in have]
+                if not extra:
+                    continue
+                if len(held) + len(extra) > bound:  # a peer naming ever new ones
                     self._unknown(medium, SKIP_MALFORMED, 1)
-                    return hi, spent, last
-                idents = found[0]
-                if found[1]:
-                    self._skip(SKIP_LONG_IDENT, found[1])
-                if idents == last:
-                    idents = last
-                elif idents:
-                    shared = memo.get(idents)
-                    if shared is None:  # the medium's strings where it has them already
-                        names = self._names.setdefault(medium, {})
-                        shared = memo[idents] = tuple([names.get(x, x) for x in idents])
-                    idents = shared
-                last = idents
-            if not idents:
-                continue
-            if ids is None:
-                ids = to_event_ids(hashes[lo:hi])  # one C call; validated already
-                carried = self._carried.setdefault(medium, {})
-                counts = self._ident_counts.setdefault(medium, {})
-                names = self._names.setdefault(medium, {})
-            eid = ids[i - lo]
-            held = carried.get(eid)
-            if held is None:
-                carried[eid] = idents
-                for ident in idents:
-                    n = counts.get(ident, 0)
-                    if not n:
-                        names[ident] = ident
-                    counts[ident] = n + 1
-                continue
-            if held is idents or held == idents:  # a hash stored again (vLLM's: the same keys)
-                continue
-            have = set(held)
-            extra = [x for x in idents if x not in have]
-            if not extra:
-                continue
-            if len(held) + len(extra) > bound:  # a peer naming ever new ones
-                self._unknown(medium, SKIP_MALFORMED, 1)
-                return hi, spent, last
-            carried[eid] = held + tuple(extra)  # the union
-            for ident in extra:
-                n = counts.get(ident, 0)
-                if not n:
-                    names[ident] = ident
-                counts[ident] = n + 1
-        return hi, spent, last
+                    return self._add_hashes(table, hashes, lo, w + lim - lo), last
+                carried[eid] = held + tuple(extra)  # the union
+                for ident in extra:
+                    counts[ident] = counts.get(ident, 0) + 1
+            limit = w + lim
+        table.add(hashes if not lo else hashes[lo:], 1)
+        return limit - n - 1, last
+
+    def _block_identifiers(
+        self, entry: list[Any] | tuple[Any, ...], names: dict[str, str]
+    ) -> tuple[str, ...] | None:
+        """`entry_identifiers` of a stored block, as the medium's strings (`names`: one object
+        per identifier counted, the block's about to be), the long ones counted in
+        `identifier_skips`; None if malformed or over `max_identifiers_per_block`."""
+        if len(entry) == 1:  # one mm key (vLLM's usual entry), the first block of its item
+            k = entry[0]
+            if (type(k) is list or type(k) is tuple) and len(k) == 2 and type(k[1]) is int:
+                ident = k[0]
+                if type(ident) is str and 0 < len(ident) <= MAX_IDENT_CHARS:
+                    return (names.setdefault(ident, ident),)
+        found = entry_identifiers(entry)
+        if found is None or len(found[0]) > self.max_identifiers_per_block:
+            return None
+        idents, long = found
+        if long:
+            self._skip(SKIP_LONG_IDENT, long)
+        return tuple(map(names.setdefault, idents, idents))
 
     def _release_identifiers(
         self,
@@ -434,7 +449,7 @@ class RemoteKVIndex:
                     counts[ident] = left
                 else:
                     del counts[ident]
-                    del names[ident]
+                    names.pop(ident, None)
 
     def _check_events(self, events: Any) -> None:
         """Every hash and medium of a batch, and the media it leaves, before anything changes."""

@@ -705,8 +705,8 @@ def test_readers_get_the_lock_while_a_big_batch_applies(events):
 
 
 def test_a_big_batch_s_identifiers_are_kept_once():
-    """Memory linear in what was published, not x24 (a tuple and strings per block): the
-    blocks of a batch naming the same identifiers share one tuple of them."""
+    """Memory linear in what was published, not x24 (a tuple and strings per block): blocks
+    naming what the block before them named share its tuple."""
     payload = encode_batch(many_identifiers(500))
     idx = RemoteKVIndex(track_identifiers=True)
     idx.apply(decode_batch(payload))
