@@ -32,6 +32,8 @@ class KVIndexSink:
     events = "kv"
     snapshot_kind = "kv"
     snapshot_items = DEFAULT_SNAPSHOT_BLOCKS
+    # Ids and counts are bounded by the blocks; the identifiers the snapshot carries in all by
+    # `fetch_snapshot` (2 references a block of `snapshot_items`, 64 MiB of identifiers).
     snapshot_bytes: int | None = None
 
     def __init__(self, index: RemoteKVIndex) -> None:

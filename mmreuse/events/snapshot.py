@@ -7,7 +7,8 @@ snapshot (stamp, incarnation, ids, counts) or raises `SnapshotRefused` with a na
 `error` (P's DemandError: no KV events, index off, ...), `timeout` (past the deadline),
 `malformed` (a frame that is no answer, a chunk that does not continue the last one or changes
 its stamp / incarnation / total), `bound` (more ids or entries than `max_blocks`, refused at
-the first chunk from its `total`, or answers past `max_bytes` in all), `stop`.
+the first chunk from its `total`, answers past `max_bytes` in all, or a KV snapshot's
+identifiers past theirs in all: the wire bounds them per chunk only), `stop`.
 
 The P side of a KV snapshot's identifiers is here too (vLLM-free, so tested and measured
 without vLLM): `PublishedIdentifiers` follows the mm identifiers of the blocks P holds from the
@@ -50,6 +51,14 @@ from .wire import MEDIUM_GPU
 
 logger = logging.getLogger(__name__)
 
+# A KV snapshot's identifiers in all (`demand_query` bounds them per chunk only, so 4M blocks of
+# 256 would be ~1G references, ~8 GB held): references, SNAPSHOT_IDENT_REFS_PER_BLOCK a block
+# of `max_blocks` on average (vLLM's block carries the one or two items it overlaps: P's own
+# snapshot stays below one), and the chunks' identifier tables, DEFAULT_SNAPSHOT_IDENT_BYTES of
+# UTF-8 in all (as the encoder-cache snapshot's answers; a P's real tables are a few MB).
+SNAPSHOT_IDENT_REFS_PER_BLOCK = 2
+DEFAULT_SNAPSHOT_IDENT_BYTES = 64 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
@@ -83,13 +92,16 @@ def fetch_snapshot(
     max_bytes: int | None = None,
     cancelled: Callable[[], bool] = lambda: False,
     kind: str = "kv",
+    max_identifier_refs: int | None = None,
+    max_identifier_bytes: int = DEFAULT_SNAPSHOT_IDENT_BYTES,
 ) -> Snapshot:
     """P's whole KV snapshot from its demand endpoint, within `deadline_s` in all, each chunk
     within `quiet_s` of its ask (a snapshot P paces, `DemandError.retry_after_s`, is asked for
     again after that long, within the deadline), `max_blocks` and `max_bytes` (the answers' frames in all, None:
     unbounded; a chunk at most `MAX_ANSWER_BYTES` past it); `cancelled()` (checked every 50 ms)
     ends it (reason `stop`). `kind`: "kv" (KVSnapshot) or "ec" (ECSnapshot; `max_blocks` bounds
-    its entries)."""
+    its entries). A KV snapshot's identifiers in all: at most `max_identifier_refs` references
+    (None: SNAPSHOT_IDENT_REFS_PER_BLOCK x `max_blocks`) and `max_identifier_bytes` of tables."""
     if kind not in ("kv", "ec"):
         raise ValueError(f"kind must be 'kv' or 'ec', got {kind!r}")
     ask = SnapshotQuery if kind == "kv" else ECSnapshotQuery
@@ -99,6 +111,10 @@ def fetch_snapshot(
     check_int("max_blocks", max_blocks, 0)
     if max_bytes is not None:
         check_int("max_bytes", max_bytes, 1)
+    if max_identifier_refs is None:
+        max_identifier_refs = SNAPSHOT_IDENT_REFS_PER_BLOCK * max_blocks
+    check_int("max_identifier_refs", max_identifier_refs, 0)
+    check_int("max_identifier_bytes", max_identifier_bytes, 0)
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -110,7 +126,7 @@ def fetch_snapshot(
     entries: list[ECEntry] = []
     carried: dict[int, tuple[str, ...]] = {}  # the KV snapshot's identifiers, per block id
     first: KVSnapshot | ECSnapshot | None = None
-    nbytes = 0
+    nbytes = refs = ident_bytes = 0
     try:
         sock.connect(endpoint)
         while True:
@@ -158,6 +174,15 @@ def fetch_snapshot(
                     "malformed", f"chunk at offset {chunk.offset}, expected {have}"
                 )
             if isinstance(chunk, KVSnapshot):
+                refs += sum([len(named) for _, named in chunk.carried])
+                ident_bytes += sum([len(x.encode()) for x in chunk.identifiers])
+                if refs > max_identifier_refs or ident_bytes > max_identifier_bytes:
+                    raise SnapshotRefused(
+                        "bound",
+                        f"snapshot's identifiers past max_identifier_refs={max_identifier_refs} "
+                        f"references or max_identifier_bytes={max_identifier_bytes} at offset "
+                        f"{chunk.offset} ({refs} references, {ident_bytes} bytes so far)",
+                    )
                 ids += chunk.block_ids
                 counts += chunk.counts
                 got = len(chunk.block_ids)
@@ -347,8 +372,11 @@ class PublishedIdentifiers:
                 held[ids[i]] = [1, idents]
                 continue
             was[0] += 1
-            extra = tuple(x for x in idents if x not in was[1])
-            if extra:  # not vLLM's rule (same hash, same keys): the union, bounded
+            if idents is was[1] or idents == was[1]:  # vLLM's rule: same hash, same keys
+                continue
+            have = set(was[1])
+            extra = tuple(x for x in idents if x not in have)
+            if extra:  # not vLLM's rule: the union, bounded
                 was[1] += extra
                 if len(was[1]) > MAX_SNAPSHOT_IDENTS_PER_BLOCK:
                     self._stop("a hash named with ever new identifiers")

@@ -133,7 +133,8 @@ class StreamLimits:
     stream to reach a snapshot stamped ahead of it), `snapshot_retry_s` between attempts,
     `max_stamp_ahead` the furthest ahead a stamp may be, `max_snapshot_items` (blocks or
     entries) and `max_snapshot_bytes` (None: the sink's own bounds, `EventSink.snapshot_items`
-    and `snapshot_bytes`).
+    and `snapshot_bytes`); a KV snapshot's identifiers are bounded in all by `fetch_snapshot`
+    (2 references a block of `max_snapshot_items`, 64 MiB of identifiers).
     """
 
     poll_interval_s: float = 0.05

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..availability import EmbeddingAvailability
 from ..events.hashcheck import HashConfigCheck
-from ..events.index import RemoteKVIndex
+from ..events.index import MAX_EXTRA_KEYS_PER_BLOCK, RemoteKVIndex
 from ..events.wire import BlockStored, KVEventBatch
 from ..hashing import BlockHasher
 from .config import EncodeInstance, PrefillInstance
@@ -44,7 +44,15 @@ class InstanceView:
         self.name, self.instance = name, instance
         self.hash_algo, self.hash_seed = hash_algo, hash_seed
         self.configured_block_size = block_size
-        self.index = RemoteKVIndex(name, track_identifiers=track_identifiers)
+        # A block of `block_size` tokens overlaps at most that many mm items, so it names at
+        # most that many identifiers (more: P's events are not vLLM's, its identifiers are
+        # unknown). Only the configured size bounds it: one learned from P's events is P's word.
+        per_block = MAX_EXTRA_KEYS_PER_BLOCK if block_size is None else block_size
+        self.index = RemoteKVIndex(
+            name,
+            track_identifiers=track_identifiers,
+            max_identifiers_per_block=min(per_block, MAX_EXTRA_KEYS_PER_BLOCK),
+        )
         self._metrics = metrics
         self._lock = threading.Lock()
         self.hasher: BlockHasher | None = None

@@ -2,6 +2,8 @@
 
 import base64
 import json
+import threading
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +21,7 @@ from mmreuse.events import (
     decode_batch,
     encode_batch,
 )
+from mmreuse.events import index as index_module
 from mmreuse.events.index import (
     MAX_EXTRA_KEYS_PER_BLOCK,
     SKIP_LONG_IDENT,
@@ -656,3 +659,243 @@ def test_a_snapshot_then_live_events_is_every_event_from_0(carries, ops, limit, 
                 assert booted.may_hold(ident) == full.may_hold(ident)
     assert booted is not None and booted.identifiers() == full.identifiers()
     assert p.carriers() == full.carriers()
+
+
+# ---- big batches: linear work, in slices, bounded by the block size (review 3, M2) ------------
+
+
+def many_identifiers(blocks=2000, idents=256, events=True):
+    """The review's batch, smaller: `blocks` blocks each naming `idents` distinct short
+    identifiers ("i0", ..., offset 0), one BlockStored each (`events`) or all in one."""
+    keys = tuple((f"i{j}", 0) for j in range(idents))
+    if events:
+        return KVEventBatch(ts=0.0, events=[stored([b + 1], [keys]) for b in range(blocks)])
+    return KVEventBatch(ts=0.0, events=[stored(range(1, blocks + 1), [keys] * blocks)])
+
+
+@pytest.mark.parametrize("events", [True, False], ids=["block per event", "one event"])
+def test_readers_get_the_lock_while_a_big_batch_applies(events):
+    """A reader thread's lookups are served between slices of the batch: it sees the batch in
+    part (0 < size < all), which it never could while the batch held the lock whole (the
+    proxy's request path waited seconds). What it sees is a prefix: every block held carries
+    the identifiers it was stored with."""
+    n = 2000
+    batch = many_identifiers(n, events=events)
+    idx = RemoteKVIndex(track_identifiers=True)
+    seen: list[tuple[int, bool]] = []
+    started, stop = threading.Event(), threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            seen.append((idx.size(), idx.may_hold("i255")))
+            started.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    started.wait()
+    try:
+        idx.apply(batch)
+    finally:
+        stop.set()
+        thread.join()
+    part = [(size, held) for size, held in seen if 0 < size < n]
+    assert part, "no read was served while the batch applied"
+    assert all(held for _, held in part)
+    assert idx.size() == n and idx.identifiers() == {f"i{j}": n for j in range(256)}
+
+
+def test_a_big_batch_s_identifiers_are_kept_once():
+    """Memory linear in what was published, not x24 (a tuple and strings per block): blocks
+    naming what the block before them named share its tuple."""
+    payload = encode_batch(many_identifiers(500))
+    idx = RemoteKVIndex(track_identifiers=True)
+    idx.apply(decode_batch(payload))
+    carried = idx.carriers()
+    assert carried is not None and len(carried) == 500
+    assert len({id(idents) for idents in carried.values()}) == 1
+
+
+def test_identifiers_published_again_keep_the_medium_s_strings():
+    """Batch after batch naming the same identifiers (new hashes each): one string each."""
+    keys = tuple((f"i{j}", 0) for j in range(16))
+    idx = RemoteKVIndex(track_identifiers=True)
+    for b in range(3):  # decoded: new string objects each time
+        idx.apply(decode_batch(encode_batch(KVEventBatch(ts=0.0, events=[stored([b], [keys])]))))
+    carried = idx.carriers()
+    assert carried is not None and len(carried) == 3
+    first = carried[0]
+    assert all(x is y for t in carried.values() for x, y in zip(t, first, strict=True))
+
+
+def test_a_block_naming_more_identifiers_than_its_tokens_makes_them_unknown():
+    """A block of `block_size` tokens overlaps at most that many items: more identifiers (or a
+    hash stored again with new ones past it) is not vLLM's, and the medium's identifiers are
+    unknown (as for over-256), never silently skipped."""
+    idx = RemoteKVIndex(track_identifiers=True, max_identifiers_per_block=4)
+    apply(idx, stored([1], [mm("a", "b", "c", "d")]), stored([2], [mm(*"aaaaaa")]))
+    assert idx.identifiers_known() and idx.identifiers() == {"a": 2, "b": 1, "c": 1, "d": 1}
+    apply(idx, stored([3], [mm("a", "b", "c", "d", "e")]))
+    assert not idx.identifiers_known() and idx.identifiers() == {} and idx.may_hold("zzz")
+    assert idx.identifier_skips() == {SKIP_MALFORMED: 1} and idx.counts() == {1: 1, 2: 1, 3: 1}
+    apply(idx, AllBlocksCleared(), stored([5], [mm("a", "b")]), stored([5], [mm("c", "d")]))
+    assert idx.identifiers_known() and idx.carriers() == {5: ("a", "b", "c", "d")}
+    apply(idx, stored([5], [mm("b", "e")]))  # the union: 5 identifiers
+    assert not idx.identifiers_known()
+    assert idx.identifier_skips() == {SKIP_MALFORMED: 2}
+    with pytest.raises(ValueError, match=r"identifiers\[4\] has 5 .*max_identifiers_per_block=4"):
+        idx.load([4], [1], identifiers={4: list("abcde")})
+
+
+@pytest.mark.parametrize(
+    "value, error",
+    [(0, ValueError), (MAX_EXTRA_KEYS_PER_BLOCK + 1, ValueError), (True, TypeError),
+     (16.0, TypeError), ("16", TypeError), (None, TypeError)],
+)  # fmt: skip
+def test_max_identifiers_per_block_is_validated(value, error):
+    with pytest.raises(error, match=f"max_identifiers_per_block.*{value!r}"):
+        RemoteKVIndex(max_identifiers_per_block=value)
+    assert RemoteKVIndex().max_identifiers_per_block == MAX_EXTRA_KEYS_PER_BLOCK
+
+
+# A block's extra-key items: mm keys (a long identifier among them), LoRA names and salts, and,
+# rarely, junk the index must not follow (`JUNK`'s kinds).
+LONG = "x" * (MAX_IDENT_CHARS + 1)
+ITEMS = st.one_of(
+    st.tuples(st.sampled_from(["a", "b", "c", "d", "e", LONG]), st.integers(-40, 40)),
+    st.sampled_from(["adapter-1", "salt", b"digest"]),
+    st.sampled_from([3, ("a",), ("mm", "a", 0), ("", 0), ("a", True), (1, 0)]),
+)
+ENTRIES = st.one_of(st.none(), st.lists(ITEMS, max_size=6).map(tuple), st.just([("a", 0)]))
+MEDIA = st.sampled_from(["GPU", "CPU", None])
+
+
+@st.composite
+def kv_events(draw):
+    kind = draw(st.sampled_from(["store"] * 6 + ["remove"] * 3 + ["clear", "bad keys"]))
+    if kind == "clear":
+        return AllBlocksCleared()
+    hashes = draw(st.lists(HASHES, max_size=5))
+    medium = draw(MEDIA)
+    if kind == "remove":
+        return removed(hashes, medium)
+    if kind == "bad keys":  # not published (vLLM < 0.17), or not one entry a block
+        return stored(hashes, draw(st.sampled_from([None, [mm("a")] * (len(hashes) + 1)])), medium)
+    return stored(hashes, [draw(ENTRIES) for _ in hashes], medium)
+
+
+class ReferenceIndex:
+    """The identifiers' rules, by brute force: per medium the held counts, each held hash's
+    identifiers in the order first named (the union of its stores), whether they are known,
+    and the skips by reason."""
+
+    def __init__(self, bound):
+        self.bound = bound
+        self.held: dict[str, dict[int, int]] = {}
+        self.carried: dict[str, dict[int, list[str]]] = {}
+        self.unknown: set[str] = set()
+        self.skips: dict[str, int] = {}
+
+    def skip(self, medium, reason, n):
+        self.skips[reason] = self.skips.get(reason, 0) + n
+        self.unknown.add(medium)
+        self.carried.pop(medium, None)
+
+    def entry(self, entry):
+        """(identifiers in order, how many too long) or None if malformed."""
+        if not isinstance(entry, (list, tuple)) or len(entry) > MAX_EXTRA_KEYS_PER_BLOCK:
+            return None
+        idents, long = [], 0
+        for k in entry:
+            if isinstance(k, (list, tuple)):
+                if len(k) != 2 or type(k[0]) is not str or type(k[1]) is not int or not k[0]:
+                    return None
+                if len(k[0]) > MAX_IDENT_CHARS:
+                    long += 1
+                elif k[0] not in idents:
+                    idents.append(k[0])
+            elif not isinstance(k, (str, bytes)):
+                return None
+        return idents, long
+
+    def apply(self, events):
+        for e in events:
+            if isinstance(e, AllBlocksCleared):
+                self.held.clear()
+                self.carried.clear()
+                self.unknown.clear()
+                continue
+            medium = e.medium or MEDIUM_GPU
+            held = self.held.setdefault(medium, {})
+            if isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    if held.get(h):
+                        held[h] -= 1
+                        if not held[h]:
+                            del held[h]
+                            self.carried.get(medium, {}).pop(h, None)
+                continue
+            for h in e.block_hashes:
+                held[h] = held.get(h, 0) + 1
+            self.store(medium, e)
+
+    def store(self, medium, e):
+        n = len(e.block_hashes)
+        if not n or medium in self.unknown:
+            return
+        keys = e.extra_keys
+        if keys is None:
+            return self.skip(medium, SKIP_NOT_PUBLISHED, n)
+        if len(keys) != n:
+            return self.skip(medium, SKIP_MALFORMED, n)
+        carried = self.carried.setdefault(medium, {})
+        for h, entry in zip(e.block_hashes, keys, strict=True):
+            if entry is None:
+                continue
+            found = self.entry(entry)
+            if found is None or len(found[0]) > self.bound:
+                return self.skip(medium, SKIP_MALFORMED, 1)
+            idents, long = found
+            if long:
+                self.skips[SKIP_LONG_IDENT] = self.skips.get(SKIP_LONG_IDENT, 0) + long
+            if not idents:
+                continue
+            union = carried.setdefault(h, [])
+            union += [x for x in idents if x not in union]
+            if len(union) > self.bound:
+                return self.skip(medium, SKIP_MALFORMED, 1)
+
+    def check(self, idx):
+        for medium in ("GPU", "CPU"):
+            assert idx.counts(medium) == {h: n for h, n in self.held.get(medium, {}).items()}
+            known = medium not in self.unknown
+            assert idx.identifiers_known(medium) == known
+            carried = {h: tuple(x) for h, x in self.carried.get(medium, {}).items()}
+            assert idx.carriers(medium) == (carried if known else None)
+            expected: dict[str, int] = {}
+            for idents in carried.values():
+                for x in idents:
+                    expected[x] = expected.get(x, 0) + 1
+            assert idx.identifiers(medium) == (expected if known else {})
+            for x in "abcdef":
+                assert idx.may_hold(x, medium) == (not known or x in expected)
+        assert idx.identifier_skips() == self.skips
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batches=st.lists(st.lists(kv_events(), max_size=6), max_size=8),
+    bound=st.sampled_from([MAX_EXTRA_KEYS_PER_BLOCK, 3, 1]),
+    sliced=st.booleans(),
+)
+def test_batches_match_a_reference_model_in_any_slices(batches, bound, sliced):
+    """Whatever the extra keys (vLLM's, unions of stores, junk, long identifiers, over the
+    block's bound) and however `apply` slices a batch (here down to a block a slice), the
+    hashes, identifiers, carriers, skips and `may_hold` are the reference's after each batch."""
+    kw = {} if bound == MAX_EXTRA_KEYS_PER_BLOCK else {"max_identifiers_per_block": bound}
+    idx = RemoteKVIndex(track_identifiers=True, **kw)
+    model = ReferenceIndex(bound)
+    with mock.patch.object(index_module, "SLICE_WORK", 1 if sliced else index_module.SLICE_WORK):
+        for events in batches:
+            idx.apply(KVEventBatch(ts=0.0, events=events))
+            model.apply(events)
+            model.check(idx)

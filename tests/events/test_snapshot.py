@@ -528,3 +528,40 @@ def test_a_block_named_in_two_chunks_refuses_the_snapshot_with_its_identifiers(c
         assert not sub.complete and idx.identifiers() == {} and not idx.contains(4)
     finally:
         sub.stop()
+
+
+def test_a_snapshot_s_identifiers_are_bounded_in_all(ctx, p, metrics):
+    # Review 3, L3: every chunk within the wire's bounds, but its references in all past 2 a
+    # block of max_snapshot_items (10 here: 20): refused as over its bound, as an encoder-cache
+    # snapshot past its bytes is; the view incomplete, never the snapshot's identifiers
+    served_mm_before(p)
+    four = ["img-0", "img-1", "img-2", "img-3"]
+    p.script = lambda q, t: [_replace(t, identifiers=four,
+                                      carried=[(i, [0, 1, 2, 3]) for i in range(len(t.block_ids))])]  # fmt: skip
+    idx, sub = subscribe(ctx, p, metrics, track=True, max_snapshot_items=10)
+    try:
+        assert wait_for(lambda: outcome(metrics, "bound") >= 1)
+        assert not sub.complete and idx.identifiers() == {} and not idx.contains(4)
+        assert outcome(metrics, "ok") == 0
+        p.script = None  # P's own snapshot: 4 references
+        assert wait_for(lambda: sub.complete)
+        assert idx.identifiers_known() and idx.identifiers() == p.truth.identifiers()
+    finally:
+        sub.stop()
+
+
+def test_fetch_snapshot_bounds_the_identifiers_bytes_in_all(ctx, p):
+    from mmreuse.errors import InvalidArgument
+
+    served_mm_before(p)  # chunks of 3 blocks: tables ["img-1"], ["img-0", "img-1"], 4 references
+    with pytest.raises(SnapshotRefused) as e:
+        fetch_snapshot(p.endpoint, context=ctx, max_identifier_bytes=14)
+    assert e.value.reason == "bound" and "max_identifier_bytes=14" in str(e.value)
+    with pytest.raises(SnapshotRefused) as e:
+        fetch_snapshot(p.endpoint, context=ctx, max_identifier_refs=3)
+    assert e.value.reason == "bound" and "max_identifier_refs=3" in str(e.value)
+    snap = fetch_snapshot(p.endpoint, context=ctx, max_identifier_refs=4, max_identifier_bytes=20)
+    assert snap.identifiers == p.truth.carriers()
+    for field, value in [("max_identifier_refs", -1), ("max_identifier_bytes", 1.5)]:
+        with pytest.raises(InvalidArgument if value == -1 else TypeError, match=field):
+            fetch_snapshot(p.endpoint, context=ctx, **{field: value})

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from mmreuse.demand_query import SnapshotQuery
+from mmreuse.events.index import MAX_EXTRA_KEYS_PER_BLOCK
 from mmreuse.proxy.config import parse_args
 from mmreuse.proxy.server import PROXY_KEY, build_app
 from tests.support.index_proxy import (
@@ -358,6 +359,15 @@ async def test_block_size_learned_from_the_events():
         assert view.hasher is not None and view.hasher.block_size == BLOCK
         assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
         assert e_sent(s) == [sha(B)]
+
+
+async def test_the_view_bounds_a_block_s_identifiers_by_the_block_size():
+    # A block of --block-size tokens overlaps at most that many items (review 3, M2); a size
+    # learned from P's events is P's word, so the index keeps its default bound then.
+    async with index_proxy() as s:
+        assert s.proxy.views[0].index.max_identifiers_per_block == BLOCK
+    async with index_proxy(block_size=None) as s:
+        assert s.proxy.views[0].index.max_identifiers_per_block == MAX_EXTRA_KEYS_PER_BLOCK
 
 
 async def test_a_block_size_mismatch_disables_the_view():
