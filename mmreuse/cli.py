@@ -310,6 +310,7 @@ def _bench_options(args: argparse.Namespace) -> BenchOptions:
         demand_endpoints=tuple(_url_list(args.demand_endpoints)),
         proxy_flags=tuple(shlex.split(args.proxy_flags or "")),
         compare_sim=args.compare_sim,
+        profile=args.profile,
     )
 
 
@@ -348,6 +349,7 @@ def _url_list(value: str | None) -> list[str]:
 # DEFAULT_E_STORE_BYTES, which tests/test_cli.py checks these against: importing the cluster
 # package here would cost every command 0.15 s)
 EC_CONNECTORS = ("mooncake", "example")
+CLUSTER_PROFILES = ("tiny", "serving")  # mmreuse.cluster.profile.PROFILES
 DEFAULT_E_STORE_BYTES = 256 << 20
 BENCH_E_STORE_BYTES = 64 << 10  # 15 images of the bench's 16 tokens (4,120 bytes each)
 # (bench-cluster's flag defaults are BenchOptions' defaults: tests/cluster/test_bench_run.py)
@@ -375,6 +377,7 @@ def cluster(args: argparse.Namespace) -> int:
                 startup_timeout=args.timeout,
                 ec_connector=args.ec_connector,
                 e_store_bytes=args.e_store_bytes,
+                profile=cl.get_profile(args.profile),
             ).start(detach=True)
             print(f"mmreuse cluster: up in {run_dir}")
             print(f"  stop with: mmreuse cluster down --run-dir {run_dir}")
@@ -459,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--rate", type=float, default=2.0, help="requests/s, open loop (servegen-photos: the mean of ServeGen's arrival process, scaled)")  # fmt: skip
     bench.add_argument("--image-tokens", default="fixed:16", help="tokens per generated image")
     bench.add_argument("--prefills", type=_int_arg(1), default=1)
+    bench.add_argument("--profile", choices=CLUSTER_PROFILES, default="tiny", help="the local cluster's model: tiny (4-16 tokens an image, the fast tiers') or serving (256-1,280 tokens an image, stage costs in a GPU's proportions)")  # fmt: skip
     bench.add_argument("--run-dir", metavar="DIR", help="the cluster's run dir (default: a temp)")
     bench.add_argument("--ec-connector", choices=EC_CONNECTORS, default="mooncake", help="the local cluster's embedding store (default: the Mooncake Store)")  # fmt: skip
     bench.add_argument("--e-store-bytes", type=_int_arg(16 << 10), default=BENCH_E_STORE_BYTES, help="the Mooncake Store's capacity for embeddings (default 64 KiB: 15 of the bench's 16-token images, so that it evicts)")  # fmt: skip
@@ -496,6 +500,11 @@ def main(argv: list[str] | None = None) -> int:
         if action == "up":
             a.add_argument("--encoders", type=_int_arg(0), default=1)
             a.add_argument("--prefills", type=_int_arg(1), default=1)
+            a.add_argument(
+                "--profile", choices=CLUSTER_PROFILES, default="tiny",
+                help="the model: tiny (4-16 tokens an image) or serving (256-1,280 tokens an "
+                "image, stage costs in a GPU deployment's proportions)",
+            )  # fmt: skip
             a.add_argument("--timeout", type=_int_arg(1), default=300, help="health wait, s")
             a.add_argument(
                 "--ec-connector", choices=EC_CONNECTORS, default="mooncake",

@@ -23,6 +23,7 @@ from ..errors import InvalidArgument
 from ..validate import check_int
 from .bench import REFERENCE
 from .classes import Observed
+from .profile import PROFILES, ModelProfile
 
 BENCH_WORKLOAD = {  # the simulator's generators, sized for the tiny CPU model (max_model_len 4096)
     "mean_turns": 4.0,
@@ -72,6 +73,7 @@ class BenchOptions:
     demand_endpoints: tuple[str, ...] = ()
     proxy_flags: tuple[str, ...] = ()
     compare_sim: bool = False
+    profile: str = "tiny"  # the local cluster's model (mmreuse.cluster.profile.PROFILES)
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -83,6 +85,12 @@ class BenchOptions:
                 raise InvalidArgument(f"policies[{i}]: {policy!r} is named twice")
         check_int("--repeats", self.repeats, 1)
         check_int("--prefills", self.prefills, 1)
+        if self.profile not in PROFILES:
+            raise InvalidArgument(
+                f"--profile: must be one of {sorted(PROFILES)}, got {self.profile!r}"
+            )
+        if self.remote and self.profile != "tiny":
+            raise InvalidArgument("--profile: the local cluster's; a deployment serves its own")
         if not (math.isfinite(self.rate) and self.rate > 0):
             raise InvalidArgument(
                 f"--rate: must be a finite number of requests/s > 0, got {self.rate}"
@@ -98,6 +106,10 @@ class BenchOptions:
     @property
     def photos(self) -> bool:
         return self.kind == "servegen-photos"
+
+    @property
+    def model_profile(self) -> ModelProfile:
+        return PROFILES[self.profile]
 
     @property
     def remote(self) -> bool:
@@ -173,6 +185,7 @@ def open_deployment(options: BenchOptions, stack: contextlib.ExitStack) -> Any:
             run_dir, encoders=1, prefills=options.prefills,
             encoder_extra_args=("--max-num-batched-tokens", "64"),
             ec_connector=options.ec_connector, e_store_bytes=options.e_store_bytes,
+            profile=options.model_profile,
         )
     )  # fmt: skip
 
@@ -194,6 +207,7 @@ def _drive_all(
     policies = list(options.policies)
     chat_kw: dict[str, Any] = {
         "max_tokens": options.max_tokens, "photos": options.photos, "answer_tokens": options.photos,
+        "profile": options.model_profile,
     }  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     observed: dict[str, list[list[Observed]]] = {p: [] for p in policies}
@@ -241,10 +255,9 @@ def _sim_inputs(cluster: Any, options: BenchOptions, stream: Sequence[Any]) -> _
     Mooncake Store, and the stream's prompts as P renders them (the chat template's tokens
     included)."""
     from .bench_sim import p_sizes, rendered_stream
-    from .model import HIDDEN
     from .simchat import chat_requests
 
-    embed_bytes = 2 * HIDDEN  # one bf16 embedding row of the tiny model
+    embed_bytes = options.model_profile.embedding_bytes(1)  # one embedding row
     ps = [i.spec for i in cluster.instances.values() if i.spec.role == "prefill"]
     sizes = p_sizes([str(p.demand_endpoint) for p in ps])
     es = [i.spec for i in cluster.instances.values() if i.spec.role == "encoder"]
@@ -252,7 +265,7 @@ def _sim_inputs(cluster: Any, options: BenchOptions, stream: Sequence[Any]) -> _
     if not options.remote and cluster.store is not None:
         e_size = p_sizes([str(es[0].demand_endpoint)])[0].encoder_cache_embeds
         store = (e_size, options.e_store_bytes // embed_bytes)
-    sim_stream = rendered_stream(ps[0].url, chat_requests(stream, "bench-sim", photos=options.photos), stream)  # fmt: skip
+    sim_stream = rendered_stream(ps[0].url, chat_requests(stream, "bench-sim", photos=options.photos, profile=options.model_profile), stream)  # fmt: skip
     return _SimInputs(sim_stream, sizes, store)
 
 

@@ -44,6 +44,7 @@ from .instance import (
 from .model import build_model
 from .mooncake import MIN_CAPACITY_BYTES, MooncakeStore, is_our_holder, is_our_master
 from .probe import EncoderProbe
+from .profile import TINY, ModelProfile
 
 __all__ = [
     "EC_CONNECTORS",
@@ -150,7 +151,11 @@ class Cluster:
         encoder_events: bool = True,
         ec_connector: str = "example",
         e_store_bytes: int = DEFAULT_E_STORE_BYTES,
+        profile: ModelProfile = TINY,
     ) -> None:
+        if not isinstance(profile, ModelProfile):
+            raise InvalidArgument(f"profile must be a ModelProfile, got {profile!r}")
+        self.profile = profile
         if ec_connector not in EC_CONNECTORS:
             raise InvalidArgument(
                 f"ec_connector must be one of {EC_CONNECTORS}, got {ec_connector!r}"
@@ -240,6 +245,7 @@ class Cluster:
                     ec_snapshot_port=snapshot_port if events else None,
                     demand_port=demand_port if events else None,
                     extra_args=self.encoder_extra_args,
+                    profile=self.profile,
                 )
             )
         for i in range(self.prefills):
@@ -256,6 +262,7 @@ class Cluster:
                     ec_replay_port=ec_replay if self.ec_events[i] else None,
                     demand_port=demand_port if self.demand[i] else None,
                     kv_events_buffer_steps=self.kv_events_buffer_steps[i],
+                    profile=self.profile,
                     extra_args=self.extra_args
                     + (self.prefill_extra_args[i] if self.prefill_extra_args else ()),
                 )
@@ -274,7 +281,7 @@ class Cluster:
             raise ClusterError(f"a cluster is already up in {self.run_dir}: run down first")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ec_dir.mkdir(exist_ok=True)
-        build_model(self.model_dir)
+        build_model(self.model_dir, self.profile)
         if not detach:
             atexit.register(self.stop)
         t0 = time.monotonic()
@@ -318,6 +325,7 @@ class Cluster:
             "version": STATE_VERSION,
             "run_dir": str(self.run_dir),
             "model_dir": str(self.model_dir),
+            "profile": self.profile.name,
             "ec_dir": str(self.ec_dir),
             "ec_connector": self.ec_connector,
             "instances": [inst.record() for inst in self.instances.values()],

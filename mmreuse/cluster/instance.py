@@ -26,6 +26,7 @@ from typing import Literal
 from ..integrations.plugin_config import CONFIG_KEY
 from ..validate import check_int, check_str, fail_value
 from .install import API_SERVER_MODULE
+from .profile import TINY, ModelProfile
 
 __all__ = [
     "ROLES",
@@ -36,6 +37,7 @@ __all__ = [
     "free_ports",
     "mooncake_connector",
     "process_start_time",
+    "profile_env",
     "server_argv",
     "server_env",
     "start_instance",
@@ -51,9 +53,7 @@ EC_MANAGER_CLS = "mmreuse.integrations.vllm.EventfulEncoderCacheManager"
 SCHEDULER_CLS = "mmreuse.integrations.vllm.DemandScheduler"
 MOONCAKE_CONNECTOR = ("mmreuse.integrations.vllm_mooncake", "MooncakeStoreConnector")
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32; its default 128 is too coarse
-SERVER_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per instance
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+SERVER_ENV = {  # and `profile_env`: the KV cache and the cores, per profile
     "PYTHONHASHSEED": "0",  # vLLM's NONE_HASH seed: hashes reproducible by mmreuse
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -97,6 +97,8 @@ class InstanceSpec:
     ec_snapshot_port: int | None = None
     # vLLM's KV-event replay buffer, in batches (None: vLLM's default, 10,000)
     kv_events_buffer_steps: int | None = None
+    # the model it serves and how (context, KV cache, cores)
+    profile: ModelProfile = TINY
 
     def __post_init__(self) -> None:
         check_str("name", self.name)
@@ -127,6 +129,8 @@ class InstanceSpec:
             )
         if self.ec_snapshot_port is not None and self.ec_events_port is None:
             fail_value("ec_snapshot_port", "given only with ec_events_port", self.ec_snapshot_port)
+        if not isinstance(self.profile, ModelProfile):
+            fail_value("profile", "a ModelProfile", self.profile)
         if not isinstance(self.extra_args, tuple) or not all(
             isinstance(a, str) for a in self.extra_args
         ):
@@ -248,7 +252,7 @@ def server_argv(
         "--load-format", "dummy",
         "--served-model-name", SERVED_NAME,
         "--enforce-eager",
-        "--max-model-len", "4096",
+        "--max-model-len", str(spec.profile.max_model_len),
         "--max-num-seqs", "4",
         "--dtype", "bfloat16",
         "--limit-mm-per-prompt", json.dumps({"image": 16, "video": 0}),
@@ -291,6 +295,20 @@ def server_argv(
     if ours:
         argv += ["--additional-config", json.dumps({CONFIG_KEY: ours})]
     return argv + list(spec.extra_args)
+
+
+def profile_env(spec: InstanceSpec, cpus: int | None = None) -> dict[str, str]:
+    """`spec`'s KV cache (GiB) and OpenMP binding: with `profile.bind_cores`, E's threads on
+    the first of the `cpus` this process may use and P's on the last, one core each (so that on
+    2 cores they behave as two machines); else vLLM-CPU's `nobind`."""
+    bind = "nobind"
+    if spec.profile.bind_cores:
+        mine = sorted(os.sched_getaffinity(0)) if cpus is None else list(range(cpus))
+        bind = str(mine[0] if spec.role == "encoder" else mine[-1])
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(spec.profile.kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
+    }
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -505,6 +523,7 @@ def start_instance(
             stderr=subprocess.STDOUT,
             env={
                 **server_env(),
+                **profile_env(spec),
                 **(PREFILL_ENV if spec.role == "prefill" else {}),
                 **(env or {}),
             },

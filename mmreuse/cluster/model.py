@@ -1,9 +1,10 @@
-"""The tiny random-weight Qwen2-VL model folder the CPU cluster serves (`--load-format dummy`).
+"""The random-weight Qwen2-VL model folder the CPU cluster serves (`--load-format dummy`).
 
 Written offline as plain JSON/text, with no torch, no tokenizers library and no model hub:
-config.json (a 2-layer, 128-wide Qwen2-VL with a 1-block ViT), a byte-level BPE tokenizer.json
-(256 byte tokens, id = byte value, no merges, plus Qwen2-VL's special tokens), tokenizer_config,
-the Qwen2-VL chat template, and image/video preprocessor configs (4..16 image tokens per image).
+config.json (the sizes of a `ModelProfile`: the tiny 2-layer, 128-wide Qwen2-VL with a 1-block
+ViT, or the serving-shape one), a byte-level BPE tokenizer.json (256 byte tokens, id = byte
+value, no merges, plus Qwen2-VL's special tokens), tokenizer_config, the Qwen2-VL chat template,
+and image/video preprocessor configs (the profile's pixel limits).
 vLLM's dummy loader initialises the weights, so no weight file exists. Qwen2-VL is what vLLM's
 own EPD examples use; its processor needs torchvision, which `install.py` makes importable.
 """
@@ -14,6 +15,8 @@ import json
 import os
 import subprocess
 from pathlib import Path
+
+from .profile import TINY, ModelProfile
 
 __all__ = [
     "IMAGE_PAD_ID",
@@ -47,9 +50,6 @@ SPECIAL_TOKENS: dict[str, int] = {
 }
 IMAGE_PAD_ID = SPECIAL_TOKENS["<|image_pad|>"]
 VOCAB_SIZE = 512  # the embedding's rows; the tokenizer uses 270 of them
-HIDDEN = 128
-HEADS = 2  # head_dim 64: a size the CPU attention backend supports
-MROPE_SECTION = (8, 12, 12)  # sums to head_dim / 2
 _ADDITIONAL_SPECIALS: tuple[str, ...] = (
     "im_start",
     "im_end",
@@ -58,8 +58,6 @@ _ADDITIONAL_SPECIALS: tuple[str, ...] = (
     "vision_pad",
 )
 _ADDITIONAL_SPECIALS += ("image_pad", "video_pad")
-MIN_PIXELS = 56 * 56  # 4 merged image tokens
-MAX_PIXELS = 112 * 112  # 16 merged image tokens
 
 CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
@@ -137,7 +135,7 @@ def _tokenizer_json() -> dict[str, object]:
     }
 
 
-def _tokenizer_config() -> dict[str, object]:
+def _tokenizer_config(profile: ModelProfile) -> dict[str, object]:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": {
@@ -156,7 +154,7 @@ def _tokenizer_config() -> dict[str, object]:
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "unk_token": None,
-        "model_max_length": 4096,
+        "model_max_length": profile.max_model_len,
         "clean_up_tokenization_spaces": False,
         "errors": "replace",
         "split_special_tokens": False,
@@ -164,25 +162,25 @@ def _tokenizer_config() -> dict[str, object]:
     }
 
 
-def _config() -> dict[str, object]:
+def _config(profile: ModelProfile) -> dict[str, object]:
     ids = SPECIAL_TOKENS
-    assert sum(MROPE_SECTION) == HIDDEN // HEADS // 2
+    mrope = profile.mrope_section
     return {
         "architectures": ["Qwen2VLForConditionalGeneration"],
         "model_type": "qwen2_vl",
         "torch_dtype": "bfloat16",
         "vocab_size": VOCAB_SIZE,
-        "hidden_size": HIDDEN,
-        "intermediate_size": 2 * HIDDEN,
-        "num_hidden_layers": 2,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": 1,
+        "hidden_size": profile.hidden,
+        "intermediate_size": profile.intermediate,
+        "num_hidden_layers": profile.layers,
+        "num_attention_heads": profile.heads,
+        "num_key_value_heads": profile.kv_heads,
         "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "max_window_layers": 2,
+        "max_position_embeddings": profile.max_model_len,
+        "max_window_layers": profile.layers,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,
-        "rope_scaling": {"type": "mrope", "mrope_section": list(MROPE_SECTION)},
+        "rope_scaling": {"type": "mrope", "mrope_section": list(mrope)},
         "sliding_window": None,
         "use_sliding_window": False,
         "tie_word_embeddings": False,
@@ -199,12 +197,12 @@ def _config() -> dict[str, object]:
         "video_token_id": ids["<|video_pad|>"],
         "vision_config": {
             "model_type": "qwen2_vl_vision",
-            "depth": 1,
-            "embed_dim": 64,
-            "hidden_size": HIDDEN,  # the merger's output width = the LM's
+            "depth": profile.vit_depth,
+            "embed_dim": profile.vit_width,
+            "hidden_size": profile.hidden,  # the merger's output width = the LM's
             "hidden_act": "quick_gelu",
-            "mlp_ratio": 2,
-            "num_heads": 2,
+            "mlp_ratio": profile.vit_mlp_ratio,
+            "num_heads": profile.vit_heads,
             "in_channels": 3,
             "patch_size": 14,
             "spatial_merge_size": 2,
@@ -213,7 +211,7 @@ def _config() -> dict[str, object]:
     }
 
 
-def _image_processor() -> dict[str, object]:
+def _image_processor(profile: ModelProfile) -> dict[str, object]:
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": "Qwen2VLProcessor",
@@ -224,19 +222,19 @@ def _image_processor() -> dict[str, object]:
         "rescale_factor": 1 / 255,
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "min_pixels": profile.min_pixels,
+        "max_pixels": profile.max_pixels,
+        "size": {"shortest_edge": profile.min_pixels, "longest_edge": profile.max_pixels},
         "patch_size": 14,
         "temporal_patch_size": 2,
         "merge_size": 2,
     }
 
 
-def model_files() -> dict[str, str]:
-    """The folder's files: name -> text."""
-    config = _config()
-    image = _image_processor()
+def model_files(profile: ModelProfile = TINY) -> dict[str, str]:
+    """The folder's files for `profile`: name -> text."""
+    config = _config(profile)
+    image = _image_processor(profile)
     video = {k: v for k, v in image.items() if k != "image_processor_type"}
     video["video_processor_type"] = "Qwen2VLVideoProcessor"
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -244,7 +242,7 @@ def model_files() -> dict[str, str]:
         "config.json": config,
         "generation_config.json": {**generation, "do_sample": False},
         "tokenizer.json": _tokenizer_json(),
-        "tokenizer_config.json": _tokenizer_config(),
+        "tokenizer_config.json": _tokenizer_config(profile),
         "special_tokens_map.json": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
         "chat_template.json": {"chat_template": CHAT_TEMPLATE},
         "preprocessor_config.json": image,
@@ -257,11 +255,11 @@ def model_files() -> dict[str, str]:
     return files
 
 
-def build_model(out_dir: Path) -> Path:
-    """Write the model folder (overwriting its files); returns it."""
+def build_model(out_dir: Path, profile: ModelProfile = TINY) -> Path:
+    """Write the model folder of `profile` (overwriting its files); returns it."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in model_files().items():
+    for name, text in model_files(profile).items():
         (out_dir / name).write_text(text, encoding="utf-8")
     return out_dir
 

@@ -29,7 +29,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from typing import Any
@@ -39,6 +39,7 @@ from ..sim.workload import SimRequest, Turn
 from ..validate import check_bool, check_int, check_str, fail_type, fail_value, show
 from .client import image_part
 from .model import model_files
+from .profile import TINY, ModelProfile
 
 __all__ = ["ChatRequest", "chat_requests", "image_size", "image_url", "text"]
 
@@ -65,26 +66,26 @@ class ChatRequest:
 
 
 @cache
-def _processor() -> tuple[int, int, int]:
-    """(pixels per merged token's side, min pixels, max pixels) of the tiny model's processor,
+def _processor(profile: ModelProfile) -> tuple[int, int, int]:
+    """(pixels per merged token's side, min pixels, max pixels) of `profile`'s processor,
     read from the preprocessor_config.json the cluster serves."""
-    cfg = json.loads(model_files()["preprocessor_config.json"])
+    cfg = json.loads(model_files(profile)["preprocessor_config.json"])
     return cfg["patch_size"] * cfg["merge_size"], cfg["min_pixels"], cfg["max_pixels"]
 
 
-def _token_range() -> tuple[int, int]:
+def _token_range(profile: ModelProfile) -> tuple[int, int]:
     """The image token counts the processor keeps unresized: pixels within its min/max."""
-    side, lo, hi = _processor()
+    side, lo, hi = _processor(profile)
     return -(-lo // (side * side)), hi // (side * side)
 
 
-def image_size(ident: str, tokens: int) -> tuple[int, int]:
-    """(width, height) in pixels of an image of `tokens` tokens on the tiny model: 28b x 28a with
-    a * b = tokens, as square as can be. InvalidArgument naming image `ident` for a count the
-    image processor cannot produce (it would resize the image to another count)."""
+def image_size(ident: str, tokens: int, profile: ModelProfile = TINY) -> tuple[int, int]:
+    """(width, height) in pixels of an image of `tokens` tokens on `profile`'s model: 28b x 28a
+    with a * b = tokens, as square as can be. InvalidArgument naming image `ident` for a count
+    the image processor cannot produce (it would resize the image to another count)."""
     tokens = check_int(f"image {show(ident)} tokens", tokens, 1)
-    side, _, _ = _processor()
-    lo, hi = _token_range()
+    side, _, _ = _processor(profile)
+    lo, hi = _token_range(profile)
     rows = cols = 0
     if lo <= tokens <= hi:
         rows = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
@@ -92,8 +93,9 @@ def image_size(ident: str, tokens: int) -> tuple[int, int]:
     if not rows or cols > MAX_RATIO * rows:
         fail_value(
             f"image {show(ident)} tokens",
-            f"in [{lo}, {hi}], what the tiny model's image processor keeps ({side}a x {side}b "
-            "pixels within its min/max pixels; WorkloadConfig.image_tokens='fixed:16' fits)",
+            f"in [{lo}, {hi}], what the {profile.name} model's image processor keeps ({side}a x "
+            f"{side}b pixels within its min/max pixels; WorkloadConfig.image_tokens='fixed:{hi}' "
+            "fits)",
             tokens,
         )
     return cols * side, rows * side
@@ -105,11 +107,11 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
 
 
 @lru_cache(maxsize=IMAGE_CACHE)
-def image_url(ident: str, tokens: int) -> str:
+def image_url(ident: str, tokens: int, profile: ModelProfile = TINY) -> str:
     """A `data:image/png;base64,...` URL of image `ident` with `tokens` tokens (`image_size`):
     horizontal stripes, each row's colour drawn from the id, so distinct ids give distinct bytes
     and one id always the same bytes."""
-    width, height = image_size(ident, tokens)
+    width, height = image_size(ident, tokens, profile)
     colours = hashlib.shake_256(ident.encode("utf-8", "surrogatepass")).digest(3 * height)
     raw = b"".join(b"\x00" + colours[3 * y : 3 * y + 3] * width for y in range(height))
     png = (
@@ -175,10 +177,13 @@ def chat_requests(
     max_tokens: int = 1,
     photos: bool = False,
     answer_tokens: bool = False,
+    profile: ModelProfile = TINY,
 ) -> list[ChatRequest]:
     """Each request of a simulator stream, in order, as a chat request of run `run` (its
-    `cache_salt`, and the prefix of its images' uuids); the module docstring says how, and what
-    `photos` and `answer_tokens` change."""
+    `cache_salt`, and the prefix of its images' uuids) to `profile`'s model; the module
+    docstring says how, and what `photos` and `answer_tokens` change."""
+    if not isinstance(profile, ModelProfile):
+        fail_type("profile", "a ModelProfile", profile)
     run = _check_run(run)
     model = check_str("model", model, nonempty=True)
     max_tokens = check_int("max_tokens", max_tokens, 1)
@@ -188,15 +193,18 @@ def chat_requests(
         fail_type("requests", "a sequence of SimRequest", requests)
     sizes: dict[str, int] = {}
     checked = [_check_request(i, r, sizes) for i, r in enumerate(requests)]
-    url: Callable[[str, int], str] = image_url
     if photos:
         from .photos import photo_for, photo_url
 
         def url(ident: str, n: int) -> str:
             return photo_url(photo_for(ident))
     else:
+
+        def url(ident: str, n: int) -> str:
+            return image_url(ident, n, profile)
+
         for ident, n in sizes.items():
-            image_size(ident, n)  # every image refused before any PNG is made
+            image_size(ident, n, profile)  # every image refused before any PNG is made
     texts: dict[tuple[int, int, str, int], str] = {}  # a session's texts, for all its requests
 
     def turn_text(sid: int, turn: int, role: str, n: int) -> str:

@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("torch")  # mmreuse.sim needs it
 
-from mmreuse.cluster.model import MAX_PIXELS, MIN_PIXELS, model_files
+from mmreuse.cluster.model import model_files
+from mmreuse.cluster.profile import SERVING, TINY
 from mmreuse.cluster.simchat import ChatRequest, chat_requests, image_size, image_url, text
 from mmreuse.errors import InvalidArgument, InvalidArgumentType
 from mmreuse.sim import WorkloadConfig, generate
@@ -104,7 +105,7 @@ def check_stream(requests, out, run=RUN):
             for p, (_, n) in zip(images, t.images, strict=True):
                 w, h = png_size(p["image_url"]["url"])
                 assert w % 28 == 0 and h % 28 == 0 and (w // 28) * (h // 28) == n
-                assert MIN_PIXELS <= w * h <= MAX_PIXELS
+                assert TINY.min_pixels <= w * h <= TINY.max_pixels
             texts += len(said)
             if j < r.turn:
                 answer = msgs[2 * j + 1]["content"]
@@ -197,7 +198,7 @@ def test_image_sizes_give_the_token_counts():
     for n in range(4, 17):
         w, h = image_size("i", n)
         assert (w // 28) * (h // 28) == n and w % 28 == 0 and h % 28 == 0 and w >= h
-        assert MIN_PIXELS <= w * h <= MAX_PIXELS
+        assert TINY.min_pixels <= w * h <= TINY.max_pixels
         assert png_size(image_url(f"i{n}", n)) == (w, h)
     assert image_size("i", 16) == (112, 112) and image_size("i", 6) == (84, 56)
     assert image_url("same", 9) == image_url("same", 9) != image_url("other", 9)
@@ -206,6 +207,29 @@ def test_image_sizes_give_the_token_counts():
             image_size("bad", n)
     with pytest.raises(InvalidArgument, match=r"^image 'bad' tokens must be >= 1, got 0"):
         image_size("bad", 0)
+
+
+def test_image_sizes_follow_the_profile():
+    """The serving profile keeps images of 256-1,280 tokens as they are (and names itself when
+    a count is out of its range)."""
+    for n in (256, 405, 576, 1224, 1280):
+        w, h = image_size("i", n, SERVING)
+        assert (w // 28) * (h // 28) == n and SERVING.min_pixels <= w * h <= SERVING.max_pixels
+        assert png_size(image_url(f"s{n}", n, SERVING)) == (w, h)
+    assert image_url("same", 576, SERVING) != image_url("same", 16)
+    with pytest.raises(InvalidArgument, match=r"in \[256, 1280\], what the serving model's"):
+        image_size("bad", 16, SERVING)
+    requests = stream("chat", requests=4, image_tokens="fixed:576")
+    for c in chat_requests(requests, RUN, profile=SERVING):
+        for msg in c.body["messages"]:
+            for p in msg["content"] if isinstance(msg["content"], list) else ():
+                if p["type"] == "image_url":
+                    w, h = png_size(p["image_url"]["url"])
+                    assert (w // 28) * (h // 28) == 576
+    with pytest.raises(InvalidArgument, match=r"in \[4, 16\]"):
+        chat_requests(requests, RUN)  # the tiny model cannot keep 576 tokens
+    with pytest.raises(InvalidArgument, match="profile"):
+        chat_requests(requests, RUN, profile="serving")  # type: ignore[arg-type]
 
 
 def test_real_tokenizer_counts_one_token_per_character():

