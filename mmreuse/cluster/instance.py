@@ -254,7 +254,7 @@ def server_argv(
         "--enforce-eager",
         "--max-model-len", str(spec.profile.max_model_len),
         "--max-num-seqs", "4",
-        "--dtype", "bfloat16",
+        "--dtype", spec.profile.dtype,
         "--limit-mm-per-prompt", json.dumps({"image": 16, "video": 0}),
         "--block-size", str(BLOCK_SIZE),
         "--enable-logging-iteration-details",

