@@ -218,7 +218,7 @@ def _vision_config(profile: ModelProfile) -> dict[str, object]:
             "hidden_act": "quick_gelu",
             "mlp_ratio": profile.vit_mlp_ratio,
         }
-    return {  # Qwen2.5-VL: windows of 112 pixels, full attention in the last block only
+    return {  # Qwen2.5-VL: windows of 112 pixels, full attention in `vit_full_blocks` only
         "model_type": "qwen2_5_vl_vision",
         **shared,
         "hidden_size": profile.vit_width,
@@ -226,7 +226,7 @@ def _vision_config(profile: ModelProfile) -> dict[str, object]:
         "intermediate_size": profile.vit_mlp_ratio * profile.vit_width,
         "hidden_act": "silu",
         "window_size": 112,
-        "fullatt_block_indexes": [profile.vit_depth - 1],
+        "fullatt_block_indexes": list(profile.vit_full_blocks),
         "tokens_per_second": 2,
     }
 

@@ -74,7 +74,11 @@ def test_the_serving_profile_has_serving_shapes():
     # Qwen2.5-VL's windowed ViT: encode cost linear in an image's tokens, as on the GPU figures'
     config = json.loads(model_files(SERVING)["config.json"])
     assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
-    assert config["vision_config"]["fullatt_block_indexes"] == [SERVING.vit_depth - 1]
+    assert config["vision_config"]["fullatt_block_indexes"] == list(SERVING.vit_full_blocks)
+    four = dataclasses.replace(SERVING, vit_depth=4, vit_full_blocks=(1, 3))
+    assert json.loads(model_files(four)["config.json"])["vision_config"][
+        "fullatt_block_indexes"
+    ] == [1, 3]
     assert config["vision_config"]["window_size"] == 112
     processor = json.loads(model_files(SERVING)["preprocessor_config.json"])
     assert processor["processor_class"] == "Qwen2_5_VLProcessor"
@@ -93,6 +97,10 @@ def test_the_serving_profile_has_serving_shapes():
         ({"max_pixels": 1000}, "max_pixels must be"),
         ({"kv_cache_gib": 0}, "kv_cache_gib must be"),
         ({"bind_cores": 1}, "bind_cores must be a bool"),
+        ({"vit_full_blocks": (0,)}, "vit_full_blocks is Qwen2.5-VL's"),
+        ({"architecture": "qwen2_5_vl", "vit_full_blocks": (1,)}, r"in \[0, 1\), got \(1,\)"),
+        ({"architecture": "qwen2_5_vl", "vit_depth": 3, "vit_full_blocks": (2, 1)}, "sorted"),
+        ({"vit_full_blocks": [0]}, "vit_full_blocks must be a sorted tuple"),
         ({"name": ""}, "name must be"),
         ({"architecture": "llava"}, r"architecture must be one of \['qwen2_5_vl', 'qwen2_vl'\]"),
         ({"dtype": "float16"}, r"dtype must be one of \['bfloat16', 'float32'\]"),
