@@ -91,6 +91,12 @@ class BenchOptions:
             )
         if self.remote and self.profile != "tiny":
             raise InvalidArgument("--profile: the local cluster's; a deployment serves its own")
+        largest = self.model_profile.embedding_bytes(self.model_profile.max_image_tokens)
+        if self.ec_connector == "mooncake" and not self.remote and self.e_store_bytes < largest:
+            raise InvalidArgument(
+                f"--e-store-bytes: {self.e_store_bytes} holds no whole embedding of the "
+                f"{self.profile} profile's largest image ({largest} bytes): give at least that"
+            )
         if not (math.isfinite(self.rate) and self.rate > 0):
             raise InvalidArgument(
                 f"--rate: must be a finite number of requests/s > 0, got {self.rate}"

@@ -151,12 +151,24 @@ def test_a_cluster_serves_its_profile(tmp_path):
 
 
 def test_bench_options_take_a_profile():
-    assert BenchOptions(policies=("eager",), profile="serving").model_profile is SERVING
+    big = 64 << 20
+    assert (
+        BenchOptions(policies=("eager",), profile="serving", e_store_bytes=big).model_profile
+        is SERVING
+    )
+    with pytest.raises(InvalidArgument, match=r"^--e-store-bytes: 65536 holds no whole embedding"):
+        BenchOptions(policies=("eager",), profile="serving")  # the tiny bench's 64 KiB
+    assert BenchOptions(policies=("eager",), profile="serving", ec_connector="example")
     assert BenchOptions(policies=("eager",)).model_profile is TINY
     with pytest.raises(InvalidArgument, match=r"^--profile: must be one of"):
         BenchOptions(policies=("eager",), profile="huge")
     with pytest.raises(InvalidArgument, match=r"^--profile: the local cluster's"):
-        BenchOptions(policies=("eager",), profile="serving", pd_urls=("http://127.0.0.1:1",))
+        BenchOptions(
+            policies=("eager",),
+            profile="serving",
+            e_store_bytes=big,
+            pd_urls=("http://127.0.0.1:1",),
+        )
 
 
 def test_the_command_line_offers_the_profiles(capsys):
