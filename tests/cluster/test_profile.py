@@ -172,6 +172,7 @@ def test_bench_options_take_a_profile():
 
 
 def test_the_command_line_offers_the_profiles(capsys):
+    pytest.importorskip("torch")  # the command line's parser imports the whole library
     from mmreuse import cli
 
     assert set(cli.CLUSTER_PROFILES) == set(PROFILES)
