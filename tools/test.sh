@@ -21,7 +21,13 @@ export MMREUSE_ORACLE_SCRIPT="$PWD/tools/oracle/hash_oracle.py"
 export MMREUSE_REQUIRE_ORACLE=1                 # a missing oracle fails, never skips
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}   # thousands of examples per property
 
-.venv/bin/python -m pytest -p no:cacheprovider --ignore=tests/live --ignore=tests/live_proxy --ignore=tests/live_store "$@"
+# Both cores (pytest-xdist; worksteal: the oracle tests, which start vLLM in a subprocess each,
+# are the long tail and would otherwise sit queued behind one worker). MMREUSE_TEST_WORKERS=0
+# runs in this process, one test at a time.
+WORKERS=${MMREUSE_TEST_WORKERS:-2}
+XDIST=(-n "$WORKERS")
+[ "$WORKERS" = "0" ] || XDIST+=(--dist worksteal)
+.venv/bin/python -m pytest -p no:cacheprovider "${XDIST[@]}" --ignore=tests/live --ignore=tests/live_proxy --ignore=tests/live_store "$@"
 if [ "${MMREUSE_LIVE:-0}" = "1" ]; then  # each its own run: its servers stop before the next starts
   .venv/bin/mmreuse cluster install
   .venv/bin/python -m pytest -p no:cacheprovider tests/live

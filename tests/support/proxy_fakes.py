@@ -195,12 +195,17 @@ async def start_fakes(*roles: str) -> list[Fake]:
     return list(await asyncio.gather(*(Fake(r).start() for r in roles)))
 
 
+_REFUSING: list[socket.socket] = []  # held for the session: their ports are never reused
+
+
 def refused_url() -> str:
-    """An http URL on loopback where nothing listens (a port just bound and released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    """An http URL on loopback that refuses connections: a port bound and never listened on,
+    and kept bound, so that no other server (of this process or of a parallel test worker)
+    can take it while a test counts on its refusal."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _REFUSING.append(s)
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def sha(s: str) -> str:
