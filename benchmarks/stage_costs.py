@@ -15,7 +15,13 @@ each time under new uuids (so no cache of any kind holds it), one request at a t
   P   the request to P, its uuid E's: P's engine time (the embedding loaded from the store, then
       the prefill of every prompt token) = **prefill + load**;
   T   the same number of prompt tokens as text to P (`/v1/completions`, token ids, fresh):
-      **prefill** alone; P - T estimates the **load** (the E -> store -> P transfer's P side).
+      **prefill** alone;
+  X   the **transfer**: E's put and P's get of the embedding, as the connector times them (its
+      `log_transfers` lines in E's and P's logs).
+
+With a profile whose `store_link` is set (`serving`), the store's traffic is paced to it (unless
+`--no-pace`): the script runs itself again in a network namespace of its own for that
+(`mmreuse.cluster.netshape`; root, or unprivileged user namespaces).
 
 Per photo-size bucket the medians, per image and per token, then the ratios that decide the
 RFC's questions beside a GPU's (`GPU` below: vLLM #41267, Qwen2.5-VL-7B on an H100 at 1080p:
@@ -43,7 +49,9 @@ from live_render_cost import _metrics, _post, process_cpu_ns
 
 from mmreuse.cluster import Cluster, get_profile
 from mmreuse.cluster.model import IMAGE_PAD_ID
+from mmreuse.cluster.netshape import StoreLink, in_private_netns, reexec_in_private_netns
 from mmreuse.cluster.photos import PHOTOS, load_photos, photo_url
+from mmreuse.embedding_store import transfers
 from mmreuse.render import RENDER_PATH, render_body
 
 # A GPU deployment's stage costs, as published (docs: BENCHMARKS.md, "Stage costs of the
@@ -54,13 +62,27 @@ GPU = {
     "render_ms": 12.2,  # vLLM #50411: Qwen2VLImageProcessor at 1024x1024, before its fix
     "prefill_ms_per_token": 126.0 / 2718,  # vLLM #41267, the whole prompt
     "transfer_ms": 21.0,  # vLLM #47302: 19.3 MB at the Store's 912 MiB/s to P
+    "put_ms": 19.3e6 / (694 * (1 << 20)) * 1e3,  # vLLM #47302: E -> Store at 694 MiB/s
 }
 GPU_RATIOS = {
     "encode / render": GPU["encode_ms"] / GPU["render_ms"],
     "prefill per token / encode per token": GPU["prefill_ms_per_token"]
     / (GPU["encode_ms"] / GPU_IMAGE_TOKENS),
     "transfer / encode": GPU["transfer_ms"] / GPU["encode_ms"],
+    "put / encode": GPU["put_ms"] / GPU["encode_ms"],
 }
+
+
+def _transfer(log: Path, op: str, uuid: str, timeout: float = 10.0) -> tuple[int, float]:
+    """(bytes, ms) of the connector's `op` of the item `uuid`, from its instance's log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for t in transfers(log.read_text(errors="replace")):
+            if t.op == op and t.key.endswith(":" + uuid):
+                return t.size, t.ms
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {op} of {uuid} logged in {log} after {timeout} s")
+        time.sleep(0.05)
 
 
 def _engine_ms(url: str, before: dict[str, float]) -> tuple[dict[str, float], float, float]:
@@ -95,13 +117,17 @@ def _chat(url_of_photo: str, uuid: str, max_tokens: int = 1) -> dict[str, Any]:
     }
 
 
-def run(profile_name: str, rounds: int, run_dir: Path) -> list[dict[str, Any]]:
+def run(
+    profile_name: str, rounds: int, run_dir: Path, link: StoreLink | None
+) -> list[dict[str, Any]]:
     profile = get_profile(profile_name)
     load_photos()  # every photo checked (its licence statement included)
     photos = PHOTOS
     rows: list[dict[str, Any]] = []
     rng = random.Random(0)
-    with Cluster(run_dir, encoders=1, prefills=1, ec_connector="mooncake", profile=profile) as c:
+    with Cluster(
+        run_dir, encoders=1, prefills=1, ec_connector="mooncake", profile=profile, store_link=link
+    ) as c:
         e, p = c.instances["E0"], c.instances["P0"]
         eu, pu = e.spec.url, p.spec.url
         # one warm-up of each path (the first request pays one-off costs)
@@ -120,6 +146,7 @@ def run(profile_name: str, rounds: int, run_dir: Path) -> list[dict[str, Any]]:
                 before = _metrics(eu)
                 _post(eu + "/v1/chat/completions", _chat(data, uuid))
                 _, row["e_frontend_ms"], row["encode_ms"] = _engine_ms(eu, before)
+                row["embedding_bytes"], row["put_ms"] = _transfer(e.log_path, "put", uuid)
                 c0 = process_cpu_ns(p.pid)
                 t0 = time.perf_counter()
                 rendered = json.loads(
@@ -133,6 +160,8 @@ def run(profile_name: str, rounds: int, run_dir: Path) -> list[dict[str, Any]]:
                 before = _metrics(pu)
                 _post(pu + "/v1/chat/completions", _chat(data, uuid))
                 _, row["p_frontend_ms"], row["p_engine_ms"] = _engine_ms(pu, before)
+                size, row["get_ms"] = _transfer(p.log_path, "get", uuid)
+                assert size == row["embedding_bytes"], (size, row["embedding_bytes"])
                 text = [rng.randrange(1, 256) for _ in range(len(ids))]
                 before = _metrics(pu)
                 _post(
@@ -140,20 +169,20 @@ def run(profile_name: str, rounds: int, run_dir: Path) -> list[dict[str, Any]]:
                     {"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0},
                 )
                 _, _, row["text_prefill_ms"] = _engine_ms(pu, before)
-                row["load_ms"] = row["p_engine_ms"] - row["text_prefill_ms"]
-                row["embedding_bytes"] = profile.embedding_bytes(row["image_tokens"])
                 rows.append(row)
                 print(
                     f"  r{r} {photo.file:24} {row['image_tokens']:5} tok  encode "
                     f"{row['encode_ms']:7.1f}  render {row['render_ms']:6.1f}  prefill "
-                    f"{row['text_prefill_ms']:7.1f}  load {row['load_ms']:6.1f} ms",
+                    f"{row['text_prefill_ms']:7.1f}  put {row['put_ms']:6.1f}  get {row['get_ms']:6.1f} ms",
                     file=sys.stderr,
                     flush=True,
                 )
     return rows
 
 
-def report(rows: list[dict[str, Any]], profile_name: str) -> tuple[str, dict[str, Any]]:
+def report(
+    rows: list[dict[str, Any]], profile_name: str, link: StoreLink | None
+) -> tuple[str, dict[str, Any]]:
     """The markdown table (per image, at the bed's median image) and the ratios."""
     med = statistics.median
 
@@ -166,11 +195,17 @@ def report(rows: list[dict[str, Any]], profile_name: str) -> tuple[str, dict[str
     bed = {
         "encode / render": med(r["encode_ms"] / r["render_ms"] for r in rows),
         "prefill per token / encode per token": prefill_tok / encode_tok,
-        "transfer / encode": med(max(r["load_ms"], 0.0) / r["encode_ms"] for r in rows),
+        "transfer / encode": med(r["get_ms"] / r["encode_ms"] for r in rows),
+        "put / encode": med(r["put_ms"] / r["encode_ms"] for r in rows),
     }
     lines = [
         f"profile `{profile_name}`, {len(rows)} images (median {tokens:.0f} image tokens, "
-        f"{m('embedding_bytes') / 1e6:.2f} MB embedding)",
+        f"{m('embedding_bytes') / 1e6:.2f} MB embedding); the store's link "
+        + (
+            "not paced"
+            if link is None
+            else f"paced: put {link.put_mibps}, get {link.get_mibps} MiB/s"
+        ),
         "",
         "| stage (one image) | this bed, median | a GPU deployment (published) |",
         "|---|---|---|",
@@ -183,9 +218,11 @@ def report(rows: list[dict[str, Any]], profile_name: str) -> tuple[str, dict[str
         f"| P's prefill | {prefill_tok * 1e3:.0f} us a token ({m('text_prefill_ms'):.1f} ms for "
         f"{m('prompt_tokens'):.0f}) | {GPU['prefill_ms_per_token'] * 1e3:.0f} us a token, "
         "vLLM #41267 |",
-        f"| embedding E -> store -> P (P's load) | {m('load_ms'):.1f} ms for "
+        f"| embedding store -> P (P's get) | {m('get_ms'):.1f} ms for "
         f"{m('embedding_bytes') / 1e6:.2f} MB | {GPU['transfer_ms']:.0f} ms for 19.3 MB, "
         "vLLM #47302 |",
+        f"| embedding E -> store (E's put, in its encode) | {m('put_ms'):.1f} ms | "
+        f"{GPU['put_ms']:.0f} ms, vLLM #47302 |",
         "",
         "| ratio | this bed | GPU | bed / GPU |",
         "|---|---|---|---|",
@@ -202,12 +239,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--no-pace", action="store_true", help="leave the store's link unpaced")
     args = ap.parse_args()
+    link = None if args.no_pace else get_profile(args.profile).store_link
+    if link is not None and not in_private_netns():
+        reexec_in_private_netns()
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mmreuse-stages-")))
         run_dir = Path(args.run_dir) if args.run_dir else tmp / "cluster"
-        rows = run(args.profile, args.rounds, run_dir)
-    text, summary = report(rows, args.profile)
+        rows = run(args.profile, args.rounds, run_dir, link)
+    text, summary = report(rows, args.profile, link)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import struct
 import threading
 import time
@@ -63,15 +64,19 @@ __all__ = [
     "IGNORED",
     "LOAD_MISS_LOG",
     "MAGIC",
+    "TRANSFER_LOG",
     "UNAVAILABLE_LOG",
     "NamespaceCard",
     "NamespaceCards",
     "StoreCalls",
     "StoreObjectError",
     "StoredEmbedding",
+    "Transfer",
     "embedding_key",
     "namespace_model",
     "pack_embedding",
+    "transfer_line",
+    "transfers",
     "unpack_embedding",
 ]
 
@@ -86,6 +91,10 @@ KEY_SEPARATOR = "@id:"
 LOAD_MISS_LOG = "mmreuse: store miss at load"
 # ... and when an item P cannot encode (an embedding reference, no media) is not in the store
 UNAVAILABLE_LOG = "mmreuse: store lost a reference-only item"
+
+# ... and, with the connector's `"log_transfers": true`, each put and load (`transfer_line`)
+TRANSFER_LOG = "mmreuse: store transfer"
+_TRANSFER = re.compile(re.escape(TRANSFER_LOG) + r": (put|get) (\S+) (\d+) bytes in ([\d.]+) ms")
 
 # Mooncake's return codes (its ErrorCode) that a put may meet in a healthy store
 OK, NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS = 0, -200, -705
@@ -128,6 +137,27 @@ class StoredEmbedding:
     tokens: int
     hidden: int
     payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One put (E -> the store) or get (the store -> P) the connector logged: the object's
+    key and bytes, and the store call's time."""
+
+    op: str
+    key: str
+    size: int
+    ms: float
+
+
+def transfer_line(op: str, key: str, size: int, ms: float) -> str:
+    """The log line of one transfer (what `transfers` reads back)."""
+    return f"{TRANSFER_LOG}: {op} {key} {size} bytes in {ms:.3f} ms"
+
+
+def transfers(text: str) -> list[Transfer]:
+    """Every transfer a log's `text` holds, in order."""
+    return [Transfer(m[1], m[2], int(m[3]), float(m[4])) for m in _TRANSFER.finditer(text)]
 
 
 def pack_embedding(dtype: str, tokens: int, hidden: int, payload: bytes) -> bytes:

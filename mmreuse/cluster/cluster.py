@@ -43,6 +43,7 @@ from .instance import (
 )
 from .model import build_model
 from .mooncake import MIN_CAPACITY_BYTES, MooncakeStore, is_our_holder, is_our_master
+from .netshape import StoreLink
 from .probe import EncoderProbe
 from .profile import TINY, ModelProfile
 
@@ -152,6 +153,7 @@ class Cluster:
         ec_connector: str = "example",
         e_store_bytes: int = DEFAULT_E_STORE_BYTES,
         profile: ModelProfile = TINY,
+        store_link: StoreLink | None = None,
     ) -> None:
         if not isinstance(profile, ModelProfile):
             raise InvalidArgument(f"profile must be a ModelProfile, got {profile!r}")
@@ -162,6 +164,12 @@ class Cluster:
             )
         self.ec_connector = ec_connector
         self.e_store_bytes = check_int("e_store_bytes", e_store_bytes, MIN_CAPACITY_BYTES)
+        if store_link is not None and ec_connector != "mooncake":
+            raise InvalidArgument(
+                f"store_link paces the Mooncake Store's traffic: it needs ec_connector='mooncake', "
+                f"got {ec_connector!r}"
+            )
+        self.store_link = store_link
         self.store: MooncakeStore | None = None
         self.encoders = check_int("encoders", encoders, 0, MAX_ENCODERS)
         self.prefills = check_int("prefills", prefills, 1, MAX_PREFILLS)
@@ -288,7 +296,10 @@ class Cluster:
         try:
             if self.ec_connector == "mooncake":
                 self.store = MooncakeStore(
-                    self.run_dir, venv=self.venv, capacity_bytes=self.e_store_bytes
+                    self.run_dir,
+                    venv=self.venv,
+                    capacity_bytes=self.e_store_bytes,
+                    link=self.store_link,
                 )
                 self.store.start(die_with_parent=not detach)
                 self._write_state()

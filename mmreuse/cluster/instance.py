@@ -228,7 +228,8 @@ def mooncake_connector(client_config: dict[str, object]) -> dict[str, object]:
     return {
         "ec_connector": MOONCAKE_CONNECTOR[1],
         "ec_connector_module_path": MOONCAKE_CONNECTOR[0],
-        "ec_connector_extra_config": {"mooncake": client_config},
+        # one log line per put and load (bytes, ms): what the bed's transfer figures read
+        "ec_connector_extra_config": {"mooncake": client_config, "log_transfers": True},
     }
 
 

@@ -48,6 +48,7 @@ from .instance import (
     process_start_time,
     stop_group,
 )
+from .netshape import StoreLink, pace
 
 MOONCAKE_PROTOCOL = "tcp"
 MIN_SEGMENT_BYTES = 16 << 20  # Mooncake: "Total size must be at least 16777216"
@@ -197,6 +198,7 @@ class MooncakeStore:
         spec: StoreSpec | None = None,
         capacity_bytes: int | None = None,
         startup_timeout: float = 30.0,
+        link: StoreLink | None = None,
     ) -> None:
         self.run_dir = Path(run_dir).absolute()
         self.venv = venv
@@ -208,6 +210,13 @@ class MooncakeStore:
             else store_layout(capacity_bytes, self.spec.high_watermark)
         )
         self.startup_timeout = check_float("startup_timeout", startup_timeout, 0, lo_open=True)
+        if link is not None and not isinstance(link, StoreLink):
+            raise InvalidArgument(f"link must be a netshape.StoreLink or None, got {link!r}")
+        if link is not None and capacity_bytes is None:
+            raise InvalidArgument(
+                "link paces the traffic of the store's holder: give capacity_bytes"
+            )
+        self.link = link
         self.master: _Proc | None = None
         self.holder: _Proc | None = None
         self._die_with_parent = False
@@ -250,6 +259,8 @@ class MooncakeStore:
                     "mooncake_holder", holder_argv(self.spec, self._venv(), segment)
                 )
                 self._wait_ballast()
+                if self.link is not None:  # after the ballast: only embeddings are paced
+                    pace((port for _, _, port in listeners([self.holder.process.pid])), self.link)
         except BaseException:
             self.stop()
             raise
@@ -370,6 +381,9 @@ class MooncakeStore:
             "rpc_port": self.spec.rpc_port,
             "holder": None if self.holder is None else self.holder.record(self.spec.holder_port),
             "capacity_bytes": self.capacity_bytes,
+            "link_mibps": None
+            if self.link is None
+            else {"put": self.link.put_mibps, "get": self.link.get_mibps},
             "segment_bytes": None if self.layout is None else self.layout[0],
             "ballast_bytes": None if self.layout is None else self.layout[1],
             "master": self.spec.master_address,

@@ -90,6 +90,7 @@ from ..embedding_store import (
     embedding_key,
     namespace_model,
     pack_embedding,
+    transfer_line,
     unpack_embedding,
 )
 from ..errors import InvalidArgument
@@ -120,8 +121,9 @@ _MOONCAKE_SETTINGS = frozenset(
 # is refused only where it is one edit away from one of these: a mistyped setting of ours.
 _EXTRA_SETTINGS = (
     "mooncake", "embedding_namespace", "embedding_width", "allow_unverified_vllm",
-    "store_timeout_s", "store_backoff_s", "namespace_cards",
+    "store_timeout_s", "store_backoff_s", "namespace_cards", "log_transfers",
 )  # fmt: skip
+
 
 # one client per (process, configuration, segment): the scheduler and the worker of one
 # process share it; a process mounts its segment once
@@ -191,6 +193,7 @@ class StoreSettings:
     embedding_width: int | None = None
     allow_unverified: bool = False
     cards: bool = True
+    log_transfers: bool = False
 
     @staticmethod
     def read(extra: Any) -> StoreSettings:
@@ -244,6 +247,9 @@ class StoreSettings:
             embedding_width=width,
             allow_unverified=allow,
             cards=check_bool(f"{_FIELD}['namespace_cards']", extra.get("namespace_cards", True)),
+            log_transfers=check_bool(
+                f"{_FIELD}['log_transfers']", extra.get("log_transfers", False)
+            ),
         )
 
 
@@ -575,7 +581,10 @@ class MooncakeStoreConnector(ECExampleConnector):
         key = self._key(load.mm_hash)
         if key is None:
             return None, "no store key"
+        t0 = time.perf_counter()
         data = self.calls.call("get", lambda s: s.get(key), b"")
+        if data and self.settings.log_transfers:
+            self._log_transfer("get", key, len(data), t0)
         if not data:
             return None, f"not in the store ({self.calls.last_error or 'absent'})"
         dtype, hidden = self._expected(load.modality)
@@ -632,13 +641,21 @@ class MooncakeStoreConnector(ECExampleConnector):
             self._put_missed("unkeyable", identifier, "no store key")
             return
         data = pack_embedding(dtype, t.shape[0], t.shape[1], t.view(torch.uint8).numpy().tobytes())
+        t0 = time.perf_counter()
         rc = self.calls.call("put", lambda s: s.put(key, data), None)
+        if rc == OK and self.settings.log_transfers:
+            self._log_transfer("put", key, len(data), t0)
         if rc in (OK, OBJECT_ALREADY_EXISTS):
             self.stats["puts"] += 1
         elif rc == NO_AVAILABLE_HANDLE:
             self._put_missed("full", identifier, "the store is full until the master evicts")
         else:
             self._put_missed("failed", identifier, f"{rc} {self.calls.last_error}")
+
+    @staticmethod
+    def _log_transfer(op: str, key: str, size: int, t0: float) -> None:
+        """`"log_transfers": true`: the store call's bytes and time, one INFO line."""
+        logger.info("%s", transfer_line(op, key, size, (time.perf_counter() - t0) * 1e3))
 
     def _put_missed(self, reason: str, identifier: str, detail: str) -> None:
         self.put_misses[reason] = self.put_misses.get(reason, 0) + 1

@@ -378,7 +378,7 @@ def test_the_mooncake_connector_is_vllms_out_of_tree_hook(tmp_path):
     assert ec == {
         "ec_connector": "MooncakeStoreConnector",
         "ec_connector_module_path": "mmreuse.integrations.vllm_mooncake",
-        "ec_connector_extra_config": {"mooncake": cfg},
+        "ec_connector_extra_config": {"mooncake": cfg, "log_transfers": True},
         "ec_role": "ec_consumer",
     }
     # the module imports vLLM (it is loaded only inside vLLM): here, that it exists

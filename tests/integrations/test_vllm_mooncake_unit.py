@@ -250,6 +250,7 @@ bad = {
     "['embedding_width']": {"embedding_width": "wide"},
     "['allow_unverified_vllm']": {"allow_unverified_vllm": "yes"},
     "['namespace_cards']": {"namespace_cards": "no"},
+    "['log_transfers']": {"log_transfers": 1},
     # a key of the client's own dict that it does not have; one of ours, mistyped (vLLM's own
     # keys beside them, as embedding_model_identity in every config here, stay accepted)
     "['mooncake']['local_hostnme']": {"mooncake": {**MC, "local_hostnme": "h"}},
@@ -397,6 +398,7 @@ MALFORMED = [
     "['embedding_width']",
     "['allow_unverified_vllm']",
     "['namespace_cards']",
+    "['log_transfers']",
     "['mooncake']['local_hostnme']",
     "['store_timeout']",
 ]

@@ -22,7 +22,7 @@ from mmreuse.cluster import Cluster
 from mmreuse.cluster.client import image_part, png_data_url, post_json
 from mmreuse.cluster.mooncake import connections, is_loopback, listeners
 from mmreuse.cluster.proxy import proxy_process
-from mmreuse.embedding_store import HEADER, MAGIC, UNAVAILABLE_LOG, embedding_key
+from mmreuse.embedding_store import HEADER, MAGIC, UNAVAILABLE_LOG, embedding_key, transfers
 from mmreuse.proxy.metrics import sample_sum
 from tests.support.live_proxy import health, metrics_text, until_complete
 from tests.support.mooncake_client import Client
@@ -185,6 +185,28 @@ def test_a_junk_object_is_encoded_by_p_not_served(store_cluster):
     assert (count.log_inputs, count.load_misses) == (0, 1)  # the worker encoded it instead
     text = c.instances["P0"].log_path.read_text(errors="replace")
     assert "junk object: object has 3 tokens, the request expects 16" in text
+
+
+def test_each_put_and_load_is_logged_with_its_bytes(store_cluster):
+    """`"log_transfers": true` (the harness sets it): E's put and P's load of one item, each a
+    line with the same key and the embedding's bytes (the header and tokens x width of the
+    model's dtype), which is what the bed's transfer figures are read from."""
+    c = store_cluster
+    parts = _parts(3, "logged-1")
+    first = post_json(
+        c.instances["E0"].spec.url + "/v1/chat/completions",
+        {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": parts}]},
+    )
+    _chat(c.instances["P0"].spec.url, parts, ec_transfer_params=first["ec_transfer_params"])
+    seen = {}
+    for name, op in (("E0", "put"), ("P0", "get")):
+        logged = transfers(c.instances[name].log_path.read_text(errors="replace"))
+        found = [t for t in logged if t.key.endswith(":logged-1")]
+        assert [t.op for t in found] == [op], (name, found)
+        seen[op] = found[0]
+    assert (seen["put"].key, seen["put"].size) == (seen["get"].key, seen["get"].size)
+    tokens, rest = divmod(seen["put"].size - HEADER.size, c.profile.embedding_bytes(1))
+    assert rest == 0 and c.profile.min_image_tokens <= tokens <= c.profile.max_image_tokens
 
 
 def test_an_entry_evicted_after_e_answered_is_encoded_by_p(store_cluster):
