@@ -31,6 +31,9 @@ Counters next to the buckets:
   or in P's encoder cache (never for the external store: `would` leaves forwarded items out);
 - `late_fallbacks`: items P needed from E at admission that nobody sent (the policy skipped
   them on stale or early information): P fetches them then (E's cache, else a forward);
+- `partial_coverage`: accounting occurrences P's prefix cache covered in part (leading embed
+  positions cached, the tail not): uncovered, so they need their whole embedding like any
+  other; counted because they are where a coverage check that rounds the wrong way would skip;
 - `wrong_skips`: accounting occurrences that `demand` finds uncovered and needing E
   (`E_CACHED` / `E_COMPUTE`) yet that were consumed with no embedding in hand (not delivered,
   not fetched). P's re-check at admission makes this 0 by construction, whatever the policy
@@ -118,6 +121,7 @@ class RequestAccount:
     late_fallbacks: int = 0
     wrong_skips: int = 0
     external_loads: int = 0
+    partial_coverage: int = 0
 
 
 def account_request(
@@ -127,6 +131,7 @@ def account_request(
     would_need_e: Collection[str],
     late: Callable[[int, str, ItemClass], Delivery | None],
     on_external: Callable[[int, str], None] | None = None,
+    partial: Collection[int] = (),
 ) -> RequestAccount:
     """Account for one request's occurrences at P's admission (the module's rules).
 
@@ -140,6 +145,7 @@ def account_request(
             delivered: how P got it late (E's cache or a forward), or None if it did not (a
             wrong skip).
         on_external: called, in order, for an accounting occurrence P loads from the store.
+        partial: indexes of the occurrences P's prefix cache covers in part.
     """
     acct = RequestAccount()
     primary = accounting_occurrences(occurrences)
@@ -148,6 +154,8 @@ def account_request(
         if primary[ident] != i:
             buckets.append(Bucket.DEDUP)
             continue
+        if i in partial:
+            acct.partial_coverage += 1
         how = delivered.get(ident)
         if how is not None:  # a delivery wins: it is in P's encoder cache
             bucket = how.bucket
@@ -193,6 +201,7 @@ class PolicyResult:
     external_loads: int = 0
     late_fallbacks: int = 0
     wrong_skips: int = 0
+    partial_coverage: int = 0
     ttft_ms: list[float] = field(default_factory=list)
     ttft_encode_ms: list[float] = field(default_factory=list)
     ttft_reuse_ms: list[float] = field(default_factory=list)
@@ -207,3 +216,4 @@ class PolicyResult:
         self.late_fallbacks += acct.late_fallbacks
         self.wrong_skips += acct.wrong_skips
         self.external_loads += acct.external_loads
+        self.partial_coverage += acct.partial_coverage

@@ -204,10 +204,13 @@ class RecordsQuery(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
 
 class RecordItem(msgspec.Struct, array_like=True, gc=False):
-    """One item of an admitted request (vLLM's order): its identifier and its class."""
+    """One item of an admitted request (vLLM's order): its identifier and its class, and
+    whether P's prefix cache covered part of its embed positions (`partial`: its leading blocks
+    cached, its tail not; still uncovered, so P needs the whole embedding)."""
 
     identifier: str
     item_class: ItemClass
+    partial: bool = False  # a trailing default: records without it (older P's) still decode
 
 
 class AdmissionRecord(msgspec.Struct, omit_defaults=True, gc=False):
@@ -543,8 +546,8 @@ def decode_answer(payload: bytes, query: DemandQuery | None = None) -> Answer:
 
 
 def record_items(demand: DemandResult) -> list[RecordItem]:
-    """An admission record's items: each occurrence's identifier and `item_class`."""
-    return [RecordItem(d.identifier, d.item_class) for d in demand.decisions]
+    """An admission record's items: each occurrence's identifier, `item_class` and `partial`."""
+    return [RecordItem(d.identifier, d.item_class, d.partial) for d in demand.decisions]
 
 
 def _check_records(answer: AdmissionRecords) -> None:

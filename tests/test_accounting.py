@@ -59,3 +59,19 @@ def test_buckets_late_fallbacks_and_wrong_skips_in_order():
     r = PolicyResult("index")
     r.add(acct)
     assert r.occurrences == 4 and sum(r.buckets.values()) == 4 and r.wrong_skips == 1
+
+
+def test_partial_coverage_counts_accounting_occurrences_only():
+    """An item whose leading embed positions are cached and tail not: counted once per
+    identifier (its accounting occurrence), whatever bucket it lands in."""
+    occ = [("a", C.P_LOCAL), ("a", C.DUPLICATE), ("b", C.E_COMPUTE), ("c", C.KV_COVERED)]
+    acct = account_request(
+        occ, delivered={"b": Delivery.FORWARD}, would_need_e={"b"}, late=lambda *_: None,
+        partial={0, 1, 2},
+    )  # fmt: skip
+    assert acct.partial_coverage == 2  # a (its first occurrence) and b; a's duplicate is not
+    assert acct.buckets == [Bucket.P_EMBEDDING, Bucket.DEDUP, Bucket.FORWARD, Bucket.KV]
+    r = PolicyResult("demand")
+    r.add(acct)
+    r.add(account_request(occ, delivered={}, would_need_e=set(), late=lambda *_: None))
+    assert r.partial_coverage == 2

@@ -160,6 +160,7 @@ def _record_account(
         "delivered": delivered,
         "would_need_e": would_need_e,
         "late": late,
+        "partial": {i for i, item in enumerate(rec.items) if item.partial},
     }
 
 

@@ -95,6 +95,7 @@ COMPARED = (
     "avoided_by_dedup",
     "late_fallbacks",
     "wrong_skips",
+    "partial_coverage",
 )
 
 

@@ -390,6 +390,7 @@ class Simulation:
             ),
             late=late,
             on_external=on_external,
+            partial={i for i, d in enumerate(decisions) if d.partial},
         )
         result.add(acct)
         acquired: list[str] = []

@@ -36,6 +36,7 @@ def summarize(r: PolicyResult) -> dict:
         "external_loads": r.external_loads,
         "late_fallbacks": r.late_fallbacks,
         "wrong_skips": r.wrong_skips,
+        "partial_coverage": r.partial_coverage,
         "ttft_p50_ms": percentile(r.ttft_ms, 50),
         "ttft_p99_ms": percentile(r.ttft_ms, 99),
         "ttft_encode_p50_ms": percentile(r.ttft_encode_ms, 50),
