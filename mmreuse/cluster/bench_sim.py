@@ -49,6 +49,7 @@ def simulate_like(
     seed: int = 0,
     store: tuple[int, int] | None = None,
     offsets: Sequence[float] | None = None,
+    costs: str = "gpu",
 ) -> list[dict[str, Any]]:
     """`mmreuse simulate` on the same stream, configured like the real cluster: the same
     arrivals (request i at i / rate s), P's real KV blocks, block size and encoder cache (its
@@ -56,11 +57,13 @@ def simulate_like(
     ECExampleConnector's, unbounded, as both E's cache and the external store P loads from.
     `store` (E's encoder cache, the store's capacity), in embeddings: the Mooncake Store's,
     E's own cache beside a bounded store that E reads before a forward and P loads from. The
-    simulator's summary rows. `offsets`: when each request left (s), where not i / rate."""
+    simulator's summary rows. `offsets`: when each request left (s), where not i / rate.
+    `costs`: the simulator's cost model (`mmreuse.sim.config.COSTS`): the bed's own, where the
+    profile has one measured, so that requests overlap in the simulator as they did here."""
     import dataclasses
 
     from ..sim import run
-    from ..sim.config import ClusterConfig, SimConfig
+    from ..sim.config import COSTS, ClusterConfig, SimConfig
 
     if offsets is None:
         offsets = [i / rate for i in range(len(stream))]
@@ -79,7 +82,9 @@ def simulate_like(
         e_reads_external_store=store is not None,
         routing="random",
     )
-    cfg = SimConfig(seed=seed, policies=tuple(policies), cluster=cluster, workload=workload)
+    cfg = SimConfig(
+        seed=seed, policies=tuple(policies), cost=COSTS[costs], cluster=cluster, workload=workload
+    )
     rows, _ = run(cfg, requests=list(timed))
     return rows
 

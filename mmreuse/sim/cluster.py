@@ -26,6 +26,7 @@ from ..accounting import (
     needed_from_e,
     occurrences_of,
 )
+from ..blockhash import EventBlockId, to_event_ids
 from ..demand import Availability, EncoderCacheSpace, ItemClass
 from ..hashing import BlockHasher
 from ..kvview import KVView
@@ -33,10 +34,10 @@ from ..plan import AdmissionPlan, GivenCoverage, KVLookup, plan_admission
 from .caches import EmbeddingLRU, EncoderCache, PrefixCache
 from .config import SimConfig
 from .policies import make_policy
-from .view import NO_VIEW, ClusterView
+from .view import NO_VIEW, ClusterView, prefill_name
 from .workload import SimRequest
 
-__all__ = ["Deliveries", "EncodeJob", "Encoder", "Prefill", "Simulation"]
+__all__ = ["Deliveries", "EncodeJob", "Encoder", "Join", "Prefill", "Simulation"]
 
 
 def _rule_s_can_apply(cache: EncoderCache, request: SimRequest, local: dict[str, int]) -> bool:
@@ -90,6 +91,27 @@ class Encoder:
 
 
 @dataclass(slots=True)
+class Join:
+    """A request split at arrival: its E jobs (the arrival's, then what the plan adds), whose
+    deliveries P gets together once the last one is done."""
+
+    request: SimRequest
+    prefill: int
+    sent: set[str]  # what went to E at arrival
+    parts: int = 2
+    delivered: Deliveries = field(default_factory=dict)
+    ready_at: float = 0.0
+
+    def done(self, sim: Simulation, delivered: Deliveries, at: float) -> None:
+        """One part is done (its deliveries reach P at `at`); after the last, P gets them all."""
+        self.delivered.update(delivered)
+        self.ready_at = max(self.ready_at, at)
+        self.parts -= 1
+        if self.parts == 0:
+            sim.at(self.ready_at, sim.send_to_prefill, self.request, self.prefill, self.delivered)
+
+
+@dataclass(slots=True)
 class EncodeJob:
     """What E was asked to do for a request: its distinct items, in order."""
 
@@ -99,6 +121,7 @@ class EncodeJob:
     answer: set[str] | None = None  # opportunistic: P's answer, once it exists
     answer_at: float = float("inf")  # ... and when it reaches E
     delivered: dict[str, Delivery] = field(default_factory=dict)
+    join: Join | None = None  # a part of a request split at arrival
 
     def ruled_out(self, ident: str, now: float) -> bool:
         """Whether P's answer reached E by `now` and does not need `ident`."""
@@ -138,6 +161,14 @@ class Simulation:
         ]
         self.external = EmbeddingLRU(cluster.external_store_embeds, self.view.external_changed)
         self.e_reads_external = cluster.e_reads_external_store
+        # identifier -> the first full KV block (event id) its latest admission put it in: how
+        # the split tells, at arrival, whether a block P holds carries an item (the proxy's view
+        # follows every carrier; vLLM evicts a request's blocks tail first, so the first carrier
+        # is the last to go, and one id an item keeps a 100k-request run's memory flat)
+        self._carriers: dict[str, EventBlockId] = {}
+        # per P, the identifiers its processor cache has seen (a render of those costs no
+        # image processing; vLLM's cache is GBs: unbounded here)
+        self._processed: list[set[str]] = [set() for _ in range(cluster.num_prefills)]
 
     def _make_prefill(self, p: int) -> Prefill:
         view = self.view
@@ -249,7 +280,14 @@ class Simulation:
             encoder_cache=cache.space() if _rule_s_can_apply(cache, request, local) else None,
         )
 
-    def job(self, request: SimRequest, p: int, idents: set[str] | None = None) -> EncodeJob:
+    def job(
+        self,
+        request: SimRequest,
+        p: int,
+        idents: set[str] | None = None,
+        *,
+        join: Join | None = None,
+    ) -> EncodeJob:
         """An E job for the request's distinct items (only `idents` when given), in order."""
         seen: set[str] = set()
         items = []
@@ -257,7 +295,34 @@ class Simulation:
             if m.identifier not in seen and (idents is None or m.identifier in idents):
                 seen.add(m.identifier)
                 items.append((m.identifier, m.num_embeds))
-        return EncodeJob(request, p, items)
+        return EncodeJob(request, p, items, join=join)
+
+    def join(self, request: SimRequest, p: int, sent: set[str]) -> Join:
+        """The join of a request split at arrival, `sent` to E at once."""
+        return Join(request, p, sent)
+
+    def render_ms(self, request: SimRequest, p: int) -> float:
+        """P's render of `request` (the proxy's, to plan it): its images P's processor cache
+        has not seen cost image processing, the rest only the fixed part. P sees them now."""
+        seen = self._processed[p]
+        idents = {m.identifier for m in request.mm}
+        fresh = len(idents - seen)
+        seen |= idents
+        return self.cost.render_ms(fresh)
+
+    def new_at_arrival(self, request: SimRequest, p: int) -> set[str]:
+        """The identifiers of `request` that go to E at arrival: those the lagging view says
+        neither P's encoder cache, nor the store, nor any KV block of P holds (the proxy's
+        `Planner.split`; the store is asked, so its answer is current)."""
+        view = self.view
+        assert isinstance(view, ClusterView)  # the splitting policies read it
+        view.catch_up()
+        distinct = {m.identifier for m in request.mm}
+        new = set(distinct - view.embeddings.p_holds(prefill_name(p), distinct))
+        external = self.external
+        new = {i for i in new if not external.holds(i)}
+        kv, carriers = view.kv[p], self._carriers
+        return {i for i in new if i not in carriers or not kv.contains(carriers[i])}
 
     def peek_next_encoder(self) -> int:
         """The E the next job or fallback goes to."""
@@ -284,7 +349,8 @@ class Simulation:
     # ---- E ------------------------------------------------------------------------------------
 
     def send_to_encoder(self, job: EncodeJob) -> None:
-        self.result.e_requests += 1
+        if job.join is None or not job.join.sent.isdisjoint(i for i, _ in job.items):
+            self.result.e_requests += 1  # one per request (its arrival job, if split)
         e = self._next_encoder()
         encoder = self.encoders[e]
         encoder.queue.append(job)
@@ -316,10 +382,18 @@ class Simulation:
         tokens = sum(n for _, n in delivered.values())
         transfer_ms = 0.0
         if delivered:
-            self.result.transfers += 1
+            # one transfer per request: a split request's second part adds only bytes
+            join = job.join
+            if join is None or not join.delivered:
+                self.result.transfers += 1
             self.result.transfer_bytes += tokens * self.cost.embedding_bytes_per_token
             transfer_ms = self.cost.transfer_ms(tokens)
-        self.at(self.now + transfer_ms, self.send_to_prefill, job.request, job.prefill, delivered)
+        if job.join is not None:
+            job.join.done(self, delivered, self.now + transfer_ms)
+        else:
+            self.at(
+                self.now + transfer_ms, self.send_to_prefill, job.request, job.prefill, delivered
+            )
         if encoder.queue:
             self.at(self.now, self._encode_item, e, 0)
         else:
@@ -405,6 +479,9 @@ class Simulation:
         hit_blocks = would.proof.block_ids.tolist() if would.proof is not None else []
         hashes = cast("tuple[bytes, ...]", would.block_hashes)  # ours, from mmreuse.hashing
         blocks = prefill.kv.admit(hashes, would.hit_blocks, hit_blocks) or []
+        self._processed[p].update(m.identifier for m in request.mm)
+        if self.policy.splits:
+            self._note_carriers(request, hashes)
         duration = (
             delay
             + self.cost.prefill_fixed_ms
@@ -413,6 +490,15 @@ class Simulation:
         self.at(
             self.now + duration, self._prefill_done, p, request, blocks, acquired, needs_encoding
         )
+
+    def _note_carriers(self, request: SimRequest, hashes: tuple[bytes, ...]) -> None:
+        """The first full block that carries each of the request's items (vLLM's KV events
+        name the identifiers a block carries)."""
+        n, bs = len(hashes), self.block_size
+        for m in request.mm:
+            first = m.offset // bs
+            if first < n:
+                self._carriers[m.identifier] = to_event_ids(hashes[first : first + 1])[0]
 
     def _prefill_done(
         self,

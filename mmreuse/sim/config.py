@@ -1,13 +1,17 @@
 """Simulator configuration: cost model, cluster, workload (frozen values, JSON-loadable).
 
-Cost-model defaults are order-of-magnitude figures for a Qwen2-VL-7B-class model on H100/H200
-class GPUs; they are assumptions to vary, not measurements:
-- encoder: ~23 ms for a 576-token image (0.04 ms per embedding token), in line with the
-  20-50 ms per image ViT forwards reported for EPD setups (an assumption: docs/findings.md);
-- prefill: ~20k tokens/s (0.05 ms per token) plus 5 ms per scheduling step;
+Cost-model defaults (`COSTS["gpu"]`) are a GPU deployment's published figures (Qwen2.5-VL-7B
+on an H100, vLLM with the Mooncake Store; BENCHMARKS.md, "Stage costs of the serving profile"):
+- encoder: 167 ms for a 2,691-token 1080p image (vLLM #41267): 0.062 ms per embedding token;
+- prefill: 126 ms for 2,718 tokens (#41267): 0.046 ms per token, plus 5 ms per step (assumed);
 - embedding rows: hidden 3584 x bf16 = 7,168 bytes per embedding token;
-- E->P transfer: 25 GB/s (200 Gb/s RDMA) plus 0.05 ms; external store loads 10 GB/s + 0.2 ms;
-- a demand query proxy->P->proxy: 1 ms round trip; an E cache hit costs 0.5 ms to serve.
+- E -> store -> P: the Store's TCP rates (#47302), 694 MiB/s in and 912 MiB/s out, one after
+  the other (0.413 GB/s); P's load from the store alone at 912 MiB/s (0.956 GB/s); 0.2 ms each;
+- P's render of a request: 1.7 ms (Mooncake #2836's render-cache hit) plus 12.2 ms for each
+  image P's processor cache has not seen (Qwen2VLImageProcessor at 1024x1024 on CPU, #50411);
+- a demand query proxy -> P -> proxy: 1 ms round trip; an E cache hit costs 0.5 ms to serve
+  (assumptions: neither is published).
+`COSTS["serving-bed"]` is the 2-core bed's `serving` profile as measured, its store paced.
 """
 
 from __future__ import annotations
@@ -87,16 +91,18 @@ def parse_image_tokens(field: str, value: Any) -> int | None:
 class CostModel:
     """What each step costs (ms, bytes, GB/s); defaults in the module docstring."""
 
-    encoder_ms_per_token: float = 0.04
-    prefill_ms_per_token: float = 0.05
+    encoder_ms_per_token: float = 0.062
+    prefill_ms_per_token: float = 0.046
     prefill_fixed_ms: float = 5.0
     embedding_bytes_per_token: int = 7168
-    e_to_p_gb_per_s: float = 25.0
-    e_to_p_latency_ms: float = 0.05
-    external_gb_per_s: float = 10.0
+    e_to_p_gb_per_s: float = 0.413
+    e_to_p_latency_ms: float = 0.2
+    external_gb_per_s: float = 0.956
     external_latency_ms: float = 0.2
     demand_rtt_ms: float = 1.0
     e_cache_hit_ms: float = 0.5
+    render_fixed_ms: float = 1.7
+    render_ms_per_image: float = 12.2
 
     def __post_init__(self) -> None:
         rates = ("e_to_p_gb_per_s", "external_gb_per_s")
@@ -117,11 +123,40 @@ class CostModel:
             self.e_to_p_gb_per_s * 1e6
         )
 
+    def render_ms(self, images: int) -> float:
+        """P's render of a request with `images` images its processor cache has not seen."""
+        return self.render_fixed_ms + images * self.render_ms_per_image
+
     def external_ms(self, tokens: int) -> float:
         """P's load time of `tokens` embedding rows from the external store."""
         return self.external_latency_ms + tokens * self.embedding_bytes_per_token / (
             self.external_gb_per_s * 1e6
         )
+
+
+# The cost models `SimConfig`'s "cost" may name: a GPU deployment's (the defaults, above), and
+# the 2-core bed's `serving` profile with its store paced (BENCHMARKS.md, "Stage costs of the
+# serving profile": encode 0.85 ms a token without the put, prefill 0.95 ms a token (the text
+# prompt's whole time, so no fixed part), 2,048 bytes a token through 14.5 then 18.2 MiB/s,
+# render 46 ms for a one-image request (fixed and per-image parts not told apart), E's cache
+# hit its frontend's 24 ms; the demand round trip and P's step are not measured: kept).
+COSTS: dict[str, CostModel] = {
+    "gpu": CostModel(),
+    "serving-bed": CostModel(
+        encoder_ms_per_token=0.85,
+        prefill_ms_per_token=0.95,
+        prefill_fixed_ms=0.0,
+        embedding_bytes_per_token=2048,
+        e_to_p_gb_per_s=0.00846,
+        e_to_p_latency_ms=0.0,
+        external_gb_per_s=0.01908,
+        external_latency_ms=0.0,
+        demand_rtt_ms=1.0,
+        e_cache_hit_ms=24.0,
+        render_fixed_ms=0.0,
+        render_ms_per_image=46.0,
+    ),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +289,8 @@ class SimConfig:
     @classmethod
     def from_dict(cls, d: Any) -> SimConfig:
         """A config from JSON-like values: every key optional, unknown keys refused; a bad value
-        raises ConfigError naming its dotted field (`cluster.num_prefills`)."""
+        raises ConfigError naming its dotted field (`cluster.num_prefills`). "cost" is an object
+        of CostModel's fields, or the name of one of `COSTS`."""
         if not isinstance(d, dict):
             raise config_error("config", f"must be an object, got {_shown(d)}", True)
         _refuse_unknown("", d, TOP_KEYS)
@@ -268,6 +304,13 @@ class SimConfig:
                 raise ConfigError(
                     f"policies[{i}]", f"must be a policy name, one of {POLICIES}, got {show(p)}"
                 )
+        cost = d.get("cost")
+        if isinstance(cost, str):  # a cost model by name
+            if cost not in COSTS:
+                raise ConfigError(
+                    "cost", f"must be an object or one of {sorted(COSTS)}, got {show(cost)}"
+                )
+            d = {**d, "cost": asdict(COSTS[cost])}
         sections = {name: _build(name, kind, d.get(name, {})) for name, kind in SECTIONS.items()}
         try:
             return cls(seed=d.get("seed", 0), policies=tuple(policies), **sections)

@@ -144,3 +144,11 @@ def test_observe_reads_ttft_items_e_and_render():
     failed.decision.render_s = 0.0
     assert observe(r, failed) == Observed(None, 3, 1, None)  # failed: no TTFT; not rendered
     assert observe(r, RequestOutcome(0, 200, 7.0)) == Observed(7.0, 3, 0, None)  # no decision
+
+
+def test_every_profile_has_a_simulator_cost_model():
+    from mmreuse.cluster.bench_run import SIM_COSTS
+    from mmreuse.cluster.profile import PROFILES
+    from mmreuse.sim.config import COSTS
+
+    assert set(SIM_COSTS) == set(PROFILES) and set(SIM_COSTS.values()) <= set(COSTS)

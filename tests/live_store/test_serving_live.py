@@ -112,7 +112,7 @@ def test_a_partly_evicted_image_gets_its_embedding_and_the_same_answer(serving, 
             # fillers of text straight to P, until the photo's tail is evicted
             coverage = full.num_computed_tokens
             rng = random.Random(run)
-            for k in range(2 * KV_BLOCKS // FILLER_BLOCKS):
+            for _ in range(2 * KV_BLOCKS // FILLER_BLOCKS):
                 # token ids, so that a filler is exactly FILLER_BLOCKS blocks with its answer;
                 # random ones, so that no two fillers share a block
                 ids = [rng.randrange(1, 256) for _ in range(FILLER_BLOCKS * BLOCK_SIZE - 1)]
