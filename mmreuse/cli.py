@@ -311,6 +311,7 @@ def _bench_options(args: argparse.Namespace) -> BenchOptions:
         proxy_flags=tuple(shlex.split(args.proxy_flags or "")),
         compare_sim=args.compare_sim,
         profile=args.profile,
+        pace_store=args.pace_store,
     )
 
 
@@ -327,6 +328,11 @@ def bench_cluster(args: argparse.Namespace) -> int:
     if args.plot is not None:
         _check_plot(args.plot)
     options = _bench_options(args)
+    if options.pace_store:
+        from .cluster.netshape import in_private_netns, reexec_in_private_netns
+
+        if not in_private_netns():  # this command again, in a network namespace of its own
+            reexec_in_private_netns()
     try:
         report = run_bench(options, progress=None if args.no_progress else _progress)
     except Unreachable as exc:
@@ -462,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--rate", type=float, default=2.0, help="requests/s, open loop (servegen-photos: the mean of ServeGen's arrival process, scaled)")  # fmt: skip
     bench.add_argument("--image-tokens", default="fixed:16", help="tokens per generated image")
     bench.add_argument("--prefills", type=_int_arg(1), default=1)
+    bench.add_argument("--pace-store", action="store_true", help="pace the Mooncake Store's link to the profile's store_link (serving: transfer / encode as on a GPU deployment); runs the command again in a network namespace of its own (root, or unprivileged user namespaces)")  # fmt: skip
     bench.add_argument("--profile", choices=CLUSTER_PROFILES, default="tiny", help="the local cluster's model: tiny (4-16 tokens an image, the fast tiers') or serving (256-1,280 tokens an image, stage costs in a GPU's proportions)")  # fmt: skip
     bench.add_argument("--run-dir", metavar="DIR", help="the cluster's run dir (default: a temp)")
     bench.add_argument("--ec-connector", choices=EC_CONNECTORS, default="mooncake", help="the local cluster's embedding store (default: the Mooncake Store)")  # fmt: skip

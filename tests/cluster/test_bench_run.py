@@ -36,6 +36,7 @@ from mmreuse.errors import InvalidArgument
             ["--workload", "servegen-photos", "--servegen-client", "x"],
             "servegen_client must be one of",
         ),
+        (["--pace-store"], "--pace-store: paces the local Mooncake Store's link"),  # tiny: none
     ],
 )
 def test_bench_cluster_refuses_bad_arguments_before_starting(capsys, argv, words):
@@ -52,6 +53,15 @@ def test_bench_cluster_refuses_bad_arguments_before_starting(capsys, argv, words
         ({"repeats": 0}, "--repeats"),
         ({"rate": float("inf")}, "--rate: must be a finite number of requests/s > 0, got inf"),
         ({"servegen_client": "client-12"}, "--servegen-client: only with --workload"),
+        ({"pace_store": True}, "(profiles with one: ['serving']); got profile 'tiny'"),
+        (
+            {"pace_store": True, "profile": "serving", "ec_connector": "example"},
+            "--ec-connector 'example'",
+        ),
+        (
+            {"pace_store": True, "encode_urls": ("http://e:1",), "pd_urls": ("http://p:1",)},
+            "a deployment given by URL",
+        ),
     ],
 )
 def test_options_built_in_code_are_checked_as_the_flags_are(options, words):
