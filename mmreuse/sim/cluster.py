@@ -301,9 +301,10 @@ class Simulation:
         """The join of a request split at arrival, `sent` to E at once."""
         return Join(request, p, sent)
 
-    def render_ms(self, request: SimRequest, p: int) -> float:
-        """P's render of `request` (the proxy's, to plan it): its images P's processor cache
-        has not seen cost image processing, the rest only the fixed part. P sees them now."""
+    def render(self, request: SimRequest, p: int) -> float:
+        """P renders `request` (the proxy's render, to plan it): how long it takes. Its images
+        P's processor cache has not seen cost image processing, the rest only the fixed part;
+        P's cache holds them all from now on."""
         seen = self._processed[p]
         idents = {m.identifier for m in request.mm}
         fresh = len(idents - seen)

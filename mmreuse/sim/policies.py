@@ -71,7 +71,7 @@ class Policy:
         join = sim.join(request, p, new) if new else None
         if join is not None:
             sim.send_to_encoder(sim.job(request, p, new, join=join))
-        sim.at(sim.now + sim.render_ms(request, p), self.plan, request, p, join)
+        sim.at(sim.now + sim.render(request, p), self.plan, request, p, join)
 
     def plan(self, request: SimRequest, p: int, join: Join | None) -> None:
         """Decide what E gets for `request` (after its render, where the policy renders);
@@ -126,7 +126,7 @@ class Opportunistic(Policy):
         sim = self.sim
         job = sim.job(request, p)
         # P is asked once the request is rendered; E starts at once
-        asked = sim.now + sim.render_ms(request, p) + sim.cost.demand_rtt_ms / 2
+        asked = sim.now + sim.render(request, p) + sim.cost.demand_rtt_ms / 2
         sim.at(asked, self._prefill_answers, job)
         sim.send_to_encoder(job)
 
