@@ -63,5 +63,5 @@ DESELECT=(
 # absence fails (tests/support/oracle.py): here it must skip, so CI's variables are not passed.
 env -u CI -u MMREUSE_REQUIRE_ORACLE -u MMREUSE_ORACLE_PYTHON -u MMREUSE_ORACLE_SCRIPT \
   HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
-  "$VENV/bin/python" -m pytest -p no:cacheprovider -q -m "not oracle and not live" \
+  "$VENV/bin/python" -m pytest -p no:cacheprovider -q -n 2 --dist worksteal -m "not oracle and not live" \
   --ignore=tests/live --ignore=tests/live_proxy --ignore=tests/live_store "${DESELECT[@]/#/--deselect=}" "$@"

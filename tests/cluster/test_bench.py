@@ -147,6 +147,7 @@ def test_observe_reads_ttft_items_e_and_render():
 
 
 def test_every_profile_has_a_simulator_cost_model():
+    pytest.importorskip("torch")  # mmreuse.sim's caches are residency ops
     from mmreuse.cluster.bench_run import SIM_COSTS
     from mmreuse.cluster.profile import PROFILES
     from mmreuse.sim.config import COSTS
