@@ -5,10 +5,10 @@ On loopback the Mooncake Store moves a serving-profile embedding (0.5-2.5 MB) in
 about 0.01 of an encode, where a GPU deployment's transfer is ~0.13 of one (vLLM #47302's
 Store rates for #41267's 19.3 MB embedding). `StoreLink` is a rate for each direction; `pace`
 puts the store holder's TCP traffic (and only it: requests, KV events and everything else stay
-at loopback speed) through an HTB class of that rate on `lo`. It changes the network namespace it runs
-in, so it refuses to run in the machine's own: `reexec_in_private_netns` runs a command again
-in a namespace of its own (root, or an unprivileged user namespace), where `lo` is private and
-goes away with the command.
+at loopback speed) through an HTB class of that rate on `lo`. It changes the network namespace
+it runs in, so it refuses to run in the machine's own: `reexec_in_private_netns` runs a command
+again in a namespace of its own (root, or an unprivileged user namespace), where `lo` is
+private and goes away with the command.
 """
 
 from __future__ import annotations
