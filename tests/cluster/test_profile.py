@@ -9,7 +9,7 @@ import os
 import pytest
 
 from mmreuse.cluster import Cluster, InstanceSpec
-from mmreuse.cluster.bench_run import BenchOptions
+from mmreuse.cluster.bench_run import BenchOptions, p_kv_args
 from mmreuse.cluster.instance import profile_env, server_argv
 from mmreuse.cluster.model import model_files
 from mmreuse.cluster.profile import PROFILES, SERVING, TINY, ModelProfile, get_profile
@@ -169,6 +169,20 @@ def test_bench_options_take_a_profile():
             e_store_bytes=big,
             pd_urls=("http://127.0.0.1:1",),
         )
+
+
+def test_p_kv_blocks_size_each_p_and_its_context():
+    opts = BenchOptions(
+        policies=("eager",), profile="serving", e_store_bytes=64 << 20, p_kv_blocks=128
+    )
+    # vLLM wants the longest context to fit in the KV cache less one block
+    assert p_kv_args(opts) == ("--num-gpu-blocks-override", "128", "--max-model-len", "4064")
+    tiny = BenchOptions(policies=("eager",), p_kv_blocks=1000)
+    assert p_kv_args(tiny)[-1] == str(TINY.max_model_len)  # never above the profile's
+    with pytest.raises(InvalidArgument, match=r"^--p-kv-blocks must be >= 2, got 1"):
+        BenchOptions(policies=("eager",), p_kv_blocks=1)
+    with pytest.raises(InvalidArgument, match=r"^--p-kv-blocks: the local cluster's"):
+        BenchOptions(policies=("eager",), p_kv_blocks=64, pd_urls=("http://127.0.0.1:1",))
 
 
 def test_the_command_line_offers_the_profiles(capsys):

@@ -95,7 +95,7 @@ out["ref_miss"] = {
 # ---- a store that stalls: every call a bounded miss, the engine's calls all return ----
 STORE.stall = threading.Event()
 try:
-    extra = own_client(3, store_timeout_s=0.2, store_backoff_s=30.0)
+    extra = own_client(3, store_timeout_s=0.2, load_timeout_s=0.3, store_backoff_s=30.0)
     cfg = v2.config(model, "ec_both", extra)
     sched = raised(lambda: Connector(cfg, SCHED))
     worker = Connector(cfg, WORKER)
@@ -246,6 +246,7 @@ bad = {
     "['mooncake']['protocol']": {"mooncake": {**MC, "protocol": 5}},
     "['store_timeout_s']": {"store_timeout_s": 0},
     "['store_backoff_s']": {"store_backoff_s": -1},
+    "['load_timeout_s']": {"load_timeout_s": 0},
     "['embedding_namespace']": {"embedding_namespace": ""},
     "['embedding_width']": {"embedding_width": "wide"},
     "['allow_unverified_vllm']": {"allow_unverified_vllm": "yes"},
@@ -394,6 +395,7 @@ MALFORMED = [
     "['mooncake']['protocol']",
     "['store_timeout_s']",
     "['store_backoff_s']",
+    "['load_timeout_s']",
     "['embedding_namespace']",
     "['embedding_width']",
     "['allow_unverified_vllm']",
