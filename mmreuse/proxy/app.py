@@ -599,18 +599,24 @@ class Proxy:
         if arrival is None:
             m.arrival_split("whole").inc()
             return await planner.decide(req, items, uuids), None
+        arrival = planner.on_p(arrival)
+        if arrival.on_p:
+            m.arrival_items.labels("p_encodes").inc()
         early = self.encoders.start(req, items, arrival.now, req_id, uuids) if arrival.now else None
         te = time.perf_counter()
         m.stage["arrival"].observe(te - ta)
         now = len(arrival.now) + len(arrival.shares)
         m.arrival_items.labels("e_now").inc(now)
-        m.arrival_items.labels("waited").inc(len(arrival.rest))
+        if not planner.at_once(arrival):
+            m.arrival_items.labels("waited").inc(len(arrival.rest))
+        elif arrival.rest and not arrival.on_p:  # --mixed-plan arrival
+            m.arrival_items.labels("p_raw").inc(len(arrival.rest))
         m.arrival_split("none_new" if not now else "split" if arrival.rest else "all_new").inc()
         try:
-            if arrival.rest:
-                decision = await planner.decide(req, items, uuids, arrival=arrival)
-            else:
+            if planner.at_once(arrival):
                 decision = planner.at_arrival(req, uuids, arrival)
+            else:
+                decision = await planner.decide(req, items, uuids, arrival=arrival)
             sent = set(arrival.now)
             later = [i for i in decision.dispatch.e_items if i not in sent]
             rest = await self.encoders.encode(req, items, later, req_id, uuids)

@@ -64,6 +64,27 @@ class UuidPolicy(StrEnum):
 
 UUID_POLICIES: tuple[str, ...] = tuple(p.value for p in UuidPolicy)
 
+
+class MixedPlan(StrEnum):
+    """--mixed-plan (index, demand): a request that sends some items to E at arrival and may
+    hold the others (a later chat turn with a new image). render: the others wait for the
+    render and the plan (or P's answer), which run while E encodes; arrival: decided at
+    arrival, the others go to P raw with their uuid (vLLM's own order serves each, or P
+    encodes it itself): no render on the request's path."""
+
+    RENDER = "render"
+    ARRIVAL = "arrival"
+
+
+class EncodeOnP(StrEnum):
+    """--encode-on-p (index, demand): never (every item to encode goes to E); single: a request
+    whose one item, new, would go to E at arrival goes to P raw instead, and P's encoder
+    encodes it (as SGLang's --enable-adaptive-dispatch-to-encoder): no E visit, no transfer."""
+
+    NEVER = "never"
+    SINGLE = "single"
+
+
 # Each field's flag (or environment variable), for the CLI's messages. `instances.demand`:
 # the `demand` field of every PrefillInstance (`instances[i].demand`); `media.*`: MediaLimits'.
 FLAGS: Mapping[str, str] = {
@@ -83,6 +104,8 @@ FLAGS: Mapping[str, str] = {
     "encoder_max_batch_size": "ENCODER_MAX_BATCH_SIZE",
     "policy": "--policy",
     "routing": "--routing",
+    "mixed_plan": "--mixed-plan",
+    "encode_on_p": "--encode-on-p",
     "render_url": "--render-url",
     "render_timeout_s": "--render-timeout",
     "hash_algo": "--hash-algo",
@@ -309,6 +332,8 @@ class ProxyConfig:
     encoder_max_batch_size: int = 0
     policy: Policy = Policy.EAGER
     routing: Routing = Routing.RANDOM
+    mixed_plan: MixedPlan = MixedPlan.RENDER
+    encode_on_p: EncodeOnP = EncodeOnP.NEVER
     render_url: str | None = None
     render_timeout_s: float = (
         10.0  # a slow render costs the plan (E gets everything), not the request
@@ -416,6 +441,17 @@ class ProxyConfig:
         """The policy, routing and naming, and the timeouts of the render and P's answer."""
         object.__setattr__(self, "policy", parse_policy(self.policy))
         object.__setattr__(self, "routing", _choice(Routing, "routing", self.routing))
+        object.__setattr__(self, "mixed_plan", _choice(MixedPlan, "mixed_plan", self.mixed_plan))
+        object.__setattr__(self, "encode_on_p", _choice(EncodeOnP, "encode_on_p", self.encode_on_p))
+        splits = self.policy in (Policy.INDEX, Policy.DEMAND)
+        for key, value in (("mixed_plan", MixedPlan.RENDER), ("encode_on_p", EncodeOnP.NEVER)):
+            if getattr(self, key) is not value and not splits:
+                raise ConfigError(
+                    f"{{{key}}} {{v}} acts on the split at arrival: {{policy}} index or demand, "
+                    "got {p}",
+                    v=getattr(self, key).value,
+                    p=self.policy.value,
+                )
         object.__setattr__(
             self, "uuid_policy", _choice(UuidPolicy, "uuid_policy", self.uuid_policy)
         )
@@ -815,6 +851,25 @@ _PLANNING: tuple[_Flag, ...] = (
         },
     ),
     (
+        "--mixed-plan",
+        {
+            "choices": tuple(m.value for m in MixedPlan),
+            "default": "render",
+            "help": "index / demand, a request with new items and maybe-held ones: render (the "
+            "maybe-held wait for the render and the plan, run while E encodes the new) or "
+            "arrival (decided at arrival: the maybe-held go to P raw, P serves or encodes them)",
+        },
+    ),
+    (
+        "--encode-on-p",
+        {
+            "choices": tuple(m.value for m in EncodeOnP),
+            "default": "never",
+            "help": "index / demand: single sends a request whose one item, new, would go to E "
+            "to P raw instead (P encodes it: no E visit, no transfer); never: E encodes",
+        },
+    ),
+    (
         "--render-url",
         {
             "default": None,
@@ -1152,6 +1207,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         encoder_max_batch_size=_env_number(env, "ENCODER_MAX_BATCH_SIZE", "0", int),
         policy=args.policy,
         routing=args.routing,
+        mixed_plan=args.mixed_plan,
+        encode_on_p=args.encode_on_p,
         render_url=args.render_url.rstrip("/") if args.render_url else None,
         render_timeout_s=args.render_timeout,
         instances=tuple(PrefillInstance(u, **s) for u, s in zip(urls, slots, strict=True)),

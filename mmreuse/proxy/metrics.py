@@ -193,7 +193,9 @@ class ProxyMetrics:
             "mmreuse_proxy_arrival_items_total",
             "index / demand: media items at arrival, before any render: e_now (held nowhere the "
             "chosen P could use: sent to E at once, or sharing one so sent), waited (waited for "
-            "the render and the plan, or P's answer)",
+            "the render and the plan, or P's answer), p_raw (sent to P raw at arrival beside new "
+            "ones: --mixed-plan arrival), p_encodes (a request's one new item sent to P's "
+            "encoder instead of E: --encode-on-p single)",
             ["action"],
             registry=r,
         )

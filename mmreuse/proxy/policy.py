@@ -38,7 +38,7 @@ from ..demand_query import MAX_IDENT_CHARS, MAX_SALT_CHARS, DemandAnswer, query_
 from ..errors import InvalidArgument
 from ..plan import AdmissionPlan, GivenCoverage, KVLookup, plan_admission
 from ..render import RENDER_PATH, RenderedPrompt, from_render_json, render_body
-from .config import ProxyConfig
+from .config import EncodeOnP, MixedPlan, ProxyConfig
 from .demand import DemandClient, DemandUnavailable
 from .encoder import new_hex
 from .eside import ESide
@@ -100,6 +100,7 @@ class Arrival:
         blind: split on a view that was not complete (it may miss what P holds).
         e_cached: the identifiers of `now` E held when they were sent (their class is
             e_cached, the others' e_compute: what E's side said then, not once E has them).
+        on_p: `rest` is the request's one new item, sent to P for its encoder (`Planner.on_p`).
     """
 
     instance: int
@@ -109,6 +110,7 @@ class Arrival:
     external: frozenset[str] | None = None
     blind: bool = False
     e_cached: frozenset[str] = frozenset()
+    on_p: bool = False  # `rest` is P's to encode (--encode-on-p), not to plan
 
 
 class Planner:
@@ -250,15 +252,37 @@ class Planner:
         best = max(scores)
         return self._rng.choice([i for i, sc in enumerate(scores) if sc == best])
 
+    def on_p(self, arrival: Arrival) -> Arrival:
+        """`arrival` as --encode-on-p has it: single sends a request's one item, new, to P
+        raw instead of E (`rest`, decided at arrival: P's encoder encodes it)."""
+        if (
+            self.config.encode_on_p is EncodeOnP.SINGLE
+            and len(arrival.now) == 1
+            and not arrival.shares
+            and not arrival.rest
+        ):
+            return replace(arrival, now=(), rest=arrival.now, on_p=True)
+        return arrival
+
+    def at_once(self, arrival: Arrival) -> bool:
+        """Whether `arrival` is the whole decision (no render, no plan): nothing waits, P
+        encodes the new item (--encode-on-p), or --mixed-plan arrival with an item at E."""
+        return (
+            not arrival.rest
+            or arrival.on_p
+            or (bool(arrival.now) and self.config.mixed_plan is MixedPlan.ARRIVAL)
+        )
+
     def at_arrival(
         self, request: Mapping[str, Any], uuids: Sequence[str], arrival: Arrival
     ) -> Decision:
-        """The Decision of a request whose every item went to E at arrival (none waits): no
-        render, no plan; E-cached where E's side says it holds the identifier."""
-        classes = _arrival_classes((ItemClass.DUPLICATE,) * len(uuids), arrival, uuids)
+        """The Decision of a request decided at arrival (`at_once`): no render, no plan; E gets
+        `now` (e_cached where E's side says it holds the identifier), P gets `rest` raw with
+        their uuid (vLLM's own order serves each, or P's encoder encodes it)."""
+        classes = _arrival_classes((ItemClass.UNCLASSIFIED,) * len(uuids), arrival, uuids)
         return Decision(
             arrival.instance,
-            Dispatch(arrival.now, shares=arrival.shares, classes=classes),
+            Dispatch(arrival.now, frozenset(arrival.rest), arrival.shares, classes),
             identifiers=tuple(uuids),
             cache_salt=request.get("cache_salt"),
             blind=arrival.blind,

@@ -205,3 +205,50 @@ def test_items_sent_at_arrival_keep_the_class_they_had_when_sent():
     assert (merged.e_items, dict(merged.shares), merged.raw_items) == (
         (0, 1), {2: 0}, frozenset({3}),
     )  # fmt: skip
+
+
+async def test_mixed_plan_arrival_sends_the_maybe_held_to_p_without_a_render():
+    # --mixed-plan arrival: C is new (to E at once); A and B may be held: they go to P raw
+    # with their uuid, nothing is rendered, and P's own order serves them.
+    async with index_proxy(flags=("--mixed-plan", "arrival")) as s:
+        await s.hold(0, [sha(A), sha(B)], 4)
+        assert (await s.post(chat(TEXT, img(A), img(B), img(C)))).status == 200
+        assert renders(s) == 0
+        assert e_sent(s) == [sha(C)]
+        # raw and embeds never mix in one modality (vLLM refuses it): C goes raw with its
+        # uuid too, and P loads E's embedding of it by that uuid
+        raw = [{**img(x), "uuid": sha(x)} for x in (A, B, C)]
+        assert pd_content(s) == [TEXT, *raw]
+        items = s.pd[0].chats()[0].body["ec_transfer_params"]["ec_items"]
+        assert [x["mm_hash"] for x in items] == [sha(C)]
+        assert s.sample("mmreuse_proxy_arrival_items_total", action="p_raw") == 2
+        assert s.sample("mmreuse_proxy_arrival_items_total", action="waited") == 0
+        # a request with nothing new still waits for the render and the plan
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        assert renders(s) == 1
+
+
+async def test_encode_on_p_single_sends_a_lone_new_item_to_p_raw():
+    # --encode-on-p single: [C] alone, new: P gets it raw with its uuid (its encoder runs),
+    # E gets nothing; [A, C] (two new items) still goes to E as before.
+    async with index_proxy(flags=("--encode-on-p", "single")) as s:
+        assert (await s.post(chat(TEXT, img(C)))).status == 200
+        assert e_sent(s) == [] and renders(s) == 0
+        assert pd_content(s) == [TEXT, {**img(C), "uuid": sha(C)}]
+        assert s.sample("mmreuse_proxy_arrival_items_total", action="p_encodes") == 1
+        assert (await s.post(chat(TEXT, img(A), img(C)))).status == 200
+        assert e_sent(s) == [sha(A), sha(C)]
+
+
+def test_the_arrival_options_need_a_policy_that_splits():
+    import pytest
+
+    from mmreuse.proxy.config import ConfigError, ProxyConfig
+
+    url = ("http://127.0.0.1:1",)
+    for key, value in (("mixed_plan", "arrival"), ("encode_on_p", "single")):
+        with pytest.raises(ConfigError, match=f"{value} acts on the split at arrival"):
+            ProxyConfig(encode_urls=url, decode_urls=url, **{key: value})
+        with pytest.raises(ConfigError, match="must be one of"):
+            ProxyConfig(encode_urls=url, decode_urls=url, policy="index", **{key: "sometimes"})
+        assert ProxyConfig(encode_urls=url, decode_urls=url, policy="index", **{key: value})
