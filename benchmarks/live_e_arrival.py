@@ -14,6 +14,14 @@ its own uuids and cache salt (so each starts cold); the figures are paired per c
 and turn. CPU-scale latencies: the differences count, not the milliseconds.
 
     .venv/bin/python benchmarks/live_e_arrival.py [--conversations 24] [--json PATH]
+        [--profile serving] [--variant NAME='--policy index --mixed-plan arrival' ...]
+
+`--profile serving` runs the serving-shape model (the photos at 256-1,280 tokens, stage costs in
+a GPU's proportions) on the Mooncake Store, its link paced to the profile's `store_link` (the
+script runs itself again in a network namespace of its own). `--variant NAME=FLAGS` adds an
+`mmreuse proxy` with those flags beside the others. Each request's P frontend CPU (P's API
+server process: the render, the media decode and preprocessing of what reaches P raw) is read
+from /proc around it (the requests run one at a time).
 
 Starts its own cluster (~2 min) in a temporary run dir and stops it at the end.
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -38,9 +47,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from mmreuse.cluster import Cluster
+from mmreuse.cluster import Cluster, get_profile
 from mmreuse.cluster.client import image_part
 from mmreuse.cluster.instance import free_ports, wait_http
+from mmreuse.cluster.netshape import in_private_netns, reexec_in_private_netns
 from mmreuse.cluster.photos import PHOTOS, photo_url
 from mmreuse.cluster.proxy import proxy_process
 from mmreuse.cluster.reference import fetch_reference, reference_python
@@ -134,6 +144,12 @@ def conversation(tag: str, k: int) -> list[dict[str, Any]]:
         })  # fmt: skip
         history.append({"role": "assistant", "content": f"Answer {t}."})
     return out
+
+
+def cpu_s(pid: int) -> float:
+    """The CPU seconds (user + system) process `pid` has used itself (not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def ttft(url: str, body: dict[str, Any], request_id: str) -> tuple[float, float]:
@@ -231,11 +247,36 @@ def main() -> int:
         help="also run index and demand from this checkout of mmreuse (as index@base, "
         "demand@base; it needs the built extensions: copy mmreuse/*.so into it)",
     )
+    ap.add_argument("--profile", default="tiny", help="the cluster's model profile")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="another mmreuse proxy, with these flags (e.g. "
+        "index-arrival='--policy index --mixed-plan arrival'); repeatable",
+    )
     a = ap.parse_args()
-    policies = POLICIES + (("index@base", "demand@base") if a.baseline else ())
-    rows: dict[str, dict[tuple[int, int, str], dict[str, float | None]]] = {p: {} for p in policies}
+    profile = get_profile(a.profile)
+    link = profile.store_link
+    if link is not None and not in_private_netns():
+        reexec_in_private_netns()
+    variants = dict(v.split("=", 1) for v in a.variant)
+    policies = POLICIES + (("index@base", "demand@base") if a.baseline else ()) + tuple(variants)
+    rows: dict[str, dict[tuple[int, int, str], dict[str, Any]]] = {p: {} for p in policies}
     with tempfile.TemporaryDirectory(prefix="mmreuse-e-arrival-") as tmp, ExitStack() as stack:
-        c = stack.enter_context(Cluster(Path(tmp) / "cluster", encoders=1, prefills=1))
+        connector = "mooncake" if link is not None else "example"
+        c = stack.enter_context(
+            Cluster(
+                Path(tmp) / "cluster",
+                encoders=1,
+                prefills=1,
+                profile=profile,
+                ec_connector=connector,
+                store_link=link,
+            )  # fmt: skip
+        )
+        p_pid = next(i.pid for i in c.instances.values() if i.spec.role == "prefill")
         args = c.proxy_args()
         e_url = args[args.index("--encode-servers-urls") + 1]
         pd_url = args[args.index("--decode-servers-urls") + 1]
@@ -249,6 +290,9 @@ def main() -> int:
             log = Path(tmp) / f"{policy}.log"
             flags = [*args, "--policy", policy.split("@")[0]]
             urls[policy] = baseline(stack, a.baseline, flags, log)
+        for name, flags in variants.items():
+            log = Path(tmp) / f"{name}.log"
+            urls[name] = stack.enter_context(proxy_process([*args, *flags.split()], log))
         time.sleep(2.0)  # the proxies' subscribers connect
         n = len(policies)
         for k in range(a.conversations):
@@ -257,14 +301,17 @@ def main() -> int:
                 tag = f"{policy.replace('@', '-')}-{time.time_ns()}"
                 for t, body in enumerate(conversation(tag, k)):
                     rid = f"{tag}-c{k}-t{t}"
+                    cpu0 = cpu_s(p_pid)
                     t0, first = ttft(urls[policy], body, rid)
+                    time.sleep(0.05)  # the answer's last chunks
                     arrived = relay.first(rid)
                     rows[policy][(k, t, CLASSES[t])] = {
                         "ttft": first,
                         "e_delay": None if arrived is None else arrived - t0,
+                        "p_cpu": cpu_s(p_pid) - cpu0,
                     }
             print(f"conversation {k + 1}/{a.conversations} done", file=sys.stderr, flush=True)
-        splits = {}
+        splits: dict[str, dict[str, Any]] = {}
         for policy in policies[1:]:
             with urllib.request.urlopen(urls[policy] + "/metrics", timeout=10) as r:
                 text = r.read().decode()
@@ -274,17 +321,22 @@ def main() -> int:
                 s: sample_sum(text, "mmreuse_proxy_arrival_requests_total", split=s)
                 for s in ("all_new", "split", "none_new", "whole")
             }
+            splits[policy]["items"] = {
+                s: sample_sum(text, "mmreuse_proxy_arrival_items_total", action=s)
+                for s in ("e_now", "waited", "p_raw", "p_encodes")
+            }
             splits[policy]["failed"] = sample_sum(
                 text, "mmreuse_proxy_requests_total", outcome="server_error"
             )
             splits[policy]["problems"] = health["problems"]
     out: dict[str, Any] = {}
     print(f"E arrival and TTFT per proxy, {a.conversations} three-turn conversations about real "
-          "photographs, paired (CPU-scale: tiny random-weight model, 2 cores)")  # fmt: skip
+          f"photographs, paired (CPU-scale: the {a.profile} profile's random-weight model, 2 cores"
+          f"{', the store paced' if link else ''})")  # fmt: skip
     print("| class | proxy | E gets the new image, ms after send (p50) | TTFT p50 ms | "
           "E delay vs eager, paired p50 ms | TTFT vs eager, paired p50 ms | "
-          "TTFT vs reference, paired p50 ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "TTFT vs reference, paired p50 ms | P frontend CPU p50 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for klass in CLASSES:
         for policy in policies:
             mine = [v for ck, v in rows[policy].items() if ck[2] == klass]
@@ -293,22 +345,29 @@ def main() -> int:
             d_e = paired(rows, policy, "eager", klass, "e_delay")
             d_t = paired(rows, policy, "eager", klass, "ttft")
             d_r = paired(rows, policy, "reference", klass, "ttft")
+            cpus = [v["p_cpu"] * 1e3 for v in mine]
             med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
             cell = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
             out.setdefault(klass, {})[policy] = {
                 "n": len(mine), "e_delay_p50_ms": med(delays), "ttft_p50_ms": med(ttfts),
                 "e_delay_vs_eager_ms": med(d_e), "ttft_vs_eager_ms": med(d_t),
-                "ttft_vs_reference_ms": med(d_r),
+                "ttft_vs_reference_ms": med(d_r), "p_frontend_cpu_p50_ms": med(cpus),
+                "ttft_vs_reference_q1_ms": statistics.quantiles(d_r, n=4)[0] if len(d_r) > 1 else None,
+                "ttft_vs_reference_q3_ms": statistics.quantiles(d_r, n=4)[2] if len(d_r) > 1 else None,
                 "ttft_vs_eager_q1_ms": statistics.quantiles(d_t, n=4)[0] if len(d_t) > 1 else None,
                 "ttft_vs_eager_q3_ms": statistics.quantiles(d_t, n=4)[2] if len(d_t) > 1 else None,
             }  # fmt: skip
             print(f"| {klass} | {policy} | {cell(med(delays))} | {cell(med(ttfts))} | "
-                  f"{cell(med(d_e))} | {cell(med(d_t))} | {cell(med(d_r))} |")  # fmt: skip
+                  f"{cell(med(d_e))} | {cell(med(d_t))} | {cell(med(d_r))} | {cell(med(cpus))} |")  # fmt: skip
     print("\nthe split at arrival, per mmreuse proxy (requests):")
     for policy, got in splits.items():
         print(f"  {policy}: {got}")
     if a.json:
-        config = {"conversations": a.conversations, "classes": list(CLASSES), "photos": len(PHOTOS)}
+        config = {
+            "conversations": a.conversations, "classes": list(CLASSES), "photos": len(PHOTOS),
+            "profile": a.profile, "store_link_mibps": dataclasses.asdict(link) if link else None,
+            "variants": variants,
+        }  # fmt: skip
         Path(a.json).write_text(json.dumps(results(out, splits, config), indent=2))
     return 0
 

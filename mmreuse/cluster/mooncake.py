@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -381,9 +381,7 @@ class MooncakeStore:
             "rpc_port": self.spec.rpc_port,
             "holder": None if self.holder is None else self.holder.record(self.spec.holder_port),
             "capacity_bytes": self.capacity_bytes,
-            "link_mibps": None
-            if self.link is None
-            else {"put": self.link.put_mibps, "get": self.link.get_mibps},
+            "link_mibps": None if self.link is None else asdict(self.link),
             "segment_bytes": None if self.layout is None else self.layout[0],
             "ballast_bytes": None if self.layout is None else self.layout[1],
             "master": self.spec.master_address,
