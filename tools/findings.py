@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import re
 import sys
@@ -256,7 +257,91 @@ def _q3() -> str:
     return _markdown(columns, rows)
 
 
+SERVING_WORKLOADS = ("servegen-photos", "chat", "agentic", "fanout")
+
+SERVING = [  # a serving-shape run: the counts of its first round, TTFT over its rounds
+    ("proxy", _proxy),
+    ("E requests", _key("e_requests")),
+    ("E items", _key("e_items_sent")),
+    ("E forwards", _key("e_forwards_probe")),
+    ("P forwards", _key("p_forwards_probe")),
+    ("KV", _key("avoided_by_kv")),
+    ("P embedding", _key("avoided_by_p_embedding")),
+    ("external", _key("avoided_by_external")),
+    ("E cache", _key("avoided_by_e_cache")),
+    ("partial", _key("partial_coverage")),
+    ("late fallbacks", _key("late_fallbacks")),
+    ("wrong skips", _key("wrong_skips")),
+    ("failed", _key("failed_requests")),
+]
+
+
+def _spread(d: dict[str, Any] | None, signed: bool = False) -> str:
+    """A median over runs, with its [min, max]: "+12 [-3, +40]"."""
+    if not d:
+        return "-"
+    f = "+.0f" if signed else ".0f"
+    return f"{d['median']:{f}} [{d['min']:{f}}, {d['max']:{f}}]"
+
+
+def _classes(name: str) -> str:
+    """TTFT per request class and proxy, over a run's interleaved rounds, paired."""
+    cfg = _load(name)["config"]
+    columns: list[Column] = [
+        ("class", lambda r: r["_class"]),
+        ("proxy", _proxy),
+        ("requests", lambda r: fmt(r["requests"])),
+        ("TTFT median ms [min, max over runs]", lambda r: _spread(r["ttft_median_ms"])),
+        ("vs eager, paired", lambda r: _spread(r["vs_eager_ms"], True)),
+        ("vs reference, paired", lambda r: _spread(r["vs_reference_ms"], True)),
+        ("E items / items", lambda r: f"{fmt(r['e_items'], '.0f')} / {fmt(r['items'])}"),
+        ("render p50 ms", lambda r: fmt(r["render_median_ms"], ".0f")),
+    ]
+    rows = []
+    for klass in ("new", "mixed", "reused"):
+        for policy, by in cfg["ttft_by_class"].items():
+            if klass in by:
+                rows.append({**by[klass], "policy": policy, "_class": klass})
+    return _markdown(columns, rows)
+
+
+def _serving_vs_sim() -> str:
+    return _real_vs_sim([f"serving-{w}" for w in SERVING_WORKLOADS])
+
+
+def _e_arrival(name: str) -> str:
+    """live_e_arrival.py's table: per class and proxy, paired per conversation."""
+    columns: list[Column] = [
+        ("class", lambda r: r["_class"]),
+        ("proxy", lambda r: r["policy"]),
+        ("E gets the new image, ms after send", lambda r: fmt(r["e_delay_p50_ms"], ".0f")),
+        ("vs eager", lambda r: fmt(r["e_delay_vs_eager_ms"], "+.1f")),
+        ("TTFT p50 ms", lambda r: fmt(r["ttft_p50_ms"], ".0f")),
+        ("TTFT vs eager, paired p50 [q1, q3]", lambda r: _quartiles(r, "eager")),
+        ("TTFT vs reference, paired p50 [q1, q3]", lambda r: _quartiles(r, "reference")),
+        ("P frontend CPU p50 ms", lambda r: fmt(r.get("p_frontend_cpu_p50_ms"), ".0f")),
+    ]
+    rows = []
+    policies = _load(name)["policies"]
+    for klass in _load(name)["config"]["classes"]:
+        for row in policies:
+            rows.append({**row[klass], "policy": row["policy"], "_class": klass})
+    return _markdown(columns, rows)
+
+
+def _quartiles(r: dict[str, Any], base: str) -> str:
+    mid = r.get(f"ttft_vs_{base}_ms")
+    if mid is None or r["policy"] == base:
+        return "-"
+    q1, q3 = r.get(f"ttft_vs_{base}_q1_ms"), r.get(f"ttft_vs_{base}_q3_ms")
+    if q1 is None or q3 is None:
+        return f"{mid:+.0f}"
+    return f"{mid:+.0f} [{q1:+.0f}, {q3:+.0f}]"
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "serving-vs-sim": _serving_vs_sim,
+    "serving-e-arrival": lambda: _e_arrival("serving-e-arrival"),
     "store-chat": lambda: _markdown(REAL, _policies("store-chat")),
     "store-fanout": lambda: _markdown(REAL, _policies("store-fanout")),
     "store-agentic": lambda: _markdown(REAL, _policies("store-agentic")),
@@ -270,6 +355,13 @@ TABLES: dict[str, Callable[[], str]] = {
     "q1": _q1,
     "q3": _q3,
 }
+
+
+for _w in SERVING_WORKLOADS:
+    TABLES[f"serving-{_w}"] = functools.partial(
+        lambda name: _markdown(SERVING, _policies(name)), f"serving-{_w}"
+    )
+    TABLES[f"serving-classes-{_w}"] = functools.partial(_classes, f"serving-{_w}")
 
 
 def _replace(match: re.Match[str]) -> str:
