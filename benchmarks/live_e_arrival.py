@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -182,7 +183,8 @@ def _spawn(
     )
 
     def stop() -> None:
-        os.killpg(proc.pid, 15)  # its own process group, never by name
+        with contextlib.suppress(ProcessLookupError):  # it may have exited (a bad flag)
+            os.killpg(proc.pid, 15)  # its own process group, never by name
         proc.wait(30)
 
     stack.callback(stop)
@@ -274,7 +276,7 @@ def main() -> int:
                 profile=profile,
                 ec_connector=connector,
                 store_link=link,
-            )  # fmt: skip
+            )
         )
         p_pid = next(i.pid for i in c.instances.values() if i.spec.role == "prefill")
         args = c.proxy_args()
@@ -286,7 +288,7 @@ def main() -> int:
         for policy in POLICIES[1:]:
             log = Path(tmp) / f"{policy}.log"
             urls[policy] = stack.enter_context(proxy_process([*args, "--policy", policy], log))
-        for policy in policies[len(POLICIES) :]:
+        for policy in policies[len(POLICIES) : len(policies) - len(variants)]:  # the baseline's
             log = Path(tmp) / f"{policy}.log"
             flags = [*args, "--policy", policy.split("@")[0]]
             urls[policy] = baseline(stack, a.baseline, flags, log)

@@ -153,7 +153,6 @@ REAL = [
     ("E cache", _key("avoided_by_e_cache")),
     ("late fallbacks", _key("late_fallbacks")),
     ("failed", _key("failed_requests")),
-    ("TTFT p50 / p90 ms (CPU-scale)", _pair("ttft_p50_ms", "ttft_p90_ms", ".0f")),
 ]
 
 REAL_UNBOUNDED = [  # the first real runs (ECExampleConnector): no p90, no E records
@@ -168,7 +167,6 @@ REAL_UNBOUNDED = [  # the first real runs (ECExampleConnector): no p90, no E rec
     ("E store", _key("avoided_by_e_cache")),
     ("late fallbacks", _key("late_fallbacks")),
     ("failed", _key("failed_requests")),
-    ("TTFT p50 / p99 ms (CPU-scale)", _pair("ttft_p50_ms", "ttft_p99_ms", ".0f")),
 ]
 
 SIM_BUCKETS = [
@@ -210,7 +208,6 @@ def _anchor(name: str) -> str:
         ("E store hits", _key("e_store_hits")),
         ("P store loads", _key("connector_loads")),
         ("failed", _key("failed_requests")),
-        ("TTFT p50 / p90 ms (CPU-scale)", _pair("ttft_p50_ms", "ttft_p90_ms", ".0f")),
     ]
     rows = [_row(name, p) for p in ("reference", "index", "demand")]
     return _markdown(columns, rows)
@@ -362,6 +359,8 @@ for _w in SERVING_WORKLOADS:
         lambda name: _markdown(SERVING, _policies(name)), f"serving-{_w}"
     )
     TABLES[f"serving-classes-{_w}"] = functools.partial(_classes, f"serving-{_w}")
+TABLES["serving-chat-lossy"] = lambda: _markdown(SERVING, _policies("serving-chat-lossy"))
+TABLES["serving-classes-chat-lossy"] = functools.partial(_classes, "serving-chat-lossy")
 
 
 def _replace(match: re.Match[str]) -> str:

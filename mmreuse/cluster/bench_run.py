@@ -251,14 +251,16 @@ def _drive_all(
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     observed: dict[str, list[list[Observed]]] = {p: [] for p in policies}
     warmup = min(BENCH_WARMUP_REQUESTS, len(stream)) if options.repeats > 1 else 0
+    # --proxy-flags: a RemoteCluster's proxy_args carry them; the local cluster's do not
+    flags = None if options.remote else [*cluster.proxy_args(), *options.proxy_flags]
     if warmup:  # the servers' first requests pay one-off costs: charge them to no run
         run = f"bench-warmup-{time.time_ns()}"
         reqs = chat_requests(stream[:warmup], run, **chat_kw)
-        run_policy(cluster, policies[0], reqs, rate=options.rate, run=run, offsets=None if offsets is None else offsets[:warmup])  # fmt: skip
+        run_policy(cluster, policies[0], reqs, rate=options.rate, run=run, offsets=None if offsets is None else offsets[:warmup], proxy_args=flags)  # fmt: skip
     for repeat, policy in interleave(policies, options.repeats):
         run = f"bench-{policy}-{repeat}-{time.time_ns()}"
         reqs = chat_requests(stream, run, **chat_kw)
-        got = run_policy(cluster, policy, reqs, rate=options.rate, run=run, progress=progress, offsets=offsets)  # fmt: skip
+        got = run_policy(cluster, policy, reqs, rate=options.rate, run=run, progress=progress, offsets=offsets, proxy_args=flags)  # fmt: skip
         if progress is not None:
             print(file=sys.stderr)
         runs[policy].append(got)
@@ -399,6 +401,7 @@ def _meta(
     return {
         "seed": options.seed,
         "policies": list(options.policies),
+        "proxy_flags": list(options.proxy_flags),
         "rate": options.rate,
         "cluster": {
             "num_encoders": 1,
