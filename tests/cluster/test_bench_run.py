@@ -89,3 +89,25 @@ def test_the_commands_defaults_are_the_options_defaults(monkeypatch):
         == 0
     )
     assert cli._bench_options(seen[1]).policies == ("index", "eager")  # a flag repeated: once
+
+
+def test_proxy_flags_reach_the_local_clusters_proxy(monkeypatch):
+    # --proxy-flags go to every mmreuse proxy of a run on the local cluster (a deployment
+    # given by URL carries them in its own proxy_args)
+    from mmreuse.cluster import bench_drive, bench_run
+
+    seen = []
+
+    def run_policy(cluster, policy, reqs, **kw):
+        seen.append((policy, kw.get("proxy_args")))
+        return {"outcomes": [], "row": {}, "result": None}
+
+    class Local:
+        def proxy_args(self):
+            return ["--encode-servers-urls", "http://e:1"]
+
+    monkeypatch.setattr(bench_drive, "run_policy", run_policy)
+    opts = BenchOptions(policies=("index",), repeats=2, proxy_flags=("--encode-on-p", "single"))
+    bench_run._drive_all(Local(), opts, [], None, None)
+    want = ["--encode-servers-urls", "http://e:1", "--encode-on-p", "single"]
+    assert seen == [("index", want)] * 2
