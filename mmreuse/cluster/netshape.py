@@ -58,6 +58,16 @@ def in_private_netns() -> bool:
     return mine != outer
 
 
+def this_command() -> list[str]:
+    """This Python command, to run again: `python -m PKG.MOD ...` as it was started (its
+    argv[0] is then the module's path, which run as a script loses its package)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        name = spec.name.removesuffix(".__main__")
+        return [sys.executable, "-m", name, *sys.argv[1:]]
+    return [sys.executable, *sys.argv]
+
+
 def reexec_in_private_netns(argv: Sequence[str] | None = None) -> NoReturn:
     """Replace this process by `argv` (default: this Python command again) run in a network
     namespace of its own with `lo` up. Root gets a plain one; another user an unprivileged user
@@ -71,7 +81,7 @@ def reexec_in_private_netns(argv: Sequence[str] | None = None) -> NoReturn:
     unshare = shutil.which("unshare")
     if unshare is None or shutil.which("ip") is None or shutil.which("tc") is None:
         raise NetshapeError("pacing the store needs unshare, ip and tc (util-linux, iproute2)")
-    args = list(argv) if argv is not None else [sys.executable, *sys.argv]
+    args = list(argv) if argv is not None else this_command()
     flags = ["--net"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--net"]
     os.environ[_REEXEC_MARK] = outer  # what the new one must differ from
     script = 'ip link set lo up && exec "$@"'

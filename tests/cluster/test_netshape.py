@@ -105,3 +105,18 @@ def test_only_the_stores_ports_go_through_the_paced_classes(tmp_path):
     assert 1 * mib <= put["bytes"] < 1.2 * mib
     assert 2 * mib <= get["bytes"] < 2.4 * mib
     assert rest["bytes"] >= 8 * mib
+
+
+def test_this_command_keeps_python_dash_m(monkeypatch):
+    import sys
+    import types
+
+    from mmreuse.cluster import netshape
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="mmreuse.cli")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", ["/x/mmreuse/cli.py", "bench-cluster", "--pace-store"])
+    assert netshape.this_command() == [sys.executable, "-m", "mmreuse.cli", "bench-cluster", "--pace-store"]  # fmt: skip
+    main.__spec__ = None  # type: ignore[attr-defined]
+    assert netshape.this_command() == [sys.executable, "/x/mmreuse/cli.py", "bench-cluster", "--pace-store"]  # fmt: skip
