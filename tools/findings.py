@@ -361,6 +361,7 @@ for _w in SERVING_WORKLOADS:
     TABLES[f"serving-classes-{_w}"] = functools.partial(_classes, f"serving-{_w}")
 TABLES["serving-chat-lossy"] = lambda: _markdown(SERVING, _policies("serving-chat-lossy"))
 TABLES["serving-classes-chat-lossy"] = functools.partial(_classes, "serving-chat-lossy")
+TABLES["serving-classes-photos-on-p"] = functools.partial(_classes, "serving-photos-on-p")
 
 
 def _replace(match: re.Match[str]) -> str:
