@@ -21,11 +21,12 @@ the worker processes mount (`global_segment_size` each; 0 joins without one); th
 evicts at its watermarks, so a put into a full store is a counted miss, not an error.
 
 Never a wrong output, never a dead engine: every store call is bounded (`store_timeout_s`, a
-worker's load of an embedding `load_timeout_s`, then `store_backoff_s` of misses), a lookup that fails answers "not held" (P encodes), and an
-item the scheduler planned to load that is gone when the worker reads it (evicted, master
-down, a junk object, one whose dtype or (tokens, width) is not what the model takes, as vLLM's
-own store client checks) is added to the step's encoder inputs, so the worker encodes it itself
-(logged as "mmreuse: store miss at load", which `EncoderProbe` counts). Both runners read those
+worker's load of an embedding `load_timeout_s`, then `store_backoff_s` of misses), a lookup
+that fails answers "not held" (P encodes), and an item the scheduler planned to load that is
+gone when the worker reads it (evicted, master down, a junk object, one whose dtype or
+(tokens, width) is not what the model takes, as vLLM's own store client checks) is added to
+the step's encoder inputs, so the worker encodes it itself (logged as "mmreuse: store miss at
+load", which `EncoderProbe` counts). Both runners read those
 inputs after the hook's loads (V2: the `scheduled_encoder_inputs` dict the metadata shares,
 through the executor's pickle too). An identifier that makes no key (a uuid "") is a miss in
 every call, counted as "unkeyable", never a raise. An item P got only as an embedding
