@@ -607,13 +607,14 @@ class Proxy:
         m.stage["arrival"].observe(te - ta)
         now = len(arrival.now) + len(arrival.shares)
         m.arrival_items.labels("e_now").inc(now)
-        if not planner.at_once(arrival):
+        at_once = planner.at_once(arrival)  # decided here: no render, no plan
+        if not at_once:
             m.arrival_items.labels("waited").inc(len(arrival.rest))
         elif arrival.rest and not arrival.on_p:  # --mixed-plan arrival
             m.arrival_items.labels("p_raw").inc(len(arrival.rest))
         m.arrival_split("none_new" if not now else "split" if arrival.rest else "all_new").inc()
         try:
-            if planner.at_once(arrival):
+            if at_once:
                 decision = planner.at_arrival(req, uuids, arrival)
             else:
                 decision = await planner.decide(req, items, uuids, arrival=arrival)
