@@ -263,6 +263,10 @@ def main() -> int:
     link = profile.store_link
     if link is not None and not in_private_netns():
         reexec_in_private_netns()
+    for v in a.variant:
+        name, eq, flags = v.partition("=")
+        if not (eq and name and flags.strip()) or name in POLICIES:
+            ap.error(f"--variant: NAME=FLAGS with a name not one of {POLICIES}, got {v!r}")
     variants = dict(v.split("=", 1) for v in a.variant)
     policies = POLICIES + (("index@base", "demand@base") if a.baseline else ()) + tuple(variants)
     rows: dict[str, dict[tuple[int, int, str], dict[str, Any]]] = {p: {} for p in policies}
