@@ -424,6 +424,12 @@ def _meta(
         "order": [f"{p}#{r}" for r, p in interleave(list(options.policies), options.repeats)],
         "photos": [dataclasses.asdict(p) for p in PHOTOS] if options.photos else None,
         "request_classes": {k: classes.count(k) for k in CLASSES if k in classes},
+        "classes": classes,  # per request, in arrival order
+        # per policy, per run, per request: its TTFT (None: failed), to pair and pool again
+        "ttft_ms": {
+            p: [[None if o.ttft_ms is None else round(o.ttft_ms, 3) for o in run] for run in rs]
+            for p, rs in runs.observed.items()
+        },
         # per policy and class: TTFT over runs, paired against eager and the reference
         "ttft_by_class": by_class,
         # requests bringing an image new to the run: no policy that encodes each image once

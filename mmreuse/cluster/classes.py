@@ -12,8 +12,12 @@ paired difference against a baseline policy (`eager`, vLLM's `reference`): per r
 median over the class's requests i of TTFT(policy, r, i) - TTFT(baseline, r, i), then its median
 and spread over runs. Pairing request by request takes out what the stream itself varies (one
 request has a long prompt, another many images), so a difference of a few ms shows where the
-TTFTs themselves spread over hundreds. Also per class: how many items E got, and the proxy's
-render time (median per run), where it rendered.
+TTFTs themselves spread over hundreds. A class with a handful of requests a run makes each run's
+median jumpy under load, so the pairs of every run are also pooled (`pooled_paired`): their
+median and a distribution-free 95 % interval for it (binomial order statistics; pairs of one run
+share its load, so the interval is a lower bound on the uncertainty, beside the spread over
+runs). Also per class: how many items E got, and the proxy's render time (median per run), where
+it rendered.
 
 Pure functions on plain values: `mmreuse.cluster.bench` turns each run's outcomes into
 `Observed` values.
@@ -43,7 +47,9 @@ __all__ = [
     "class_table",
     "classify",
     "interleave",
+    "median_interval",
     "paired_median",
+    "pooled_paired",
     "send_offsets",
     "summarize",
 ]
@@ -192,6 +198,58 @@ def paired_median(
     return out
 
 
+def median_interval(
+    values: Sequence[float], confidence: float = 0.95
+) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of `values` (independent draws): the k-th
+    smallest and k-th largest, k the largest rank such that a Binomial(n, 1/2) falls below it
+    with probability at most (1 - confidence) / 2 (None: too few values for it)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        fail_type("values", "a sequence of numbers", values)
+    xs = sorted(check_float(f"values[{i}]", v) for i, v in enumerate(values))
+    confidence = check_float("confidence", confidence, 0.0)
+    if not confidence < 1.0:
+        fail_value("confidence", "in [0, 1)", confidence)
+    n, tail = len(xs), (1.0 - confidence) / 2
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1)
+    while k < n:
+        below += math.comb(n, k) / 2**n
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    return xs[k - 1], xs[n - k]
+
+
+def pooled_paired(
+    classes: Sequence[str], runs: Sequence[Sequence[Observed]], bases: Sequence[Sequence[Observed]]
+) -> dict[str, dict[str, Any] | None]:
+    """Per class (those with requests): the paired differences run[r][i] - base[r][i] of every
+    run r and request i answered in both, pooled: {"median", "ci_low", "ci_high", "pairs"}
+    (`median_interval`; None bounds: too few pairs), None where no pair exists."""
+    out: dict[str, dict[str, Any] | None] = {}
+    diffs: dict[str, list[float]] = {c: [] for c in CLASSES if c in classes}
+    for r, (run, base) in enumerate(zip(runs, bases, strict=False)):
+        _check_run(classes, run, f"runs[{r}]")
+        _check_run(classes, base, f"bases[{r}]")
+        for c, o, b in zip(classes, run, base, strict=True):
+            if o.ttft_ms is not None and b.ttft_ms is not None:
+                diffs[c].append(o.ttft_ms - b.ttft_ms)
+    for c, xs in diffs.items():
+        if not xs:
+            out[c] = None
+            continue
+        ci = median_interval(xs)
+        out[c] = {
+            "median": round(statistics.median(xs), 3),
+            "ci_low": None if ci is None else round(ci[0], 3),
+            "ci_high": None if ci is None else round(ci[1], 3),
+            "pairs": len(xs),
+        }
+    return out
+
+
 def _spread(values: Sequence[float | None]) -> dict[str, Any] | None:
     """{"median", "min", "max"} over runs of the values that exist (None: none does)."""
     xs = [v for v in values if v is not None]
@@ -211,7 +269,7 @@ def summarize(
     paired with run r of each baseline), the median TTFT (median over runs of each run's median,
     and its min-max), the p90 likewise, the paired differences against each baseline of
     `BASELINES` that ran (`vs_eager_ms`, `vs_reference_ms`: each run's median paired difference,
-    their median and min-max over runs), items and E's items (median over runs), the render's
+    their median and min-max over runs; `vs_eager_pooled_ms`, ...: `pooled_paired`), items and E's items (median over runs), the render's
     median, failed requests over all runs. JSON-ready."""
     if not isinstance(runs, Mapping):
         fail_type("runs", "a mapping of policy -> runs", runs)
@@ -223,6 +281,7 @@ def summarize(
             for b in BASELINES
             if b in runs and b != policy
         }
+        pooled = {b: pooled_paired(classes, rs, runs[b]) for b in paired}
         out[policy] = {}
         for cls in CLASSES:
             stats = [r[cls] for r in per_run[policy] if cls in r]
@@ -247,6 +306,7 @@ def summarize(
                 entry[f"vs_{b}_ms"] = (
                     _spread([d.get(cls) for d in paired[b]]) if b in paired else None
                 )
+                entry[f"vs_{b}_pooled_ms"] = pooled[b].get(cls) if b in pooled else None
             out[policy][cls] = entry
     return out
 
@@ -262,8 +322,16 @@ def _fmt_spread(s: dict[str, Any] | None, signed: bool = False) -> str:
     return f"{s['median']:{sign}.1f} [{s['min']:{sign}.1f}, {s['max']:{sign}.1f}]".rjust(22)
 
 
+def _fmt_pooled(s: Mapping[str, Any] | None) -> str:
+    if s is None:
+        return f"{'-':>30}"
+    ci = "" if s["ci_low"] is None else f" [{s['ci_low']:+.1f}, {s['ci_high']:+.1f}]"
+    return f"{s['median']:+.1f}{ci} n={s['pairs']}".rjust(30)
+
+
 def class_table(summary: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
-    """`summarize`'s result as a text table: one line per class and policy."""
+    """`summarize`'s result as a text table: one line per class and policy, then the pooled
+    paired differences with their 95 % intervals."""
     head = (
         f"{'class':<7} {'policy':<13} {'reqs':>4} {'TTFT median [min, max]':>22} "
         f"{'p90':>7} {'vs eager [min, max]':>22} {'vs reference [min, max]':>22} "
@@ -281,5 +349,18 @@ def class_table(summary: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
                 f"{_fmt(p90, 7)} {_fmt_spread(e['vs_eager_ms'], True)} "
                 f"{_fmt_spread(e['vs_reference_ms'], True)} {e['items']:>5} "
                 f"{_fmt(e['e_items'], 5)} {_fmt(e['render_median_ms'], 6)}"
+            )
+    head = f"{'class':<7} {'policy':<13} {'vs eager, pooled [95 % CI]':>30} {'vs reference, pooled':>30}"
+    lines += ["", head, "-" * len(head)]
+    for cls in CLASSES:
+        for policy, per in summary.items():
+            e = per.get(cls)
+            if e is None or (
+                e.get("vs_eager_pooled_ms") is None and e.get("vs_reference_pooled_ms") is None
+            ):
+                continue
+            lines.append(
+                f"{cls:<7} {policy:<13} {_fmt_pooled(e.get('vs_eager_pooled_ms'))} "
+                f"{_fmt_pooled(e.get('vs_reference_pooled_ms'))}"
             )
     return "\n".join(lines)

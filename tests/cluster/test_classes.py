@@ -1,6 +1,7 @@
 """TTFT per request class (mmreuse.cluster.classes): the classes at arrival, the send times, the
 interleaved order of runs, per-run class statistics, the request-by-request pairing against a
-baseline, and the summary over runs."""
+baseline (per run and pooled over runs, with an interval for the median), and the summary over
+runs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from mmreuse.cluster.classes import (
     class_table,
     classify,
     interleave,
+    median_interval,
     paired_median,
+    pooled_paired,
     send_offsets,
     summarize,
 )
@@ -141,9 +144,18 @@ def test_summary_over_runs_pairs_run_r_with_the_baselines_run_r():
     assert s["eager"][NEW]["vs_reference_ms"] == {"median": -10.0, "min": -10.0, "max": 10.0}
     assert s["reference"][NEW]["vs_reference_ms"] is None
     assert s["eager"][NEW]["render_median_ms"] is None
+    # pooled over the runs: +10, +30, 0 -> +10 (3 pairs: no 95 % interval exists)
+    assert new["vs_eager_pooled_ms"] == {
+        "median": 10.0,
+        "ci_low": None,
+        "ci_high": None,
+        "pairs": 3,
+    }
+    assert s["eager"][NEW]["vs_eager_pooled_ms"] is None
     table = class_table(s)
     assert table.splitlines()[2].startswith("new     eager")
     assert "+10.0 [+0.0, +30.0]" in table
+    assert "+10.0 n=3" in table
 
 
 def test_summary_without_baselines_reports_no_pairing():
@@ -152,3 +164,47 @@ def test_summary_without_baselines_reports_no_pairing():
     assert s["demand"][NEW]["failed"] == 0
     with pytest.raises(InvalidArgumentType, match=r"^runs"):
         summarize([NEW], [[obs(5.0)]])
+
+
+def test_median_interval_is_binomial_order_statistics():
+    xs = list(range(1, 21))  # n = 20: P(Bin(20, 1/2) <= 5) = 0.0207 <= 0.025 < P(<= 6) = 0.0577
+    assert median_interval(xs) == (6.0, 15.0)
+    assert median_interval(list(reversed(xs))) == (6.0, 15.0)  # order does not matter
+    # n = 6: only min and max qualify (P(Bin(6, 1/2) = 0) = 1/64); n = 5 has no 95 % interval
+    assert median_interval([3, 1, 2, 6, 5, 4]) == (1.0, 6.0)
+    assert median_interval([1, 2, 3, 4, 5]) is None
+    assert median_interval([1, 2, 3, 4, 5], confidence=0.9) == (1.0, 5.0)
+    assert median_interval([]) is None
+
+
+@pytest.mark.parametrize(
+    ("values", "confidence", "field"),
+    [
+        ("12", 0.95, "values"),
+        ([1.0, float("nan")], 0.95, r"values\[1\]"),
+        ([1.0], 1.0, "confidence"),
+        ([1.0], -0.1, "confidence"),
+        ([True], 0.95, r"values\[0\]"),
+    ],
+)
+def test_median_interval_names_what_is_wrong(values, confidence, field):
+    with pytest.raises(InvalidArgument, match=rf"^{field}"):
+        median_interval(values, confidence)
+
+
+def test_pooled_pairs_come_from_every_run():
+    classes = [NEW, NEW, REUSED]
+    base = [[obs(100.0), obs(100.0), obs(10.0)]] * 4
+    runs = [
+        [obs(101.0), obs(102.0), obs(5.0)],
+        [obs(103.0), obs(104.0), obs(None)],
+        [obs(105.0), obs(106.0), obs(6.0)],
+        [obs(107.0), obs(108.0), obs(7.0)],
+    ]
+    p = pooled_paired(classes, runs, base)
+    # new: +1..+8, n = 8: P(Bin(8, 1/2) = 0) = 1/256 <= 0.025 < P(<= 1) = 9/256
+    assert p[NEW] == {"median": 4.5, "ci_low": 1.0, "ci_high": 8.0, "pairs": 8}
+    assert p[REUSED] == {"median": -4.0, "ci_low": None, "ci_high": None, "pairs": 3}
+    assert pooled_paired([NEW], [[obs(None)]], [[obs(1.0)]]) == {NEW: None}
+    with pytest.raises(InvalidArgument, match=r"^runs\[1\] must hold"):
+        pooled_paired(classes, [runs[0], runs[1][:2]], base)
