@@ -1,6 +1,10 @@
 """mmreuse: avoid redundant encoder work in multimodal Encoder/Prefill/Decode serving.
 
-Parts: `mmreuse.hashing` (vLLM-exact block hashes), residency, demand and the simulator.
+The top level holds the core: vLLM-exact block hashes (`mmreuse.hashing`), `compute_demand` and
+admission plans. Around it: the live view of P and E from their events (`mmreuse.events`,
+`mmreuse.availability`), the EPD proxy (`mmreuse.proxy`), the plug-ins loaded into vLLM
+(`mmreuse.integrations`), the simulator (`mmreuse.sim`) and the real-cluster harness
+(`mmreuse.cluster`); `mmreuse` on the command line (`mmreuse.cli`).
 """
 
 from ._version import __version__
