@@ -281,9 +281,21 @@ def _spread(d: dict[str, Any] | None, signed: bool = False) -> str:
     return f"{d['median']:{f}} [{d['min']:{f}}, {d['max']:{f}}]"
 
 
+def _pooled(d: dict[str, Any] | None) -> str:
+    """Pooled paired differences: their median, with its 95 % interval: "+12 [-3, +40] (50)"."""
+    if not d:
+        return "-"
+    ci = "" if d["ci_low"] is None else f" [{d['ci_low']:+.0f}, {d['ci_high']:+.0f}]"
+    return f"{d['median']:+.0f}{ci} ({d['pairs']})"
+
+
 def _classes(name: str) -> str:
-    """TTFT per request class and proxy, over a run's interleaved rounds, paired."""
+    """TTFT per request class and proxy, over a run's interleaved rounds, paired (and, where
+    the run kept them, the pairs of every round pooled, with a 95 % interval)."""
     cfg = _load(name)["config"]
+    pooled = any(
+        "vs_eager_pooled_ms" in by for per in cfg["ttft_by_class"].values() for by in per.values()
+    )
     columns: list[Column] = [
         ("class", lambda r: r["_class"]),
         ("proxy", _proxy),
@@ -291,6 +303,13 @@ def _classes(name: str) -> str:
         ("TTFT median ms [min, max over runs]", lambda r: _spread(r["ttft_median_ms"])),
         ("vs eager, paired", lambda r: _spread(r["vs_eager_ms"], True)),
         ("vs reference, paired", lambda r: _spread(r["vs_reference_ms"], True)),
+    ]
+    if pooled:
+        columns += [
+            ("vs eager, pooled [95 % CI] (pairs)", lambda r: _pooled(r.get("vs_eager_pooled_ms"))),
+            ("vs reference, pooled", lambda r: _pooled(r.get("vs_reference_pooled_ms"))),
+        ]
+    columns += [
         ("E items / items", lambda r: f"{fmt(r['e_items'], '.0f')} / {fmt(r['items'])}"),
         ("render p50 ms", lambda r: fmt(r["render_median_ms"], ".0f")),
     ]
