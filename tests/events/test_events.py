@@ -33,6 +33,7 @@ from mmreuse.events.wire import GC_PAUSE_BYTES
 from mmreuse.hashing import to_event_id
 from mmreuse.metrics import Metrics
 from tests.support.kv_publisher import batch, stored
+from tests.support.oracle import oracle_run
 from tests.support.paths import KV_EVENT_FIXTURES, ORACLE_TOOLS
 from tests.support.waiting import wait_for
 
@@ -504,17 +505,10 @@ def test_a_kv_sink_is_fed_by_one_stream_and_keeps_its_index_bound(ctx):
 def test_longest_prefix_equals_vllm_block_pool_hits(oracle_python, seed):
     """Replay vLLM's real BlockPool events (0.33.0, 0.34.0); at every admission, RemoteKVIndex fed by them
     hits as many leading blocks as vLLM's prefix cache, with the query hashed by mmreuse."""
-    import subprocess
-
     from mmreuse import BlockHasher
 
     py = oracle_python
-    out = subprocess.run(
-        [str(py), str(ORACLE_TOOLS / "vllm_blockpool_oracle.py"), str(seed)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    out = oracle_run(py, str(ORACLE_TOOLS / "vllm_blockpool_oracle.py"), str(seed))
     steps = json.loads(out.stdout.strip().splitlines()[-1])
     hasher = BlockHasher("sha256", 16, seed="0")
     idx = RemoteKVIndex("vllm")

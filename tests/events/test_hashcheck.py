@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
 import sys
 import threading
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from mmreuse.events import (
 )
 from mmreuse.events.hashcheck import HashCheckStatus, HashConfigCheck
 from mmreuse.hashing import fast_path_available
+from tests.support.oracle import oracle_run
 from tests.support.paths import KV_EVENT_FIXTURES, REPO
 
 FIXTURES = json.loads(KV_EVENT_FIXTURES.read_text())
@@ -842,13 +842,7 @@ def vllm_events(oracle_python):
          "requests": _oracle_requests()}
         for c in ORACLE_CONFIGS
     ]  # fmt: skip
-    out = subprocess.run(
-        [str(py), "-c", ORACLE_SCRIPT, str(REPO), json.dumps(configs)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
+    out = oracle_run(py, "-c", ORACLE_SCRIPT, str(REPO), json.dumps(configs), timeout=300)
     payloads = json.loads(out.stdout.strip().splitlines()[-1])
     return {
         c["name"]: [

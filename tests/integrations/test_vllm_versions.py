@@ -12,7 +12,6 @@ import ast
 import json
 import logging
 import os
-import subprocess
 
 import pytest
 
@@ -20,6 +19,7 @@ from mmreuse.errors import InvalidArgument
 from mmreuse.hashing.schemes import SCHEMES, scheme_for_vllm, vllm_ranges, vllm_version_key
 from mmreuse.integrations import vllm_versions as V
 from mmreuse.integrations.vllm_hasher import scheme_for_running_vllm
+from tests.support.oracle import oracle_run
 from tests.support.paths import REPO
 
 
@@ -375,10 +375,7 @@ def test_the_encoder_cache_verdict_degrades_an_unverified_vllm(caplog, monkeypat
 def _run(py, scenario: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"}
     env.pop(V.ALLOW_ENV, None)
-    out = subprocess.run(
-        [str(py), str(REPO / "tools/oracle/vllm_versions_check.py"), scenario],
-        capture_output=True, text=True, check=True, timeout=600, env=env,
-    )  # fmt: skip
+    out = oracle_run(py, str(REPO / "tools/oracle/vllm_versions_check.py"), scenario, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -10,7 +10,6 @@ import base64
 import hashlib
 import json
 import os
-import subprocess
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from mmreuse.proxy.errors import ProxyError
 from mmreuse.proxy.media import MAX_PART_VALUES, check_cache_salt
 from tests.support.epd_proxy import epd
 from tests.support.index_proxy import TEXT, B, e_sent, index_proxy
+from tests.support.oracle import oracle_run
 from tests.support.proxy_fakes import Fake, chat, img, sha
 
 HANG_GUARD_S = 5.0  # a bound on a wait that must end at once (a hang guard, not a timing check)
@@ -95,14 +95,7 @@ print(json.dumps(out))
 
 def vllm_salt_verdicts(python: Any) -> list[bool]:
     """Whether `python`'s vLLM takes each salt of SALT_CORPUS (its chat request model)."""
-    out = subprocess.run(
-        [str(python), "-c", _VLLM_SALTS],
-        input=json.dumps(SALT_CORPUS),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    out = oracle_run(python, "-c", _VLLM_SALTS, input=json.dumps(SALT_CORPUS), timeout=300)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

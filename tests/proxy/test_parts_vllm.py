@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from mmreuse.proxy.media import (
     scan_parts,
     vllm_part_kind,
 )
+from tests.support.oracle import oracle_run
 from tests.support.parts_corpus import parts
 from tests.support.paths import REPO
 
@@ -26,14 +26,7 @@ SCRIPT = REPO / "tools/oracle/parts_oracle.py"
 
 def vllm_kinds(python: Path) -> list[dict[str, Any]]:
     """vLLM's verdict on every part of the corpus, from `python`'s vLLM."""
-    out = subprocess.run(
-        [str(python), str(SCRIPT)],
-        input=json.dumps(parts()),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    out = oracle_run(python, str(SCRIPT), input=json.dumps(parts()), timeout=300)
     return json.loads(out.stdout)
 
 

@@ -6,13 +6,24 @@ one version's python; MMREUSE_ORACLE_PYTHON alone (one venv, its version from th
 or MMREUSE_ORACLE_VERSION) runs the oracle tests on that venv only. MMREUSE_ORACLE_SCRIPT is
 the block-hash oracle, default tools/oracle/hash_oracle.py in this repository.
 Under CI (CI=true) or MMREUSE_REQUIRE_ORACLE=1 a missing oracle fails the run instead of skipping.
+
+`oracle_run` runs a script in an oracle venv as `subprocess.run` would, in a fork of a process
+that imported vLLM once (tools/oracle/forkserver.py): importing vLLM's scheduler costs ~12 s, and
+the oracle tests start ~150 scripts a run. MMREUSE_ORACLE_FORK=0 starts each in a fresh
+interpreter instead (what a fork server that cannot serve falls back to by itself).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import select
+import signal
 import subprocess
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +105,151 @@ class Oracle:
         self.proc.wait(timeout=30)
 
 
+FORKSERVER = REPO / "tools/oracle/forkserver.py"
+# what the fork server imports once: what the oracle scripts spend their start-up on
+PRELOAD = ("vllm.v1.core.sched.scheduler", "vllm.v1.engine.core")
+# variables read when an interpreter starts (or vLLM is imported): a job runs in a server
+# started with the same ones
+_START_VARS = ("PYTHON", "VLLM_", "HF_", "TRANSFORMERS_", "OMP_", "MKL_", "TORCH", "LD_")
+
+
+class _ForkServer:
+    """One tools/oracle/forkserver.py process: `run` is `subprocess.run` in a fork of it."""
+
+    def __init__(
+        self, python: str, env: dict[str, str], preload: tuple[str, ...] = PRELOAD
+    ) -> None:
+        self.proc = subprocess.Popen(
+            [python, str(FORKSERVER), *preload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=REPO,
+        )
+        self._buf = b""
+        try:
+            first = json.loads(self._line(300))
+        except (EOFError, TimeoutError, ValueError):
+            first = {"ready": False}
+        self.ready = bool(first.get("ready"))
+        if not self.ready:
+            self.close()
+
+    def _line(self, timeout: float) -> bytes:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise EOFError
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+    def run(
+        self, args: list[str], env: dict[str, str], cwd: str, stdin: str | None, timeout: float
+    ) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) of `python ARGS`; TimeoutExpired after `timeout` s (the
+        job's session killed); EOFError if the server died."""
+        assert self.proc.stdin is not None
+        with tempfile.TemporaryDirectory(prefix="oracle-job-") as d:
+            paths = {k: str(Path(d) / k) for k in ("stdin", "stdout", "stderr")}
+            if stdin is not None:
+                Path(paths["stdin"]).write_text(stdin)
+            job = {"args": args, "env": env, "cwd": cwd, **paths}
+            job["stdin"] = paths["stdin"] if stdin is not None else None
+            try:
+                self.proc.stdin.write((json.dumps(job) + "\n").encode())
+                self.proc.stdin.flush()
+            except OSError as e:
+                raise EOFError from e
+            pid = json.loads(self._line(60))["pid"]
+            try:
+                rc = json.loads(self._line(timeout))["rc"]
+            except TimeoutError:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
+                self._line(60)
+                raise subprocess.TimeoutExpired(args, timeout) from None
+            return rc, Path(paths["stdout"]).read_text(), Path(paths["stderr"]).read_text()
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_SERVERS: dict[tuple, _ForkServer | None] = {}
+
+
+@atexit.register
+def _close_servers() -> None:
+    for server in _SERVERS.values():
+        if server is not None:
+            server.close()
+    _SERVERS.clear()
+
+
+def _server(python: str, env: dict[str, str]) -> _ForkServer | None:
+    key = (python, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_START_VARS))))
+    if key not in _SERVERS:
+        server = _ForkServer(python, env)
+        _SERVERS[key] = server if server.ready else None
+    return _SERVERS[key]
+
+
+def oracle_run(
+    python: Path | str,
+    *args: str,
+    input: str | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | str | None = None,
+    timeout: float = 600,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """`subprocess.run([python, *args], capture_output=True, text=True, ...)` for an oracle
+    venv's python, run in a fork of a process that imported vLLM already (the module's
+    docstring). `env`: the whole environment (default: `oracle_env()`)."""
+    env = oracle_env() if env is None else dict(env)
+    cmd = [str(python), *args]
+    cwd = str(cwd or os.getcwd())
+    server = None if os.environ.get("MMREUSE_ORACLE_FORK") == "0" else _server(str(python), env)
+    result = None
+    if server is not None and args and (args[0] in ("-c", "-m") or not args[0].startswith("-")):
+        try:
+            result = server.run(list(args), env, cwd, input, timeout)
+        except EOFError:  # the server died: this job and the next run on their own
+            _SERVERS[next(k for k, v in _SERVERS.items() if v is server)] = None
+    if result is None:
+        return subprocess.run(
+            cmd, input=input, capture_output=True, text=True, check=check, timeout=timeout,
+            env=env, cwd=cwd,
+        )  # fmt: skip
+    rc, out, err = result
+    if check and rc != 0:
+        raise subprocess.CalledProcessError(rc, cmd, out, err)
+    return subprocess.CompletedProcess(cmd, rc, out, err)
+
+
+def oracle_env(**extra: str) -> dict[str, str]:
+    """An oracle script's environment: this process's, with this checkout on PYTHONPATH and no
+    model hub, and `extra` (the same variables make the same fork server serve every job)."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **extra}
+
+
 def oracle_lines(python: Path | str, *args: str, timeout: float = 600) -> list[str]:
-    """Run `python ARGS` (the oracle venv's, with this checkout on PYTHONPATH and no model
-    hub) and return its stdout's lines; a non-zero exit fails with its output."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [str(python), *args], capture_output=True, text=True, check=True, timeout=timeout, env=env
-    )
+    """Run `python ARGS` (the oracle venv's, in `oracle_env()`) and return its stdout's lines;
+    a non-zero exit fails with its output."""
+    out = oracle_run(python, *args, timeout=timeout)
     return out.stdout.strip().splitlines()
 
 

@@ -8,11 +8,10 @@ P, scheduling stays vLLM's, the index stays exact and the answer thread survives
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 
 import pytest
 
+from tests.support.oracle import oracle_run
 from tests.support.paths import REPO
 
 HANG_S = 2.0  # a hang guard, not a timing bound: answers take milliseconds
@@ -21,11 +20,7 @@ HANG_S = 2.0  # a hang guard, not a timing bound: answers take milliseconds
 @pytest.mark.oracle
 def test_hostile_client_cannot_break_p(oracle_python):
     py = oracle_python
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [str(py), str(REPO / "tools/oracle/demand_adversarial_check.py")],
-        capture_output=True, text=True, check=True, timeout=600, env=env,
-    )  # fmt: skip
+    out = oracle_run(py, str(REPO / "tools/oracle/demand_adversarial_check.py"))
     c = json.loads(out.stdout.strip().splitlines()[-1])
     assert c["findings"] == [], c["findings"]
     # every kind of hostile frame thrown, directly and over the socket

@@ -2,8 +2,6 @@
 on duck-typed stand-ins here, and on real vLLM objects in the oracle venv."""
 
 import json
-import os
-import subprocess
 import types
 
 import pytest
@@ -18,7 +16,7 @@ from mmreuse.integrations.demand.engine_state import (
     demand_for_request,
     occurrences_from_request,
 )
-from tests.support.oracle import REPO
+from tests.support.oracle import oracle_run
 from tests.support.paths import ORACLE_TOOLS
 
 
@@ -92,14 +90,7 @@ def test_demand_for_request_applies_rule_s():
 @pytest.mark.oracle
 def test_adapter_on_real_vllm_objects(oracle_python):
     py = oracle_python
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run(
-        [str(py), str(ORACLE_TOOLS / "vllm_adapter_check.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    )
+    out = oracle_run(py, str(ORACLE_TOOLS / "vllm_adapter_check.py"))
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["classes"] == ["KV_COVERED", "P_LOCAL", "P_EXTERNAL", "P_LOCAL", "E_COMPUTE"]
     assert got["num_embeds"] == [16, 10, 10, 6, 5]
