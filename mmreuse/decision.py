@@ -31,6 +31,7 @@ __all__ = [
     "Routing",
     "dispatch",
     "dispatch_all",
+    "dispatch_at_arrival",
     "dispatch_demand",
     "parse_policy",
 ]
@@ -134,6 +135,40 @@ class Dispatch:
                 fail_value("items", f"item indices in [0, {n})", i)
         e_items = tuple(sorted({*self.e_items, *again}))
         return Dispatch(e_items, self.raw_items | again, self.shares, self.classes)
+
+    def with_sent(
+        self,
+        sent: Sequence[int],
+        sent_shares: Mapping[int, int],
+        uuids: Sequence[str],
+        classes: Sequence[ItemClass],
+    ) -> Dispatch:
+        """This dispatch (a plan, or P's answer, for the whole request) with the items E got
+        at arrival (`sent`, and `sent_shares`: their duplicates) kept at E: each identifier
+        (`uuids`, per item) goes to E once, through the item already sent when there is one,
+        and every other item of it shares that embedding. `classes`: the result's."""
+        first = {uuids[i]: i for i in sent}
+        e = set(sent)
+        dup: dict[int, int] = dict(sent_shares)
+        for i in self.e_items:
+            at = first.get(uuids[i])
+            if at is None:
+                e.add(i)
+            elif at != i:
+                dup[i] = at
+        for k, v in self.shares.items():
+            if k not in dup and k not in e:
+                dup[k] = first.get(uuids[v], v)
+        raw = frozenset(i for i in self.raw_items if i not in dup and i not in e)
+        return Dispatch(tuple(sorted(e)), raw, dup, tuple(classes))
+
+
+def dispatch_at_arrival(
+    now: Sequence[int], rest: Iterable[int], shares: Mapping[int, int], classes: Sequence[ItemClass]
+) -> Dispatch:
+    """A request decided at arrival, with no plan: E gets `now` (one item per identifier;
+    `shares`: the other items of those identifiers), P gets `rest` raw with their uuid."""
+    return Dispatch(tuple(now), frozenset(rest), shares, tuple(classes))
 
 
 def dispatch_all(num_items: int) -> Dispatch:

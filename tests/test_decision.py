@@ -13,6 +13,7 @@ from mmreuse.decision import (
     Policy,
     dispatch,
     dispatch_all,
+    dispatch_at_arrival,
     dispatch_demand,
     parse_policy,
 )
@@ -120,3 +121,31 @@ def test_resend_sends_e_again_and_p_raw_as_well():
     assert planned.resend({0}) == Dispatch((0,), frozenset({0, 1}), {2: 0}, classes)
     with pytest.raises(InvalidArgument, match=r"^items must be item indices"):
         planned.resend({-1})
+
+
+def test_with_sent_keeps_each_identifier_at_e_through_the_item_already_sent():
+    """The arrival split sent item 0 ("a") to E; the plan, made on the whole request, has
+    item 2 ("a" again) at E, item 1 ("b") raw, item 3 ("c") at E and item 4 ("c") sharing it:
+    "a" stays E's through item 0 (item 2 shares it), "c" goes to E once, "b" stays raw."""
+    uuids = ["a", "b", "a", "c", "c"]
+    classes = (ItemClass.E_COMPUTE, ItemClass.P_LOCAL, ItemClass.DUPLICATE,
+               ItemClass.E_COMPUTE, ItemClass.DUPLICATE)  # fmt: skip
+    planned = Dispatch((2, 3), frozenset({1}), {4: 3}, (ItemClass.UNCLASSIFIED,) * 5)
+    d = planned.with_sent([0], {}, uuids, classes)
+    assert d == Dispatch((0, 3), frozenset({1}), {2: 0, 4: 3}, classes)
+    # a share the plan made onto an item of a sent identifier points at the sent item
+    planned = Dispatch((1, 2), frozenset(), {4: 2}, (ItemClass.UNCLASSIFIED,) * 5)
+    d = planned.with_sent([0, 3], {}, ["x", "y", "c", "c", "c"], classes)
+    assert d.e_items == (0, 1, 3) and d.shares == {2: 3, 4: 3}
+    # the arrival's own duplicates are kept, and a raw item of a sent identifier is not raw
+    planned = Dispatch((), frozenset({0, 1}), {}, (ItemClass.UNCLASSIFIED,) * 2)
+    assert planned.with_sent([0], {1: 0}, ["a", "a"], classes[:2]) == Dispatch(
+        (0,), frozenset(), {1: 0}, classes[:2]
+    )
+
+
+def test_a_request_decided_at_arrival_sends_e_now_and_p_the_rest_raw():
+    classes = (ItemClass.E_COMPUTE, ItemClass.UNCLASSIFIED, ItemClass.DUPLICATE)
+    assert dispatch_at_arrival((0,), [1], {2: 0}, list(classes)) == Dispatch(
+        (0,), frozenset({1}), {2: 0}, classes
+    )

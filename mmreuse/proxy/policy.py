@@ -32,7 +32,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..availability import EmbeddingAvailability
-from ..decision import Dispatch, Policy, dispatch, dispatch_all, dispatch_demand
+from ..decision import (
+    Dispatch,
+    Policy,
+    dispatch,
+    dispatch_all,
+    dispatch_at_arrival,
+    dispatch_demand,
+)
 from ..demand import Availability, ItemClass
 from ..demand_query import MAX_IDENT_CHARS, MAX_SALT_CHARS, DemandAnswer, query_for
 from ..errors import InvalidArgument
@@ -282,7 +289,7 @@ class Planner:
         classes = _arrival_classes((ItemClass.UNCLASSIFIED,) * len(uuids), arrival, uuids)
         return Decision(
             arrival.instance,
-            Dispatch(arrival.now, frozenset(arrival.rest), arrival.shares, classes),
+            dispatch_at_arrival(arrival.now, arrival.rest, arrival.shares, classes),
             identifiers=tuple(uuids),
             cache_salt=request.get("cache_salt"),
             blind=arrival.blind,
@@ -636,22 +643,10 @@ def _with_arrival(d: Decision, arrival: Arrival, uuids: Sequence[str]) -> Decisi
     if not arrival.now:
         return d
     planned = d.dispatch
-    sent = {uuids[i]: i for i in arrival.now}
-    e = list(arrival.now)
-    dup: dict[int, int] = dict(arrival.shares)
-    for i in planned.e_items:
-        first = sent.get(uuids[i])
-        if first is None:
-            e.append(i)
-        elif first != i:
-            dup[i] = first
-    e_set = set(e)
-    for k, v in planned.shares.items():
-        if k not in dup and k not in e_set:
-            dup[k] = sent.get(uuids[v], v)
-    raw = frozenset(i for i in planned.raw_items if i not in dup and i not in e_set)
     classes = planned.classes or (ItemClass.UNCLASSIFIED,) * len(uuids)
-    merged = Dispatch(tuple(sorted(e_set)), raw, dup, _arrival_classes(classes, arrival, uuids))
+    merged = planned.with_sent(
+        arrival.now, arrival.shares, uuids, _arrival_classes(classes, arrival, uuids)
+    )
     return _replace(d, dispatch=merged, blind=d.blind or arrival.blind)
 
 
