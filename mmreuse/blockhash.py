@@ -14,7 +14,7 @@ same rule in C, and a property test holds the two equal: same key, or both refus
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NewType
 
 from . import _index
 from .validate import fail_type, fail_value
@@ -29,7 +29,7 @@ __all__ = [
     "to_event_ids",
 ]
 
-BlockHash = bytes
+BlockHash = NewType("BlockHash", bytes)  # as vLLM's (vllm.v1.core.kv_cache_utils)
 EventBlockId = int
 ExternalBlockHash = bytes | int
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .. import lifetime
 from ..integrations.plugin_config import CONFIG_KEY
 from ..validate import check_int, check_str, fail_value
 from .install import API_SERVER_MODULE
@@ -491,14 +492,6 @@ class Instance:
         }
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM me when my parent dies (Linux prctl PR_SET_PDEATHSIG),
-    so a test process killed outright does not leave servers behind."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
-
-
 def start_instance(
     spec: InstanceSpec,
     python: Path,
@@ -530,6 +523,8 @@ def start_instance(
             },
             cwd=str(log_dir),
             start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,
+            preexec_fn=lifetime.die_with_parent
+            if die_with_parent and sys.platform == "linux"
+            else None,
         )
     return Instance(spec, argv, log_path, proc, proc.pid, process_start_time(proc.pid))

@@ -37,12 +37,12 @@ from pathlib import Path
 from types import TracebackType
 
 from ..errors import InvalidArgument
+from ..lifetime import die_with_parent
 from ..validate import check_float, check_int
 from .install import loopback_shim, require_venv
 from .instance import (
     HOST,
     StartupError,
-    _die_with_parent,
     free_ports,
     process_cmdline,
     process_start_time,
@@ -242,7 +242,7 @@ class MooncakeStore:
                 start_new_session=True,
                 env={**os.environ, **loopback_env(self._venv())},
                 cwd=self.run_dir,
-                preexec_fn=_die_with_parent if self._die_with_parent else None,
+                preexec_fn=die_with_parent if self._die_with_parent else None,
             )
         return _Proc(name, proc, process_start_time(proc.pid))
 

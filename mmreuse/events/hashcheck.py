@@ -27,7 +27,7 @@ import cachetools
 
 from ..blockhash import to_event_id
 from ..errors import InvalidArgument
-from ..hashing.hasher import MAX_TOKEN_ID, BlockHasher, _fresh
+from ..hashing.hasher import MAX_TOKEN_ID, BlockHasher, fresh_str
 from ..validate import check_int, check_str, fail_type, show
 from .wire import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -388,10 +388,10 @@ class HashConfigCheck:
                 if off < -MAX_TOKEN_ID or (cbor and not _utf8(ident)):
                     raise _Bad(EXTRA_KEYS)
                 prev_off = off
-                out.append(("mm", _fresh(ident), off))
+                out.append(("mm", fresh_str(ident), off))
             elif kind is str and first and stage == 0 and k and (not cbor or _utf8(k)):
                 stage = 1
-                out.append(("cache_salt", _fresh(k)))
+                out.append(("cache_salt", fresh_str(k)))
             elif kind is bytes and stage < 2 and len(k) == _EMBEDS_DIGEST_BYTES:
                 stage = 2
                 out.append(("prompt_embeds", k))

@@ -49,7 +49,7 @@ def fast_path_available() -> bool:
     return _hashcore is not None
 
 
-def _fresh(s: str) -> str:
+def fresh_str(s: str) -> str:
     """A new str object equal to `s`, as vLLM gets after decoding a request off the wire.
 
     Pickle memoizes by object identity: two equal identifiers are two objects in vLLM
@@ -113,7 +113,9 @@ def _check_token(i: int, t: Any, allow_any: bool) -> None:
         )
 
 
-def _check_mm(mm: Iterable[MMOccurrence], num_prompt: int) -> list[MMOccurrence]:
+def check_occurrences(mm: Iterable[MMOccurrence], num_prompt: int) -> list[MMOccurrence]:
+    """`mm` as a list, each an MMOccurrence inside a prompt of `num_prompt` tokens, sorted by
+    offset and not overlapping (as vLLM requires); else InvalidArgument naming `mm[i]`."""
     out = list(mm)
     prev_end = 0
     for i, m in enumerate(out):
@@ -163,7 +165,7 @@ def _check_salt(cache_salt: Any) -> None:
         check_str("cache_salt", cache_salt)
 
 
-def _make_spec(
+def make_spec(
     hash_fn: str,
     block_size: int,
     lookahead: int,
@@ -198,7 +200,7 @@ def _lora_key_value(scheme: HashScheme, name: str | None, path: str | None, int_
         return None
     if scheme.lora_key == "int_id":
         return int_id
-    return (_fresh(name), _fresh(path or ""))
+    return (fresh_str(name), fresh_str(path or ""))
 
 
 class BlockHasher:
@@ -272,7 +274,7 @@ class BlockHasher:
         self.none_hash: bytes = self._none_hash(allow_random_seed)
         # One validated C spec per hasher (None: the reference path hashes everything).
         self._spec = (
-            _make_spec(
+            make_spec(
                 hash_fn, block_size, lookahead, self.none_hash, self.scheme, self.allow_any_token_id
             )
             if self.use_fast_path
@@ -345,7 +347,7 @@ class BlockHasher:
         if spec is not None and prompt_embeds is None and type(tokens) is list:
             # The one-shot fast path without a RequestHasher (same checks, same C call); the
             # request state below takes whatever this cannot hash.
-            occurrences = _check_mm(mm, len(tokens))
+            occurrences = check_occurrences(mm, len(tokens))
             scheme = self.scheme
             _check_lora(scheme, lora_name, lora_path, lora_int_id)
             _check_salt(cache_salt)
@@ -451,7 +453,7 @@ class RequestHasher:
         self._validated = 0
         self.block_hashes: list[bytes] = []
         self._collected_keys: list[Any] | None = [] if _collect_keys else None
-        self._mm = _check_mm(mm, len(tokens))
+        self._mm = check_occurrences(mm, len(tokens))
         self._mm_ends = [m.end for m in self._mm]
         _check_lora(scheme, lora_name, lora_path, lora_int_id)
         _check_salt(cache_salt)
@@ -460,10 +462,10 @@ class RequestHasher:
         self._embeds_bytes, self._row_bytes = self._check_embeds(prompt_embeds, len(tokens))
         self._embeds_digests: dict[tuple[int, int], bytes] = {}
 
-        # Objects exactly as vLLM holds them (fresh strings: see `_fresh`).
-        self._mm_ids = [_fresh(m.identifier) for m in self._mm]
+        # Objects exactly as vLLM holds them (fresh strings: see `fresh_str`).
+        self._mm_ids = [fresh_str(m.identifier) for m in self._mm]
         self._lora = _lora_key_value(scheme, lora_name, lora_path, lora_int_id)
-        self._salt = _fresh(cache_salt) if cache_salt else None  # "" is falsy in vLLM: no key
+        self._salt = fresh_str(cache_salt) if cache_salt else None  # "" is falsy in vLLM: no key
         self._fast_keys = self._make_fast_keys()
         self.block_hashes = self._new_blocks()  # the first list is ours: no copy
 

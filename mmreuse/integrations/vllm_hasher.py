@@ -53,7 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidArgument, InvalidArgumentType
-from ..hashing.hasher import _check_mm, _make_spec
+from ..hashing.hasher import check_occurrences, make_spec
 from ..hashing.schemes import HashScheme, scheme_for_vllm, vllm_ranges
 from ..occurrence import MMOccurrence
 from ..validate import check_int, fail_type, fail_value
@@ -251,7 +251,7 @@ def fast_request_block_hasher(
     def spec_for(none_hash: bytes) -> Any:
         spec = specs.get(none_hash)
         if spec is None:
-            spec = specs[none_hash] = _make_spec(
+            spec = specs[none_hash] = make_spec(
                 name, hash_block_size, lookahead, none_hash, scheme, True
             )
         return spec
@@ -273,7 +273,7 @@ def fast_request_block_hasher(
                 keys = (spec, "shared_strings", "one str object in two of a request's keys")
             else:
                 try:
-                    occs = _check_mm(
+                    occs = check_occurrences(
                         [MMOccurrence.from_vllm(f) for f in request.mm_features],
                         request.num_prompt_tokens,
                     )

@@ -41,6 +41,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..lifetime import die_with_parent
 from .config import ProxyConfig
 from .server import StartupFailed, event_loop_runner, serve, setup_logging
 
@@ -51,14 +52,6 @@ RESTART_INTERVAL_S = 1.0  # a worker that keeps dying is started at most this of
 SCRAPE_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 10.0  # then SIGKILL
 HEARTBEAT_S = 0.25  # how often a worker's event loop stamps its heartbeat
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this worker when the supervisor dies (PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 async def _heartbeat(beats: Any, index: int) -> None:
@@ -73,7 +66,7 @@ def _worker(config: ProxyConfig, index: int, path: str, conn: Any, beats: Any) -
     """One worker: the proxy on the shared port, its metrics on `path`; tells `conn` "ready"
     once serving, or the one line why it could not start; stamps `beats[index]` while its
     event loop turns."""
-    _die_with_parent()
+    die_with_parent()  # SIGTERM when the supervisor dies
     setup_logging(config, prefix=f"[worker {index}] ")
 
     async def main() -> None:
