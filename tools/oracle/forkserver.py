@@ -1,7 +1,7 @@
 """A fork server for the oracle venvs: import vLLM once, then run each oracle script in a fork.
 
-Importing vLLM's scheduler takes ~12 s on the CI machines, and the oracle tests start a fresh
-interpreter for each script (~150 of them a run). This process imports the modules named on its
+Importing vLLM's scheduler takes ~12 s on the CI machines, and the oracle tests used to start a
+fresh interpreter for each script they run. This process imports the modules named on its
 command line once, then, for each job read from its control pipe, forks a child that runs the
 job as `python ARGS` would (`SCRIPT ARGS...`, `-c CODE ARGS...` or `-m MODULE ARGS...`), in a
 session of its own, with the job's environment, working directory, stdin and output files. The
