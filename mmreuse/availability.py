@@ -3,10 +3,11 @@
 vLLM itself publishes no encoder-cache events, so this index is fed by deltas (`update_p`,
 `update_e`, `update_external`) from whatever observes those caches: the encoder-cache events of
 mmreuse's `EventfulEncoderCacheManager` in P and E (`events.ec_sink.EncoderCacheSink`), the
-store's answers, and what the proxy sent E (`proxy.eside`). Every entry has a staleness bound (TTL, refreshed by each delta that
-mentions it) and every location a capacity bound (LRU), both via cachetools. Entries are scoped
-by tenant (cache salt, LoRA name): an identifier one tenant made available never satisfies
-another's request. `availability_for` turns the view into `compute_demand`'s `Availability`.
+store's answers, and what the proxy sent E (`proxy.eside`). Every entry has a staleness bound
+(TTL, refreshed by each delta that mentions it) and every location a capacity bound (LRU), both
+via cachetools. Entries are scoped by tenant (cache salt, LoRA name): an identifier one tenant
+made available never satisfies another's request. `availability_for` turns the view into
+`compute_demand`'s `Availability`.
 """
 
 from __future__ import annotations

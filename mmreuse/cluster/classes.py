@@ -269,8 +269,9 @@ def summarize(
     paired with run r of each baseline), the median TTFT (median over runs of each run's median,
     and its min-max), the p90 likewise, the paired differences against each baseline of
     `BASELINES` that ran (`vs_eager_ms`, `vs_reference_ms`: each run's median paired difference,
-    their median and min-max over runs; `vs_eager_pooled_ms`, ...: `pooled_paired`), items and E's items (median over runs), the render's
-    median, failed requests over all runs. JSON-ready."""
+    their median and min-max over runs; `vs_eager_pooled_ms`, ...: `pooled_paired`), items and
+    E's items (median over runs), the render's median, failed requests over all runs.
+    JSON-ready."""
     if not isinstance(runs, Mapping):
         fail_type("runs", "a mapping of policy -> runs", runs)
     per_run = {p: [class_runs(classes, r) for r in rs] for p, rs in runs.items()}

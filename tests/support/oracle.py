@@ -9,8 +9,9 @@ Under CI (CI=true) or MMREUSE_REQUIRE_ORACLE=1 a missing oracle fails the run in
 
 `oracle_run` runs a script in an oracle venv as `subprocess.run` would, in a fork of a process
 that imported vLLM once (tools/oracle/forkserver.py): importing vLLM's scheduler costs ~12 s a
-script (the suite outside the live tiers: 18.4 min without, 10.3 with). MMREUSE_ORACLE_FORK=0 starts each in a fresh
-interpreter instead (what a fork server that cannot serve falls back to by itself).
+script (the suite outside the live tiers: 18.4 min without, 10.3 with). MMREUSE_ORACLE_FORK=0
+starts each in a fresh interpreter instead (what a fork server that cannot serve falls back to
+by itself).
 """
 
 from __future__ import annotations
@@ -199,10 +200,14 @@ def _close_servers() -> None:
     _SERVERS.clear()
 
 
-def _server(python: str, env: dict[str, str]) -> _ForkServer | None:
-    key = (python, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_START_VARS))))
+def _key(python: str, env: dict[str, str]) -> tuple:
+    return (python, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_START_VARS))))
+
+
+def _server(key: tuple, env: dict[str, str]) -> _ForkServer | None:
+    """The server of `key` (`_key`), started on first use; None where it cannot serve."""
     if key not in _SERVERS:
-        server = _ForkServer(python, env)
+        server = _ForkServer(key[0], env)
         _SERVERS[key] = server if server.ready else None
     return _SERVERS[key]
 
@@ -222,13 +227,14 @@ def oracle_run(
     env = oracle_env() if env is None else dict(env)
     cmd = [str(python), *args]
     cwd = str(cwd or os.getcwd())
-    server = None if os.environ.get("MMREUSE_ORACLE_FORK") == "0" else _server(str(python), env)
+    key = _key(str(python), env)
+    server = None if os.environ.get("MMREUSE_ORACLE_FORK") == "0" else _server(key, env)
     result = None
     if server is not None and args and (args[0] in ("-c", "-m") or not args[0].startswith("-")):
         try:
             result = server.run(list(args), env, cwd, input, timeout)
         except EOFError:  # the server died: this job and the next run on their own
-            _SERVERS[next(k for k, v in _SERVERS.items() if v is server)] = None
+            _SERVERS[key] = None
     if result is None:
         return subprocess.run(
             cmd, input=input, capture_output=True, text=True, check=check, timeout=timeout,

@@ -32,8 +32,8 @@ import traceback
 import types
 
 
-def _run_job(job: dict) -> int:
-    """In the child: become `python ARGS` and return its exit code."""
+def _run_job(job: dict) -> None:
+    """In the child: run as `python ARGS` would (its exit code: a SystemExit, or 0)."""
     args = list(job["args"])
     if args[0] == "-c":
         sys.argv = ["-c", *args[2:]]
@@ -50,7 +50,6 @@ def _run_job(job: dict) -> int:
         sys.argv = args
         sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
         runpy.run_path(args[0], run_name="__main__")
-    return 0
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -78,7 +77,8 @@ def _child(job: dict, control: tuple[int, int]) -> None:
         os.chdir(job["cwd"])
         os.environ.clear()
         os.environ.update(job["env"])
-        code = _run_job(job)
+        _run_job(job)
+        code = 0
     except SystemExit as e:
         code = _exit_code(e)
     except BaseException:
@@ -99,6 +99,7 @@ def main() -> None:
     cin, cout = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
+    os.close(null)
     os.dup2(2, 1)
     reader = os.fdopen(cin, "r", buffering=1)
     writer = os.fdopen(cout, "w", buffering=1)
