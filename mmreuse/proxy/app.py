@@ -33,7 +33,7 @@ from ..decision import Policy
 from ..demand_query import DEMAND_ID_KEY  # P reads it from vllm_xargs
 from . import body as bodies
 from .body import Blobs, BodyLimits, encode_body
-from .config import ProxyConfig, UuidPolicy
+from .config import HeldItems, ProxyConfig, UuidPolicy
 from .content import MediaFetcher, MediaLimits, name_by_content
 from .demand import DemandClient
 from .encoder import (
@@ -59,6 +59,7 @@ from .media import (
 from .metrics import ProxyMetrics
 from .models import ModelCatalog
 from .policy import Decision, Planner
+from .references import HeldReferences
 from .store import StoreTruth
 from .upstream import Upstream, UpstreamResponse
 from .views import EncoderView, InstanceView
@@ -131,7 +132,8 @@ class Proxy:
         self.e_side = ESide(config, self.availability, self.metrics)
         self.e_views: list[EncoderView] = self.e_side.views
         self.rng = random.Random(config.seed)
-        # Asked only under demand / opportunistic (the config holds an endpoint for each then).
+        # --held-items reference: E's metadata per item, to send a P-held item as a reference
+        self.references = HeldReferences() if config.held_items is HeldItems.REFERENCE else None
         # Asked under demand / opportunistic (the config holds an endpoint for each then), and
         # under index while an instance's view is incomplete, where it has one.
         asks = config.policy.asks_p or (
@@ -535,15 +537,18 @@ class Proxy:
             result = await self._encode(req, items, uuids, decision, req_id)
         item_meta = result.item_meta
         shares = decision.dispatch.shares
+        raw_items = decision.dispatch.raw_items
         if shares:
             item_meta = dict(item_meta)
             for dup, first in shares.items():
                 if first in item_meta:  # shares the first's embedding: one transfer
                     item_meta[dup] = [{**f, "transfer_id": None} for f in item_meta[first]]
+        if self.references is not None:
+            item_meta, raw_items = self._held_references(req, uuids, item_meta, decision)
         if self.config.no_rewrite:
             prepared: Mapping[str, Any] = req
         else:
-            args = (req, item_meta, decision.dispatch.raw_items, uuids, items)
+            args = (req, item_meta, raw_items, uuids, items)
             if bodies.CURRENT.get() is None:  # a small body: on the loop (`bodies.CURRENT`)
                 prepared = rewrite_for_decode(*args)
             else:
@@ -556,6 +561,29 @@ class Proxy:
             return self._with_demand_id(prepared, decision.demand_id)
         held_raw = _uuids_at(uuids, decision.dispatch.raw_items)
         return await self._prefill(prepared, p_url, req_id, decision.demand_id, held_raw)
+
+    def _held_references(
+        self,
+        req: Mapping[str, Any],
+        uuids: list[str],
+        item_meta: Mapping[int, list[dict[str, Any]]],
+        decision: Decision,
+    ) -> tuple[dict[int, list[dict[str, Any]]], frozenset[int]]:
+        """--held-items reference: E's metadata kept for what E just encoded, and each item P
+        is to hold sent as the reference kept for it (no longer raw): the features to rewrite
+        and the items still raw. An item E encodes again (a retry) stays as E answered."""
+        assert self.references is not None
+        self.references.record(req, uuids, item_meta)
+        held = decision.dispatch.raw_items - item_meta.keys()
+        found = self.references.lookup(req, uuids, held) if held else {}
+        view = self.views[decision.instance].name
+        if found:
+            self.metrics.held_items.labels(view, "reference").inc(len(found))
+        if len(held) > len(found):
+            self.metrics.held_items.labels(view, "raw").inc(len(held) - len(found))
+        if not found:
+            return dict(item_meta), decision.dispatch.raw_items
+        return {**item_meta, **found}, decision.dispatch.raw_items - found.keys()
 
     async def _encode(
         self,

@@ -85,6 +85,19 @@ class EncodeOnP(StrEnum):
     SINGLE = "single"
 
 
+class HeldItems(StrEnum):
+    """--held-items (index, demand, opportunistic): how P gets an item it was planned to hold.
+    raw: the media with its uuid (P fetches and decodes it again; any EC connector);
+    reference: E's metadata from the request that had it encoded (`HeldReferences`), as the
+    reference proxy sends every item, so P does no media work for it. A reference P cannot
+    serve must fail its request (mmreuse's MooncakeStoreConnector does), which the proxy
+    retries with the media; an EC connector that would encode nothing instead must not be
+    used with it."""
+
+    RAW = "raw"
+    REFERENCE = "reference"
+
+
 # Each field's flag (or environment variable), for the CLI's messages. `instances.demand`:
 # the `demand` field of every PrefillInstance (`instances[i].demand`); `media.*`: MediaLimits'.
 FLAGS: Mapping[str, str] = {
@@ -106,6 +119,7 @@ FLAGS: Mapping[str, str] = {
     "routing": "--routing",
     "mixed_plan": "--mixed-plan",
     "encode_on_p": "--encode-on-p",
+    "held_items": "--held-items",
     "render_url": "--render-url",
     "render_timeout_s": "--render-timeout",
     "hash_algo": "--hash-algo",
@@ -334,6 +348,7 @@ class ProxyConfig:
     routing: Routing = Routing.RANDOM
     mixed_plan: MixedPlan = MixedPlan.RENDER
     encode_on_p: EncodeOnP = EncodeOnP.NEVER
+    held_items: HeldItems = HeldItems.RAW
     render_url: str | None = None
     render_timeout_s: float = (
         10.0  # a slow render costs the plan (E gets everything), not the request
@@ -443,6 +458,17 @@ class ProxyConfig:
         object.__setattr__(self, "routing", _choice(Routing, "routing", self.routing))
         object.__setattr__(self, "mixed_plan", _choice(MixedPlan, "mixed_plan", self.mixed_plan))
         object.__setattr__(self, "encode_on_p", _choice(EncodeOnP, "encode_on_p", self.encode_on_p))
+        object.__setattr__(self, "held_items", _choice(HeldItems, "held_items", self.held_items))
+        if self.held_items is HeldItems.REFERENCE and (
+            self.policy is Policy.EAGER or self.no_rewrite
+        ):
+            raise ConfigError(
+                "{held_items} reference acts on the items a policy plans as held and on the "
+                "rewrite: {policy} index, demand or opportunistic without {no_rewrite}, got {p}"
+                "{nr}",
+                p=self.policy.value,
+                nr=" with --no-rewrite" if self.no_rewrite else "",
+            )
         splits = self.policy in (Policy.INDEX, Policy.DEMAND)
         for key, value in (("mixed_plan", MixedPlan.RENDER), ("encode_on_p", EncodeOnP.NEVER)):
             if getattr(self, key) is not value and not splits:
@@ -870,6 +896,18 @@ _PLANNING: tuple[_Flag, ...] = (
         },
     ),
     (
+        "--held-items",
+        {
+            "choices": tuple(m.value for m in HeldItems),
+            "default": "raw",
+            "help": "index / demand / opportunistic, an item the chosen P holds: raw (the media "
+            "with its uuid; P decodes it again) or reference (E's metadata from the request that "
+            "had it encoded: no media work on P; needs an EC connector that fails a reference it "
+            "cannot load, as mmreuse's MooncakeStoreConnector does; such a request is retried "
+            "with the media)",
+        },
+    ),
+    (
         "--render-url",
         {
             "default": None,
@@ -1209,6 +1247,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         routing=args.routing,
         mixed_plan=args.mixed_plan,
         encode_on_p=args.encode_on_p,
+        held_items=args.held_items,
         render_url=args.render_url.rstrip("/") if args.render_url else None,
         render_timeout_s=args.render_timeout,
         instances=tuple(PrefillInstance(u, **s) for u, s in zip(urls, slots, strict=True)),

@@ -199,6 +199,15 @@ class ProxyMetrics:
             ["action"],
             registry=r,
         )
+        self.held_items = Counter(
+            "mmreuse_proxy_held_items_total",
+            "media items sent to P as held (planned, or P's answer), by instance and form: "
+            "reference (E's metadata kept from the request that had it encoded: "
+            "--held-items reference), raw (the media with its uuid: none kept, or --held-items "
+            "raw, not counted)",
+            ["instance", "form"],
+            registry=r,
+        )
         self.arrival_requests = Counter(
             "mmreuse_proxy_arrival_requests_total",
             "index / demand: requests with media by their split at arrival: all_new (every "

@@ -1,0 +1,186 @@
+"""`--held-items reference` (mmreuse/proxy/references.py): an item the chosen P holds goes to P
+as E's reference kept from the request that had it encoded, not raw; the keying, the bound, and
+the retry with the media when P cannot serve the reference. Fake E / PD servers and a real KV
+view (tests/support/index_proxy.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mmreuse.proxy.config import ConfigError, ProxyConfig, parse_args
+from mmreuse.proxy.references import HeldReferences, reference_key
+from tests.proxy.test_store_loss import default_then, lost_once
+from tests.support.index_proxy import TEXT, A, B, C, e_sent, embeds, index_proxy, pd_content
+from tests.support.proxy_fakes import chat, img, sha
+
+REFERENCE = ("--held-items", "reference")
+META = {"image_grid_thw": [[1, 4, 4]]}
+
+
+def feature(uuid: str, metadata: dict | None = None, transfer_id: str | None = "t1") -> dict:
+    return {
+        "metadata": META if metadata is None else metadata,
+        "modality": "image",
+        "mm_hash": uuid,
+        "transfer_id": transfer_id,
+    }
+
+
+# ---- HeldReferences -----------------------------------------------------------------------------
+
+
+def test_kept_metadata_comes_back_without_a_transfer():
+    refs = HeldReferences()
+    req = {"model": "m"}
+    refs.record(req, ["u0", "u1"], {0: [feature("u0")], 1: [feature("u1")]})
+    assert refs.lookup(req, ["u1", "u0", "u2"], frozenset({0, 1, 2})) == {
+        0: [feature("u1", transfer_id=None)],
+        1: [feature("u0", transfer_id=None)],
+    }
+
+
+def test_the_key_holds_the_model_and_the_processor_kwargs():
+    refs = HeldReferences()
+    kwargs = {"mm_processor_kwargs": {"max_pixels": 1000, "min_pixels": 10}}
+    refs.record({"model": "m", **kwargs}, ["u"], {0: [feature("u")]})
+    assert refs.lookup({"model": "other", **kwargs}, ["u"], frozenset({0})) == {}
+    assert refs.lookup({"model": "m"}, ["u"], frozenset({0})) == {}
+    assert refs.lookup({"model": "m", "mm_processor_kwargs": {"max_pixels": 1}}, ["u"], {0}) == {}
+    reordered = {"mm_processor_kwargs": {"min_pixels": 10, "max_pixels": 1000}}
+    assert list(refs.lookup({"model": "m", **reordered}, ["u"], frozenset({0}))) == [0]
+    # no model named, and an empty kwargs dict, key as vLLM reads them: the default model
+    refs.record({}, ["v"], {0: [feature("v")]})
+    assert list(refs.lookup({"mm_processor_kwargs": {}}, ["v"], frozenset({0}))) == [0]
+
+
+@pytest.mark.parametrize("request_", [{"model": 3}, {"mm_processor_kwargs": [1]}])
+def test_an_unkeyable_request_keeps_nothing(request_):
+    assert reference_key(request_, "u") is None
+    refs = HeldReferences()
+    refs.record(request_, ["u"], {0: [feature("u")]})
+    assert len(refs) == 0
+    refs.record({}, [""], {0: [feature("")]})  # no uuid: nothing to find it by
+    assert len(refs) == 0
+
+
+def test_an_item_without_metadata_is_not_kept():
+    refs = HeldReferences()
+    refs.record({}, ["u", "v", "w"], {0: [feature("u", {})], 1: [], 2: [feature("w")]})
+    assert list(refs.lookup({}, ["u", "v", "w"], frozenset({0, 1, 2}))) == [2]
+
+
+def test_the_least_recently_used_goes_first_past_the_bound():
+    refs = HeldReferences(capacity=2)
+    refs.record({}, ["a", "b"], {0: [feature("a")], 1: [feature("b")]})
+    assert list(refs.lookup({}, ["a"], frozenset({0}))) == [0]  # a used: b is the oldest
+    refs.record({}, ["c"], {0: [feature("c")]})
+    assert len(refs) == 2
+    assert list(refs.lookup({}, ["a", "b", "c"], frozenset({0, 1, 2}))) == [0, 2]
+
+
+@pytest.mark.parametrize("capacity", [0, -1, 1.5, True])
+def test_a_bad_capacity_is_refused_by_name(capacity):
+    with pytest.raises(ValueError, match="capacity"):
+        HeldReferences(capacity)
+
+
+# ---- the flag -----------------------------------------------------------------------------------
+
+
+def test_reference_is_refused_where_nothing_is_held_or_nothing_rewritten():
+    base = ["--encode-servers-urls", "http://e", "--decode-servers-urls", "http://d"]
+    with pytest.raises(ConfigError, match="held_items"):
+        ProxyConfig(encode_urls=("http://e",), decode_urls=("http://d",), held_items="reference")
+    with pytest.raises(ConfigError, match="no_rewrite"):
+        ProxyConfig(
+            encode_urls=("http://e",),
+            decode_urls=("http://d",),
+            policy="index",
+            held_items="reference",
+            no_rewrite=True,
+        )
+    with pytest.raises(ConfigError, match="held_items"):
+        ProxyConfig(encode_urls=("http://e",), decode_urls=("http://d",), held_items="refs")
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--held-items", "reference"])
+    assert parse_args([*base, "--policy", "index", *REFERENCE]).held_items == "reference"
+    assert parse_args(base).held_items == "raw"
+
+
+# ---- the proxy ----------------------------------------------------------------------------------
+
+
+async def test_a_held_item_goes_to_p_as_the_reference_e_gave():
+    # [A, B, C]: nothing held, all to E. Then P holds 5 blocks: A and B covered, C not. The
+    # next request sends E only C, and P gets A and B as the references E gave the first time
+    # (no media to fetch or decode), C as E's answer: every image an embeds part, no mix.
+    async with index_proxy(flags=REFERENCE) as s:
+        assert (await s.post(chat(TEXT, img(A), img(B), img(C)))).status == 200
+        assert pd_content(s) == [TEXT, embeds(A), embeds(B), embeds(C)]
+        await s.hold(0, [sha(A), sha(B), sha(C)], 5)
+        assert (await s.post(chat(TEXT, img(A), img(B), img(C)))).status == 200
+        assert e_sent(s) == [sha(A), sha(B), sha(C), sha(C)]
+        assert pd_content(s) == [TEXT, embeds(A), embeds(B), embeds(C)]
+        body = s.pd[0].chats()[-1].body
+        # only C moves: A and B are P's (its KV), found by uuid
+        assert [x["mm_hash"] for x in body["ec_transfer_params"]["ec_items"]] == [sha(C)]
+        assert s.sample("mmreuse_proxy_held_items_total", instance="PD0", form="reference") == 2
+        assert s.sample("mmreuse_proxy_held_items_total", instance="PD0", form="raw") == 0
+
+
+async def test_without_the_flag_a_held_item_goes_raw():
+    async with index_proxy() as s:
+        assert (await s.post(chat(TEXT, img(A), img(B), img(C)))).status == 200
+        await s.hold(0, [sha(A), sha(B), sha(C)], 5)
+        assert (await s.post(chat(TEXT, img(A), img(B), img(C)))).status == 200
+        assert pd_content(s) == [TEXT, *({**img(u), "uuid": sha(u)} for u in (A, B, C))]
+        assert s.sample("mmreuse_proxy_held_items_total") == 0
+
+
+async def test_a_held_item_this_proxy_never_had_encoded_goes_raw():
+    # A proxy started after the conversation's first turn (or past its bound) kept nothing
+    # for A and B: they go raw with their uuid, so C does too (vLLM refuses the mix).
+    async with index_proxy(flags=REFERENCE) as s:
+        await s.hold(0, [sha(A), sha(B), sha(C)], 5)
+        assert (await s.post(chat(TEXT, img(A), img(B), img(C)))).status == 200
+        assert e_sent(s) == [sha(C)]
+        assert pd_content(s) == [TEXT, *({**img(u), "uuid": sha(u)} for u in (A, B, C))]
+        assert s.sample("mmreuse_proxy_held_items_total", instance="PD0", form="raw") == 2
+        # C is kept now; A and B are not, until E encodes them
+        assert len(s.proxy.references) == 1
+
+
+async def test_another_tenants_item_is_never_sent_as_a_reference():
+    # --uuid-policy tenant: the same image under another cache_salt is another uuid, so the
+    # first tenant's reference is not the second's.
+    flags = (*REFERENCE, "--uuid-policy", "tenant")
+    async with index_proxy(flags=flags) as s:
+        assert (await s.post({**chat(TEXT, img(A)), "cache_salt": "t1"})).status == 200
+        assert len(s.proxy.references) == 1
+        assert (await s.post({**chat(TEXT, img(A)), "cache_salt": "t2"})).status == 200
+        assert len(s.proxy.references) == 2
+        first, second = (x.body["messages"][0]["content"][1] for x in s.pd[0].chats())
+        assert first["uuid"] != second["uuid"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reference_p_cannot_serve_is_retried_with_the_media(stream):
+    # P lost A's KV and the store lost its embedding: its connector fails the request, and the
+    # proxy retries it once with A (and B: the body's every reference is suspect) raw under a
+    # fresh uuid, E encoding them again.
+    async with index_proxy(flags=REFERENCE) as s:
+        assert (await s.post(chat(TEXT, img(A), img(B), img(C)))).status == 200
+        await s.hold(0, [sha(A), sha(B), sha(C)], 5)
+        s.pd[0].answer = default_then(lost_once(stream=stream))
+        r = await s.post(chat(TEXT, img(A), img(B), img(C), stream=stream))
+        assert r.status == 200
+        await r.read()
+        first, second = s.pd[0].chats()[-2:]
+        assert first.body["messages"][0]["content"][1:3] == [embeds(A), embeds(B)]
+        for part, url in zip(second.body["messages"][0]["content"][1:], (A, B, C), strict=True):
+            assert part["type"] == "image_url" and part["image_url"] == {"url": url}
+            assert re.fullmatch(sha(url) + ":lost-[0-9a-f]{8}", part["uuid"]), part
+        retry = s.e.chats()[-1].body["messages"][0]["content"]
+        assert sorted(p["uuid"].split(":")[0] for p in retry) == sorted(map(sha, (A, B, C)))
