@@ -63,13 +63,15 @@ QUESTIONS = ("What is in this picture?", "Describe its colours.", "And how do th
 
 
 class Relay:
-    """An HTTP relay in front of E that notes when each request reaches it (its own thread and
-    event loop), keyed by the client request id before the first ':'."""
+    """An HTTP relay in front of E that notes when each request reaches it and when E's
+    answer is back (its own thread and event loop), keyed by the client request id before
+    the first ':'."""
 
     def __init__(self, target: str) -> None:
         self.target = target
         self.port = free_ports(1)[0]
         self.arrivals: dict[str, list[float]] = {}
+        self.answered: dict[str, list[float]] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -95,6 +97,13 @@ class Relay:
             times = self.arrivals.get(request_id)
             return min(times) if times else None
 
+    def round_trip(self, request_id: str) -> float | None:
+        """From the first of the request's E sub-requests reaching the relay to the last
+        answered: the E round trip the request waited for (None: E was not asked)."""
+        with self._lock:
+            sent, back = self.arrivals.get(request_id), self.answered.get(request_id)
+            return max(back) - min(sent) if sent and back else None
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._loop.run_until_complete(self._start())
@@ -112,15 +121,19 @@ class Relay:
     async def _handle(self, request: web.Request) -> web.Response:
         t = time.perf_counter()
         rid = request.headers.get("x-request-id", "")
-        if request.path == "/v1/chat/completions" and rid:
+        key = rid.split(":", 1)[0] if request.path == "/v1/chat/completions" and rid else None
+        if key is not None:
             with self._lock:
-                self.arrivals.setdefault(rid.split(":", 1)[0], []).append(t)
+                self.arrivals.setdefault(key, []).append(t)
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "x-request-id")}  # fmt: skip
         async with self._session.request(
             request.method, self.target + request.path_qs, data=body, headers=headers
         ) as r:
             payload = await r.read()
+            if key is not None:
+                with self._lock:
+                    self.answered.setdefault(key, []).append(time.perf_counter())
             kind = r.headers.get("Content-Type", "application/json")
             return web.Response(body=payload, status=r.status, headers={"Content-Type": kind})
 
@@ -314,6 +327,7 @@ def main() -> int:
                     rows[policy][(k, t, CLASSES[t])] = {
                         "ttft": first,
                         "e_delay": None if arrived is None else arrived - t0,
+                        "e_rtt": relay.round_trip(rid),
                         "p_cpu": cpu_s(p_pid) - cpu0,
                     }
             print(f"conversation {k + 1}/{a.conversations} done", file=sys.stderr, flush=True)
@@ -331,6 +345,10 @@ def main() -> int:
                 s: sample_sum(text, "mmreuse_proxy_arrival_items_total", action=s)
                 for s in ("e_now", "waited", "p_raw", "p_encodes")
             }
+            splits[policy]["held_items"] = {
+                f: sample_sum(text, "mmreuse_proxy_held_items_total", form=f)
+                for f in ("reference", "raw")
+            }
             splits[policy]["failed"] = sample_sum(
                 text, "mmreuse_proxy_requests_total", outcome="server_error"
             )
@@ -341,8 +359,8 @@ def main() -> int:
           f"{', the store paced' if link else ''})")  # fmt: skip
     print("| class | proxy | E gets the new image, ms after send (p50) | TTFT p50 ms | "
           "E delay vs eager, paired p50 ms | TTFT vs eager, paired p50 ms | "
-          "TTFT vs reference, paired p50 ms | P frontend CPU p50 ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "TTFT vs reference, paired p50 ms | P frontend CPU p50 ms | E round trip p50 ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for klass in CLASSES:
         for policy in policies:
             mine = [v for ck, v in rows[policy].items() if ck[2] == klass]
@@ -352,19 +370,22 @@ def main() -> int:
             d_t = paired(rows, policy, "eager", klass, "ttft")
             d_r = paired(rows, policy, "reference", klass, "ttft")
             cpus = [v["p_cpu"] * 1e3 for v in mine]
+            rtts = [d * 1e3 for v in mine if (d := v["e_rtt"]) is not None]
             med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
             cell = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
             out.setdefault(klass, {})[policy] = {
                 "n": len(mine), "e_delay_p50_ms": med(delays), "ttft_p50_ms": med(ttfts),
                 "e_delay_vs_eager_ms": med(d_e), "ttft_vs_eager_ms": med(d_t),
                 "ttft_vs_reference_ms": med(d_r), "p_frontend_cpu_p50_ms": med(cpus),
+                "e_round_trip_p50_ms": med(rtts),
                 "ttft_vs_reference_q1_ms": statistics.quantiles(d_r, n=4)[0] if len(d_r) > 1 else None,
                 "ttft_vs_reference_q3_ms": statistics.quantiles(d_r, n=4)[2] if len(d_r) > 1 else None,
                 "ttft_vs_eager_q1_ms": statistics.quantiles(d_t, n=4)[0] if len(d_t) > 1 else None,
                 "ttft_vs_eager_q3_ms": statistics.quantiles(d_t, n=4)[2] if len(d_t) > 1 else None,
             }  # fmt: skip
             print(f"| {klass} | {policy} | {cell(med(delays))} | {cell(med(ttfts))} | "
-                  f"{cell(med(d_e))} | {cell(med(d_t))} | {cell(med(d_r))} | {cell(med(cpus))} |")  # fmt: skip
+                  f"{cell(med(d_e))} | {cell(med(d_t))} | {cell(med(d_r))} | {cell(med(cpus))} | "
+                  f"{cell(med(rtts))} |")  # fmt: skip
     print("\nthe split at arrival, per mmreuse proxy (requests):")
     for policy, got in splits.items():
         print(f"  {policy}: {got}")

@@ -336,6 +336,7 @@ def _e_arrival(name: str) -> str:
         ("TTFT vs eager, paired p50 [q1, q3]", lambda r: _quartiles(r, "eager")),
         ("TTFT vs reference, paired p50 [q1, q3]", lambda r: _quartiles(r, "reference")),
         ("P frontend CPU p50 ms", lambda r: fmt(r.get("p_frontend_cpu_p50_ms"), ".0f")),
+        ("E round trip p50 ms", lambda r: fmt(r.get("e_round_trip_p50_ms"), ".0f")),
     ]
     rows = []
     policies = _load(name)["policies"]

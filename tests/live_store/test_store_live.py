@@ -475,3 +475,62 @@ def test_a_killed_master_then_restarted_is_used_again(store_cluster):
         assert time.monotonic() < deadline, "the store was never used again"
         time.sleep(2.0)
     Path(c.run_dir / "recovered-after").write_text(str(n))
+
+
+def test_a_held_item_sent_as_e_s_reference_answers_as_p_s_own_encode(store_cluster, tmp_path):
+    """`--held-items reference` (issue 41): an item the proxy had E encode, held later by P
+    (its KV, or the store), reaches P as E's metadata-only reference: no E visit, and the
+    answer P gives when it encodes the image itself. When the store then loses it and P's KV
+    does not cover it, P's connector fails the request and the proxy's one retry, with the
+    media, answers it: no client sees it, the engine lives."""
+    c = store_cluster
+    relay = _EvictingRelay(c, c.instances["P0"].spec.url)
+    args = c.proxy_args()
+    args[args.index("--decode-servers-urls") + 1] = relay.url
+    log = c.instances["P0"].log_path
+    failures_before = log.read_text(errors="replace").count(UNAVAILABLE_LOG)
+    uuid = f"held-ref-{time.time_ns()}"
+
+    def body(lead: str, image_uuid: str) -> dict:
+        parts = [{"type": "text", "text": lead}, *_parts(2, image_uuid)]
+        return {"model": "tiny", "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+                "messages": [{"role": "user", "content": parts}]}  # fmt: skip
+
+    def send(url: str, rid: str, lead: str) -> list[int]:
+        req = urllib.request.Request(
+            url + "/v1/chat/completions", json.dumps(body(lead, uuid)).encode(),
+            {"Content-Type": "application/json", "x-request-id": rid},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=REQUEST_LIMIT_S * 2) as r:
+            assert r.status == 200
+            return list(json.loads(r.read())["choices"][0]["token_ids"])
+
+    def own(lead: str) -> list[int]:  # P alone, encoding the image under a uuid nobody stored
+        p = c.instances["P0"].spec.url + "/v1/chat/completions"
+        reply = post_json(p, body(lead, f"{uuid}-own-{lead}"), timeout=REQUEST_LIMIT_S)
+        return list(reply["choices"][0]["token_ids"])
+
+    flags = [*args, "--policy", "index", "--held-items", "reference"]
+    relay.done |= {f"{uuid}-0", f"{uuid}-1"}  # the relay leaves the store alone for these
+    try:
+        with proxy_process(flags, tmp_path / "proxy.log") as url:
+            until_complete(url)
+            assert send(url, f"{uuid}-0", "First:") == own("First:")  # new: E encodes it
+            m = metrics_text(url)
+            sent = sample_sum(m, "mmreuse_proxy_encoder_items_total", action="sent")
+            assert send(url, f"{uuid}-1", "First:") == own("First:")  # held: as a reference
+            m = metrics_text(url)
+            assert sample_sum(m, "mmreuse_proxy_encoder_items_total", action="sent") == sent
+            assert sample_sum(m, "mmreuse_proxy_held_items_total", form="reference") == 1
+            # another lead: P's KV does not cover the image, the store does, then loses it
+            assert send(url, f"{uuid}-2", "Second:") == own("Second:")
+            m = metrics_text(url)
+    finally:
+        relay.close()
+    assert relay.evicted == [uuid]
+    assert sample_sum(m, "mmreuse_proxy_held_items_total", form="reference") == 2
+    assert sample_sum(m, "mmreuse_proxy_embedding_lost_retries_total") == 1
+    assert sample_sum(m, "mmreuse_proxy_requests_total", outcome="ok") == 3
+    text = log.read_text(errors="replace")
+    assert text.count(UNAVAILABLE_LOG) - failures_before == 1
+    assert "EngineDeadError" not in text and c.instances["P0"].healthy()
