@@ -176,6 +176,7 @@ class Proxy:
             models=ModelCatalog(self._get),
             store=self.store,
             e_side=self.e_side,
+            references=self.references,
         )
         self.encoders = EncoderFanout(
             config.encode_urls,

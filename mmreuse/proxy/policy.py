@@ -49,8 +49,9 @@ from .config import EncodeOnP, MixedPlan, ProxyConfig
 from .demand import DemandClient, DemandUnavailable
 from .encoder import new_hex
 from .eside import ESide
-from .media import MODALITY, item_uuid, with_uuids
+from .media import MODALITY, item_uuid, rewrite_for_decode, with_uuids
 from .models import ModelCatalog
+from .references import HeldReferences
 from .store import StoreTruth
 from .views import InstanceView
 
@@ -138,13 +139,16 @@ class Planner:
         models: ModelCatalog | None = None,
         store: StoreTruth | None = None,
         e_side: ESide | None = None,
+        references: HeldReferences | None = None,
     ) -> None:
         """`models`: what each P/PD serves, so that a request naming a LoRA adapter is not
         planned on the base model's blocks (None: every request's model is taken as base).
         `store`: the shared embedding store, asked what it holds of each request planned on
         the view (what P's EC connector loads: `p_external`). `e_side`: what E holds (None:
-        one made from the config, without E views)."""
+        one made from the config, without E views). `references`: E's metadata kept per item
+        (--held-items reference), which the render is given in place of the media."""
         self.store = store
+        self.references = references
         self.config = config
         self.models = models
         self.views = list(views)
@@ -430,7 +434,15 @@ class Planner:
     async def _render(
         self, request: Mapping[str, Any], uuids: Sequence[str], instance: int
     ) -> RenderedPrompt:
-        body = render_body(with_uuids(request, uuids))
+        named = with_uuids(request, uuids)
+        if self.references is not None:
+            # Each item E encoded before as E's reference (its placeholder metadata): P's
+            # render lays it out alike without fetching, decoding or processing the media.
+            # A modality with an item not kept stays raw (vLLM refuses the mix).
+            kept = self.references.lookup(request, uuids, range(len(uuids)))
+            if kept:
+                named = dict(rewrite_for_decode(named, kept, frozenset(), uuids))
+        body = render_body(named)
         base = self._renderer(instance)
         try:
             status, payload = await asyncio.wait_for(

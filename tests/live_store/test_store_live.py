@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 from mmreuse.cluster import Cluster
-from mmreuse.cluster.client import image_part, png_data_url, post_json
+from mmreuse.cluster.client import image_part, png_data_url, post_json, render
 from mmreuse.cluster.mooncake import connections, is_loopback, listeners
 from mmreuse.cluster.proxy import proxy_process
 from mmreuse.embedding_store import HEADER, MAGIC, UNAVAILABLE_LOG, embedding_key, transfers
+from mmreuse.proxy.media import rewrite_for_decode
 from mmreuse.proxy.metrics import sample_sum
 from tests.support.live_proxy import health, metrics_text, until_complete
 from tests.support.mooncake_client import Client
@@ -475,6 +476,30 @@ def test_a_killed_master_then_restarted_is_used_again(store_cluster):
         assert time.monotonic() < deadline, "the store was never used again"
         time.sleep(2.0)
     Path(c.run_dir / "recovered-after").write_text(str(n))
+
+
+def test_the_render_of_e_s_references_lays_the_prompt_out_as_the_media(store_cluster):
+    """`--held-items reference` renders a reused request from E's kept references (no media
+    for P to decode): P's render must give the token ids, placeholders and identifiers the
+    media give, or the plan would be made on another prompt."""
+    c = store_cluster
+    e, p = c.instances["E0"].spec.url, c.instances["P0"].spec.url
+    tag = f"render-ref-{time.time_ns()}"
+    parts = [*_parts(0, f"{tag}-0"), *_parts(3, f"{tag}-3")]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": parts}], "cache_salt": tag}
+    meta = {}
+    for i, part in enumerate(p for p in parts if p["type"] == "image_url"):
+        one = {"model": "tiny", "max_tokens": 1,
+               "messages": [{"role": "user", "content": [part]}]}  # fmt: skip
+        reported = post_json(e + "/v1/chat/completions", one)["ec_transfer_params"]
+        meta[i] = [{"metadata": reported[part["uuid"]]["metadata"], "modality": "image",
+                    "mm_hash": part["uuid"], "transfer_id": None}]  # fmt: skip
+    refs = rewrite_for_decode(body, meta)
+    kinds = [x["type"] for x in refs["messages"][0]["content"]]
+    assert kinds == ["image_embeds", "text", "image_embeds", "text"]
+    raw, by_ref = render(p, body), render(p, refs)
+    assert len(raw.occurrences) == 2 and raw.cache_salt == tag
+    assert by_ref == raw
 
 
 def test_a_held_item_sent_as_e_s_reference_answers_as_p_s_own_encode(store_cluster, tmp_path):

@@ -130,6 +130,24 @@ async def test_a_held_item_goes_to_p_as_the_reference_e_gave():
         assert s.sample("mmreuse_proxy_held_items_total", instance="PD0", form="raw") == 0
 
 
+async def test_the_render_gets_the_kept_references_not_the_media():
+    # The plan's render lays the prompt out from E's references where every item of a
+    # modality has one kept (no media for P to fetch and decode), else from the media.
+    async with index_proxy(flags=REFERENCE) as s:
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        await s.hold(0, [sha(A), sha(B)], 4)
+        assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+        # (the first request, all new, went to E at arrival: not rendered)
+        (second,) = (x.body for x in s.pd[0].seen if x.path.endswith("/render"))
+        assert second["messages"][0]["content"][1:] == [embeds(A), embeds(B)]
+        assert second["mm_payload"] == "none"
+        assert e_sent(s) == [sha(A), sha(B), sha(B)]  # the same plan: A covered, B not
+        # C never encoded: the image modality renders raw, each item with its uuid
+        assert (await s.post(chat(TEXT, img(A), img(C)))).status == 200
+        third = [x.body for x in s.pd[0].seen if x.path.endswith("/render")][-1]
+        assert third["messages"][0]["content"][1:] == [{**img(u), "uuid": sha(u)} for u in (A, C)]
+
+
 async def test_without_the_flag_a_held_item_goes_raw():
     async with index_proxy() as s:
         assert (await s.post(chat(TEXT, img(A), img(B), img(C)))).status == 200

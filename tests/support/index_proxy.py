@@ -61,7 +61,7 @@ def render(body: dict[str, Any]) -> dict[str, Any]:
         for msg in body["messages"]
         if isinstance(msg.get("content"), list)
         for part in msg["content"]
-        if part.get("type") == "image_url"
+        if part.get("type") in ("image_url", "image_embeds")  # raw, or E's reference
     ]
     tokens, occs = prompt(uuids)
     features = {
