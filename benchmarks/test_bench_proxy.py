@@ -167,3 +167,26 @@ def test_arrival_split(benchmark, split_planner, images):
         assert len(arrival.now) == images
     if held == 1.0:
         assert arrival.now == ()
+
+
+@pytest.mark.parametrize("images", [1, 16])
+def test_held_references(benchmark, images):
+    """--held-items reference, per request: E's metadata kept for the items it encoded and
+    looked up for the items P holds (a 65,536-item table, full)."""
+    from mmreuse.proxy.references import REFERENCE_ITEMS, HeldReferences
+
+    refs = HeldReferences()
+    meta = [{"metadata": {"image_grid_thw": [[1, 24, 24]]}, "modality": "image",
+             "mm_hash": "", "transfer_id": "t"}]  # fmt: skip
+    req = {"model": "m", "messages": []}
+    for k in range(0, REFERENCE_ITEMS, 1024):
+        uuids = [f"{i:064x}" for i in range(k, k + 1024)]
+        refs.record(req, uuids, dict.fromkeys(range(1024), meta))
+    uuids = [f"{i:064x}" for i in range(images)]
+    held = frozenset(range(images))
+
+    def request() -> dict:
+        refs.record(req, uuids, {0: meta})  # the one E encoded
+        return refs.lookup(req, uuids, held)
+
+    assert len(benchmark(request)) == images

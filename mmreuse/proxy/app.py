@@ -29,7 +29,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from ..availability import EmbeddingAvailability
-from ..decision import Policy
+from ..decision import ItemClass, Policy
 from ..demand_query import DEMAND_ID_KEY  # P reads it from vllm_xargs
 from . import body as bodies
 from .body import Blobs, BodyLimits, encode_body
@@ -572,16 +572,24 @@ class Proxy:
     ) -> tuple[dict[int, list[dict[str, Any]]], frozenset[int]]:
         """--held-items reference: E's metadata kept for what E just encoded, and each item P
         is to hold sent as the reference kept for it (no longer raw): the features to rewrite
-        and the items still raw. An item E encodes again (a retry) stays as E answered."""
+        and the items still raw. An item E encodes again (a retry) stays as E answered; so
+        does one the decision did not place where P's order finds it without media
+        (`_servable`)."""
         assert self.references is not None
         self.references.record(req, uuids, item_meta)
-        held = decision.dispatch.raw_items - item_meta.keys()
+        classes = decision.dispatch.classes
+        held = frozenset(
+            i
+            for i in decision.dispatch.raw_items - item_meta.keys()
+            if i < len(classes) and _servable(classes[i], uuids[i], decision.in_store)
+        )
         found = self.references.lookup(req, uuids, held) if held else {}
         view = self.views[decision.instance].name
         if found:
             self.metrics.held_items.labels(view, "reference").inc(len(found))
-        if len(held) > len(found):
-            self.metrics.held_items.labels(view, "raw").inc(len(held) - len(found))
+        raw = len(decision.dispatch.raw_items - item_meta.keys()) - len(found)
+        if raw:
+            self.metrics.held_items.labels(view, "raw").inc(raw)
         if not found:
             return dict(item_meta), decision.dispatch.raw_items
         return {**item_meta, **found}, decision.dispatch.raw_items - found.keys()
@@ -938,6 +946,16 @@ def _request_error(payload: bytes | str) -> bool:
     except Exception:
         return False
     return isinstance(error, dict) and all(error.get(k) == v for k, v in _REQUEST_ERROR.items())
+
+
+def _servable(item_class: ItemClass, uuid: str, in_store: frozenset[str]) -> bool:
+    """Whether P serves an item of `item_class` sent as a reference (no media): from its KV
+    (kv_covered, no_embeds) or its EC connector (p_external; p_local where the store holds it
+    too, since MooncakeStoreConnector fails a reference the store lost before P's encoder
+    cache is looked at). Unclassified items (decided at arrival, no plan) are not."""
+    if item_class.covered or item_class is ItemClass.P_EXTERNAL:
+        return True
+    return item_class is ItemClass.P_LOCAL and uuid in in_store
 
 
 def _uuids_at(uuids: Sequence[str], indices: frozenset[int]) -> frozenset[str]:

@@ -77,6 +77,7 @@ class Decision:
             incomplete and the instance has a demand endpoint).
         blind: planned on a view that was not complete (it may miss what P holds).
         request_id: the request's x-request-id (filled for `after_decide` hooks).
+        in_store: the identifiers the plan took the shared store (P's EC connector) to hold.
     """
 
     instance: int
@@ -91,6 +92,7 @@ class Decision:
     answer: DemandAnswer | None = None
     blind: bool = False
     request_id: str = ""
+    in_store: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -593,6 +595,7 @@ class Planner:
             identifiers=_identifiers(rendered, occ_items, len(items)),
             cache_salt=rendered.cache_salt,
             blind=blind,
+            in_store=availability.p_external,
         )
 
     def _availability(

@@ -202,3 +202,40 @@ async def test_a_reference_p_cannot_serve_is_retried_with_the_media(stream):
             assert re.fullmatch(sha(url) + ":lost-[0-9a-f]{8}", part["uuid"]), part
         retry = s.e.chats()[-1].body["messages"][0]["content"]
         assert sorted(p["uuid"].split(":")[0] for p in retry) == sorted(map(sha, (A, B, C)))
+
+
+async def test_an_item_only_in_ps_encoder_cache_goes_raw(fakes, publisher):
+    # P's encoder cache holds B (its events), the store is not known to: a reference would be
+    # failed by P's connector (it asks the store before the encoder cache is looked at), so B
+    # goes raw with its uuid, and A, new, with it (one modality, no mix).
+    import time
+
+    from mmreuse.events.ec_wire import EncoderCacheEventBatch, EncoderCacheStored, encode_ec_batch
+    from mmreuse.proxy.server import PROXY_KEY, build_app
+    from tests.proxy.test_ec_events import _joined, _wait
+    from tests.support.index_proxy import render
+    from tests.support.proxy_fakes import proxy_client
+
+    pub = publisher()
+    e = await fakes("e")
+    pd = await fakes("pd", render=render)
+    argv = ["--encode-servers-urls", e.url, "--decode-servers-urls", pd.url, "--policy", "index",
+            "--encoder-cache-events-endpoints", pub.endpoint,
+            "--encoder-cache-events-replay-endpoints", pub.replay_endpoint, *REFERENCE]  # fmt: skip
+    app = build_app(parse_args(argv, env={}))
+    async with proxy_client(app) as client:
+        proxy = app[PROXY_KEY]
+        await _joined(pub)
+        assert (await client.post("/v1/chat/completions", json=chat(TEXT, img(B)))).status == 200
+        assert len(proxy.references) == 1  # B's reference is kept
+        batch = EncoderCacheEventBatch(time.time(), [EncoderCacheStored(sha(B), 16)], 0)
+        pub.publish(encode_ec_batch(batch))
+        await _wait(lambda: sha(B) in proxy.availability.availability_for("PD0").p_local)
+        r = await client.post("/v1/chat/completions", json=chat(TEXT, img(A), img(B)))
+        assert r.status == 200
+        content = pd.chats()[-1].body["messages"][0]["content"]
+        assert content[1:] == [{**img(A), "uuid": sha(A)}, {**img(B), "uuid": sha(B)}]
+        sample = proxy.registry.get_sample_value
+        labels = {"instance": "PD0", "form": "raw"}
+        assert sample("mmreuse_proxy_held_items_total", labels) == 1
+        assert sample("mmreuse_proxy_occurrences_total", {"klass": "p_local"}) == 1
