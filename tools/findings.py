@@ -382,10 +382,7 @@ for _w in SERVING_WORKLOADS:
 TABLES["serving-chat-lossy"] = lambda: _markdown(SERVING, _policies("serving-chat-lossy"))
 TABLES["serving-classes-chat-lossy"] = functools.partial(_classes, "serving-chat-lossy")
 TABLES["serving-classes-photos-on-p"] = functools.partial(_classes, "serving-photos-on-p")
-for _w in ("fanout", "servegen-photos"):
-    TABLES[f"serving-classes-{_w}-held-ref"] = functools.partial(
-        _classes, f"serving-{_w}-held-ref"
-    )
+TABLES["serving-classes-fanout-held-ref"] = functools.partial(_classes, "serving-fanout-held-ref")
 
 
 def _replace(match: re.Match[str]) -> str:
