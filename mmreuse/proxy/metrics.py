@@ -201,10 +201,10 @@ class ProxyMetrics:
         )
         self.held_items = Counter(
             "mmreuse_proxy_held_items_total",
-            "media items sent to P as held (planned, or P's answer), by instance and form: "
-            "reference (E's metadata kept from the request that had it encoded: "
-            "--held-items reference), raw (the media with its uuid: none kept, or --held-items "
-            "raw, not counted)",
+            "--held-items reference: media items sent to P as held (planned, or P's answer), "
+            "by instance and form: reference (E's metadata kept from the request that had it "
+            "encoded), raw (the media with its uuid: no metadata kept, or not placed where P "
+            "serves a reference: its KV or the store)",
             ["instance", "form"],
             registry=r,
         )
