@@ -647,6 +647,8 @@ class Proxy:
         at_once = planner.at_once(arrival)  # decided here: no render, no plan
         if not at_once:
             m.arrival_items.labels("waited").inc(len(arrival.rest))
+        elif arrival.stored:  # --held-items reference: each as E's reference, from the store
+            m.arrival_items.labels("p_stored").inc(len(arrival.rest))
         elif arrival.rest and not arrival.on_p:  # --mixed-plan arrival
             m.arrival_items.labels("p_raw").inc(len(arrival.rest))
         m.arrival_split("none_new" if not now else "split" if arrival.rest else "all_new").inc()
@@ -952,10 +954,17 @@ def _servable(item_class: ItemClass, uuid: str, in_store: frozenset[str]) -> boo
     """Whether P serves an item of `item_class` sent as a reference (no media): from its KV
     (kv_covered, no_embeds) or its EC connector (p_external; p_local where the store holds it
     too, since MooncakeStoreConnector fails a reference the store lost before P's encoder
-    cache is looked at). Unclassified items (decided at arrival, no plan) are not."""
+    cache is looked at). An unclassified item (decided at arrival, no plan) only where the
+    store was seen to hold it."""
     if item_class.covered or item_class is ItemClass.P_EXTERNAL:
         return True
-    return item_class is ItemClass.P_LOCAL and uuid in in_store
+    return item_class in _STORE_PROVEN and uuid in in_store
+
+
+# the classes a reference may be sent for where the store was seen to hold the item: p_local
+# (P's encoder cache holds it, but the connector asks the store first) and unclassified (decided
+# at arrival on the store's word alone: `Arrival.stored`)
+_STORE_PROVEN = frozenset((ItemClass.P_LOCAL, ItemClass.UNCLASSIFIED))
 
 
 def _uuids_at(uuids: Sequence[str], indices: frozenset[int]) -> frozenset[str]:

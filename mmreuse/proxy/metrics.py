@@ -195,7 +195,8 @@ class ProxyMetrics:
             "chosen P could use: sent to E at once, or sharing one so sent), waited (waited for "
             "the render and the plan, or P's answer), p_raw (sent to P raw at arrival beside new "
             "ones: --mixed-plan arrival), p_encodes (a request's one new item sent to P's "
-            "encoder instead of E: --encode-on-p single)",
+            "encoder instead of E: --encode-on-p single), p_stored (a request with no new item, "
+            "every one in the store, sent as E's kept references: --held-items reference)",
             ["action"],
             registry=r,
         )

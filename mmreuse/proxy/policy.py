@@ -111,6 +111,8 @@ class Arrival:
         e_cached: the identifiers of `now` E held when they were sent (their class is
             e_cached, the others' e_compute: what E's side said then, not once E has them).
         on_p: `rest` is the request's one new item, sent to P for its encoder (`Planner.on_p`).
+        stored: every item is `rest`, in the store and sent as E's kept reference, decided
+            here (`Planner.arrival` under --held-items reference).
     """
 
     instance: int
@@ -121,6 +123,7 @@ class Arrival:
     blind: bool = False
     e_cached: frozenset[str] = frozenset()
     on_p: bool = False  # `rest` is P's to encode (--encode-on-p), not to plan
+    stored: bool = False  # `rest` is in the store, each as E's kept reference (no plan)
 
 
 class Planner:
@@ -192,12 +195,42 @@ class Planner:
         be known without P; uuids or a salt the proxy does not plan on). With a shared store,
         it is asked about the request's identifiers first, unless no item could go to E now."""
         split = self.split(request, items, uuids)
-        if split is None or not split.now or self.store is None:
+        if split is None or self.store is None:
             return split
-        external = await self.store.held(set(uuids))
-        if external is None and not self.policy.reads_view:  # demand: no answer, no proof
-            return Arrival(split.instance, rest=tuple(range(len(items))))
-        return self.split(request, items, uuids, instance=split.instance, external=external)
+        external = None
+        if split.now:
+            external = await self.store.held(set(uuids))
+            if external is None and not self.policy.reads_view:  # demand: no answer, no proof
+                return Arrival(split.instance, rest=tuple(range(len(items))))
+            split = self.split(request, items, uuids, instance=split.instance, external=external)
+            if split is None or split.now:
+                return split
+        return await self._by_reference(request, uuids, split, external)
+
+    async def _by_reference(
+        self,
+        request: Mapping[str, Any],
+        uuids: Sequence[str],
+        split: Arrival,
+        external: frozenset[str] | None,
+    ) -> Arrival:
+        """--held-items reference, index: a request with no new item whose every item has E's
+        reference kept and is in the shared store goes to P at arrival, each item as that
+        reference (`Arrival.stored`): P's KV or its EC connector serves each, so nothing
+        needs the render or the plan. Otherwise `split` as it is (the items wait).
+        `external`: the store's answer if it was asked already."""
+        if (
+            self.references is None
+            or not self.policy.reads_view
+            or len(self.references.lookup(request, uuids, range(len(uuids)))) < len(uuids)
+        ):
+            return split
+        if external is None:
+            assert self.store is not None
+            external = await self.store.held(set(uuids))
+        if external is None or not external.issuperset(uuids):
+            return split
+        return replace(split, external=external, stored=True)
 
     def split(
         self,
@@ -283,6 +316,7 @@ class Planner:
         return (
             not arrival.rest
             or arrival.on_p
+            or arrival.stored
             or (bool(arrival.now) and self.config.mixed_plan is MixedPlan.ARRIVAL)
         )
 
@@ -299,6 +333,7 @@ class Planner:
             identifiers=tuple(uuids),
             cache_salt=request.get("cache_salt"),
             blind=arrival.blind,
+            in_store=arrival.external if arrival.stored and arrival.external else frozenset(),
         )
 
     async def decide(

@@ -504,8 +504,9 @@ def test_the_render_of_e_s_references_lays_the_prompt_out_as_the_media(store_clu
 
 def test_a_held_item_sent_as_e_s_reference_answers_as_p_s_own_encode(store_cluster, tmp_path):
     """`--held-items reference` (issue 41): an item the proxy had E encode, held later by P
-    (its KV, or the store), reaches P as E's metadata-only reference: no E visit, and the
-    answer P gives when it encodes the image itself. When the store then loses it and P's KV
+    (its KV, or the store), reaches P as E's metadata-only reference, decided at arrival
+    since the store holds it: no E visit, no render, and the answer P gives when it encodes
+    the image itself. When the store then loses it and P's KV
     does not cover it, P's connector fails the request and the proxy's one retry, with the
     media, answers it: no client sees it, the engine lives."""
     c = store_cluster
@@ -554,6 +555,8 @@ def test_a_held_item_sent_as_e_s_reference_answers_as_p_s_own_encode(store_clust
         relay.close()
     assert relay.evicted == [uuid]
     assert sample_sum(m, "mmreuse_proxy_held_items_total", form="reference") == 2
+    # both in the store with E's reference kept: decided at arrival, no render, no plan
+    assert sample_sum(m, "mmreuse_proxy_arrival_items_total", action="p_stored") == 2
     assert sample_sum(m, "mmreuse_proxy_embedding_lost_retries_total") == 1
     assert sample_sum(m, "mmreuse_proxy_requests_total", outcome="ok") == 3
     text = log.read_text(errors="replace")

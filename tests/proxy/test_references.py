@@ -239,3 +239,54 @@ async def test_an_item_only_in_ps_encoder_cache_goes_raw(fakes, publisher):
         labels = {"instance": "PD0", "form": "raw"}
         assert sample("mmreuse_proxy_held_items_total", labels) == 1
         assert sample("mmreuse_proxy_occurrences_total", {"klass": "p_local"}) == 1
+
+
+async def test_a_request_whose_every_item_is_kept_and_stored_is_decided_at_arrival():
+    # Index with the store: a request with no new item, every one with E's reference kept and
+    # in the store, goes to P at once as those references: no render, no plan (P's KV or its
+    # connector serves each). One item out of the store: it waits for the render and plan.
+    from mmreuse.embedding_store import embedding_key
+    from tests.proxy.test_store import NS, Master
+
+    master = await Master().start()
+    try:
+        flags = (*REFERENCE, "--e-store-url", master.url, "--e-store-namespace", NS)
+        async with index_proxy(flags=flags) as s:
+
+            def renders() -> int:
+                return sum(x.path.endswith("/render") for x in s.pd[0].seen)
+
+            assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+            assert e_sent(s) == [sha(A), sha(B)] and renders() == 0  # new: E at arrival
+            master.held = {embedding_key(NS, sha(A)), embedding_key(NS, sha(B))}
+            assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+            assert renders() == 0 and e_sent(s) == [sha(A), sha(B)]
+            assert pd_content(s) == [TEXT, embeds(A), embeds(B)]
+            assert "ec_items" not in (s.pd[0].chats()[-1].body.get("ec_transfer_params") or {})
+            assert s.sample("mmreuse_proxy_arrival_items_total", action="p_stored") == 2
+            assert s.sample("mmreuse_proxy_held_items_total", instance="PD0", form="reference") == 2
+            assert s.sample("mmreuse_proxy_occurrences_total", klass="unclassified") == 2
+
+            master.held = {embedding_key(NS, sha(A))}  # B evicted from the store
+            assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+            assert renders() == 1  # planned: B needs E (E's cache has it)
+            assert e_sent(s) == [sha(A), sha(B), sha(B)]
+            assert s.sample("mmreuse_proxy_arrival_items_total", action="p_stored") == 2
+    finally:
+        await master.close()
+
+
+async def test_without_the_flag_a_stored_request_still_waits_for_its_plan():
+    from mmreuse.embedding_store import embedding_key
+    from tests.proxy.test_store import NS, Master
+
+    master = await Master().start()
+    try:
+        flags = ("--e-store-url", master.url, "--e-store-namespace", NS)
+        async with index_proxy(flags=flags) as s:
+            master.held = {embedding_key(NS, sha(A))}
+            assert (await s.post(chat(TEXT, img(A)))).status == 200
+            assert sum(x.path.endswith("/render") for x in s.pd[0].seen) == 1
+            assert pd_content(s) == [TEXT, {**img(A), "uuid": sha(A)}]
+    finally:
+        await master.close()
