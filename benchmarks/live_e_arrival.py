@@ -343,7 +343,7 @@ def main() -> int:
             }
             splits[policy]["items"] = {
                 s: sample_sum(text, "mmreuse_proxy_arrival_items_total", action=s)
-                for s in ("e_now", "waited", "p_raw", "p_encodes")
+                for s in ("e_now", "waited", "p_raw", "p_encodes", "p_stored")
             }
             splits[policy]["held_items"] = {
                 f: sample_sum(text, "mmreuse_proxy_held_items_total", form=f)
