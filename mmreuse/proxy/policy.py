@@ -222,7 +222,7 @@ class Planner:
         if (
             self.references is None
             or not self.policy.reads_view
-            or len(self.references.lookup(request, uuids, range(len(uuids)))) < len(uuids)
+            or not self.references.keeps_all(request, uuids)
         ):
             return split
         if external is None:

@@ -79,6 +79,15 @@ class HeldReferences:
             if len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
+    def keeps_all(self, request: Mapping[str, Any], uuids: Sequence[str]) -> bool:
+        """Whether every item of `request` (its `uuids`) has E's metadata kept here: a check,
+        nothing copied or touched."""
+        for uuid in uuids:
+            key = reference_key(request, uuid)
+            if key is None or key not in self._entries:
+                return False
+        return True
+
     def lookup(
         self, request: Mapping[str, Any], uuids: Sequence[str], items: Iterable[int]
     ) -> dict[int, list[dict[str, Any]]]:

@@ -53,6 +53,8 @@ def test_the_key_holds_the_model_and_the_processor_kwargs():
     # no model named, and an empty kwargs dict, key as vLLM reads them: the default model
     refs.record({}, ["v"], {0: [feature("v")]})
     assert list(refs.lookup({"mm_processor_kwargs": {}}, ["v"], frozenset({0}))) == [0]
+    assert refs.keeps_all({}, ["v"]) and not refs.keeps_all({}, ["v", "u"])
+    assert not refs.keeps_all({"model": 3}, ["v"])
 
 
 @pytest.mark.parametrize("request_", [{"model": 3}, {"mm_processor_kwargs": [1]}])
