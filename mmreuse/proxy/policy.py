@@ -214,16 +214,13 @@ class Planner:
         split: Arrival,
         external: frozenset[str] | None,
     ) -> Arrival:
-        """--held-items reference, index: a request with no new item whose every item has E's
+        """--held-items reference: a request with no new item whose every item has E's
         reference kept and is in the shared store goes to P at arrival, each item as that
         reference (`Arrival.stored`): P's KV or its EC connector serves each, so nothing
-        needs the render or the plan. Otherwise `split` as it is (the items wait).
-        `external`: the store's answer if it was asked already."""
-        if (
-            self.references is None
-            or not self.policy.reads_view
-            or not self.references.keeps_all(request, uuids)
-        ):
+        needs the render, the plan or (demand) P's answer: the store's own word is what P's
+        connector loads. Otherwise `split` as it is (the items wait). `external`: the
+        store's answer if it was asked already."""
+        if self.references is None or not self.references.keeps_all(request, uuids):
             return split
         if external is None:
             assert self.store is not None

@@ -278,6 +278,34 @@ async def test_a_request_whose_every_item_is_kept_and_stored_is_decided_at_arriv
         await master.close()
 
 
+async def test_under_demand_a_stored_request_goes_at_arrival_without_asking_p():
+    # Demand: the store's own word is what P's connector loads, so a request whose every item
+    # is kept and stored goes at arrival too: P is not asked and nothing is rendered.
+    from mmreuse.embedding_store import embedding_key
+    from tests.proxy.test_store import NS, Master
+
+    master = await Master().start()
+    try:
+        flags = ("--policy", "demand", *REFERENCE, "--e-store-url", master.url,
+                 "--e-store-namespace", NS)  # fmt: skip
+        async with index_proxy(demand=True, flags=flags) as s:
+            assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+            assert sorted(e_sent(s)) == sorted([sha(A), sha(B)])
+            asked, seen = len(s.ps[0].queries), len(s.pd[0].seen)
+            master.held = {embedding_key(NS, sha(A)), embedding_key(NS, sha(B))}
+            assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+            assert len(s.ps[0].queries) == asked and len(s.pd[0].seen) == seen + 1
+            assert pd_content(s) == [TEXT, embeds(A), embeds(B)]
+            assert s.sample("mmreuse_proxy_arrival_items_total", action="p_stored") == 2
+
+            master.held = {embedding_key(NS, sha(A))}  # B evicted: P is asked again
+            assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
+            assert len(s.ps[0].queries) > asked
+            assert s.sample("mmreuse_proxy_arrival_items_total", action="p_stored") == 2
+    finally:
+        await master.close()
+
+
 async def test_without_the_flag_a_stored_request_still_waits_for_its_plan():
     from mmreuse.embedding_store import embedding_key
     from tests.proxy.test_store import NS, Master
