@@ -24,10 +24,11 @@ from .wire import (
 if TYPE_CHECKING:
     from .ec_sink import EncoderCacheSink
     from .kv_sink import KVIndexSink
-    from .stream import END_SEQ, EventSink, EventStream, StreamDied, StreamLimits
+    from .replay import END_SEQ
+    from .stream import EventSink, EventStream, StreamDied, StreamLimits
 
 _LAZY = {
-    "END_SEQ": "stream",
+    "END_SEQ": "replay",
     "EventSink": "stream",
     "EventStream": "stream",
     "StreamDied": "stream",

@@ -67,9 +67,7 @@ Should the loop itself die (its socket failing), the view is reset too, `error` 
 from __future__ import annotations
 
 import logging
-import math
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -88,11 +86,11 @@ from ..validate import (
     fail_value,
     show,
 )
-from .snapshot import Snapshot, SnapshotRefused, fetch_snapshot
+from .bootstrap import SnapshotBootstrap
+from .replay import initial_replay, ms, recover
+from .snapshot import Snapshot
 
 logger = logging.getLogger(__name__)
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class StreamDied(RuntimeError):
@@ -100,24 +98,11 @@ class StreamDied(RuntimeError):
     view is no longer followed, so it must not be trusted."""
 
 
-def _ms(seconds: float) -> int:
-    """A poll timeout in ZMQ's milliseconds, never 0 (0 would turn a wait into a busy loop)."""
-    return max(1, math.ceil(seconds * 1000))
-
-
 def _check_endpoint(field: str, value: object) -> str:
     endpoint = check_str(field, value)
     if "://" not in endpoint:
         fail_value(field, "a ZMQ endpoint like tcp://host:5557", endpoint)
     return endpoint
-
-
-class _ReplayAborted(Exception):
-    """A replay that cannot fill the gap; `reason` is a fixed metric label."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,15 +250,8 @@ class EventStream:
         )
         sink.attach(self.check)  # refuses a sink another stream feeds
         self.sink = sink
-        self._next_snapshot = 0.0  # monotonic time of the next snapshot attempt
-        # A snapshot stamped ahead of the stream, unloaded until the stream reaches its stamp
-        # (then put in place of the view), dropped at `_pending_until` (monotonic) if it never does.
-        self._pending: Snapshot | None = None
-        self._pending_until = 0.0
-        # The incarnation of the snapshot last put in place since the publisher (re)connected:
-        # the stream's, as far as the view knows; a snapshot of another is refused.
-        self._incarnation: str | None = None
-        self._ctx = context or zmq.Context.instance()
+        self.bootstrap = SnapshotBootstrap(self)  # the snapshot state (`events.bootstrap`)
+        self.context = context or zmq.Context.instance()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._started = threading.Event()
@@ -281,8 +259,8 @@ class EventStream:
         self.error: BaseException | None = None  # what killed the loop, if it died
         self.applied_seq: int | None = None  # last seq applied (or skipped as lost)
         self.live_seq: int | None = None  # last seq received on the SUB socket
-        self._label = sink.instance
-        self._who = f"{sink.events} events {sink.instance}"  # what the log names
+        self.label = sink.instance
+        self.who = f"{sink.events} events {sink.instance}"  # what the log names
         self._reconnected = False  # a disconnect since the last frame
         # Everything published since the publisher started is applied (see the module doc).
         self.complete = False
@@ -301,7 +279,7 @@ class EventStream:
         self._started.clear()
         self._start_error = self.error = None
         self._reconnected = False
-        name = f"{self.sink.events}-events-{self._label}"
+        name = f"{self.sink.events}-events-{self.label}"
         thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread = thread
         thread.start()
@@ -338,18 +316,22 @@ class EventStream:
         """Raise StreamDied unless the loop is running (its error as the cause)."""
         if self.error is not None:
             raise StreamDied(
-                f"{self.sink.events} event stream for {self._label} died: "
+                f"{self.sink.events} event stream for {self.label} died: "
                 f"{type(self.error).__name__}: {self.error}"
             ) from self.error
         if not self.is_alive:
-            raise StreamDied(f"{self.sink.events} event stream for {self._label} is not running")
+            raise StreamDied(f"{self.sink.events} event stream for {self.label} is not running")
+
+    def stopping(self) -> bool:
+        """Whether `stop()` was asked (a replay or a snapshot fetch in progress gives up)."""
+        return self._stop.is_set()
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def _connect(self) -> zmq.Socket:
         """The SUB socket, connected; the replay endpoint tried once. InvalidArgument if ZMQ
         refuses either endpoint."""
-        sub = self._ctx.socket(zmq.SUB)
+        sub = self.context.socket(zmq.SUB)
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's publisher hwm; bursts beyond replay
@@ -364,7 +346,7 @@ class EventStream:
             else:
                 self._connect_to(sub, "endpoint", self.endpoint)
             if self.replay_endpoint is not None:
-                probe = self._ctx.socket(zmq.DEALER)
+                probe = self.context.socket(zmq.DEALER)
                 try:
                     probe.setsockopt(zmq.LINGER, 0)
                     self._connect_to(probe, "replay_endpoint", self.replay_endpoint)
@@ -408,18 +390,18 @@ class EventStream:
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        m.subscriber_up.labels(self._label).set(1)
-        m.complete.labels(self._label, self.sink.events).set(int(self.complete))
+        m.subscriber_up.labels(self.label).set(1)
+        m.complete.labels(self.label, self.sink.events).set(int(self.complete))
         self._started.set()
         if self.replay_endpoint is not None:
-            self._initial_replay()
-        timeout_ms = _ms(self.limits.poll_interval_s)
+            initial_replay(self)
+        timeout_ms = ms(self.limits.poll_interval_s)
         stop = self._stop
         try:
             while not stop.is_set():
                 ready = dict(poller.poll(timeout_ms))
                 if self.snapshot_endpoint is not None:
-                    self._snapshot_duties()
+                    self.bootstrap.duties()
                 if not ready:
                     continue
                 if monitor in ready:
@@ -432,14 +414,14 @@ class EventStream:
                     self._handle(frames)
         except BaseException as exc:  # the socket failed: never die silently, never stale
             self.error = exc
-            m.subscriber_failures.labels(self._label).inc()
-            logger.exception("%s: the stream died; its view is reset", self._who)
+            m.subscriber_failures.labels(self.label).inc()
+            logger.exception("%s: the stream died; its view is reset", self.who)
             try:
-                self._resync()
+                self.resync()
             except BaseException:
-                logger.exception("%s: reset after the loop died failed", self._who)
+                logger.exception("%s: reset after the loop died failed", self.who)
         finally:
-            m.subscriber_up.labels(self._label).set(0)
+            m.subscriber_up.labels(self.label).set(0)
             try:
                 sub.disable_monitor()
             finally:
@@ -452,28 +434,28 @@ class EventStream:
                 monitor.recv_multipart(zmq.NOBLOCK)  # only EVENT_DISCONNECTED is subscribed
             except zmq.Again:
                 return
-            logger.warning("%s: publisher disconnected; resetting the view", self._who)
-            self._resync(count=self.applied_seq is not None)
+            logger.warning("%s: publisher disconnected; resetting the view", self.who)
+            self.resync(count=self.applied_seq is not None)
             self.applied_seq = None  # replay from 0; live_seq kept to tell a restart
             self._reconnected = True
-            self._forget_publisher("a disconnect")
+            self.bootstrap.forget_publisher("a disconnect")
 
     def _handle(self, frames: list[bytes]) -> None:
         """One message; whatever goes wrong in it costs a resync, never the loop."""
         try:
             self._on_frames(frames)
         except Exception:
-            self.metrics.errors.labels(self._label).inc()
-            logger.exception("%s: error handling a batch; resetting the view", self._who)
-            self._resync()
+            self.metrics.errors.labels(self.label).inc()
+            logger.exception("%s: error handling a batch; resetting the view", self.who)
+            self.resync()
             if self.live_seq is not None:
                 self.applied_seq = self.live_seq  # the batch in hand is lost with the rest
 
     def _on_frames(self, frames: list[bytes]) -> None:
         m = self.metrics
         if len(frames) != 3 or len(frames[1]) != 8:
-            m.malformed.labels(self._label).inc()
-            logger.warning("%s: malformed frames (%d parts)", self._who, len(frames))
+            m.malformed.labels(self.label).inc()
+            logger.warning("%s: malformed frames (%d parts)", self.who, len(frames))
             return
         _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
@@ -481,359 +463,62 @@ class EventStream:
         if self.live_seq is not None and (
             seq <= self.live_seq or (reconnected and seq != self.live_seq + 1)
         ):
-            m.restarts.labels(self._label).inc()
+            m.restarts.labels(self.label).inc()
             logger.warning(
                 "%s: seq %d after %d%s: publisher restart",
-                self._who,
+                self.who,
                 seq,
                 self.live_seq,
                 " and a reconnect" if reconnected else "",
             )
-            self._resync(count=self.applied_seq is not None)  # not twice after a disconnect
+            self.resync(count=self.applied_seq is not None)  # not twice after a disconnect
             self.applied_seq = None
-            self._forget_publisher("a publisher restart")
+            self.bootstrap.forget_publisher("a publisher restart")
         self.live_seq = seq
         if self.applied_seq is not None and seq <= self.applied_seq:
             return  # already applied from a replay
         expected = 0 if self.applied_seq is None else self.applied_seq + 1
         if seq > expected:
-            m.gaps.labels(self._label).inc()
-            self._recover(expected, seq)
-        self._apply(seq, payload)
+            m.gaps.labels(self.label).inc()
+            recover(self, expected, seq)
+        self.apply(seq, payload)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    def apply(self, seq: int, payload: bytes) -> None:
         """Decode and apply one batch, all or nothing; a bad one is lost, so the view resets."""
         m = self.metrics
         try:
             batch = self.sink.apply(payload)
         except ValueError as exc:  # MalformedBatch, or what the index refuses
-            m.malformed.labels(self._label).inc()
-            logger.warning("%s: batch %d dropped (%s); resetting the view", self._who, seq, exc)
-            self._resync()  # what it would have told is lost
+            m.malformed.labels(self.label).inc()
+            logger.warning("%s: batch %d dropped (%s); resetting the view", self.who, seq, exc)
+            self.resync()  # what it would have told is lost
             self.applied_seq = seq
-            if self._pending is not None and seq == self._pending.stamp - 1:
-                self._reach_stamp()
+            self.bootstrap.applied(seq)
             return
         self.applied_seq = seq
         if (seq == 0 or self.sink.clears(batch)) and not self.complete:
             self.complete = True
-            m.complete.labels(self._label, self.sink.events).set(1)
-        m.batches.labels(self._label).inc()
+            m.complete.labels(self.label, self.sink.events).set(1)
+        m.batches.labels(self.label).inc()
         counts: dict[str, int] = {}
         for e in batch.events:
             kind = type(e).__name__
             counts[kind] = counts.get(kind, 0) + 1
         for kind, n in counts.items():
-            m.events.labels(self._label, kind).inc(n)
+            m.events.labels(self.label, kind).inc(n)
         self.sink.update_gauges(self.metrics)
         if self.on_batch is not None:
             try:
                 self.on_batch(batch)
             except Exception:  # an observer's bug costs its observation, never the view
-                m.errors.labels(self._label).inc()
-                logger.exception("%s: on_batch raised", self._who)
-        if self._pending is not None and seq == self._pending.stamp - 1:
-            self._reach_stamp()
+                m.errors.labels(self.label).inc()
+                logger.exception("%s: on_batch raised", self.who)
+        self.bootstrap.applied(seq)
 
-    def _resync(self, count: bool = True) -> None:
+    def resync(self, count: bool = True) -> None:
         if count:
-            self.metrics.resyncs.labels(self._label).inc()
+            self.metrics.resyncs.labels(self.label).inc()
         self.complete = False
-        self.metrics.complete.labels(self._label, self.sink.events).set(0)
+        self.metrics.complete.labels(self.label, self.sink.events).set(0)
         self.sink.reset()
         self.sink.update_gauges(self.metrics)
-
-    def _initial_replay(self) -> None:
-        """At start, whatever the replay buffer holds, from seq 0: a view that joins while P is
-        idle learns at once whether it is complete (the buffer starts at 0, or is empty: P has
-        published nothing) instead of at P's next batch."""
-        resynced = [False]
-        try:
-            self._replay(0, None, resynced)
-        except _ReplayAborted as exc:
-            logger.warning("%s: no initial replay (%s)", self._who, exc)
-            self._resync(count=False)
-            self.applied_seq = None
-            return
-        if self.applied_seq is None:  # an empty buffer: P has published nothing yet
-            self.complete = True
-            self.metrics.complete.labels(self._label, self.sink.events).set(1)
-
-    # ---- snapshots ----------------------------------------------------------------------------
-
-    def _snapshot_duties(self) -> None:
-        """Between messages: settle a snapshot held aside; bootstrap an incomplete view when it
-        is time."""
-        now = time.monotonic()
-        if self._pending is not None:
-            self._pending_duties(now)
-        if not self.complete and self._pending is None and now >= self._next_snapshot:
-            self._bootstrap()
-
-    def _pending_duties(self, now: float) -> None:
-        """A snapshot held aside: dropped if the view became complete without it (a clear);
-        put in place (and the batches past its stamp replayed) once the stream passed its stamp
-        by a way `_apply` did not see (batches lost on the way); refused at its deadline."""
-        snap = self._pending
-        assert snap is not None
-        if self.complete:
-            self._pending = None
-            logger.info(
-                "%s events %s: the view became complete before the stream reached the snapshot's "
-                "stamp %d (a clear); the snapshot is not needed",
-                self.sink.events,
-                self._label,
-                snap.stamp,
-            )
-        elif self._position() >= snap.stamp - 1:
-            self._pending = None
-            self._install(snap)
-        elif now >= self._pending_until:
-            self._pending = None
-            self._snapshot_failed(
-                SnapshotRefused(
-                    "stamp",
-                    f"the stream stayed at {self._position()}, never reaching the snapshot's "
-                    f"stamp {snap.stamp} within snapshot_deadline_s={self.limits.snapshot_deadline_s}",
-                ),
-                reset=False,  # never loaded: the view is as it was, incomplete
-            )
-
-    def _reach_stamp(self) -> None:
-        """The stream just applied `stamp - 1` of the snapshot held aside: put it in place (it
-        holds every batch so far, exactly)."""
-        snap, self._pending = self._pending, None
-        assert snap is not None
-        self._install(snap)
-
-    def _forget_publisher(self, why: str) -> None:
-        """Another publisher process, perhaps: its incarnation is unknown again, and a snapshot
-        held aside (of the old one's stream) is refused."""
-        self._incarnation = None
-        if self._pending is not None:
-            snap, self._pending = self._pending, None
-            self._snapshot_failed(
-                SnapshotRefused(
-                    "stamp", f"{why} before the stream reached the snapshot's stamp {snap.stamp}"
-                ),
-                reset=False,
-            )
-
-    def _position(self) -> int:
-        """The last seq the stream has accounted for (-1: none): every batch up to it applied,
-        or lost with a reset. Only ever a seq the publisher sent (live or replayed)."""
-        return -1 if self.applied_seq is None else self.applied_seq
-
-    def _bootstrap(self) -> None:
-        """Fetch P's snapshot and use it (`_use_snapshot`)."""
-        assert self.snapshot_endpoint is not None
-        try:
-            snap = fetch_snapshot(
-                self.snapshot_endpoint,
-                context=self._ctx,
-                deadline_s=self.limits.snapshot_deadline_s,
-                quiet_s=self.limits.replay_timeout_s * 2.5,
-                max_blocks=self.max_snapshot_items,
-                max_bytes=self.max_snapshot_bytes,
-                cancelled=self._stop.is_set,
-                kind=self.sink.snapshot_kind,
-            )
-        except SnapshotRefused as e:
-            self._snapshot_failed(e, reset=False)
-            return
-        self._use_snapshot(snap)
-
-    def _use_snapshot(self, snap: Snapshot) -> None:
-        """Refuse a snapshot of another incarnation or stamped too far ahead; hold one stamped
-        ahead of the stream aside until the stream reaches it; put any other in place."""
-        if self._incarnation is not None and snap.incarnation != self._incarnation:
-            self._snapshot_failed(
-                SnapshotRefused(
-                    "incarnation",
-                    f"snapshot of incarnation {snap.incarnation!r}, the stream's is "
-                    f"{self._incarnation!r} (another P process behind the demand endpoint?)",
-                ),
-                reset=False,
-            )
-            return
-        at = self._position()
-        if snap.stamp - 1 <= at:
-            self._install(snap)
-            return
-        if snap.stamp - 1 - at > self.limits.max_stamp_ahead:
-            self._snapshot_failed(
-                SnapshotRefused(
-                    "stamp",
-                    f"snapshot stamped {snap.stamp}, the stream is at {at} "
-                    f"(max_stamp_ahead={self.limits.max_stamp_ahead})",
-                ),
-                reset=False,
-            )
-            return
-        self._pending = snap
-        self._pending_until = time.monotonic() + self.limits.snapshot_deadline_s
-        logger.info(
-            "%s events %s: snapshot stamped %d, the stream at %d: held until the stream gets "
-            "there (the view stays incomplete)",
-            self.sink.events,
-            self._label,
-            snap.stamp,
-            at,
-        )
-
-    def _install(self, snap: Snapshot) -> None:
-        """Put a snapshot the stream has reached in place of the view and replay the batches
-        the view applied past its stamp; the view is then complete."""
-        stamp, applied = snap.stamp, self.applied_seq
-        try:
-            self.sink.load(snap)
-        except ValueError as e:
-            self._snapshot_failed(SnapshotRefused("malformed", f"snapshot: {e}"), reset=False)
-            return
-        self.applied_seq = stamp - 1 if stamp > 0 else None
-        if applied is not None and applied >= stamp:  # the view had gone past the stamp
-            resynced = [False]
-            try:
-                if self.replay_endpoint is None:
-                    raise _ReplayAborted("unavailable", "no replay endpoint")
-                self._replay(stamp, applied + 1, resynced)
-            except _ReplayAborted as e:
-                self.applied_seq = applied
-                self._snapshot_failed(
-                    SnapshotRefused("replay", f"batches {stamp}..{applied} after the stamp: {e}"),
-                    reset=True,
-                )
-                return
-            if resynced[0]:
-                self.applied_seq = applied
-                self._snapshot_failed(
-                    SnapshotRefused("replay", f"the replay buffer no longer holds batch {stamp}"),
-                    reset=True,
-                )
-                return
-        self._incarnation = snap.incarnation
-        self.complete = True
-        m = self.metrics
-        m.complete.labels(self._label, self.sink.events).set(1)
-        m.snapshots.labels(self._label, "ok").inc()
-        self.sink.update_gauges(self.metrics)
-        logger.info(
-            "%s events %s: view bootstrapped from P's snapshot (%d entries, stamp %d)",
-            self.sink.events,
-            self._label,
-            len(snap.block_ids) + len(snap.entries),
-            stamp,
-        )
-
-    def _snapshot_failed(self, e: SnapshotRefused, *, reset: bool) -> None:
-        self.metrics.snapshots.labels(self._label, e.reason).inc()
-        logger.warning("%s: no snapshot (%s): %s", self._who, e.reason, e)
-        if reset:
-            self._resync()
-        self._next_snapshot = time.monotonic() + self.limits.snapshot_retry_s
-
-    # ---- gaps ---------------------------------------------------------------------------------
-
-    def _recover(self, start: int, upto: int) -> None:
-        """Fill [start, upto) from the replay socket, completely and in order, or reset the view;
-        either way `applied_seq` ends at `upto - 1`, so the live batch `upto` applies next."""
-        resynced = [False]
-        try:
-            if self.replay_endpoint is None:
-                raise _ReplayAborted("unavailable", "no replay endpoint")
-            if upto - start > self.limits.max_replay_batches:
-                raise _ReplayAborted(
-                    "bound",
-                    f"gap of {upto - start} batches > max_replay_batches={self.limits.max_replay_batches}",
-                )
-            self._replay(start, upto, resynced)
-        except _ReplayAborted as exc:
-            if exc.reason != "unavailable":
-                self.metrics.replay_aborts.labels(self._label, exc.reason).inc()
-            logger.warning(
-                "%s: batches %d..%d lost (%s); resetting the view",
-                self._who,
-                start,
-                upto - 1,
-                exc,
-            )
-            self._resync(count=not resynced[0])
-            self.applied_seq = upto - 1
-
-    def _replay(self, start: int, upto: int | None, resynced: list[bool]) -> None:
-        """Ask for seq >= start and apply the replies as they come, until `upto - 1` is applied
-        (`upto` None: until the publisher's end marker, whatever its buffer holds).
-
-        A first reply after `start` is vLLM's buffer having moved on: the view resets, then the
-        rest applies (`resynced[0]` set). Raises _ReplayAborted on anything else short of the
-        whole gap; the caller resets the view.
-        """
-        m = self.metrics
-        m.replays.labels(self._label).inc()
-        dealer = self._ctx.socket(zmq.DEALER)
-        try:
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
-            assert self.replay_endpoint is not None
-            try:
-                dealer.connect(self.replay_endpoint)
-                dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            except zmq.ZMQError as exc:
-                raise _ReplayAborted("error", f"replay request failed: {exc}") from None
-            now = time.monotonic()
-            deadline = now + self.limits.replay_deadline_s
-            quiet_until = now + self.limits.replay_timeout_s
-            expected, nbytes = start, 0
-            while upto is None or expected < upto:
-                if self._stop.is_set():
-                    raise _ReplayAborted("stop", "stopped during the replay")
-                now = time.monotonic()
-                if now >= deadline:
-                    raise _ReplayAborted(
-                        "deadline", f"replay ran past {self.limits.replay_deadline_s}s"
-                    )
-                if now >= quiet_until:
-                    raise _ReplayAborted(
-                        "timeout", f"replay silent for {self.limits.replay_timeout_s}s"
-                    )
-                wait = min(deadline, quiet_until, now + self.limits.poll_interval_s) - now
-                if not dealer.poll(_ms(wait)):
-                    continue
-                frames = dealer.recv_multipart()
-                quiet_until = time.monotonic() + self.limits.replay_timeout_s
-                # vLLM >= 0.26: (b"", topic, seq, payload); before: (b"", seq, payload)
-                if len(frames) == 4:
-                    seq_bytes, payload = frames[2], frames[3]
-                elif len(frames) == 3:
-                    seq_bytes, payload = frames[1], frames[2]
-                else:
-                    seq_bytes, payload = b"", b""
-                if len(seq_bytes) != 8:
-                    m.malformed.labels(self._label).inc()
-                    raise _ReplayAborted("malformed", f"malformed reply ({len(frames)} parts)")
-                if seq_bytes == END_SEQ and upto is None:
-                    return  # the buffer's end: everything it held is applied
-                if seq_bytes == END_SEQ:
-                    raise _ReplayAborted("short", f"replay ended at {expected}, short of {upto}")
-                seq = int.from_bytes(seq_bytes, "big")
-                if not start <= seq <= (seq if upto is None else upto):
-                    raise _ReplayAborted(
-                        "out_of_range", f"replayed seq {seq} outside [{start}, {upto}]"
-                    )
-                if seq != expected:
-                    if expected != start or seq < start:
-                        raise _ReplayAborted("order", f"replayed seq {seq}, expected {expected}")
-                    self._resync()  # the buffer starts after `start`: what came before is lost
-                    resynced[0] = True
-                    self.applied_seq = seq - 1
-                    if upto is not None and seq == upto:
-                        return
-                nbytes += len(payload)
-                if nbytes > self.limits.max_replay_bytes:
-                    raise _ReplayAborted(
-                        "bytes", f"replay past max_replay_bytes={self.limits.max_replay_bytes}"
-                    )
-                self._apply(seq, payload)
-                expected = seq + 1
-        finally:
-            dealer.close(0)
