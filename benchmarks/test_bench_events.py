@@ -190,10 +190,10 @@ def _published_batches(keys, num_batches=16, seed=0):
 @pytest.mark.parametrize("keys", ["text", "mm"])
 def test_p_follows_published_identifiers(benchmark, keys):
     """P's cost of following its blocks' identifiers for its KV snapshot
-    (`events.snapshot.PublishedIdentifiers.follow`, under the scheduler's lock after each
+    (`events.identifiers.PublishedIdentifiers.follow`, under the scheduler's lock after each
     publish): 16 batches of 64 BlockStored (16 blocks each), then 16 of their BlockRemoved.
     Per event: the mean divided by `events_per_round`."""
-    from mmreuse.events.snapshot import PublishedIdentifiers
+    from mmreuse.events.identifiers import PublishedIdentifiers
 
     stores, removes = _published_batches(keys)
     events = sum(len(b) for b in stores + removes)

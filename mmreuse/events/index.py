@@ -12,6 +12,7 @@ from ..demand_query import MAX_IDENT_CHARS
 from ..errors import InvalidArgument
 from ..kvview import PrefixMatch
 from ..validate import check_int, check_str, fail_type, show
+from .identifiers import entry_identifiers
 from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 # Longest medium name accepted: vLLM's are "GPU", "CPU", connector names; each one becomes a
@@ -41,29 +42,6 @@ SLICE_WORK = 2048
 # The longest a pausing writer waits for the reader it lets in, and how often a reader waiting
 # for the lock says so again (a pause may have let another reader in first).
 HANDOFF_S = 0.005
-
-
-def entry_identifiers(entry: list[Any] | tuple[Any, ...]) -> tuple[tuple[str, ...], int] | None:
-    """The distinct identifiers of one block's extra keys, in order (vLLM 0.33.0's untagged
-    items: an mm key `(identifier, offset)`; LoRA names, salts, digests ignored) and how many
-    were over MAX_IDENT_CHARS (not followed); None if malformed. Linear in the entry."""
-    idents: dict[str, None] = {}
-    long = 0
-    for k in entry:
-        kind = type(k)
-        if kind is list or kind is tuple:  # an mm key, (identifier, offset)
-            if len(k) != 2:
-                return None
-            ident, off = k
-            if type(ident) is not str or type(off) is not int or not ident:
-                return None
-            if len(ident) > MAX_IDENT_CHARS:
-                long += 1
-            else:
-                idents[ident] = None
-        elif kind is not str and kind is not bytes:  # not a LoRA name, salt, digest
-            return None
-    return tuple(idents), long
 
 
 class _ViewLock:

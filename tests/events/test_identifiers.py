@@ -479,7 +479,7 @@ def test_load_refuses_junk_identifiers_whole(name, junk, match):
 
 
 def test_p_follows_the_identifiers_it_publishes():
-    from mmreuse.events.snapshot import PublishedIdentifiers
+    from mmreuse.events.identifiers import PublishedIdentifiers
 
     p = PublishedIdentifiers(max_hashes=8)
     assert p.carriers() == {}
@@ -498,7 +498,7 @@ def test_p_follows_the_identifiers_it_publishes():
 
 
 def test_p_stops_following_past_its_blocks_until_a_clear():
-    from mmreuse.events.snapshot import PublishedIdentifiers
+    from mmreuse.events.identifiers import PublishedIdentifiers
 
     p = PublishedIdentifiers(max_hashes=2)  # counts the hashes carrying identifiers only
     p.follow([stored([1, 2, 3], [mm("a"), None, mm("b")])])
@@ -522,7 +522,7 @@ def test_p_stops_following_past_its_blocks_until_a_clear():
     ids=["not an event", "a negative hash", "hashes not a list", "a medium too long"],
 )
 def test_p_following_junk_never_raises(junk):
-    from mmreuse.events.snapshot import PublishedIdentifiers
+    from mmreuse.events.identifiers import PublishedIdentifiers
 
     p = PublishedIdentifiers(max_hashes=8)
     p.follow([stored([1], [mm("a")])])
@@ -535,7 +535,7 @@ def test_p_following_junk_never_raises(junk):
 def _chunks_of(ids, counts, carried, limit):
     """A snapshot's chunks as P serves them (`identifier_chunk`), through the wire."""
     from mmreuse.demand_query import KVSnapshot, decode_answer, encode
-    from mmreuse.events.snapshot import identifier_chunk
+    from mmreuse.events.identifiers import identifier_chunk
 
     out, offset = [], 0
     while offset < len(ids) or not out:
@@ -550,7 +550,7 @@ def _chunks_of(ids, counts, carried, limit):
 
 
 def test_identifier_chunks_end_early_within_their_bounds(monkeypatch):
-    from mmreuse.events import snapshot as snap
+    from mmreuse.events import identifiers as snap
 
     ids = list(range(100, 120))
     carried = {i: (f"x{i % 7}", f"y{i % 3}") for i in ids if i % 4}
@@ -571,7 +571,7 @@ def test_identifier_chunks_fit_the_answer_frame():
     """Every block carrying its own identifier of MAX_IDENT_CHARS 4-byte characters: the chunk
     ends at MAX_SNAPSHOT_IDENT_BYTES, and its frame fits what a client accepts."""
     from mmreuse.demand_query import MAX_ANSWER_BYTES, MAX_SNAPSHOT_IDENT_BYTES, encode
-    from mmreuse.events.snapshot import identifier_chunk
+    from mmreuse.events.identifiers import identifier_chunk
 
     ids = list(range(3000))
     carried = {i: (f"{i:08d}" + "\U0001f600" * (MAX_IDENT_CHARS - 8),) for i in ids}
@@ -584,7 +584,7 @@ def test_identifier_chunks_fit_the_answer_frame():
 
 
 def test_identifier_chunks_leave_out_what_no_view_follows():
-    from mmreuse.events.snapshot import identifier_chunk
+    from mmreuse.events.identifiers import identifier_chunk
 
     long = "x" * (MAX_IDENT_CHARS + 1)
     end, table, pairs = identifier_chunk([1, 2, 3], {1: (long,), 2: (long, "a"), 9: ("z",)}, 0, 9)
@@ -625,7 +625,7 @@ def test_a_snapshot_then_live_events_is_every_event_from_0(carries, ops, limit, 
     taken, chunked and sent over the wire, loaded into a fresh view, which then applies the
     batches after it: its identifiers, counts and `may_hold` equal those of the view that
     applied every batch from 0, after every batch."""
-    from mmreuse.events.snapshot import PublishedIdentifiers, chunk_identifiers
+    from mmreuse.events.identifiers import PublishedIdentifiers, chunk_identifiers
 
     p = PublishedIdentifiers(max_hashes=1000)
     full = RemoteKVIndex(track_identifiers=True)

@@ -24,7 +24,8 @@ from mmreuse.events import (
     RemoteKVIndex,
     StreamLimits,
 )
-from mmreuse.events.snapshot import SnapshotRefused, fetch_snapshot, identifier_chunk
+from mmreuse.events.identifiers import identifier_chunk
+from mmreuse.events.snapshot import SnapshotRefused, fetch_snapshot
 from mmreuse.metrics import Metrics
 from tests.support.kv_publisher import TestPublisher, batch, stored
 from tests.support.waiting import wait_for
