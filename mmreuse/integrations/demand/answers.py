@@ -39,7 +39,15 @@ from ...demand_query import (
     occurrences_of,
 )
 from ..control import id_of
-from .engine_state import plan_at
+from .engine_state import (
+    ec_snapshots,
+    encoder_cached,
+    encoder_trust,
+    engine_sizes,
+    kv_trust,
+    plan_at,
+    prefix_hit,
+)
 from .index_feed import IndexFeed
 from .records import demand_id_of
 
@@ -50,10 +58,9 @@ if TYPE_CHECKING:
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
 logger = logging.getLogger(f"vllm.{__name__}")
 
-__all__ = ["MAX_FREE_QUEUE_WALK", "REMEMBERED_ANSWERS", "Answers"]
+__all__ = ["REMEMBERED_ANSWERS", "Answers"]
 
 REMEMBERED_ANSWERS = 4096  # answers whose proofs wait for their request (LRU beyond)
-MAX_FREE_QUEUE_WALK = 2048  # trust_kv_blocks is counted up to this: that value means "at least"
 NO_EC_EVENTS = (
     "snapshot: P's encoder cache publishes no events (EventfulEncoderCacheManager with an "
     "encoder_cache_events_endpoint)"
@@ -162,9 +169,8 @@ class Answers:
         snapshots). Taken (offset 0) holding the engine lock, which every one of vLLM's calls
         into the manager holds too: it sees the cache between two scheduler calls (a later
         chunk is the held copy's)."""
-        ecm = self._engine.encoder_cache_manager
-        snapshots = getattr(ecm, "snapshots", None)
-        if snapshots is None or getattr(ecm, "publisher", None) is None:
+        snapshots = ec_snapshots(self._engine)
+        if snapshots is None:
             return DemandError(query.id, NO_EC_EVENTS)
         if query.offset:
             return snapshots.answer(query)
@@ -228,16 +234,9 @@ class Answers:
         """The answer, from P's state now (called holding the lock): `occs` are the request's
         occurrences (occurrences_of(query): the same as its features, without re-reading them)."""
         engine = self._engine
-        manager = engine.kv_cache_manager
         hit_tokens, hit_blocks = 0, list[Any]()
-        if self._hasher is not None and manager.prefix_cache_lookup_enabled(request):
-            # the longest hit vLLM's lookup allows: its own bound where it has one (0.34 on:
-            # the request's prefix_cache_hit_limit too), else all tokens but the last
-            bound = getattr(request, "get_max_cache_hit_length", None)
-            found = manager.coordinator.find_longest_cache_hit(
-                request.block_hashes, bound() if callable(bound) else request.num_tokens - 1
-            )
-            hit_tokens, hit_blocks = int(found[1]), found[0][0] if found[0] else []
+        if self._hasher is not None:
+            hit_tokens, hit_blocks = prefix_hit(engine, request)
         demand = plan_at(engine, occs, request.num_tokens, hit_tokens, query.e_cached)
         proof, keys = None, []
         index = self._feed.sync()
@@ -257,46 +256,17 @@ class Answers:
             demand,
             proof_blocks=[] if proof is None else proof.block_ids.tolist(),
             proof_generations=[] if proof is None else proof.generations.tolist(),
-            trust_kv_blocks=self._trust_kv(hit_blocks),
-            trust_encoder_embeds=self._trust_encoder(reused),
+            trust_kv_blocks=kv_trust(engine, hit_blocks),
+            trust_encoder_embeds=encoder_trust(engine, reused),
             external_kv="none" if engine.connector is None else "not_consulted",
             step=int(getattr(engine, "current_step", 0)),
         )
-
-    def _trust_kv(self, hit_blocks: list[Any]) -> int | None:
-        """New blocks P can allocate before a hit block may be evicted: its place in vLLM's
-        free queue (evicted from the head); None when no hit block is in the queue."""
-        free = {b.block_id for b in hit_blocks if b.ref_cnt == 0 and not b.is_null}
-        if not free:
-            return None
-        queue = self._engine.kv_cache_manager.block_pool.free_block_queue
-        node = queue.fake_free_list_head.next_free_block
-        n = 0
-        while node is not None and node is not queue.fake_free_list_tail:
-            if node.block_id in free or n >= MAX_FREE_QUEUE_WALK:
-                return n
-            n += 1
-            node = node.next_free_block
-        return n
-
-    def _trust_encoder(self, reused: tuple[str, ...]) -> int | None:
-        """Encoder-cache space P can allocate before a reused freeable entry may be evicted."""
-        ecm = self._engine.encoder_cache_manager
-        freeable = getattr(ecm, "freeable", None)
-        if not freeable or not any(i in freeable for i in reused):
-            return None
-        room = int(getattr(ecm, "num_free_slots", 0))
-        for ident, n in freeable.items():  # oldest first: vLLM evicts in this order
-            if ident in reused:
-                return room
-            room += int(n)
-        return room
 
     def stats(self, query: StatsQuery) -> DemandStats:
         """P's counters (called holding the lock)."""
         c, engine = self.counters, self._engine
         index = self._feed.sync()
-        pool = engine.kv_cache_manager.block_pool
+        kv_blocks, block_size, ec_embeds = engine_sizes(engine)
         return DemandStats(
             id=query.id,
             answers=c.answers,
@@ -307,12 +277,16 @@ class Answers:
             hit_differs=c.hit_differs,
             valid_hit_shorter=c.valid_hit_shorter,
             index_blocks=0 if index is None else sum(1 for k in index.maps()[1] if k is not None),
-            index_mismatches=self._feed.mismatches(pool) if query.check_index else None,
+            index_mismatches=(
+                self._feed.mismatches(engine.kv_cache_manager.block_pool)
+                if query.check_index
+                else None
+            ),
             index_device=self._feed.note,
             forgotten=c.forgotten,
-            kv_blocks=int(pool.num_gpu_blocks),
-            block_size=int(engine.block_size),
-            encoder_cache_embeds=int(getattr(engine.encoder_cache_manager, "cache_size", 0)),
+            kv_blocks=kv_blocks,
+            block_size=block_size,
+            encoder_cache_embeds=ec_embeds,
         )
 
     # ---- the engine thread: proofs at admission (holding the lock) ----------------------------
@@ -351,7 +325,7 @@ class Answers:
                 if now != key:
                     return False, "eviction" if now is None else "block_reuse"
             return False, "eviction"  # the same content again, after an eviction
-        cached = getattr(self._engine.encoder_cache_manager, "cached", {})
+        cached = encoder_cached(self._engine)
         for ident in entry.reused:
             if ident not in cached:
                 return False, "encoder_eviction"

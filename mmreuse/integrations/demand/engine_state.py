@@ -1,10 +1,12 @@
 """What P's engine holds, read from vLLM's objects: a live `Request`'s occurrences, its encoder
-cache (`EncoderCacheManager`) and EC connector, and `plan_admission` over them.
+cache (`EncoderCacheManager`) and EC connector, its prefix cache's hit and free queue, and
+`plan_admission` over them. Every read of vLLM's internals the plug-in makes is here.
 
 Duck-typed against vLLM 0.32.0 - 0.34.0 (no vLLM import): `Request.mm_features` / `.num_tokens`,
-`EncoderCacheManager.cached` / `.num_embeds_by_hash` / `.freeable`, and
-`ECConnectorBase.has_cache_item(identifier)`. Users import these from the facade
-`mmreuse.integrations.vllm`.
+`EncoderCacheManager.cached` / `.num_embeds_by_hash` / `.freeable` / `.num_free_slots`,
+`ECConnectorBase.has_cache_item(identifier)`, and the scheduler's `kv_cache_manager`
+(`prefix_cache_lookup_enabled`, `coordinator.find_longest_cache_hit`, `block_pool`). Users
+import the first ones from the facade `mmreuse.integrations.vllm`.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from ...plan import GivenCoverage, plan_admission
 from ...validate import check_int, check_str, fail_type, show
 
 __all__ = [
+    "MAX_FREE_QUEUE_WALK",
     "availability_from_engine",
     "demand_for_request",
     "encoder_cache_space",
     "occurrences_from_request",
     "plan_at",
 ]
+
+MAX_FREE_QUEUE_WALK = 2048  # trust_kv_blocks is counted up to this: that value means "at least"
 
 
 def occurrences_from_request(request: Any) -> list[MMOccurrence]:
@@ -177,3 +182,85 @@ def plan_at(engine: Any, occs: list[MMOccurrence], n: int, c: int, e_cached: Any
         is_encoder_decoder=bool(getattr(engine, "is_encoder_decoder", False)),
         encoder_cache=encoder_cache_space(ecm),
     ).demand
+
+
+def prefix_hit(engine: Any, request: Any) -> tuple[int, list[Any]]:
+    """vLLM's own longest prefix-cache hit for `request` (`coordinator.find_longest_cache_hit`:
+    no allocation, no LRU touch, no stats), bounded as vLLM bounds its lookup (0.34 on: the
+    request's `get_max_cache_hit_length`, else all tokens but the last): the hit's tokens and
+    its blocks (the first KV group's). (0, []) where vLLM would not look the request up."""
+    manager = engine.kv_cache_manager
+    if not manager.prefix_cache_lookup_enabled(request):
+        return 0, []
+    bound = getattr(request, "get_max_cache_hit_length", None)
+    found = manager.coordinator.find_longest_cache_hit(
+        request.block_hashes, bound() if callable(bound) else request.num_tokens - 1
+    )
+    return int(found[1]), found[0][0] if found[0] else []
+
+
+def kv_trust(engine: Any, hit_blocks: list[Any]) -> int | None:
+    """New blocks P can allocate before a hit block may be evicted: its place in vLLM's free
+    queue (evicted from the head), counted up to MAX_FREE_QUEUE_WALK; None when no hit block
+    is in the queue."""
+    free = {b.block_id for b in hit_blocks if b.ref_cnt == 0 and not b.is_null}
+    if not free:
+        return None
+    queue = engine.kv_cache_manager.block_pool.free_block_queue
+    node = queue.fake_free_list_head.next_free_block
+    n = 0
+    while node is not None and node is not queue.fake_free_list_tail:
+        if node.block_id in free or n >= MAX_FREE_QUEUE_WALK:
+            return n
+        n += 1
+        node = node.next_free_block
+    return n
+
+
+def encoder_trust(engine: Any, reused: tuple[str, ...]) -> int | None:
+    """Encoder-cache space P can allocate before a reused freeable entry may be evicted (vLLM
+    evicts `freeable` oldest first); None when no reused entry is freeable."""
+    ecm = engine.encoder_cache_manager
+    freeable = getattr(ecm, "freeable", None)
+    if not freeable or not any(i in freeable for i in reused):
+        return None
+    room = int(getattr(ecm, "num_free_slots", 0))
+    for ident, n in freeable.items():  # oldest first: vLLM evicts in this order
+        if ident in reused:
+            return room
+        room += int(n)
+    return room
+
+
+def encoder_cached(engine: Any) -> Mapping[str, Any]:
+    """The identifiers P's encoder cache holds now (`EncoderCacheManager.cached`)."""
+    return getattr(engine.encoder_cache_manager, "cached", {})
+
+
+def ec_snapshots(engine: Any) -> Any:
+    """The encoder-cache manager's snapshots where it publishes events
+    (`EventfulEncoderCacheManager`), else None."""
+    ecm = engine.encoder_cache_manager
+    snapshots = getattr(ecm, "snapshots", None)
+    if snapshots is None or getattr(ecm, "publisher", None) is None:
+        return None
+    return snapshots
+
+
+def engine_sizes(engine: Any) -> tuple[int, int, int]:
+    """P's KV blocks, its block size and its encoder cache's size in embeddings."""
+    return (
+        int(engine.kv_cache_manager.block_pool.num_gpu_blocks),
+        int(engine.block_size),
+        int(getattr(engine.encoder_cache_manager, "cache_size", 0)),
+    )
+
+
+def kv_events_enabled(engine: Any) -> bool:
+    """Whether P's block pool publishes KV events (`--kv-events-config`)."""
+    return bool(getattr(engine.kv_cache_manager.block_pool, "enable_kv_cache_events", False))
+
+
+def pending_kv_events(engine: Any) -> list[Any]:
+    """The KV events the block pool holds, not yet handed to the publisher (in order)."""
+    return engine.kv_cache_manager.block_pool.kv_event_queue

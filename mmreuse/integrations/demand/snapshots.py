@@ -9,7 +9,7 @@ residency index; the block pool's events not yet published (queued by `schedule`
 batch) are undone on the copy, so the snapshot is P as of the last batch published. With
 `"snapshot_identifiers": true` it also carries the mm identifiers its blocks carry: the block
 pool keeps no extra keys per block, so P follows them from the batches it publishes
-(`events.snapshot.PublishedIdentifiers`, fed right after each publish, under the lock: as of the
+(`events.identifiers.PublishedIdentifiers`, fed right after each publish, under the lock: as of the
 same stamp), bounded by its block count. Opt-in: under the engine's lock it costs about 15 ns
 per block of a text-only store, but about 1 us per block stored that carries an identifier and
 0.4 us per block removed while any is held (on a slow 2-core machine:
@@ -24,8 +24,9 @@ from typing import Any
 
 from ...blockhash import to_event_id
 from ...demand_query import MAX_SNAPSHOT_BLOCKS, DemandError, KVSnapshot, SnapshotQuery
-from ...events.snapshot import PublishedIdentifiers, identifier_chunk
+from ...events.identifiers import PublishedIdentifiers, identifier_chunk
 from ..snapshots import HeldSnapshots, incarnation
+from .engine_state import engine_sizes, kv_events_enabled, pending_kv_events
 from .index_feed import IndexFeed
 
 # under vLLM's "vllm" logger: its handler and format, so these lines appear in vLLM's log
@@ -65,16 +66,16 @@ class KVSnapshots:
         """P's follower of its blocks' identifiers, where asked and a snapshot can be taken."""
         if not follow:
             return None
-        pool = self._engine.kv_cache_manager.block_pool
-        if self._feed.index is None or not getattr(pool, "enable_kv_cache_events", False):
+        events = kv_events_enabled(self._engine)
+        if self._feed.index is None or not events:
             logger.warning(
                 "mmreuse: snapshot_identifiers is set, but P takes no KV snapshots (index %s, "
                 "KV events %s)",
                 self._feed.note,
-                "on" if getattr(pool, "enable_kv_cache_events", False) else "off",
+                "on" if events else "off",
             )
             return None
-        return PublishedIdentifiers(int(pool.num_gpu_blocks))
+        return PublishedIdentifiers(engine_sizes(self._engine)[0])
 
     def _count_published(self) -> None:
         """Count the KV-event batches handed to vLLM's publisher (it numbers them in this order:
@@ -95,12 +96,12 @@ class KVSnapshots:
 
     def answer(self, query: SnapshotQuery) -> KVSnapshot | DemandError:
         """Chunk `offset` of snapshot `id` (taken at offset 0, under the lock)."""
-        pool = self._engine.kv_cache_manager.block_pool
+        engine = self._engine
         held = self._snapshots.for_query(
             query.id,
             query.offset,
             self._take,
-            lambda last: last[0] == self.published and not pool.kv_event_queue,
+            lambda last: last[0] == self.published and not pending_kv_events(engine),
         )
         if isinstance(held, DemandError):
             return held
@@ -118,7 +119,7 @@ class KVSnapshots:
             incarnation=self.incarnation,
             total=len(ids),
             offset=query.offset,
-            blocks=int(pool.num_gpu_blocks),
+            blocks=engine_sizes(engine)[0],
             block_ids=ids[query.offset : end],
             counts=counts[query.offset : end],
             identifiers_followed=carried is not None,
@@ -134,8 +135,7 @@ class KVSnapshots:
         index = self._feed.sync()
         if index is None:
             return f"the residency index is {self._feed.note}"
-        pool = self._engine.kv_cache_manager.block_pool
-        if not getattr(pool, "enable_kv_cache_events", False):
+        if not kv_events_enabled(self._engine):
             return "P publishes no KV events (--kv-events-config enable_kv_cache_events)"
         connector = getattr(self._engine, "connector", None)
         if connector is not None and type(connector).take_events is not _base_take_events():
@@ -145,7 +145,7 @@ class KVSnapshots:
             )
         counts = index.counts()  # event id -> the blocks holding it
         # undo what the next batch will tell: the copy is P as of the last batch published
-        for event in reversed(pool.kv_event_queue):
+        for event in reversed(pending_kv_events(self._engine)):
             if isinstance(event, AllBlocksCleared):
                 return "a prefix-cache reset is being published; ask again"
             step = -1 if isinstance(event, BlockStored) else 1

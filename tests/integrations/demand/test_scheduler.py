@@ -167,7 +167,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from mmreuse.demand_query import KVSnapshot, SnapshotQuery, decode_answer, encode
 from mmreuse.errors import InvalidArgumentType
 from mmreuse.events import RemoteKVIndex
-from mmreuse.events.snapshot import chunk_identifiers
+from mmreuse.events.identifiers import chunk_identifiers
 from mmreuse.events.wire import decode_batch
 from mmreuse.integrations import snapshots
 from mmreuse.integrations.vllm import DemandScheduler
