@@ -1,9 +1,10 @@
 """Where encoder embeddings are available: P's encoder caches, external stores, E's caches.
 
-vLLM itself publishes no encoder-cache events, so this index is fed by deltas (`update_p`,
-`update_e`, `update_external`) from whatever observes those caches: the encoder-cache events of
-mmreuse's `EventfulEncoderCacheManager` in P and E (`events.ec_sink.EncoderCacheSink`), the
-store's answers, and what the proxy sent E (`proxy.eside`). Every entry has a staleness bound
+vLLM itself publishes no encoder-cache events, so this index is fed by deltas from whatever
+observes those caches: `update_p` and `update_e` from the encoder-cache events of mmreuse's
+`EventfulEncoderCacheManager` in P and E (`events.ec_sink.EncoderCacheSink`) and from what the
+proxy sent E (`proxy.eside`); `update_external` from the simulator's store (`sim.view`: the
+proxy asks the real store per request instead, `proxy.store`). Every entry has a staleness bound
 (TTL, refreshed by each delta that mentions it) and every location a capacity bound (LRU), both
 via cachetools. Entries are scoped by tenant (cache salt, LoRA name): an identifier one tenant
 made available never satisfies another's request. `availability_for` turns the view into

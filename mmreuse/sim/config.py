@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..decision import POLICIES, ROUTINGS
-from ..errors import InvalidArgument, InvalidArgumentType
+from ..errors import ConfigError, ConfigTypeError, InvalidArgument
 from ..validate import check_bool, check_float, check_int, check_str, fail_type, fail_value, show
 
 WORKLOADS = ("chat", "fanout", "agentic", "servegen-photos", "trace")
@@ -301,13 +301,13 @@ class SimConfig:
             )
         for i, p in enumerate(policies):
             if not isinstance(p, str) or p not in POLICIES:
-                raise ConfigError(
+                raise ConfigError.on(
                     f"policies[{i}]", f"must be a policy name, one of {POLICIES}, got {show(p)}"
                 )
         cost = d.get("cost")
         if isinstance(cost, str):  # a cost model by name
             if cost not in COSTS:
-                raise ConfigError(
+                raise ConfigError.on(
                     "cost", f"must be an object or one of {sorted(COSTS)}, got {show(cost)}"
                 )
             d = {**d, "cost": asdict(COSTS[cost])}
@@ -335,32 +335,8 @@ TOP_KEYS = ("seed", "policies", *SECTIONS)
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few hundred bytes; this bounds reading /dev/zero
 
 
-class ConfigError(InvalidArgument):
-    """A bad config value: `field` (dotted, as in the JSON), `problem`, and, once known, the
-    `source` it came from (a file); reads `<source>: <field>: <problem>`."""
-
-    def __init__(self, field: str, problem: str, wrong_type: bool = False, source: str = ""):
-        self.field, self.problem, self.wrong_type, self.source = field, problem, wrong_type, source
-        super().__init__(f"{source}: {field}: {problem}" if source else f"{field}: {problem}")
-
-    def located(self, source: str) -> ConfigError:
-        """The same error, read from `source`."""
-        cls = ConfigTypeError if self.wrong_type else ConfigError
-        return cls(self.field, self.problem, self.wrong_type, source)
-
-    def __reduce__(self):  # pickles (pytest-xdist, multiprocessing) with its fields
-        return (type(self), (self.field, self.problem, self.wrong_type, self.source))
-
-
-class ConfigTypeError(ConfigError, InvalidArgumentType):
-    """A config value of the wrong type (also a TypeError)."""
-
-    def __init__(self, field: str, problem: str, wrong_type: bool = True, source: str = ""):
-        super().__init__(field, problem, True, source)
-
-
 def config_error(field: str, problem: str, wrong_type: bool = False) -> ConfigError:
-    return (ConfigTypeError if wrong_type else ConfigError)(field, problem)
+    return (ConfigTypeError if wrong_type else ConfigError).on(field, problem)
 
 
 def _shown(value: Any) -> str:
@@ -372,7 +348,7 @@ def _refuse_unknown(prefix: str, values: dict, known: tuple[str, ...]) -> None:
     for key in values:
         if key not in known:
             name = key if isinstance(key, str) and key.isidentifier() else show(key)
-            raise ConfigError(f"{prefix}{name}", f"unknown key (known: {', '.join(known)})")
+            raise ConfigError.on(f"{prefix}{name}", f"unknown key (known: {', '.join(known)})")
 
 
 def _located(exc: InvalidArgument, prefix: str, section: str) -> ConfigError:
@@ -403,21 +379,21 @@ def load_json(path: str | Path) -> Any:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ConfigError("config file", f"cannot be read ({exc.strerror or exc})") from None
+        raise ConfigError.on("config file", f"cannot be read ({exc.strerror or exc})") from None
     except ValueError as exc:  # an embedded NUL in the path
-        raise ConfigError("config file", f"cannot be read ({exc})") from None
+        raise ConfigError.on("config file", f"cannot be read ({exc})") from None
     if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError("config file", f"is larger than {MAX_CONFIG_BYTES} bytes")
+        raise ConfigError.on("config file", f"is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError("config file", f"is not UTF-8 (byte {exc.start})") from None
+        raise ConfigError.on("config file", f"is not UTF-8 (byte {exc.start})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(
+        raise ConfigError.on(
             "config file", f"invalid JSON at line {exc.lineno} column {exc.colno} ({exc.msg})"
         ) from None
     except (ValueError, RecursionError) as exc:  # a 5000-digit int, [[[[...]]]] nested too deep
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise ConfigError("config file", f"invalid JSON ({reason})") from None
+        raise ConfigError.on("config file", f"invalid JSON ({reason})") from None

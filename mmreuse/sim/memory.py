@@ -208,7 +208,7 @@ def check(cfg: SimConfig, available: int | None = None) -> Budget:
     if total > avail:
         worst = max(parts, key=lambda p: p.bytes)
         field = max(worst.fields, key=lambda name: _growth(cfg, name))
-        raise ConfigError(
+        raise ConfigError.on(
             field,
             f"the run would need about {fmt_bytes(total)} of memory ({fmt_bytes(worst.bytes)} "
             f"for {worst.what}), more than the {fmt_bytes(avail)} available",

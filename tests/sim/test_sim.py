@@ -514,7 +514,9 @@ def test_config_errors_are_typed_and_located():
         SimConfig.from_dict({"cluster": {"num_prefills": "2"}})
     with pytest.raises(InvalidArgument, match=r"^workload\.fanout_pool: must be >= 1, got 0$"):
         SimConfig.from_dict({"workload": {"fanout_pool": 0}})
-    err = ConfigError("cluster.routing", "must be 'affine' or 'random', got 'x'").located("f.json")
+    err = ConfigError.on("cluster.routing", "must be 'affine' or 'random', got 'x'").located(
+        "f.json"
+    )
     assert str(err) == "f.json: cluster.routing: must be 'affine' or 'random', got 'x'"
 
 
