@@ -162,6 +162,39 @@ class Dispatch:
         raw = frozenset(i for i in self.raw_items if i not in dup and i not in e)
         return Dispatch(tuple(sorted(e)), raw, dup, tuple(classes))
 
+    def with_arrival(
+        self,
+        now: Sequence[int],
+        shares: Mapping[int, int],
+        uuids: Sequence[str],
+        e_cached: frozenset[str],
+    ) -> Dispatch:
+        """This dispatch (a plan, or P's answer) merged with what E got at arrival
+        (`with_sent`), those items classed as they were when sent (`arrival_classes`)."""
+        if not now:
+            return self
+        classes = self.classes or (ItemClass.UNCLASSIFIED,) * len(uuids)
+        merged = arrival_classes(classes, now, shares, uuids, e_cached)
+        return self.with_sent(now, shares, uuids, merged)
+
+
+def arrival_classes(
+    classes: Sequence[ItemClass],
+    now: Sequence[int],
+    shares: Mapping[int, int],
+    uuids: Sequence[str],
+    e_cached: frozenset[str],
+) -> tuple[ItemClass, ...]:
+    """`classes` with the items sent to E at arrival (`now`) classed as they were then:
+    e_cached where E held the identifier (`e_cached`), else e_compute, and their duplicates
+    (`shares`) `duplicate` (a plan made while E encodes them would see them cached at E)."""
+    out = list(classes)
+    for i in now:
+        out[i] = ItemClass.E_CACHED if uuids[i] in e_cached else ItemClass.E_COMPUTE
+    for i in shares:
+        out[i] = ItemClass.DUPLICATE
+    return tuple(out)
+
 
 def dispatch_at_arrival(
     now: Sequence[int], rest: Iterable[int], shares: Mapping[int, int], classes: Sequence[ItemClass]

@@ -17,13 +17,13 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NoReturn
 
 from ..decision import POLICIES, ROUTINGS, Policy, Routing, parse_policy
-from ..errors import InvalidArgument
+from ..errors import ConfigError, InvalidArgument, field_name
 from ..hashing.functions import HASH_FUNCTIONS
 from .content import MediaLimits, parse_networks
 from .media import DEFAULT_MM_LIMIT
@@ -99,44 +99,45 @@ class HeldItems(StrEnum):
 
 
 # Each field's flag (or environment variable), for the CLI's messages. `instances.demand`:
-# the `demand` field of every PrefillInstance (`instances[i].demand`); `media.*`: MediaLimits'.
+# the `demand` field of every PrefillInstance (`instances[i].demand`); `media.fetch.*`:
+# MediaLimits'; the others a section's field (`serving.port`).
 FLAGS: Mapping[str, str] = {
     "encode_urls": "--encode-servers-urls",
     "decode_urls": "--decode-servers-urls",
     "prefill_urls": "--prefill-servers-urls",
-    "host": "--host",
-    "port": "--port",
-    "metrics_port": "--metrics-port",
-    "metrics_host": "--metrics-host",
-    "workers": "--workers",
-    "worker_stall_timeout": "--worker-stall-timeout",
-    "decode_retries": "--decode-retries",
-    "no_rewrite": "--no-rewrite",
-    "uuid_policy": "--uuid-policy",
-    "log_requests": "--log-requests",
-    "encoder_max_batch_size": "ENCODER_MAX_BATCH_SIZE",
-    "policy": "--policy",
-    "routing": "--routing",
-    "mixed_plan": "--mixed-plan",
-    "encode_on_p": "--encode-on-p",
-    "held_items": "--held-items",
-    "render_url": "--render-url",
-    "render_timeout_s": "--render-timeout",
-    "hash_algo": "--hash-algo",
-    "hash_seed": "--hash-seed",
-    "block_size": "--block-size",
-    "e_cache_items": "--e-cache-items",
-    "e_cache_ttl_s": "--e-cache-ttl",
-    "demand_timeout_s": "--demand-timeout",
-    "e_store_url": "--e-store-url",
-    "e_store_namespace": "--e-store-namespace",
-    "e_store_timeout_s": "--e-store-timeout",
-    "limit_mm_per_prompt": "--limit-mm-per-prompt",
-    "max_body_bytes": "--max-body-bytes",
-    "max_body_values": "--max-body-values",
-    "max_body_text_bytes": "--max-body-text-bytes",
-    "backend_keep_alive_s": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
-    "api_key": "OPENAI_API_KEY",
+    "serving.host": "--host",
+    "serving.port": "--port",
+    "serving.metrics_port": "--metrics-port",
+    "serving.metrics_host": "--metrics-host",
+    "serving.workers": "--workers",
+    "serving.worker_stall_timeout": "--worker-stall-timeout",
+    "serving.decode_retries": "--decode-retries",
+    "serving.no_rewrite": "--no-rewrite",
+    "media.uuid_policy": "--uuid-policy",
+    "serving.log_requests": "--log-requests",
+    "serving.encoder_max_batch_size": "ENCODER_MAX_BATCH_SIZE",
+    "planning.policy": "--policy",
+    "planning.routing": "--routing",
+    "planning.mixed_plan": "--mixed-plan",
+    "planning.encode_on_p": "--encode-on-p",
+    "planning.held_items": "--held-items",
+    "planning.render_url": "--render-url",
+    "planning.render_timeout_s": "--render-timeout",
+    "views.hash_algo": "--hash-algo",
+    "views.hash_seed": "--hash-seed",
+    "views.block_size": "--block-size",
+    "store.e_cache_items": "--e-cache-items",
+    "store.e_cache_ttl_s": "--e-cache-ttl",
+    "views.demand_timeout_s": "--demand-timeout",
+    "store.url": "--e-store-url",
+    "store.namespace": "--e-store-namespace",
+    "store.timeout_s": "--e-store-timeout",
+    "media.limit_mm_per_prompt": "--limit-mm-per-prompt",
+    "media.max_body_bytes": "--max-body-bytes",
+    "media.max_body_values": "--max-body-values",
+    "media.max_body_text_bytes": "--max-body-text-bytes",
+    "serving.backend_keep_alive_s": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+    "serving.api_key": "OPENAI_API_KEY",
     "instances.kv_events": "--kv-events-endpoints",
     "instances.kv_replay": "--kv-events-replay-endpoints",
     "instances.ec_events": "--encoder-cache-events-endpoints",
@@ -145,25 +146,19 @@ FLAGS: Mapping[str, str] = {
     "encoders.ec_events": "--e-cache-events-endpoints",
     "encoders.ec_replay": "--e-cache-events-replay-endpoints",
     "encoders.snapshot": "--e-snapshot-endpoints",
-    "media.max_item_bytes": "--media-max-bytes",
-    "media.timeout_s": "--media-fetch-timeout",
-    "media.request_timeout_s": "--media-request-timeout",
-    "media.max_redirects": "--media-max-redirects",
-    "media.allowed_domains": "--allowed-media-domains",
-    "media.private_networks": "--allow-private-media-networks",
+    "media.fetch.max_item_bytes": "--media-max-bytes",
+    "media.fetch.timeout_s": "--media-fetch-timeout",
+    "media.fetch.request_timeout_s": "--media-request-timeout",
+    "media.fetch.max_redirects": "--media-max-redirects",
+    "media.fetch.allowed_domains": "--allowed-media-domains",
+    "media.fetch.private_networks": "--allow-private-media-networks",
 }
 # A record's own name in a field path: PrefillInstance.demand is `instances.demand` in FLAGS.
-_RECORDS = {"PrefillInstance": "instances", "EncodeInstance": "encoders", "MediaLimits": "media"}
-
-
-def _field_name(key: str) -> str:
-    """A field path as the records read it: `instances/1/demand` -> `instances[1].demand`,
-    `instances/*/demand` -> `instances[].demand`, `PrefillInstance/demand` ->
-    `PrefillInstance.demand`."""
-    out = ""
-    for part in key.split("/"):
-        out += "[]" if part == "*" else f"[{part}]" if part.isdigit() else f".{part}"
-    return out.lstrip(".")
+_RECORDS = {
+    "PrefillInstance": "instances",
+    "EncodeInstance": "encoders",
+    "MediaLimits": "media.fetch",
+}
 
 
 def _flag_name(key: str, flags: Mapping[str, str] = FLAGS) -> str:
@@ -173,45 +168,19 @@ def _flag_name(key: str, flags: Mapping[str, str] = FLAGS) -> str:
     name = ".".join(_RECORDS.get(p, p) for p in parts if p != "*" and not p.isdigit())
     flag = flags.get(name)
     if flag is None:
-        return _field_name(key)
+        return field_name(key)
     index = [p for p in parts if p.isdigit()]
     return f"{flag}: entry {index[0]}" if index else flag
-
-
-class _Names(dict[str, object]):
-    """`str.format_map`'s mapping: the values given, and a name for every field path."""
-
-    def __init__(self, name: Callable[[str], str], values: Mapping[str, object]) -> None:
-        super().__init__(values)
-        self.name = name
-
-    def __missing__(self, key: str) -> str:
-        return self.name(key)
-
-
-class ConfigError(InvalidArgument):
-    """A configuration rule broken. `template` names each field as `{field}` (a path:
-    `{instances/1/demand}`, `{instances/*/demand}`) and each value as a key of `values`: read
-    as an exception it names fields; `in_flags()` names the CLI's flags instead."""
-
-    def __init__(self, template: str, **values: object) -> None:
-        self.template, self.values = template, values
-        super().__init__(template.format_map(_Names(_field_name, values)))
-
-    def in_flags(self, flags: Mapping[str, str] = FLAGS) -> str:
-        """The message naming each field by its flag in `flags` (FLAGS, or the CLI's own view
-        of which flag set a field: `media` is the media flag given)."""
-        return self.template.format_map(_Names(lambda key: _flag_name(key, flags), self.values))
 
 
 def in_flags(error: InvalidArgument, flags: Mapping[str, str] = FLAGS) -> str:
     """`error`'s message naming the CLI's flags: a ConfigError's own, and MediaLimits'
     (`MediaLimits.max_item_bytes must be >= 1, got 0`) as `--media-max-bytes=0 must be >= 1`."""
     if isinstance(error, ConfigError):
-        return error.in_flags(flags)
+        return error.named(lambda key: _flag_name(key, flags))
 
     def media(m: re.Match[str]) -> str:
-        flag = FLAGS.get(f"media.{m[1]}")
+        flag = FLAGS.get(f"media.fetch.{m[1]}")
         return m[0] if flag is None else f"{flag}={m[3]} must be {m[2]}"
 
     return re.sub(r"MediaLimits\.(\w+) must be (.*), got (.*)", media, str(error))
@@ -313,18 +282,10 @@ class EncodeInstance:
 
 
 @dataclass(frozen=True, slots=True)
-class ProxyConfig:
-    """Everything the proxy runs on. `prefill_urls` empty = E + PD (the decode URLs prefill).
+class ServingConfig:
+    """How the proxy serves and calls its backends (`_SERVING`, the reference's own flags, and
+    vLLM's environment)."""
 
-    `instances`: one record per instance that prefills, in the order of its URLs (the P URLs,
-    or the PD URLs in E + PD); left empty, the URLs alone (no view, no demand endpoint).
-    `encoders`: one record per E, in the order of `encode_urls` (left empty: the URLs alone, and
-    the E side is the proxy's own record of what it sent).
-    """
-
-    encode_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
-    prefill_urls: tuple[str, ...] = ()
     host: str = "0.0.0.0"
     port: int = 8000
     # --metrics-port / --metrics-host: /metrics and the detailed /health on their own address
@@ -336,38 +297,78 @@ class ProxyConfig:
     # --worker-stall-timeout: a worker whose event loop has not turned for this long is killed
     # and started again (0: never)
     worker_stall_timeout: float = 30.0
+    log_requests: bool = False
     decode_retries: int = 1
     no_rewrite: bool = False
+    encoder_max_batch_size: int = 0  # ENCODER_MAX_BATCH_SIZE
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE (vLLM's env, 5 s by default): how long E, P and D keep an idle
+    # connection; the proxy retires its own sooner (0: no pooling)
+    backend_keep_alive_s: float = 5.0
+    # OPENAI_API_KEY: the bearer token /start_profile and /stop_profile send E, P and D
+    api_key: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if not (_at_least(self.port, 1) and self.port < 65536):
+            raise ConfigError("{serving/port}={v!r} is not a TCP port", v=self.port)
+        if self.metrics_port is not None:
+            if not (_at_least(self.metrics_port, 1) and self.metrics_port < 65536):
+                raise ConfigError(
+                    "{serving/metrics_port}={v!r} is not a TCP port", v=self.metrics_port
+                )
+            if self.metrics_port == self.port:
+                raise ConfigError(
+                    "{serving/metrics_port}={v!r} is {serving/port}'s: give another", v=self.port
+                )
+        elif self.metrics_host is not None:
+            raise ConfigError(
+                "{serving/metrics_host} without {serving/metrics_port}: give the port too"
+            )
+        if not (_at_least(self.workers, 1) and self.workers <= MAX_WORKERS):
+            raise ConfigError(
+                "{serving/workers}={v!r} must be in 1..{n}, an int", v=self.workers, n=MAX_WORKERS
+            )
+        if self.workers > 1 and self.metrics_port is None:
+            raise ConfigError(
+                "{serving/workers}={v!r} needs {serving/metrics_port}: a scrape of "
+                "{serving/port} would reach one worker; {serving/metrics_port} serves every "
+                "worker's /metrics and /health",
+                v=self.workers,
+            )
+        stall = self.worker_stall_timeout
+        if not (_is_number(stall) and (stall == 0 or MIN_WORKER_STALL_S <= stall < math.inf)):
+            raise ConfigError(
+                "{serving/worker_stall_timeout}={v} must be 0 (never) or seconds, at least "
+                "{least}: a worker busy for less is not stalled",
+                v=_g(stall),
+                least=f"{MIN_WORKER_STALL_S:g}",
+            )
+        if not _at_least(self.decode_retries, 0):
+            raise ConfigError(
+                "{serving/decode_retries}={v!r} must be an int >= 0", v=self.decode_retries
+            )
+        if not _at_least(self.encoder_max_batch_size, 0):
+            raise ConfigError(
+                "{serving/encoder_max_batch_size}={v!r} must be non-negative",
+                v=self.encoder_max_batch_size,
+            )
+        keep = self.backend_keep_alive_s
+        if not (_is_number(keep) and math.isfinite(keep) and keep >= 0):
+            raise ConfigError("{serving/backend_keep_alive_s}={v!r} must be seconds >= 0", v=keep)
+        if not isinstance(self.api_key, str):
+            raise ConfigError(
+                "{serving/api_key} must be a str, got a {t}", t=type(self.api_key).__name__
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class MediaConfig:
+    """How items are named, what --uuid-policy content fetches, and what one request may carry
+    (`_MEDIA`)."""
+
     uuid_policy: UuidPolicy = UuidPolicy.REFERENCE  # --uuid-policy: how items are named for E and P
     # What --uuid-policy content fetches. None: not set, MediaLimits' defaults under content; under
     # another policy nothing is fetched, and limits set anyway (even to the defaults) are refused.
-    media: MediaLimits | None = None
-    log_requests: bool = False
-    encoder_max_batch_size: int = 0
-    policy: Policy = Policy.EAGER
-    routing: Routing = Routing.RANDOM
-    mixed_plan: MixedPlan = MixedPlan.RENDER
-    encode_on_p: EncodeOnP = EncodeOnP.NEVER
-    held_items: HeldItems = HeldItems.RAW
-    render_url: str | None = None
-    render_timeout_s: float = (
-        10.0  # a slow render costs the plan (E gets everything), not the request
-    )
-    instances: tuple[PrefillInstance, ...] = ()
-    encoders: tuple[EncodeInstance, ...] = ()
-    hash_algo: str = "sha256"
-    hash_seed: str | None = None
-    block_size: int | None = None  # None: learned from each instance's BlockStored events
-    e_cache_items: int = 4096
-    e_cache_ttl_s: float = 3600.0
-    seed: int | None = None  # the routing RNG's seed (tests); None = system entropy
-    # a demand query (demand, opportunistic) not answered within it costs the plan
-    demand_timeout_s: float = 1.0
-    # --e-store-url / --e-store-namespace: the shared embedding store (a Mooncake master's
-    # HTTP address) asked what it holds, per request (mmreuse.proxy.store); None: not asked
-    e_store_url: str | None = None
-    e_store_namespace: str | None = None
-    e_store_timeout_s: float = 0.25
+    fetch: MediaLimits | None = None
     # --limit-mm-per-prompt: the media items of a modality one request may carry (vLLM's flag
     # and default: 999 for a modality not named), refused before any per-item work
     limit_mm_per_prompt: Mapping[str, int] = field(default_factory=dict)
@@ -377,154 +378,119 @@ class ProxyConfig:
     # its bytes other than inline media), refused with a 400 before anything is decoded
     max_body_values: int = DEFAULT_MAX_BODY_VALUES
     max_body_text_bytes: int = DEFAULT_MAX_BODY_TEXT_BYTES
-    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE (vLLM's env, 5 s by default): how long E, P and D keep an idle
-    # connection; the proxy retires its own sooner (0: no pooling)
-    backend_keep_alive_s: float = 5.0
-    # OPENAI_API_KEY: the bearer token /start_profile and /stop_profile send E, P and D
-    api_key: str = field(default="", repr=False)
-    # The URLs of `instances`, in order (derived: what policy.Planner indexes by instance).
-    prefill_instances: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._check_urls()
-        self._check_serving()
-        self._check_planning()
-        self._check_hashing()
-        self._check_media()
-        self._check_store()
-        self._check_instances()
-        self._check_encoders()
-
-    def _check_urls(self) -> None:
-        """E and D given, every URL http(s) (a P's too, and --render-url's)."""
-        if not self.encode_urls or not self.decode_urls:
-            raise ConfigError("Static routing requires {encode_urls} and {decode_urls}")
-        for key in ("encode_urls", "decode_urls", "prefill_urls"):
-            for u in getattr(self, key):
-                if not (isinstance(u, str) and u.startswith(_HTTP)):
-                    raise ConfigError(f"{{{key}}}: {{u!r}} is not an http(s) URL", u=u)
-        if self.render_url is not None and not (
-            isinstance(self.render_url, str) and self.render_url.startswith(_HTTP)
-        ):
-            raise ConfigError("{render_url}: {u!r} is not an http(s) URL", u=self.render_url)
-
-    def _check_serving(self) -> None:
-        """The ports, the worker processes, retries, E's batch and the backends' keep-alive."""
-        if not (_at_least(self.port, 1) and self.port < 65536):
-            raise ConfigError("{port}={v!r} is not a TCP port", v=self.port)
-        if self.metrics_port is not None:
-            if not (_at_least(self.metrics_port, 1) and self.metrics_port < 65536):
-                raise ConfigError("{metrics_port}={v!r} is not a TCP port", v=self.metrics_port)
-            if self.metrics_port == self.port:
-                raise ConfigError("{metrics_port}={v!r} is {port}'s: give another", v=self.port)
-        elif self.metrics_host is not None:
-            raise ConfigError("{metrics_host} without {metrics_port}: give the port too")
-        if not (_at_least(self.workers, 1) and self.workers <= MAX_WORKERS):
-            raise ConfigError(
-                "{workers}={v!r} must be in 1..{n}, an int", v=self.workers, n=MAX_WORKERS
-            )
-        if self.workers > 1 and self.metrics_port is None:
-            raise ConfigError(
-                "{workers}={v!r} needs {metrics_port}: a scrape of {port} would reach one "
-                "worker; {metrics_port} serves every worker's /metrics and /health",
-                v=self.workers,
-            )
-        stall = self.worker_stall_timeout
-        if not (_is_number(stall) and (stall == 0 or MIN_WORKER_STALL_S <= stall < math.inf)):
-            raise ConfigError(
-                "{worker_stall_timeout}={v} must be 0 (never) or seconds, at least {least}: a "
-                "worker busy for less is not stalled",
-                v=_g(stall),
-                least=f"{MIN_WORKER_STALL_S:g}",
-            )
-        if not _at_least(self.decode_retries, 0):
-            raise ConfigError("{decode_retries}={v!r} must be an int >= 0", v=self.decode_retries)
-        if not _at_least(self.encoder_max_batch_size, 0):
-            raise ConfigError(
-                "{encoder_max_batch_size}={v!r} must be non-negative", v=self.encoder_max_batch_size
-            )
-        keep = self.backend_keep_alive_s
-        if not (_is_number(keep) and math.isfinite(keep) and keep >= 0):
-            raise ConfigError("{backend_keep_alive_s}={v!r} must be seconds >= 0", v=keep)
+        object.__setattr__(
+            self, "uuid_policy", _choice(UuidPolicy, "media/uuid_policy", self.uuid_policy)
+        )
         for key in ("max_body_bytes", "max_body_values", "max_body_text_bytes"):
             if not _at_least(getattr(self, key), 1):
-                raise ConfigError(f"{{{key}}}={{v!r}} must be an int >= 1", v=getattr(self, key))
-        if not isinstance(self.api_key, str):
-            raise ConfigError("{api_key} must be a str, got a {t}", t=type(self.api_key).__name__)
-
-    def _check_planning(self) -> None:
-        """The policy, routing and naming, and the timeouts of the render and P's answer."""
-        object.__setattr__(self, "policy", parse_policy(self.policy))
-        object.__setattr__(self, "routing", _choice(Routing, "routing", self.routing))
-        object.__setattr__(self, "mixed_plan", _choice(MixedPlan, "mixed_plan", self.mixed_plan))
-        object.__setattr__(self, "encode_on_p", _choice(EncodeOnP, "encode_on_p", self.encode_on_p))
-        object.__setattr__(self, "held_items", _choice(HeldItems, "held_items", self.held_items))
-        if self.held_items is HeldItems.REFERENCE and (
-            self.policy is Policy.EAGER or self.no_rewrite
-        ):
-            raise ConfigError(
-                "{held_items} reference acts on the items a policy plans as held and on the "
-                "rewrite: {policy} index, demand or opportunistic without {no_rewrite}, got {p}"
-                "{nr}",
-                p=self.policy.value,
-                nr=" with --no-rewrite" if self.no_rewrite else "",
-            )
-        splits = self.policy in (Policy.INDEX, Policy.DEMAND)
-        for key, value in (("mixed_plan", MixedPlan.RENDER), ("encode_on_p", EncodeOnP.NEVER)):
-            if getattr(self, key) is not value and not splits:
                 raise ConfigError(
-                    f"{{{key}}} {{v}} acts on the split at arrival: {{policy}} index or demand, "
-                    "got {p}",
-                    v=getattr(self, key).value,
-                    p=self.policy.value,
+                    f"{{media/{key}}}={{v!r}} must be an int >= 1", v=getattr(self, key)
                 )
-        object.__setattr__(
-            self, "uuid_policy", _choice(UuidPolicy, "uuid_policy", self.uuid_policy)
-        )
-        if self.no_rewrite and self.uuid_policy != UuidPolicy.REFERENCE:
-            raise ConfigError(
-                "{no_rewrite} with {uuid_policy} {p}: {no_rewrite} sends E no uuid, so the "
-                "tenant's namespace would not reach P",
-                p=self.uuid_policy.value,
-            )
-        if self.no_rewrite and self.policy != Policy.EAGER:
-            raise ConfigError(
-                "{no_rewrite} with {policy} {p}: P would get every item raw without its uuid, so "
-                "its keys would not be the ones the plan used; use {policy} eager",
-                p=self.policy.value,
-            )
-        if not (_is_number(self.render_timeout_s) and self.render_timeout_s > 0):
-            raise ConfigError("{render_timeout_s}={v!r} must be > 0", v=self.render_timeout_s)
-        if not _positive(self.demand_timeout_s):
-            raise ConfigError(
-                "{demand_timeout_s}={v!r} must be a finite number > 0", v=self.demand_timeout_s
-            )
-        if not _at_least(self.e_cache_items, 1):
-            raise ConfigError("{e_cache_items}={v!r} must be an int >= 1", v=self.e_cache_items)
-        if not _positive(self.e_cache_ttl_s):
-            raise ConfigError(
-                "{e_cache_ttl_s}={v!r} must be a finite number > 0", v=self.e_cache_ttl_s
-            )
         for modality, limit in self.limit_mm_per_prompt.items():
             if not (isinstance(modality, str) and _at_least(limit, 0)):
                 raise ConfigError(
-                    "{limit_mm_per_prompt}[{m!r}]={v!r} must be an int >= 0 per modality name",
+                    "{media/limit_mm_per_prompt}[{m!r}]={v!r} must be an int >= 0 per "
+                    "modality name",
                     m=modality,
                     v=limit,
                 )
         object.__setattr__(self, "limit_mm_per_prompt", dict(self.limit_mm_per_prompt))
+        self._check_fetch()
 
-    def _check_hashing(self) -> None:
-        """P's hashing as the proxy reproduces it: the algorithm, its seed, the block size."""
+    def _check_fetch(self) -> None:
+        """What --uuid-policy content fetches (its defaults where not set): bounds set under
+        another policy do nothing, whatever their values, so they are refused."""
+        fetch = self.fetch
+        if fetch is not None and not isinstance(fetch, MediaLimits):
+            raise ConfigError("{media/fetch} must be a MediaLimits or None, got {v!r}", v=fetch)
+        if self.uuid_policy != UuidPolicy.CONTENT:
+            if fetch is not None:
+                raise ConfigError(
+                    "{media/fetch} bounds what {media/uuid_policy} content fetches: it does "
+                    "nothing under {media/uuid_policy} {p}",
+                    p=self.uuid_policy.value,
+                )
+            return
+        if fetch is None:
+            fetch = MediaLimits()
+            object.__setattr__(self, "fetch", fetch)
+        domains = fetch.allowed_domains
+        if domains is not None and any("/" in d or ":" in d for d in domains):
+            raise ConfigError(
+                "{media/fetch/allowed_domains}: {v!r} must be host names (no scheme, port or path)",
+                v=sorted(domains),
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class PlanningConfig:
+    """What decides each request (`_PLANNING`): the policy and its options, the render."""
+
+    policy: Policy = Policy.EAGER
+    routing: Routing = Routing.RANDOM
+    mixed_plan: MixedPlan = MixedPlan.RENDER
+    encode_on_p: EncodeOnP = EncodeOnP.NEVER
+    held_items: HeldItems = HeldItems.RAW
+    render_url: str | None = None
+    # a slow render costs the plan (E gets everything), not the request
+    render_timeout_s: float = 10.0
+    seed: int | None = None  # the routing RNG's seed (tests); None = system entropy
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", parse_policy(self.policy, "planning.policy"))
+        for key, kind in (
+            ("routing", Routing),
+            ("mixed_plan", MixedPlan),
+            ("encode_on_p", EncodeOnP),
+            ("held_items", HeldItems),
+        ):
+            object.__setattr__(self, key, _choice(kind, f"planning/{key}", getattr(self, key)))
+        splits = self.policy in (Policy.INDEX, Policy.DEMAND)
+        for key, value in (("mixed_plan", MixedPlan.RENDER), ("encode_on_p", EncodeOnP.NEVER)):
+            if getattr(self, key) is not value and not splits:
+                raise ConfigError(
+                    f"{{planning/{key}}} {{v}} acts on the split at arrival: {{planning/policy}} "
+                    "index or demand, got {p}",
+                    v=getattr(self, key).value,
+                    p=self.policy.value,
+                )
+        if self.render_url is not None and not (
+            isinstance(self.render_url, str) and self.render_url.startswith(_HTTP)
+        ):
+            raise ConfigError(
+                "{planning/render_url}: {u!r} is not an http(s) URL", u=self.render_url
+            )
+        if not (_is_number(self.render_timeout_s) and self.render_timeout_s > 0):
+            raise ConfigError(
+                "{planning/render_timeout_s}={v!r} must be > 0", v=self.render_timeout_s
+            )
+        if self.seed is not None and type(self.seed) is not int:
+            raise ConfigError("{planning/seed}={v!r} must be an int or None", v=self.seed)
+
+
+@dataclass(frozen=True, slots=True)
+class ViewsConfig:
+    """How the proxy follows P (`_VIEWS`, less the per-instance endpoints): P's hashing as the
+    proxy reproduces it, and how long P's answer may take."""
+
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
+    block_size: int | None = None  # None: learned from each instance's BlockStored events
+    # a demand query (demand, opportunistic) not answered within it costs the plan
+    demand_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
         algo, seed = self.hash_algo, self.hash_seed
         if algo not in HASH_FUNCTIONS:
             raise ConfigError(
-                "{hash_algo}={v!r} must be one of {names}",
+                "{views/hash_algo}={v!r} must be one of {names}",
                 v=algo,
                 names=", ".join(sorted(HASH_FUNCTIONS)),
             )
         if seed is not None and not isinstance(seed, str):
-            raise ConfigError("{hash_seed}={v!r} must be a str (PYTHONHASHSEED)", v=seed)
+            raise ConfigError("{views/hash_seed}={v!r} must be a str (PYTHONHASHSEED)", v=seed)
         if seed is not None and algo.endswith("_cbor"):
             try:  # a non-UTF-8 argv byte arrives as a lone surrogate, which CBOR cannot hash
                 seed.encode("utf-8")
@@ -534,61 +500,136 @@ class ProxyConfig:
                 except UnicodeEncodeError:
                     shown = ascii(seed)
                 raise ConfigError(
-                    "{hash_seed} {shown} is not UTF-8 (at character {at}): {hash_algo} {algo} "
-                    "hashes the seed as UTF-8 text, as vLLM does PYTHONHASHSEED",
+                    "{views/hash_seed} {shown} is not UTF-8 (at character {at}): "
+                    "{views/hash_algo} {algo} hashes the seed as UTF-8 text, as vLLM does "
+                    "PYTHONHASHSEED",
                     shown=shown,
                     at=e.start,
                     algo=algo,
                 ) from None
         if algo.startswith("xxhash") and seed is None:
             raise ConfigError(
-                "{hash_algo} {algo} needs {hash_seed}: without PYTHONHASHSEED vLLM seeds xxhash "
-                "randomly per process, so no proxy can reproduce its hashes",
+                "{views/hash_algo} {algo} needs {views/hash_seed}: without PYTHONHASHSEED vLLM "
+                "seeds xxhash randomly per process, so no proxy can reproduce its hashes",
                 algo=algo,
             )
         if self.block_size is not None and not _at_least(self.block_size, 1):
-            raise ConfigError("{block_size}={v!r} must be an int >= 1", v=self.block_size)
-
-    def _check_media(self) -> None:
-        """What --uuid-policy content fetches (its defaults where not set): bounds set under
-        another policy do nothing, whatever their values, so they are refused."""
-        media = self.media
-        if media is not None and not isinstance(media, MediaLimits):
-            raise ConfigError("{media} must be a MediaLimits or None, got {v!r}", v=media)
-        if self.uuid_policy != UuidPolicy.CONTENT:
-            if media is not None:
-                raise ConfigError(
-                    "{media} bounds what {uuid_policy} content fetches: it does nothing under "
-                    "{uuid_policy} {p}",
-                    p=self.uuid_policy.value,
-                )
-            return
-        if media is None:
-            media = MediaLimits()
-            object.__setattr__(self, "media", media)
-        domains = media.allowed_domains
-        if domains is not None and any("/" in d or ":" in d for d in domains):
+            raise ConfigError("{views/block_size}={v!r} must be an int >= 1", v=self.block_size)
+        if not _positive(self.demand_timeout_s):
             raise ConfigError(
-                "{media/allowed_domains}: {v!r} must be host names (no scheme, port or path)",
-                v=sorted(domains),
+                "{views/demand_timeout_s}={v!r} must be a finite number > 0",
+                v=self.demand_timeout_s,
             )
 
-    def _check_store(self) -> None:
-        """The shared embedding store: its HTTP address and namespace, both or neither."""
-        url, ns = self.e_store_url, self.e_store_namespace
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """What E and the shared store hold, as the proxy learns it (`_STORE`): the store asked per
+    request, and the proxy's own record of what E holds."""
+
+    # --e-store-url / --e-store-namespace: the shared embedding store (a Mooncake master's
+    # HTTP address) asked what it holds, per request (mmreuse.proxy.store); None: not asked
+    url: str | None = None
+    namespace: str | None = None
+    timeout_s: float = 0.25
+    e_cache_items: int = 4096
+    e_cache_ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        url, ns = self.url, self.namespace
         if (url is None) != (ns is None):
             raise ConfigError(
-                "{e_store_url}={u!r} and {e_store_namespace}={n!r}: give both or neither",
-                u=url,
-                n=ns,
+                "{store/url}={u!r} and {store/namespace}={n!r}: give both or neither", u=url, n=ns
             )
         if url is not None and not (isinstance(url, str) and url.startswith(_HTTP)):
-            raise ConfigError("{e_store_url}={u!r} must be an http:// URL", u=url)
+            raise ConfigError("{store/url}={u!r} must be an http:// URL", u=url)
         if ns is not None and not (isinstance(ns, str) and ns):
-            raise ConfigError("{e_store_namespace}={n!r} must be a non-empty str", n=ns)
-        if not _positive(self.e_store_timeout_s):
+            raise ConfigError("{store/namespace}={n!r} must be a non-empty str", n=ns)
+        if not _positive(self.timeout_s):
             raise ConfigError(
-                "{e_store_timeout_s}={v!r} must be a finite number > 0", v=self.e_store_timeout_s
+                "{store/timeout_s}={v!r} must be a finite number > 0", v=self.timeout_s
+            )
+        if not _at_least(self.e_cache_items, 1):
+            raise ConfigError(
+                "{store/e_cache_items}={v!r} must be an int >= 1", v=self.e_cache_items
+            )
+        if not _positive(self.e_cache_ttl_s):
+            raise ConfigError(
+                "{store/e_cache_ttl_s}={v!r} must be a finite number > 0", v=self.e_cache_ttl_s
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Everything the proxy runs on: the instances, and one record per section, each checking
+    itself; the rules across sections are checked here. `prefill_urls` empty = E + PD (the
+    decode URLs prefill).
+
+    `instances`: one record per instance that prefills, in the order of its URLs (the P URLs,
+    or the PD URLs in E + PD); left empty, the URLs alone (no view, no demand endpoint).
+    `encoders`: one record per E, in the order of `encode_urls` (left empty: the URLs alone, and
+    the E side is the proxy's own record of what it sent).
+    """
+
+    encode_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    prefill_urls: tuple[str, ...] = ()
+    instances: tuple[PrefillInstance, ...] = ()
+    encoders: tuple[EncodeInstance, ...] = ()
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
+    views: ViewsConfig = field(default_factory=ViewsConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    # The URLs of `instances`, in order (derived: what policy.Planner indexes by instance).
+    prefill_instances: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for key, kind in _SECTIONS.items():
+            if not isinstance(getattr(self, key), kind):
+                raise ConfigError(
+                    f"{{{key}}} must be a {kind.__name__}, got {{v!r}}", v=getattr(self, key)
+                )
+        self._check_urls()
+        self._check_across()
+        self._check_instances()
+        self._check_encoders()
+
+    def _check_urls(self) -> None:
+        """E and D given, every URL http(s) (a P's too)."""
+        if not self.encode_urls or not self.decode_urls:
+            raise ConfigError("Static routing requires {encode_urls} and {decode_urls}")
+        for key in ("encode_urls", "decode_urls", "prefill_urls"):
+            for u in getattr(self, key):
+                if not (isinstance(u, str) and u.startswith(_HTTP)):
+                    raise ConfigError(f"{{{key}}}: {{u!r}} is not an http(s) URL", u=u)
+
+    def _check_across(self) -> None:
+        """The rules across sections: --no-rewrite and --held-items reference against the
+        policy and the naming."""
+        policy, no_rewrite = self.planning.policy, self.serving.no_rewrite
+        if self.planning.held_items is HeldItems.REFERENCE and (
+            policy is Policy.EAGER or no_rewrite
+        ):
+            raise ConfigError(
+                "{planning/held_items} reference acts on the items a policy plans as held and "
+                "on the rewrite: {planning/policy} index, demand or opportunistic without "
+                "{serving/no_rewrite}, got {p}{nr}",
+                p=policy.value,
+                nr=" with --no-rewrite" if no_rewrite else "",
+            )
+        if no_rewrite and self.media.uuid_policy != UuidPolicy.REFERENCE:
+            raise ConfigError(
+                "{serving/no_rewrite} with {media/uuid_policy} {p}: {serving/no_rewrite} sends "
+                "E no uuid, so the tenant's namespace would not reach P",
+                p=self.media.uuid_policy.value,
+            )
+        if no_rewrite and policy != Policy.EAGER:
+            raise ConfigError(
+                "{serving/no_rewrite} with {planning/policy} {p}: P would get every item raw "
+                "without its uuid, so its keys would not be the ones the plan used; use "
+                "{planning/policy} eager",
+                p=policy.value,
             )
 
     def _check_instances(self) -> None:
@@ -604,15 +645,15 @@ class ProxyConfig:
                 urls=list(urls),
                 which="prefill" if self.prefill_urls else "decode",
             )
-        if self.policy.asks_p:
+        if self.planning.policy.asks_p:
             for i, inst in enumerate(instances):
                 if inst.demand is None:
                     raise ConfigError(
-                        f"{{instances/{i}/demand}} (for {{url}}) is empty: {{policy}} {{p}} "
+                        f"{{instances/{i}/demand}} (for {{url}}) is empty: {{planning/policy}} {{p}} "
                         "needs {instances/*/demand}, each P/PD's DemandScheduler endpoint; "
                         "{url} has no demand endpoint",
                         url=inst.url,
-                        p=self.policy.value,
+                        p=self.planning.policy.value,
                     )
         object.__setattr__(self, "instances", instances)
         object.__setattr__(self, "prefill_instances", urls)
@@ -641,6 +682,16 @@ class ProxyConfig:
     def e_events(self) -> bool:
         """Whether the E side comes from E's encoder-cache events (shared by every replica)."""
         return bool(self.encoders) and self.encoders[0].ec_events is not None
+
+
+# ProxyConfig's sections: field -> record.
+_SECTIONS: Mapping[str, type] = {
+    "serving": ServingConfig,
+    "media": MediaConfig,
+    "planning": PlanningConfig,
+    "views": ViewsConfig,
+    "store": StoreConfig,
+}
 
 
 def _mm_limits(value: str) -> dict[str, int]:
@@ -1065,7 +1116,9 @@ _STORE: tuple[_Flag, ...] = (
 )
 # The media flags, and the MediaLimits field each sets (FLAGS' `media.*`).
 _MEDIA_FIELDS = {
-    flag: key.removeprefix("media.") for key, flag in FLAGS.items() if key.startswith("media.")
+    flag: key.removeprefix("media.fetch.")
+    for key, flag in FLAGS.items()
+    if key.startswith("media.fetch.")
 }
 # The flags aligned with the instances that prefill, and the PrefillInstance field each fills.
 _ALIGNED = {
@@ -1129,7 +1182,7 @@ def parse_args(
         return config_from_args(args, env)
     except InvalidArgument as e:
         given = [flag for flag in _MEDIA_FIELDS if getattr(args, _flag_dest(flag)) is not None]
-        _fail(parser, in_flags(e, {**FLAGS, "media": given[0]} if given else FLAGS))
+        _fail(parser, in_flags(e, {**FLAGS, "media.fetch": given[0]} if given else FLAGS))
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -1231,42 +1284,52 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         encode_urls=e_urls,
         decode_urls=d_urls,
         prefill_urls=prefill,
-        host=args.host,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        workers=args.workers,
-        worker_stall_timeout=args.worker_stall_timeout,
-        port=args.port,
-        decode_retries=args.decode_retries,
-        no_rewrite=args.no_rewrite,
-        uuid_policy=args.uuid_policy,
-        media=_media(args),
-        log_requests=args.log_requests,
-        encoder_max_batch_size=_env_number(env, "ENCODER_MAX_BATCH_SIZE", "0", int),
-        policy=args.policy,
-        routing=args.routing,
-        mixed_plan=args.mixed_plan,
-        encode_on_p=args.encode_on_p,
-        held_items=args.held_items,
-        render_url=args.render_url.rstrip("/") if args.render_url else None,
-        render_timeout_s=args.render_timeout,
         instances=tuple(PrefillInstance(u, **s) for u, s in zip(urls, slots, strict=True)),
         encoders=tuple(EncodeInstance(u, **s) for u, s in zip(e_urls, e_slots, strict=True)),
-        hash_algo=args.hash_algo,
-        hash_seed=args.hash_seed,
-        block_size=args.block_size,
-        e_cache_items=args.e_cache_items,
-        e_cache_ttl_s=args.e_cache_ttl,
-        demand_timeout_s=args.demand_timeout,
-        e_store_url=args.e_store_url.rstrip("/") if args.e_store_url else None,
-        e_store_namespace=args.e_store_namespace,
-        e_store_timeout_s=args.e_store_timeout,
-        limit_mm_per_prompt=args.limit_mm_per_prompt,
-        max_body_bytes=args.max_body_bytes,
-        max_body_values=args.max_body_values,
-        max_body_text_bytes=args.max_body_text_bytes,
-        backend_keep_alive_s=_env_number(env, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5", float),
-        api_key=env.get("OPENAI_API_KEY", ""),
+        serving=ServingConfig(
+            host=args.host,
+            port=args.port,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            workers=args.workers,
+            worker_stall_timeout=args.worker_stall_timeout,
+            log_requests=args.log_requests,
+            decode_retries=args.decode_retries,
+            no_rewrite=args.no_rewrite,
+            encoder_max_batch_size=_env_number(env, "ENCODER_MAX_BATCH_SIZE", "0", int),
+            backend_keep_alive_s=_env_number(env, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5", float),
+            api_key=env.get("OPENAI_API_KEY", ""),
+        ),
+        media=MediaConfig(
+            uuid_policy=args.uuid_policy,
+            fetch=_media(args),
+            limit_mm_per_prompt=args.limit_mm_per_prompt,
+            max_body_bytes=args.max_body_bytes,
+            max_body_values=args.max_body_values,
+            max_body_text_bytes=args.max_body_text_bytes,
+        ),
+        planning=PlanningConfig(
+            policy=args.policy,
+            routing=args.routing,
+            mixed_plan=args.mixed_plan,
+            encode_on_p=args.encode_on_p,
+            held_items=args.held_items,
+            render_url=args.render_url.rstrip("/") if args.render_url else None,
+            render_timeout_s=args.render_timeout,
+        ),
+        views=ViewsConfig(
+            hash_algo=args.hash_algo,
+            hash_seed=args.hash_seed,
+            block_size=args.block_size,
+            demand_timeout_s=args.demand_timeout,
+        ),
+        store=StoreConfig(
+            url=args.e_store_url.rstrip("/") if args.e_store_url else None,
+            namespace=args.e_store_namespace,
+            timeout_s=args.e_store_timeout,
+            e_cache_items=args.e_cache_items,
+            e_cache_ttl_s=args.e_cache_ttl,
+        ),
     )
     # After the records: where they refuse an empty slot (a policy that asks every P/PD) they
     # name it; what is left is a flag that names nothing.

@@ -31,7 +31,7 @@ from ..demand_query import (
     encode,
 )
 from ..validate import check_float, check_int, check_str, fail_value
-from .encoder import new_hex
+from .ids import new_hex
 
 logger = logging.getLogger("mmreuse.proxy")
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +23,7 @@ import yarl
 
 from .body import Blobs, encode_body, size_of
 from .errors import ProxyError
+from .ids import new_hex
 from .media import EMBEDS_TYPES, item_uuid, uses_audio_in_video
 from .upstream import Upstream
 
@@ -41,31 +40,11 @@ E_COPIES_FLOOR = 1 << 20
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder()
 
-# Child request ids and transfer ids only need to be unique: a per-process generator seeded
-# from the OS, as the reference's uuid4() values are, without a getrandom() call for each.
-_ids = random.Random(int.from_bytes(os.urandom(32), "big"))
-
 
 @functools.lru_cache(maxsize=256)
 def chat_url(base: str) -> yarl.URL:
     """`<base>/v1/chat/completions`, parsed once (aiohttp would parse the string each call)."""
     return yarl.URL(f"{base}/v1/chat/completions")
-
-
-def new_hex(bits: int) -> str:
-    """`bits` random bits as lower-case hex (uuid4().hex's form for 128)."""
-    return f"{_ids.getrandbits(bits):0{bits // 4}x}"
-
-
-_V4 = ~(0xF000 << 64) & ~(0xC000 << 48)  # the version and variant bits cleared ...
-_V4_SET = (0x4000 << 64) | (0x8000 << 48)  # ... and set: version 4, RFC 4122's variant
-
-
-def new_uuid4() -> str:
-    """A random version-4 UUID in its string form (str(uuid4())'s), without uuid.UUID's
-    parsing and checks: a request id per request."""
-    h = f"{_ids.getrandbits(128) & _V4 | _V4_SET:032x}"
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 @dataclass(frozen=True, slots=True)

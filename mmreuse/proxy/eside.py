@@ -34,7 +34,7 @@ class ESide:
         metrics: ProxyMetrics | None,
     ) -> None:
         """`metrics`: the E views' (None: no E views are made, as for a planner alone)."""
-        planned = config.policy.reads_view or config.policy.asks_p
+        planned = config.planning.policy.reads_view or config.planning.policy.asks_p
         self.kind = "none" if not planned else "events" if config.e_events else "sent"
         self._availability = availability
         self.views: list[EncoderView] = (

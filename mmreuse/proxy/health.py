@@ -65,7 +65,7 @@ class Operations:
             for name, h in (*views.items(), *e_views.items())
             for p in h["problems"]  # type: ignore[attr-defined]
         ]
-        if not cfg.policy.reads_view and cfg.routing == Routing.RANDOM:
+        if not cfg.planning.policy.reads_view and cfg.planning.routing == Routing.RANDOM:
             problems = [p for p in problems if not p.endswith("no KV events endpoint")]
         store = self.proxy.store.health() if self.proxy.store is not None else None
         if store is not None and store["last_outcome"] not in (None, "ok"):
@@ -87,8 +87,8 @@ class Operations:
             "prefill_cluster": p,
             "decode_cluster": d,
             "mmreuse": {
-                "policy": cfg.policy,
-                "routing": cfg.routing,
+                "policy": cfg.planning.policy,
+                "routing": cfg.planning.routing,
                 "status": "degraded" if problems else "ok",
                 "problems": problems,
                 "e_side": self.proxy.e_side.health(),  # events, per-replica, or None (eager)
@@ -124,7 +124,7 @@ class Operations:
         except ProxyError as err:
             return web.json_response({"detail": err.detail}, status=err.status)
         cfg = self.proxy.config
-        headers = {"Authorization": f"Bearer {cfg.api_key}"}
+        headers = {"Authorization": f"Bearer {cfg.serving.api_key}"}
 
         async def one(urls: tuple[str, ...]) -> Any:
             if not urls:

@@ -35,6 +35,7 @@ from ..availability import EmbeddingAvailability
 from ..decision import (
     Dispatch,
     Policy,
+    arrival_classes,
     dispatch,
     dispatch_all,
     dispatch_at_arrival,
@@ -47,8 +48,8 @@ from ..plan import AdmissionPlan, GivenCoverage, KVLookup, plan_admission
 from ..render import RENDER_PATH, RenderedPrompt, from_render_json, render_body
 from .config import EncodeOnP, MixedPlan, ProxyConfig
 from .demand import DemandClient, DemandUnavailable
-from .encoder import new_hex
 from .eside import ESide
+from .ids import new_hex
 from .media import MODALITY, item_uuid, rewrite_for_decode, with_uuids
 from .models import ModelCatalog
 from .references import HeldReferences
@@ -126,49 +127,64 @@ class Arrival:
     stored: bool = False  # `rest` is in the store, each as E's kept reference (no plan)
 
 
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """What a Planner decides from.
+
+    Attributes:
+        views: one per P (or PD), config order.
+        availability: what E and each P hold, by identifier.
+        demand: one DemandClient per instance (under index, None for those without a demand
+            endpoint: asked while that instance's view is incomplete), or none.
+        models: what each P/PD serves, so that a request naming a LoRA adapter is not planned
+            on the base model's blocks (None: every request's model is taken as base).
+        store: the shared embedding store, asked what it holds of each request planned on the
+            view (what P's EC connector loads: `p_external`).
+        e_side: what E holds (None: one made from the config, without E views).
+        references: E's metadata kept per item (--held-items reference), which the render is
+            given in place of the media.
+    """
+
+    views: Sequence[InstanceView]
+    availability: EmbeddingAvailability
+    demand: Sequence[DemandClient | None] = ()
+    models: ModelCatalog | None = None
+    store: StoreTruth | None = None
+    e_side: ESide | None = None
+    references: HeldReferences | None = None
+
+
 class Planner:
     """Makes each request's Decision from the config, the views, E-side availability and, under
-    demand and opportunistic, each P's answer (`demand`: one DemandClient per instance; under
-    index, one per instance with a demand endpoint, None for the others: asked while that
-    instance's view is incomplete)."""
+    demand and opportunistic, each P's answer (`Sources`)."""
 
     def __init__(
         self,
         config: ProxyConfig,
-        views: Sequence[InstanceView],
-        availability: EmbeddingAvailability,
+        sources: Sources,
         post: Callable[[str, Any], Any],
         rng: random.Random,
-        demand: Sequence[DemandClient | None] = (),
-        *,
-        models: ModelCatalog | None = None,
-        store: StoreTruth | None = None,
-        e_side: ESide | None = None,
-        references: HeldReferences | None = None,
     ) -> None:
-        """`models`: what each P/PD serves, so that a request naming a LoRA adapter is not
-        planned on the base model's blocks (None: every request's model is taken as base).
-        `store`: the shared embedding store, asked what it holds of each request planned on
-        the view (what P's EC connector loads: `p_external`). `e_side`: what E holds (None:
-        one made from the config, without E views). `references`: E's metadata kept per item
-        (--held-items reference), which the render is given in place of the media."""
-        self.store = store
-        self.references = references
+        """`post`: async (url, body) -> (status, bytes), for the render; `rng`: the routing
+        draws."""
+        self.store = sources.store
+        self.references = sources.references
         self.config = config
-        self.models = models
-        self.views = list(views)
-        self.availability = availability
+        self.models = sources.models
+        self.views = list(sources.views)
+        self.availability = availability = sources.availability
         self._post = post  # async (url, body) -> (status, bytes)
         self._rng = rng
-        self.demand = list(demand)
-        self.policy = Policy(config.policy)
+        self.demand = list(sources.demand)
+        self.policy = Policy(config.planning.policy)
         self._asks = self.policy.asks_p
         if self.demand and len(self.demand) != len(config.prefill_instances):
             raise InvalidArgument(
                 f"demand has {len(self.demand)} clients for "
                 f"{len(config.prefill_instances)} P/PD instances"
             )
-        self._needs_render = self.policy.renders or config.routing == "affine"
+        self._needs_render = self.policy.renders or config.planning.routing == "affine"
+        e_side = sources.e_side
         self.e_side = e_side if e_side is not None else ESide(config, availability, None)
 
     def random_instance(self) -> int:
@@ -289,7 +305,7 @@ class Planner:
     def _arrival_instance(self, identifiers: set[str]) -> int:
         """Random routing: a random P. Affine: the P whose view knows a block carrying the most
         of these identifiers (ties at random), instead of a render and a prefix match."""
-        if self.config.routing != "affine" or len(self.views) == 1:
+        if self.config.planning.routing != "affine" or len(self.views) == 1:
             return self.random_instance()
         scores = [sum(map(view.holds_identifier, identifiers)) for view in self.views]
         best = max(scores)
@@ -299,7 +315,7 @@ class Planner:
         """`arrival` as --encode-on-p has it: single sends a request's one item, new, to P
         raw instead of E (`rest`, decided at arrival: P's encoder encodes it)."""
         if (
-            self.config.encode_on_p is EncodeOnP.SINGLE
+            self.config.planning.encode_on_p is EncodeOnP.SINGLE
             and len(arrival.now) == 1
             and not arrival.shares
             and not arrival.rest
@@ -314,7 +330,7 @@ class Planner:
             not arrival.rest
             or arrival.on_p
             or arrival.stored
-            or (bool(arrival.now) and self.config.mixed_plan is MixedPlan.ARRIVAL)
+            or (bool(arrival.now) and self.config.planning.mixed_plan is MixedPlan.ARRIVAL)
         )
 
     def at_arrival(
@@ -323,7 +339,10 @@ class Planner:
         """The Decision of a request decided at arrival (`at_once`): no render, no plan; E gets
         `now` (e_cached where E's side says it holds the identifier), P gets `rest` raw with
         their uuid (vLLM's own order serves each, or P's encoder encodes it)."""
-        classes = _arrival_classes((ItemClass.UNCLASSIFIED,) * len(uuids), arrival, uuids)
+        unclassified = (ItemClass.UNCLASSIFIED,) * len(uuids)
+        classes = arrival_classes(
+            unclassified, arrival.now, arrival.shares, uuids, arrival.e_cached
+        )
         return Decision(
             arrival.instance,
             dispatch_at_arrival(arrival.now, arrival.rest, arrival.shares, classes),
@@ -376,7 +395,7 @@ class Planner:
         routed: Callable[[int], None],
         arrival: Arrival | None = None,
     ) -> Decision:
-        if not self._needs_render or (not items and self.config.routing == "random"):
+        if not self._needs_render or (not items and self.config.planning.routing == "random"):
             return self.eager(items, instance)
         if uuids is None:
             uuids = [item_uuid(item) for item in items]
@@ -384,18 +403,18 @@ class Planner:
             instance = self.random_instance()
         refused = _unplannable(request, uuids) or await self._not_base(request, instance)
         if refused is not None:  # the proxy keeps no record of it: served as under eager
-            return _replace(self.eager(items, instance), no_plan=f"plan: {refused}")
-        if self.config.routing == "random":
+            return replace(self.eager(items, instance), no_plan=f"plan: {refused}")
+        if self.config.planning.routing == "random":
             routed(instance)
         t0 = time.perf_counter()
         try:
             rendered = await self._render(request, uuids, instance)
         except (_NoPlan, InvalidArgument) as e:
-            return _replace(self.eager(items, instance), no_plan=f"render: {e}",
+            return replace(self.eager(items, instance), no_plan=f"render: {e}",
                             render_s=time.perf_counter() - t0)  # fmt: skip
         except Exception as e:  # a bug here costs the plan, never the request
             logger.exception("render answer not usable")
-            return _replace(self.eager(items, instance), no_plan=f"render: {type(e).__name__}: {e}",
+            return replace(self.eager(items, instance), no_plan=f"render: {type(e).__name__}: {e}",
                             render_s=time.perf_counter() - t0)  # fmt: skip
         t1 = time.perf_counter()
         try:
@@ -420,14 +439,14 @@ class Planner:
                     )
                 decision = self._plan(rendered, occ_items, items, instance, memo, external)
         except (_NoPlan, InvalidArgument) as e:
-            decision = _replace(self.eager(items, instance), no_plan=f"plan: {e}")
+            decision = replace(self.eager(items, instance), no_plan=f"plan: {e}")
         except Exception as e:
             logger.exception("planning failed")
-            decision = _replace(
+            decision = replace(
                 self.eager(items, instance), no_plan=f"plan: {type(e).__name__}: {e}"
             )
         t2 = time.perf_counter()
-        return _replace(decision, render_s=t1 - t0, decide_s=t2 - t1)
+        return replace(decision, render_s=t1 - t0, decide_s=t2 - t1)
 
     def _ask_instead(
         self, instance: int, *, usable: bool | None = None, complete: bool | None = None
@@ -444,7 +463,7 @@ class Planner:
 
     def _renderer(self, instance: int) -> str:
         """The server that renders for `instance` (and whose models the catalog reads)."""
-        return self.config.render_url or self.config.prefill_instances[instance]
+        return self.config.planning.render_url or self.config.prefill_instances[instance]
 
     async def _not_base(self, request: Mapping[str, Any], instance: int) -> str | None:
         """Why the request's `model` cannot be planned on (hashed as the base model), if so:
@@ -481,10 +500,10 @@ class Planner:
         try:
             status, payload = await asyncio.wait_for(
                 self._post(f"{base}{RENDER_PATH}", body),
-                self.config.render_timeout_s,
+                self.config.planning.render_timeout_s,
             )
         except TimeoutError as e:
-            raise _NoPlan(f"no answer within {self.config.render_timeout_s} s") from e
+            raise _NoPlan(f"no answer within {self.config.planning.render_timeout_s} s") from e
         except Exception as e:  # a render failure costs the plan, never the request
             raise _NoPlan(f"{type(e).__name__}: {e}") from e
         if status != 200:
@@ -519,7 +538,7 @@ class Planner:
         one with the longest live hit under affine routing, unless chosen at arrival)."""
         occ_items = _occurrence_items(rendered, items)
         rendered = _checked(rendered, uuids, occ_items, request)
-        if reroute and self.config.routing == "affine" and len(self.views) > 1:
+        if reroute and self.config.planning.routing == "affine" and len(self.views) > 1:
             hits = []
             for view in self.views:
                 hashes = self._hashes(rendered, view, memo)
@@ -548,9 +567,9 @@ class Planner:
         client = self.demand[instance]
         assert client is not None  # _ask_instead, or the policy asks every instance
         try:
-            answer = await client.ask(query, self.config.demand_timeout_s)
+            answer = await client.ask(query, self.config.views.demand_timeout_s)
         except DemandUnavailable as e:
-            return _replace(
+            return replace(
                 self.eager(items, instance),
                 identifiers=identifiers,
                 cache_salt=rendered.cache_salt,
@@ -590,7 +609,7 @@ class Planner:
         """`external`: what the shared store holds of this request (None: not asked, or it
         did not answer)."""
         if not self.policy.reads_view:
-            return _replace(
+            return replace(
                 self.eager(items, instance),
                 identifiers=_identifiers(rendered, occ_items, len(items)),
             )
@@ -685,36 +704,11 @@ class _NoPlan(Exception):
 
 def _with_arrival(d: Decision, arrival: Arrival, uuids: Sequence[str]) -> Decision:
     """`d` (the plan, or P's answer, for the whole request) with the arrival's items kept at
-    E: each identifier goes to E once, through the item sent at arrival when there is one;
-    every other item of it shares that embedding."""
+    E (`Dispatch.with_arrival`)."""
     if not arrival.now:
         return d
-    planned = d.dispatch
-    classes = planned.classes or (ItemClass.UNCLASSIFIED,) * len(uuids)
-    merged = planned.with_sent(
-        arrival.now, arrival.shares, uuids, _arrival_classes(classes, arrival, uuids)
-    )
-    return _replace(d, dispatch=merged, blind=d.blind or arrival.blind)
-
-
-def _arrival_classes(
-    classes: Sequence[ItemClass], arrival: Arrival, uuids: Sequence[str]
-) -> tuple[ItemClass, ...]:
-    """`classes` with the arrival's items classed as they were when sent: e_cached where E
-    held the identifier then, else e_compute, and their duplicates `duplicate` (a plan made
-    while E encodes them would see them cached at E by then)."""
-    out = list(classes)
-    for i in arrival.now:
-        out[i] = ItemClass.E_CACHED if uuids[i] in arrival.e_cached else ItemClass.E_COMPUTE
-    for i in arrival.shares:
-        out[i] = ItemClass.DUPLICATE
-    return tuple(out)
-
-
-def _replace(d: Decision, **changes: Any) -> Decision:
-    fields = {f: getattr(d, f) for f in Decision.__slots__}
-    fields.update(changes)
-    return Decision(**fields)
+    merged = d.dispatch.with_arrival(arrival.now, arrival.shares, uuids, arrival.e_cached)
+    return replace(d, dispatch=merged, blind=d.blind or arrival.blind)
 
 
 def _occurrence_items(rendered: RenderedPrompt, items: Sequence[Mapping[str, Any]]) -> list[int]:

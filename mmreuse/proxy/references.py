@@ -5,7 +5,7 @@ reference proxy sends every item, rather than raw: P then neither fetches nor de
 A reference carries only the placeholder metadata E reported (Qwen2-VL: `image_grid_thw`) and
 the item's uuid. P serves it from its prefix KV, its encoder cache or its EC connector; where
 none holds it any more, the connector must fail the request (mmreuse's MooncakeStoreConnector
-does: `ensure_cache_available`) and the proxy retries it with the media (`Proxy._after_loss`).
+does: `ensure_cache_available`) and the proxy retries it with the media (`Forwarder._after_loss`).
 The metadata is a function of the item's content, the model and the request's
 `mm_processor_kwargs`: the key holds all three (the uuid names the content, per tenant).
 """

@@ -40,8 +40,8 @@ def build_app(config: ProxyConfig, *, after_decide: AfterDecide | None = None) -
     """The aiohttp application for `config` (its proxy at `app[PROXY_KEY]`)."""
     proxy = Proxy(config, after_decide=after_decide)
     app = web.Application(
-        middlewares=[_log_requests] if config.log_requests else [],
-        client_max_size=config.max_body_bytes,  # multi-image requests carry base64 media
+        middlewares=[_log_requests] if config.serving.log_requests else [],
+        client_max_size=config.media.max_body_bytes,  # multi-image requests carry base64 media
     )
     app[PROXY_KEY] = proxy
     app.on_startup.append(proxy.start)
@@ -49,7 +49,7 @@ def build_app(config: ProxyConfig, *, after_decide: AfterDecide | None = None) -
     app.router.add_post("/v1/chat/completions", proxy.chat)
     ops = Operations(proxy)
     app.router.add_get("/v1/models", ops.models)
-    separate = config.metrics_port is not None  # then the facts are on the metrics app only
+    separate = config.serving.metrics_port is not None  # then the facts are on the metrics app only
     app.router.add_get("/health", functools.partial(ops.health, detail=not separate))
     if not separate:
         app.router.add_get("/metrics", ops.metrics)
@@ -84,7 +84,7 @@ def event_loop_runner() -> Callable[[Any], Any]:
 
 def setup_logging(config: ProxyConfig, prefix: str = "") -> None:
     logging.basicConfig(
-        level=logging.DEBUG if config.log_requests else logging.INFO,
+        level=logging.DEBUG if config.serving.log_requests else logging.INFO,
         format=f"%(asctime)s {prefix}%(levelname)s: %(message)s",
     )
 
@@ -107,24 +107,29 @@ async def serve(
         try:
             await app_runner.setup()  # the proxy's start: views, subscribers, clients
             site = web.TCPSite(
-                app_runner, config.host, config.port, backlog=4096, reuse_port=reuse_port or None
+                app_runner,
+                config.serving.host,
+                config.serving.port,
+                backlog=4096,
+                reuse_port=reuse_port or None,
             )
             await site.start()
             serving = True
             if metrics_path is not None:
                 await metrics_runner.setup()
                 await web.UnixSite(metrics_runner, metrics_path).start()
-            elif config.metrics_port is not None:
-                host = config.metrics_host or config.host
+            elif config.serving.metrics_port is not None:
+                host = config.serving.metrics_host or config.serving.host
                 await metrics_runner.setup()
-                await web.TCPSite(metrics_runner, host, config.metrics_port).start()
+                await web.TCPSite(metrics_runner, host, config.serving.metrics_port).start()
         except InvalidArgument as e:
             raise StartupFailed(str(e)) from e
         except OSError as e:  # the port is taken, the host does not resolve, ...
             where = (
-                f"{config.host}:{config.port}"
+                f"{config.serving.host}:{config.serving.port}"
                 if not serving
-                else metrics_path or f"{config.metrics_host or config.host}:{config.metrics_port}"
+                else metrics_path
+                or f"{config.serving.metrics_host or config.serving.host}:{config.serving.metrics_port}"
             )
             raise StartupFailed(f"cannot listen on {where}: {e.strerror or e}") from e
         # What start-up made lives as long as the process: out of the cyclic collector's reach,
@@ -134,7 +139,7 @@ async def serve(
         gc.freeze()
         logger.info(
             "mmreuse proxy on %s:%d (policy %s, routing %s): E %s, P %s, D %s",
-            config.host, config.port, config.policy, config.routing,
+            config.serving.host, config.serving.port, config.planning.policy, config.planning.routing,
             list(config.encode_urls), list(config.prefill_urls), list(config.decode_urls),
         )  # fmt: skip
         if ready is not None:

@@ -128,7 +128,7 @@ class Supervisor:
         self.restarts: dict[int, int] = {}  # per worker, as /health reports them
         self._pipes: dict[int, Any] = {}  # a restarted worker's, until it says how it started
         # each worker's heartbeat (time.monotonic() its loop last stamped), in shared memory
-        self._beats = self._ctx.RawArray("d", config.workers)
+        self._beats = self._ctx.RawArray("d", config.serving.workers)
         self._serving: dict[int, float] = {}  # a worker that said "ready": since when
         self._killed: set[int] = set()  # stalled workers SIGKILLed, not yet seen to exit
         self._stopping = False
@@ -164,7 +164,7 @@ class Supervisor:
 
     async def start(self) -> None:
         """Every worker serving, or StartupFailed (the first worker's reason) with all stopped."""
-        pipes = {i: self._spawn(i) for i in range(self.config.workers)}
+        pipes = {i: self._spawn(i) for i in range(self.config.serving.workers)}
         try:
             for i, conn in pipes.items():
                 msg = await asyncio.to_thread(self._wait_ready, conn, i)
@@ -207,7 +207,7 @@ class Supervisor:
     def _kill_stalled(self, now: float) -> None:
         """SIGKILL (its own process only) a serving worker whose loop has not turned for
         `--worker-stall-timeout`; the exit watch then starts it again, once."""
-        bound = self.config.worker_stall_timeout
+        bound = self.config.serving.worker_stall_timeout
         if not bound:
             return
         for i, proc in self._procs.items():
@@ -332,7 +332,7 @@ class Supervisor:
 
 
 def run_workers(config: ProxyConfig) -> None:
-    """Serve `config` with `config.workers` worker processes until interrupted."""
+    """Serve `config` with `config.serving.workers` worker processes until interrupted."""
     setup_logging(config, prefix="[supervisor] ")
 
     async def main() -> None:
@@ -348,16 +348,16 @@ def run_workers(config: ProxyConfig) -> None:
         try:
             await sup.start()
             await runner.setup()
-            host = config.metrics_host or config.host
+            host = config.serving.metrics_host or config.serving.host
             try:
-                await web.TCPSite(runner, host, config.metrics_port).start()
+                await web.TCPSite(runner, host, config.serving.metrics_port).start()
             except OSError as e:
                 raise StartupFailed(
-                    f"cannot listen on {host}:{config.metrics_port}: {e.strerror or e}"
+                    f"cannot listen on {host}:{config.serving.metrics_port}: {e.strerror or e}"
                 ) from e
             logger.info(
                 "%d workers on %s:%d, their metrics and health on %s:%d",
-                config.workers, config.host, config.port, host, config.metrics_port,
+                config.serving.workers, config.serving.host, config.serving.port, host, config.serving.metrics_port,
             )  # fmt: skip
             watch = asyncio.create_task(sup.watch())
             await stop.wait()
@@ -370,10 +370,10 @@ def run_workers(config: ProxyConfig) -> None:
 
 
 def run(config: ProxyConfig) -> None:
-    """Serve `config` until interrupted, in this process or (`config.workers` > 1) in that
+    """Serve `config` until interrupted, in this process or (`config.serving.workers` > 1) in that
     many workers; raises StartupFailed if the proxy cannot start, after stopping what had
     started."""
-    if config.workers > 1:
+    if config.serving.workers > 1:
         run_workers(config)
         return
     setup_logging(config)

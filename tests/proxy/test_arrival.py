@@ -243,12 +243,11 @@ async def test_encode_on_p_single_sends_a_lone_new_item_to_p_raw():
 def test_the_arrival_options_need_a_policy_that_splits():
     import pytest
 
-    from mmreuse.proxy.config import ConfigError, ProxyConfig
+    from mmreuse.proxy.config import ConfigError, PlanningConfig
 
-    url = ("http://127.0.0.1:1",)
     for key, value in (("mixed_plan", "arrival"), ("encode_on_p", "single")):
         with pytest.raises(ConfigError, match=f"{value} acts on the split at arrival"):
-            ProxyConfig(encode_urls=url, decode_urls=url, **{key: value})
+            PlanningConfig(**{key: value})
         with pytest.raises(ConfigError, match="must be one of"):
-            ProxyConfig(encode_urls=url, decode_urls=url, policy="index", **{key: "sometimes"})
-        assert ProxyConfig(encode_urls=url, decode_urls=url, policy="index", **{key: value})
+            PlanningConfig(policy="index", **{key: "sometimes"})
+        assert PlanningConfig(policy="index", **{key: value})

@@ -14,11 +14,13 @@ from mmreuse.errors import InvalidArgument
 from mmreuse.proxy.config import (
     FLAGS,
     EncodeInstance,
+    PlanningConfig,
     PrefillInstance,
     ProxyConfig,
     build_parser,
     parse_args,
 )
+from tests.support.proxy_config import config_of
 
 E = "http://e0:8001"
 PD = "http://pd0:8002"
@@ -40,11 +42,15 @@ def test_reference_defaults():
     # --decode-retries 1, --no-rewrite and --log-requests off, ENCODER_MAX_BATCH_SIZE 0.
     cfg = parse_args(BASE, env={})
     assert cfg == ProxyConfig(encode_urls=(E,), decode_urls=(PD,))
-    assert (cfg.host, cfg.port, cfg.decode_retries) == ("0.0.0.0", 8000, 1)
-    assert (cfg.no_rewrite, cfg.log_requests, cfg.encoder_max_batch_size) == (False, False, 0)
+    assert (cfg.serving.host, cfg.serving.port, cfg.serving.decode_retries) == ("0.0.0.0", 8000, 1)
+    assert (
+        cfg.serving.no_rewrite,
+        cfg.serving.log_requests,
+        cfg.serving.encoder_max_batch_size,
+    ) == (False, False, 0)
     assert cfg.prefill_urls == ()
     assert cfg.prefill_instances == (PD,)  # in E + PD the decode instances prefill
-    assert (cfg.policy, cfg.routing) == ("eager", "random")
+    assert (cfg.planning.policy, cfg.planning.routing) == ("eager", "random")
     defaults = {a.dest: a.default for a in build_parser()._actions}
     assert defaults["prefill_servers_urls"] == "none"
     assert defaults["encode_servers_urls"] == defaults["decode_servers_urls"] == ""
@@ -64,15 +70,15 @@ def test_every_reference_flag_is_read():
         ],
         env={"ENCODER_MAX_BATCH_SIZE": "4"},
     )  # fmt: skip
-    assert cfg.host == "127.0.0.1" and cfg.port == 9100
+    assert cfg.serving.host == "127.0.0.1" and cfg.serving.port == 9100
     # Comma-separated, stripped as the reference strips them (and a trailing slash dropped).
     assert cfg.encode_urls == ("http://e0:1", "http://e1:2")
     assert cfg.prefill_urls == ("http://p0:3", "http://p1:4")
     assert cfg.decode_urls == ("http://d0:5",)
     assert cfg.prefill_instances == cfg.prefill_urls  # E + P + D: P holds the prefix cache
-    assert cfg.decode_retries == 3
-    assert cfg.no_rewrite and cfg.log_requests
-    assert cfg.encoder_max_batch_size == 4
+    assert cfg.serving.decode_retries == 3
+    assert cfg.serving.no_rewrite and cfg.serving.log_requests
+    assert cfg.serving.encoder_max_batch_size == 4
 
 
 @pytest.mark.parametrize("value", ["none", "disable", "", "NONE", "Disable"])
@@ -84,12 +90,12 @@ def test_no_prefill_means_e_plus_pd(value):
 
 
 def test_decode_retries_zero_disables():
-    assert parse_args([*BASE, "--decode-retries", "0"], env={}).decode_retries == 0
+    assert parse_args([*BASE, "--decode-retries", "0"], env={}).serving.decode_retries == 0
 
 
 def test_environment_defaults_to_os_environ(monkeypatch):
     monkeypatch.setenv("ENCODER_MAX_BATCH_SIZE", "7")
-    assert parse_args(BASE).encoder_max_batch_size == 7
+    assert parse_args(BASE).serving.encoder_max_batch_size == 7
 
 
 @pytest.mark.parametrize("value", ["-1", "two", "1.5", " "])
@@ -221,15 +227,15 @@ def test_a_config_built_in_code_gets_one_record_per_url():
     epd = ProxyConfig(encode_urls=(E,), decode_urls=(PD,), prefill_urls=("http://p0:1",))
     assert epd.instances == (PrefillInstance("http://p0:1"),)
     assert epd.prefill_instances == ("http://p0:1",)
-    moved = dataclasses.replace(epd, seed=3)  # derived again, equal
+    moved = dataclasses.replace(epd, planning=PlanningConfig(seed=3))  # derived again, equal
     assert moved.prefill_instances == epd.prefill_instances and moved.instances == epd.instances
     with pytest.raises(InvalidArgument, match="instances are for"):
         ProxyConfig(encode_urls=(E,), decode_urls=(PD,), instances=(PrefillInstance("http://x:1"),))
     with pytest.raises(InvalidArgument, match="instances are for"):  # one missing
         dataclasses.replace(cfg, instances=cfg.instances[:1])
     with pytest.raises(InvalidArgument, match="has no demand endpoint"):
-        ProxyConfig(encode_urls=(E,), decode_urls=(PD,), policy="demand")
-    asks = ProxyConfig(
+        config_of(encode_urls=(E,), decode_urls=(PD,), policy="demand")
+    asks = config_of(
         encode_urls=(E,), decode_urls=(PD,), policy="demand",
         instances=(PrefillInstance(PD, demand="tcp://pd0:7000"),),
     )  # fmt: skip
@@ -241,7 +247,7 @@ def test_xxhash_needs_a_hash_seed(capsys, algo):
     err = usage_error(capsys, [*BASE, "--hash-algo", algo])
     assert "--hash-seed" in err
     cfg = parse_args([*BASE, "--hash-algo", algo, "--hash-seed", "0"], env={})
-    assert (cfg.hash_algo, cfg.hash_seed) == (algo, "0")
+    assert (cfg.views.hash_algo, cfg.views.hash_seed) == (algo, "0")
 
 
 @pytest.mark.parametrize("algo", ["sha256_cbor", "xxhash_cbor"])
@@ -253,9 +259,9 @@ def test_a_hash_seed_cbor_cannot_hash_is_a_usage_error(capsys, algo):
     assert "--hash-seed b'\\xff\\xfe' is not UTF-8" in err and f"--hash-algo {algo}" in err
     assert "Traceback" not in err
     # pickle (sha256) hashes it as vLLM does; a UTF-8 seed is taken under CBOR
-    assert parse_args([*BASE, "--hash-seed", seed], env={}).hash_seed == seed
+    assert parse_args([*BASE, "--hash-seed", seed], env={}).views.hash_seed == seed
     cfg = parse_args([*BASE, "--hash-algo", algo, "--hash-seed", "sé"], env={})
-    assert cfg.hash_seed == "sé"
+    assert cfg.views.hash_seed == "sé"
 
 
 def test_a_bad_hash_seed_exits_2_from_the_command_line(capsys):
@@ -285,7 +291,7 @@ def test_demand_aware_flags():
         env={},
     )  # fmt: skip
     assert cfg == (
-        ProxyConfig(
+        config_of(
             encode_urls=(E,),
             decode_urls=(PD,),
             policy="index",
@@ -301,7 +307,7 @@ def test_demand_aware_flags():
             e_cache_ttl_s=2.5,
         )
     )
-    assert parse_args(BASE, env={}).hash_seed is None  # unset, as vLLM without PYTHONHASHSEED
+    assert parse_args(BASE, env={}).views.hash_seed is None  # unset, as vLLM without PYTHONHASHSEED
 
 
 @pytest.mark.parametrize("policy", ["demand", "opportunistic"])
@@ -311,15 +317,15 @@ def test_demand_policies_flags(policy):
         [*two, "--policy", policy, "--demand-endpoints", "tcp://d0:7000, ipc:///tmp/d1"],
         env={},
     )
-    assert cfg.policy == policy
+    assert cfg.planning.policy == policy
     assert [i.demand for i in cfg.instances] == ["tcp://d0:7000", "ipc:///tmp/d1"]
-    assert cfg.demand_timeout_s == 1.0  # the default
+    assert cfg.views.demand_timeout_s == 1.0  # the default
     cfg = parse_args(
         [*BASE, "--policy", policy, "--demand-endpoints", "tcp://pd0:7000",
          "--demand-timeout", "0.25", "--routing", "affine"],
         env={},
     )  # fmt: skip
-    assert (cfg.demand_timeout_s, cfg.routing) == (0.25, "affine")
+    assert (cfg.views.demand_timeout_s, cfg.planning.routing) == (0.25, "affine")
     # E + P + D: aligned with the P URLs.
     epd = [*two, "--prefill-servers-urls", "http://p0:3", "--policy", policy]
     cfg = parse_args([*epd, "--demand-endpoints", "tcp://p0:7000"], env={})
@@ -460,21 +466,21 @@ def test_a_config_built_in_code_names_every_es_events_or_none():
 @pytest.mark.parametrize(
     "field, value, words",
     [
-        ("port", 0, "port=0 is not a TCP port"),
-        ("metrics_host", "127.0.0.1", "metrics_host without metrics_port"),
-        ("decode_retries", -1, "decode_retries=-1 must be an int >= 0"),
-        ("block_size", 0, "block_size=0 must be an int >= 1"),
-        ("e_cache_items", 0, "e_cache_items=0"),
-        ("e_cache_ttl_s", float("inf"), "e_cache_ttl_s=inf must be a finite number"),
-        ("render_url", "pd0:8002", "render_url: 'pd0:8002' is not an http(s) URL"),
-        ("render_timeout_s", 0, "render_timeout_s=0 must be > 0"),
-        ("demand_timeout_s", float("nan"), "demand_timeout_s=nan"),
-        ("hash_algo", "md5", "hash_algo='md5' must be one of"),
-        ("hash_algo", "xxhash", "hash_algo xxhash needs hash_seed"),
-        ("routing", "sticky", "routing='sticky' must be one of random, affine"),
-        ("uuid_policy", "all", "uuid_policy='all' must be one of reference, tenant, content"),
-        ("encoder_max_batch_size", -1, "encoder_max_batch_size=-1 must be non-negative"),
-        ("backend_keep_alive_s", -1.0, "backend_keep_alive_s=-1.0 must be seconds >= 0"),
+        ("port", 0, "serving.port=0 is not a TCP port"),
+        ("metrics_host", "127.0.0.1", "serving.metrics_host without serving.metrics_port"),
+        ("decode_retries", -1, "serving.decode_retries=-1 must be an int >= 0"),
+        ("block_size", 0, "views.block_size=0 must be an int >= 1"),
+        ("e_cache_items", 0, "store.e_cache_items=0"),
+        ("e_cache_ttl_s", float("inf"), "store.e_cache_ttl_s=inf must be a finite number"),
+        ("render_url", "pd0:8002", "planning.render_url: 'pd0:8002' is not an http(s) URL"),
+        ("render_timeout_s", 0, "planning.render_timeout_s=0 must be > 0"),
+        ("demand_timeout_s", float("nan"), "views.demand_timeout_s=nan"),
+        ("hash_algo", "md5", "views.hash_algo='md5' must be one of"),
+        ("hash_algo", "xxhash", "views.hash_algo xxhash needs views.hash_seed"),
+        ("routing", "sticky", "planning.routing='sticky' must be one of random, affine"),
+        ("uuid_policy", "all", "media.uuid_policy='all' must be one of reference, tenant, content"),
+        ("encoder_max_batch_size", -1, "serving.encoder_max_batch_size=-1 must be non-negative"),
+        ("backend_keep_alive_s", -1.0, "serving.backend_keep_alive_s=-1.0 must be seconds >= 0"),
         ("prefill_urls", ("p0:1",), "prefill_urls: 'p0:1' is not an http(s) URL"),
     ],
 )
@@ -482,7 +488,7 @@ def test_a_config_built_in_code_is_held_to_the_cli_rules(field, value, words):
     # Every rule lives in the record: what the parser refuses, a config built in code (the
     # bench, tests) is refused too, naming the field instead of the flag.
     with pytest.raises(InvalidArgument, match="^" + re.escape(words)):
-        ProxyConfig(encode_urls=(E,), decode_urls=(PD,), **{field: value})
+        config_of(encode_urls=(E,), decode_urls=(PD,), **{field: value})
 
 
 def test_instance_records_check_their_endpoints():
@@ -505,9 +511,9 @@ def test_every_field_flag_is_a_flag_or_the_environment():
 
 def test_the_environment_is_read_into_the_config():
     cfg = parse_args(BASE, env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "2", "OPENAI_API_KEY": "k"})
-    assert (cfg.backend_keep_alive_s, cfg.api_key) == (2.0, "k")
+    assert (cfg.serving.backend_keep_alive_s, cfg.serving.api_key) == (2.0, "k")
     assert "'k'" not in repr(cfg)  # the key is never logged with the config
-    assert parse_args(BASE, env={}).backend_keep_alive_s == 5.0  # vLLM's default
+    assert parse_args(BASE, env={}).serving.backend_keep_alive_s == 5.0  # vLLM's default
 
 
 @pytest.mark.parametrize("value", ["soon", ""])
@@ -569,14 +575,17 @@ def test_media_limits_are_content_only_in_code_too():
     from mmreuse.proxy.content import MediaLimits
 
     base = {"encode_urls": (E,), "decode_urls": (PD,)}
-    assert ProxyConfig(**base).media is None  # nothing fetched, nothing to bound
-    content = ProxyConfig(**base, uuid_policy="content")
-    assert content.media == MediaLimits()  # the record's defaults apply under content
-    assert dataclasses.replace(content, seed=1).media == MediaLimits()
-    assert dataclasses.replace(ProxyConfig(**base), seed=1).media is None
-    with pytest.raises(InvalidArgument, match=r"^media bounds what uuid_policy content fetches"):
-        ProxyConfig(**base, media=MediaLimits())  # set, even to the defaults: refused
-    with pytest.raises(InvalidArgument, match="under uuid_policy tenant"):
-        ProxyConfig(**base, uuid_policy="tenant", media=MediaLimits(max_redirects=0))
-    assert parse_args(BASE, env={}).media is None
-    assert parse_args([*BASE, *CONTENT], env={}).media == MediaLimits()
+    assert ProxyConfig(**base).media.fetch is None  # nothing fetched, nothing to bound
+    content = config_of(**base, uuid_policy="content")
+    assert content.media.fetch == MediaLimits()  # the record's defaults apply under content
+    moved = dataclasses.replace(content, planning=PlanningConfig(seed=1))
+    assert moved.media.fetch == MediaLimits()
+    assert config_of(**base, seed=1).media.fetch is None
+    with pytest.raises(
+        InvalidArgument, match=r"^media\.fetch bounds what media\.uuid_policy content fetches"
+    ):
+        config_of(**base, fetch=MediaLimits())  # set, even to the defaults: refused
+    with pytest.raises(InvalidArgument, match=r"under media\.uuid_policy tenant"):
+        config_of(**base, uuid_policy="tenant", fetch=MediaLimits(max_redirects=0))
+    assert parse_args(BASE, env={}).media.fetch is None
+    assert parse_args([*BASE, *CONTENT], env={}).media.fetch == MediaLimits()

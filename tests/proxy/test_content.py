@@ -321,12 +321,12 @@ def test_media_flags_are_checked(capsys, flags, message):
 def test_media_flags_set_the_limits():
     cfg = parse_args([*BASE, *CONTENT, "--allowed-media-domains", "A.com", "b.org",
                       "--media-max-bytes", "5", "--media-fetch-timeout", "2.5"], env={})  # fmt: skip
-    assert cfg.media.allowed_domains == {"a.com", "b.org"}
-    assert (cfg.media.max_item_bytes, cfg.media.timeout_s) == (5, 2.5)
+    assert cfg.media.fetch.allowed_domains == {"a.com", "b.org"}
+    assert (cfg.media.fetch.max_item_bytes, cfg.media.fetch.timeout_s) == (5, 2.5)
     cfg = parse_args([*BASE, *CONTENT, "--allow-private-media-networks", "10.0.0.0/8", "::1",
                       "--media-max-redirects", "0", "--media-request-timeout", "7"], env={})  # fmt: skip
-    assert [str(n) for n in cfg.media.private_networks] == ["10.0.0.0/8", "::1/128"]
-    assert (cfg.media.max_redirects, cfg.media.request_timeout_s) == (0, 7.0)
+    assert [str(n) for n in cfg.media.fetch.private_networks] == ["10.0.0.0/8", "::1/128"]
+    assert (cfg.media.fetch.max_redirects, cfg.media.fetch.request_timeout_s) == (0, 7.0)
 
 
 async def test_a_requests_media_is_bounded_in_all_not_only_per_item():
@@ -582,10 +582,10 @@ async def test_one_clients_slow_origins_do_not_starve_another_tenants_fetch(medi
 
 def test_media_defaults_are_vllms():
     cfg = parse_args([*BASE, *CONTENT], env={})
-    assert cfg.media.max_request_bytes == 256 << 20  # VLLM_MAX_MEDIA_REQUEST_DOWNLOAD_SIZE_MB
-    assert cfg.media.timeout_s == 5.0  # VLLM_IMAGE_FETCH_TIMEOUT
-    assert (cfg.media.request_timeout_s, cfg.media.max_redirects) == (30.0, 5)
-    assert cfg.media.private_networks == ()
+    assert cfg.media.fetch.max_request_bytes == 256 << 20  # VLLM_MAX_MEDIA_REQUEST_DOWNLOAD_SIZE_MB
+    assert cfg.media.fetch.timeout_s == 5.0  # VLLM_IMAGE_FETCH_TIMEOUT
+    assert (cfg.media.fetch.request_timeout_s, cfg.media.fetch.max_redirects) == (30.0, 5)
+    assert cfg.media.fetch.private_networks == ()
 
 
 @pytest.mark.parametrize(

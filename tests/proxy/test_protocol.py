@@ -138,7 +138,7 @@ async def test_encoder_subrequest_shape(options):
 
 
 def test_generated_request_ids_are_uuid4s_as_str_uuid4_writes_them():
-    from mmreuse.proxy.encoder import new_uuid4
+    from mmreuse.proxy.ids import new_uuid4
 
     ids = [new_uuid4() for _ in range(2000)]
     for rid in ids:

@@ -9,13 +9,20 @@ import re
 
 import pytest
 
-from mmreuse.proxy.config import ConfigError, ProxyConfig, parse_args
+from mmreuse.proxy.config import (
+    ConfigError,
+    PlanningConfig,
+    ProxyConfig,
+    ServingConfig,
+    parse_args,
+)
 from mmreuse.proxy.references import HeldReferences, reference_key
 from tests.proxy.test_store_loss import default_then, lost_once
 from tests.support.index_proxy import TEXT, A, B, C, e_sent, embeds, index_proxy, pd_content
 from tests.support.proxy_fakes import chat, img, sha
 
 REFERENCE = ("--held-items", "reference")
+URLS = {"encode_urls": ("http://e",), "decode_urls": ("http://d",)}
 META = {"image_grid_thw": [[1, 4, 4]]}
 
 
@@ -94,21 +101,19 @@ def test_a_bad_capacity_is_refused_by_name(capacity):
 def test_reference_is_refused_where_nothing_is_held_or_nothing_rewritten():
     base = ["--encode-servers-urls", "http://e", "--decode-servers-urls", "http://d"]
     with pytest.raises(ConfigError, match="held_items"):
-        ProxyConfig(encode_urls=("http://e",), decode_urls=("http://d",), held_items="reference")
+        ProxyConfig(**URLS, planning=PlanningConfig(held_items="reference"))
     with pytest.raises(ConfigError, match="no_rewrite"):
         ProxyConfig(
-            encode_urls=("http://e",),
-            decode_urls=("http://d",),
-            policy="index",
-            held_items="reference",
-            no_rewrite=True,
+            **URLS,
+            planning=PlanningConfig(policy="index", held_items="reference"),
+            serving=ServingConfig(no_rewrite=True),
         )
     with pytest.raises(ConfigError, match="held_items"):
-        ProxyConfig(encode_urls=("http://e",), decode_urls=("http://d",), held_items="refs")
+        PlanningConfig(held_items="refs")
     with pytest.raises(SystemExit):
         parse_args([*base, "--held-items", "reference"])
-    assert parse_args([*base, "--policy", "index", *REFERENCE]).held_items == "reference"
-    assert parse_args(base).held_items == "raw"
+    assert parse_args([*base, "--policy", "index", *REFERENCE]).planning.held_items == "reference"
+    assert parse_args(base).planning.held_items == "raw"
 
 
 # ---- the proxy ----------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ async def test_an_unreachable_master_is_no_answer(session):
 def test_the_flags_go_together_and_are_checked(capsys):
     base = ["--encode-servers-urls", "http://e", "--decode-servers-urls", "http://d"]
     cfg = parse_args([*base, "--e-store-url", "http://m:1/", "--e-store-namespace", NS], env={})
-    assert (cfg.e_store_url, cfg.e_store_namespace, cfg.e_store_timeout_s) == (
+    assert (cfg.store.url, cfg.store.namespace, cfg.store.timeout_s) == (
         "http://m:1",
         NS,
         0.25,
@@ -174,7 +174,7 @@ def test_the_flags_go_together_and_are_checked(capsys):
             parse_args([*base, *extra], env={})
         assert says in capsys.readouterr().err
     with pytest.raises(InvalidArgument, match="give both"):
-        dataclasses.replace(cfg, e_store_namespace=None)
+        dataclasses.replace(cfg.store, namespace=None)
 
 
 async def test_index_skips_e_for_what_the_store_holds(master):

@@ -317,19 +317,18 @@ def test_merged_metrics_label_each_workers_samples():
 
 def test_a_config_built_in_code_checks_its_workers():
     from mmreuse.errors import InvalidArgument
-    from mmreuse.proxy.config import ProxyConfig
+    from mmreuse.proxy.config import ServingConfig
 
-    base = {"encode_urls": ("http://e",), "decode_urls": ("http://d",)}
-    with pytest.raises(InvalidArgument, match="needs metrics_port"):
-        ProxyConfig(**base, workers=2)
+    with pytest.raises(InvalidArgument, match=r"needs serving\.metrics_port"):
+        ServingConfig(workers=2)
     with pytest.raises(InvalidArgument, match="workers=0"):
-        ProxyConfig(**base, workers=0, metrics_port=9000)
-    assert ProxyConfig(**base, workers=3, metrics_port=9000).workers == 3
-    assert ProxyConfig(**base).worker_stall_timeout == 30.0
+        ServingConfig(workers=0, metrics_port=9000)
+    assert ServingConfig(workers=3, metrics_port=9000).workers == 3
+    assert ServingConfig().worker_stall_timeout == 30.0
     for bad in (0.5, -1, float("nan"), float("inf"), True, "30"):
         with pytest.raises(InvalidArgument, match=r"worker_stall_timeout=.* must be 0 \(never\)"):
-            ProxyConfig(**base, worker_stall_timeout=bad)
-    assert ProxyConfig(**base, worker_stall_timeout=0).worker_stall_timeout == 0  # never
+            ServingConfig(worker_stall_timeout=bad)
+    assert ServingConfig(worker_stall_timeout=0).worker_stall_timeout == 0  # never
 
 
 async def test_what_start_up_made_is_out_of_the_collectors_reach(fakes):

@@ -65,7 +65,8 @@ async def epd(
         argv += ["--prefill-servers-urls", ",".join(f.url for f in p)]
     config = parse_args([*argv, *flags], env=env or {})
     if seed is not None:
-        config = dataclasses.replace(config, seed=seed)
+        planning = dataclasses.replace(config.planning, seed=seed)
+        config = dataclasses.replace(config, planning=planning)
     app = build_app(config)
     try:
         async with proxy_client(app) as client:

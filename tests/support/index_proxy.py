@@ -187,7 +187,8 @@ async def index_proxy(
         ]  # fmt: skip
     config = parse_args(argv, env={})
     if seed is not None:
-        config = dataclasses.replace(config, seed=seed)
+        planning = dataclasses.replace(config.planning, seed=seed)
+        config = dataclasses.replace(config, planning=planning)
     app = build_app(config)
     try:
         async with proxy_client(app) as client:
