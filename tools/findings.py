@@ -359,6 +359,7 @@ def _quartiles(r: dict[str, Any], base: str) -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "serving-vs-sim": _serving_vs_sim,
     "serving-e-arrival": lambda: _e_arrival("serving-e-arrival"),
+    "serving-e-arrival-held-ref": lambda: _e_arrival("serving-e-arrival-held-ref"),
     "store-chat": lambda: _markdown(REAL, _policies("store-chat")),
     "store-fanout": lambda: _markdown(REAL, _policies("store-fanout")),
     "store-agentic": lambda: _markdown(REAL, _policies("store-agentic")),
