@@ -161,7 +161,7 @@ def test_arrival_split(benchmark, split_planner, images):
     item (BENCHMARKS.md)."""
     planner, req, items, uuids, held = split_planner
     items, uuids = items[:images], uuids[:images]
-    arrival = benchmark(planner.split, req, items, uuids)
+    arrival = benchmark(planner.arrivals.split, req, items, uuids)
     assert arrival is not None
     if held == 0.0:
         assert len(arrival.now) == images

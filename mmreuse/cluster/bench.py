@@ -79,7 +79,7 @@ def observe(req: ChatRequest, out: RequestOutcome) -> Observed:
         e_items = len(out.decision.dispatch.e_items)
     else:
         e_items = 0
-    render_s = getattr(out.decision, "render_s", 0.0) if out.decision is not None else 0.0
+    render_s = out.decision.trace.render_s if out.decision is not None else 0.0
     return Observed(
         ttft_ms=out.ttft_ms if out.status == 200 else None,
         items=len(req.uuids),

@@ -41,7 +41,8 @@ from .flows import EWork, flow_for
 from .forward import Forwarder
 from .metrics import ProxyMetrics
 from .models import ModelCatalog
-from .policy import Decision, Planner, Sources
+from .policy import Planner
+from .records import Decision, Sources
 from .references import HeldReferences
 from .request import RequestReader
 from .store import StoreTruth

@@ -4,7 +4,7 @@
 - `WholeFlow` (eager, and any request without media): the planner's decision; E is sent its
   items later, by the forward step.
 - `SplitFlow` (index, demand): the items held nowhere the chosen P could use go to E at
-  arrival (`Planner.arrival`); the render and the plan (or P's answer) for the others run
+  arrival (`ArrivalSplitter.arrival`); the render and the plan (or P's answer) for the others run
   while E works, and what they add for E follows.
 - `OpportunisticFlow`: E gets every item at once, as under eager, while the planner renders
   and asks P; sub-requests P's answer rules out are abandoned if still in flight.
@@ -25,7 +25,8 @@ from typing import Any
 from ..decision import Policy
 from .encoder import EMPTY, EncodeResult, EncoderFanout, Encoding
 from .metrics import ProxyMetrics
-from .policy import Decision, Planner
+from .policy import Planner
+from .records import DecideTrace, Decision
 from .request import ClientRequest
 from .views import InstanceView
 
@@ -112,17 +113,17 @@ class WholeFlow:
         return await self.whole(client)
 
     def observe(self, decision: Decision, req_id: str) -> None:
-        m = self.metrics
-        if decision.render_s:
-            m.stage["render"].observe(decision.render_s)
-        if decision.decide_s:
-            m.stage["decide"].observe(decision.decide_s)
+        m, trace = self.metrics, decision.trace
+        if trace.render_s:
+            m.stage["render"].observe(trace.render_s)
+        if trace.decide_s:
+            m.stage["decide"].observe(trace.decide_s)
         view = self.views[decision.instance]
-        if decision.no_plan is not None:
+        if trace.no_plan is not None:
             m.fallbacks.labels(view.name, "no_plan").inc()
-            m.errors.labels(decision.no_plan.split(":", 1)[0]).inc()
-            logger.warning("[%s] no plan, E gets everything: %s", req_id, decision.no_plan)
-        if decision.blind:
+            m.errors.labels(trace.no_plan.split(":", 1)[0]).inc()
+            logger.warning("[%s] no plan, E gets everything: %s", req_id, trace.no_plan)
+        if trace.blind:
             m.blind(view.name).inc()
         classes = decision.dispatch.classes
         if classes:
@@ -138,7 +139,7 @@ class SplitFlow(WholeFlow):
         req, items, uuids, req_id = client.body, client.items, client.uuids, client.request_id
         ta = time.perf_counter()
         try:
-            arrival = await planner.arrival(req, items, uuids)
+            arrival = await planner.arrivals.arrival(req, items, uuids)
         except Exception:  # a bug here costs the split, never the request
             logger.exception("[%s] arrival split failed; the request takes the whole path", req_id)
             m.errors.labels("arrival").inc()
@@ -146,7 +147,7 @@ class SplitFlow(WholeFlow):
         if arrival is None:
             m.arrival_split("whole").inc()
             return await self.whole(client)
-        arrival = planner.on_p(arrival)
+        arrival = planner.arrivals.on_p(arrival)
         if arrival.on_p:
             m.arrival_items.labels("p_encodes").inc()
         early = self.encoders.start(req, items, arrival.now, req_id, uuids) if arrival.now else None
@@ -154,7 +155,7 @@ class SplitFlow(WholeFlow):
         m.stage["arrival"].observe(te - ta)
         now = len(arrival.now) + len(arrival.shares)
         m.arrival_items.labels("e_now").inc(now)
-        at_once = planner.at_once(arrival)  # decided here: no render, no plan
+        at_once = planner.arrivals.at_once(arrival)  # decided here: no render, no plan
         if not at_once:
             m.arrival_items.labels("waited").inc(len(arrival.rest))
         elif arrival.stored:  # --held-items reference: each as E's reference, from the store
@@ -164,7 +165,7 @@ class SplitFlow(WholeFlow):
         m.arrival_split("none_new" if not now else "split" if arrival.rest else "all_new").inc()
         try:
             if at_once:
-                decision = planner.at_arrival(req, uuids, arrival)
+                decision = planner.arrivals.at_arrival(req, uuids, arrival)
             else:
                 decision = await planner.decide(req, items, uuids, arrival=arrival)
             sent = set(arrival.now)
@@ -226,8 +227,9 @@ class OpportunisticFlow(WholeFlow):
                     decision = deciding.result()
                 except Exception as e:  # decide handles its failures: a bug costs the plan only
                     logger.exception("[%s] opportunistic decision failed", req_id)
+                    why = f"plan: {type(e).__name__}: {e}"
                     decision = dataclasses.replace(
-                        planner.eager(items, first), no_plan=f"plan: {type(e).__name__}: {e}"
+                        planner.eager(items, first), trace=DecideTrace(no_plan=why)
                     )
                 outcome, decision = _abandon(encoding, decision)
             result = await encoding.finish()

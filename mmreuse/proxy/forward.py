@@ -34,7 +34,7 @@ from .errors import ProxyError
 from .flows import Decided, EWork
 from .ids import new_hex
 from .media import EMBEDS_PARTS, rewrite_for_decode
-from .policy import Decision
+from .records import Decision
 from .references import HeldReferences
 from .request import ClientRequest
 from .upstream import Upstream, UpstreamResponse

@@ -12,13 +12,9 @@ query id travels to P in `vllm_xargs` so that P checks the answer's proof at adm
 what the answer rules out). No usable answer: every item to E, as eager. `affine` routing picks
 the P/PD with the longest live prefix hit.
 
-Under `index` and `demand`, a request is first split at arrival (`Planner.arrival`), before any
-render: every item whose identifier the chosen P provably cannot use (no KV block of it carries
-the identifier, not in its encoder cache, not in the shared store) goes to E at once; only the
-others wait for the render and the plan (or P's answer), which run while E works, and a request
-with no such other item is not rendered at all. Under `affine` routing the P is chosen there,
-from the same identifier index. Acting early only on "held nowhere" keeps the safe direction:
-it can cost an encode, never a skip.
+Under `index` and `demand`, a request is first split at arrival (`arrival.ArrivalSplitter`, the
+Planner's `arrivals`), before any render; the plan (or P's answer) for the items that wait is
+`decide(..., arrival=)`, and the items E got at arrival are merged in (`Dispatch.with_arrival`).
 """
 
 from __future__ import annotations
@@ -28,130 +24,30 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-from ..availability import EmbeddingAvailability
 from ..decision import (
-    Dispatch,
     Policy,
-    arrival_classes,
     dispatch,
     dispatch_all,
-    dispatch_at_arrival,
     dispatch_demand,
 )
-from ..demand import Availability, ItemClass
-from ..demand_query import MAX_IDENT_CHARS, MAX_SALT_CHARS, DemandAnswer, query_for
+from ..demand import Availability
+from ..demand_query import query_for
 from ..errors import InvalidArgument
-from ..plan import AdmissionPlan, GivenCoverage, KVLookup, plan_admission
+from ..plan import GivenCoverage, KVLookup, plan_admission
 from ..render import RENDER_PATH, RenderedPrompt, from_render_json, render_body
-from .config import EncodeOnP, MixedPlan, ProxyConfig
-from .demand import DemandClient, DemandUnavailable
+from .arrival import ArrivalSplitter
+from .config import ProxyConfig
+from .demand import DemandUnavailable
 from .eside import ESide
 from .ids import new_hex
 from .media import MODALITY, item_uuid, rewrite_for_decode, with_uuids
-from .models import ModelCatalog
-from .references import HeldReferences
-from .store import StoreTruth
+from .records import NO_TRACE, Arrival, DecideTrace, Decision, Sources, unplannable
 from .views import InstanceView
 
 logger = logging.getLogger("mmreuse.proxy")
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """Where a request goes and what E gets.
-
-    Attributes:
-        instance: index of the P (or PD) chosen, into `ProxyConfig.prefill_instances`.
-        dispatch: what E and P get, and each item's class (`mmreuse.decision.Dispatch`).
-        plan: the admission plan it follows (None under eager, or when no plan could be made).
-        identifiers: per item, vLLM's identifier (from render), when rendered.
-        cache_salt: the request's cache salt, when rendered.
-        render_s, decide_s: seconds spent rendering, and deciding (hash + view + plan, or the
-            demand query's round trip).
-        no_plan: why a demand-aware decision fell back to sending everything (None if it did not).
-        demand_id: the demand query whose answer this follows: P (or PD) gets it as
-            `vllm_xargs.mmreuse_demand_id`, to check the answer's proof at admission.
-        answer: that answer (demand and opportunistic; index too while the view is
-            incomplete and the instance has a demand endpoint).
-        blind: planned on a view that was not complete (it may miss what P holds).
-        request_id: the request's x-request-id (filled for `after_decide` hooks).
-        in_store: the identifiers the plan took the shared store (P's EC connector) to hold.
-    """
-
-    instance: int
-    dispatch: Dispatch
-    plan: AdmissionPlan | None = None
-    identifiers: tuple[str, ...] = ()
-    cache_salt: str | None = None
-    render_s: float = 0.0
-    decide_s: float = 0.0
-    no_plan: str | None = None
-    demand_id: str | None = None
-    answer: DemandAnswer | None = None
-    blind: bool = False
-    request_id: str = ""
-    in_store: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """What is decided when a request arrives, before any render (`Planner.arrival`).
-
-    Attributes:
-        instance: the P (or PD) chosen (random, or from the identifier index under affine).
-        now: items E gets at once, one per identifier (request order): no place the chosen P
-            could use holds it.
-        shares: every other item of those identifiers -> the item sent (it shares its embedding).
-        rest: items that wait for the render and the plan (or P's answer).
-        external: what the shared store said it holds of the request (None: not asked, or no
-            answer), for the plan to reuse.
-        blind: split on a view that was not complete (it may miss what P holds).
-        e_cached: the identifiers of `now` E held when they were sent (their class is
-            e_cached, the others' e_compute: what E's side said then, not once E has them).
-        on_p: `rest` is the request's one new item, sent to P for its encoder (`Planner.on_p`).
-        stored: every item is `rest`, in the store and sent as E's kept reference, decided
-            here (`Planner.arrival` under --held-items reference).
-    """
-
-    instance: int
-    now: tuple[int, ...] = ()
-    shares: Mapping[int, int] = field(default_factory=dict)
-    rest: tuple[int, ...] = ()
-    external: frozenset[str] | None = None
-    blind: bool = False
-    e_cached: frozenset[str] = frozenset()
-    on_p: bool = False  # `rest` is P's to encode (--encode-on-p), not to plan
-    stored: bool = False  # `rest` is in the store, each as E's kept reference (no plan)
-
-
-@dataclass(frozen=True, slots=True)
-class Sources:
-    """What a Planner decides from.
-
-    Attributes:
-        views: one per P (or PD), config order.
-        availability: what E and each P hold, by identifier.
-        demand: one DemandClient per instance (under index, None for those without a demand
-            endpoint: asked while that instance's view is incomplete), or none.
-        models: what each P/PD serves, so that a request naming a LoRA adapter is not planned
-            on the base model's blocks (None: every request's model is taken as base).
-        store: the shared embedding store, asked what it holds of each request planned on the
-            view (what P's EC connector loads: `p_external`).
-        e_side: what E holds (None: one made from the config, without E views).
-        references: E's metadata kept per item (--held-items reference), which the render is
-            given in place of the media.
-    """
-
-    views: Sequence[InstanceView]
-    availability: EmbeddingAvailability
-    demand: Sequence[DemandClient | None] = ()
-    models: ModelCatalog | None = None
-    store: StoreTruth | None = None
-    e_side: ESide | None = None
-    references: HeldReferences | None = None
 
 
 class Planner:
@@ -186,6 +82,7 @@ class Planner:
         self._needs_render = self.policy.renders or config.planning.routing == "affine"
         e_side = sources.e_side
         self.e_side = e_side if e_side is not None else ESide(config, availability, None)
+        self.arrivals = ArrivalSplitter(config, sources, self.e_side, rng, self._ask_instead)
 
     def random_instance(self) -> int:
         return self._rng.randrange(len(self.config.prefill_instances))
@@ -196,161 +93,9 @@ class Planner:
 
     @property
     def splits(self) -> bool:
-        """Whether requests are split at arrival (`arrival`): under the policies that hold a
+        """Whether requests are split at arrival (`arrivals`): under the policies that hold a
         request for a render (index, demand)."""
         return self.policy.renders and not self.policy.e_at_once
-
-    async def arrival(
-        self,
-        request: Mapping[str, Any],
-        items: Sequence[Mapping[str, Any]],
-        uuids: Sequence[str],
-    ) -> Arrival | None:
-        """The arrival-time split (see the module's docstring), or None where the request takes
-        the whole path (no media; processor kwargs, which rehash identifiers so that they cannot
-        be known without P; uuids or a salt the proxy does not plan on). With a shared store,
-        it is asked about the request's identifiers first, unless no item could go to E now."""
-        split = self.split(request, items, uuids)
-        if split is None or self.store is None:
-            return split
-        external = None
-        if split.now:
-            external = await self.store.held(set(uuids))
-            if external is None and not self.policy.reads_view:  # demand: no answer, no proof
-                return Arrival(split.instance, rest=tuple(range(len(items))))
-            split = self.split(request, items, uuids, instance=split.instance, external=external)
-            if split is None or split.now:
-                return split
-        return await self._by_reference(request, uuids, split, external)
-
-    async def _by_reference(
-        self,
-        request: Mapping[str, Any],
-        uuids: Sequence[str],
-        split: Arrival,
-        external: frozenset[str] | None,
-    ) -> Arrival:
-        """--held-items reference: a request with no new item whose every item has E's
-        reference kept and is in the shared store goes to P at arrival, each item as that
-        reference (`Arrival.stored`): P's KV or its EC connector serves each, so nothing
-        needs the render, the plan or (demand) P's answer: the store's own word is what P's
-        connector loads. Otherwise `split` as it is (the items wait). `external`: the
-        store's answer if it was asked already."""
-        if self.references is None or not self.references.keeps_all(request, uuids):
-            return split
-        if external is None:
-            assert self.store is not None
-            external = await self.store.held(set(uuids))
-        if external is None or not external.issuperset(uuids):
-            return split
-        return replace(split, external=external, stored=True)
-
-    def split(
-        self,
-        request: Mapping[str, Any],
-        items: Sequence[Mapping[str, Any]],
-        uuids: Sequence[str],
-        *,
-        instance: int | None = None,
-        external: frozenset[str] | None = None,
-    ) -> Arrival | None:
-        """`arrival` from what the proxy knows without asking anyone: its views of P (KV
-        blocks by identifier, P's encoder cache) and `external` (the store's answer, if any).
-        `instance`: the P already chosen (else chosen here)."""
-        if (
-            not items
-            or request.get("mm_processor_kwargs")
-            or request.get("media_io_kwargs")
-            or _unplannable(request, uuids) is not None
-        ):
-            return None
-        distinct = set(uuids)
-        if instance is None:
-            instance = self._arrival_instance(distinct)
-        view = self.views[instance]
-        usable, complete = view.usable, view.complete
-        if (self._asks and not (usable and complete)) or self._ask_instead(
-            instance, usable=usable, complete=complete
-        ):  # P is asked (demand; index on an incomplete view): only a complete view proves
-            new: set[str] = set()
-        else:
-            # P's encoder cache, from its events (untenanted, as vLLM's cache is)
-            salt = None if view.ec_stream is not None else request.get("cache_salt")
-            new = distinct - self.availability.p_holds(view.name, distinct, cache_salt=salt)
-            if external:
-                new -= external
-            if usable:  # unusable: planned under index as holding nothing (demand: above)
-                unheld = view.kv_unheld(new)  # incomplete: planned blind on what it knows
-                new = set() if unheld is None else unheld
-        first: dict[str, int] = {}
-        for i, u in enumerate(uuids):  # one uuid on two different items: render judges it
-            if u in new and items[first.setdefault(u, i)] != items[i]:
-                new.discard(u)
-        now: list[int] = []
-        first.clear()
-        shares: dict[int, int] = {}
-        rest: list[int] = []
-        for i, u in enumerate(uuids):
-            if u not in new:
-                rest.append(i)
-            elif u in first:
-                shares[i] = first[u]
-            else:
-                first[u] = i
-                now.append(i)
-        blind = bool(now) and usable and not complete
-        e_cached = self.e_side.cached(first, request.get("cache_salt")) if now else frozenset()
-        return Arrival(instance, tuple(now), shares, tuple(rest), external, blind, e_cached)
-
-    def _arrival_instance(self, identifiers: set[str]) -> int:
-        """Random routing: a random P. Affine: the P whose view knows a block carrying the most
-        of these identifiers (ties at random), instead of a render and a prefix match."""
-        if self.config.planning.routing != "affine" or len(self.views) == 1:
-            return self.random_instance()
-        scores = [sum(map(view.holds_identifier, identifiers)) for view in self.views]
-        best = max(scores)
-        return self._rng.choice([i for i, sc in enumerate(scores) if sc == best])
-
-    def on_p(self, arrival: Arrival) -> Arrival:
-        """`arrival` as --encode-on-p has it: single sends a request's one item, new, to P
-        raw instead of E (`rest`, decided at arrival: P's encoder encodes it)."""
-        if (
-            self.config.planning.encode_on_p is EncodeOnP.SINGLE
-            and len(arrival.now) == 1
-            and not arrival.shares
-            and not arrival.rest
-        ):
-            return replace(arrival, now=(), rest=arrival.now, on_p=True)
-        return arrival
-
-    def at_once(self, arrival: Arrival) -> bool:
-        """Whether `arrival` is the whole decision (no render, no plan): nothing waits, P
-        encodes the new item (--encode-on-p), or --mixed-plan arrival with an item at E."""
-        return (
-            not arrival.rest
-            or arrival.on_p
-            or arrival.stored
-            or (bool(arrival.now) and self.config.planning.mixed_plan is MixedPlan.ARRIVAL)
-        )
-
-    def at_arrival(
-        self, request: Mapping[str, Any], uuids: Sequence[str], arrival: Arrival
-    ) -> Decision:
-        """The Decision of a request decided at arrival (`at_once`): no render, no plan; E gets
-        `now` (e_cached where E's side says it holds the identifier), P gets `rest` raw with
-        their uuid (vLLM's own order serves each, or P's encoder encodes it)."""
-        unclassified = (ItemClass.UNCLASSIFIED,) * len(uuids)
-        classes = arrival_classes(
-            unclassified, arrival.now, arrival.shares, uuids, arrival.e_cached
-        )
-        return Decision(
-            arrival.instance,
-            dispatch_at_arrival(arrival.now, arrival.rest, arrival.shares, classes),
-            identifiers=tuple(uuids),
-            cache_salt=request.get("cache_salt"),
-            blind=arrival.blind,
-            in_store=arrival.external if arrival.stored and arrival.external else frozenset(),
-        )
 
     async def decide(
         self,
@@ -401,21 +146,20 @@ class Planner:
             uuids = [item_uuid(item) for item in items]
         if instance is None:
             instance = self.random_instance()
-        refused = _unplannable(request, uuids) or await self._not_base(request, instance)
+        refused = unplannable(request, uuids) or await self._not_base(request, instance)
         if refused is not None:  # the proxy keeps no record of it: served as under eager
-            return replace(self.eager(items, instance), no_plan=f"plan: {refused}")
+            return _fallback(self.eager(items, instance), f"plan: {refused}")
         if self.config.planning.routing == "random":
             routed(instance)
         t0 = time.perf_counter()
         try:
             rendered = await self._render(request, uuids, instance)
         except (_NoPlan, InvalidArgument) as e:
-            return replace(self.eager(items, instance), no_plan=f"render: {e}",
-                            render_s=time.perf_counter() - t0)  # fmt: skip
+            return _fallback(self.eager(items, instance), f"render: {e}", t0)
         except Exception as e:  # a bug here costs the plan, never the request
             logger.exception("render answer not usable")
-            return replace(self.eager(items, instance), no_plan=f"render: {type(e).__name__}: {e}",
-                            render_s=time.perf_counter() - t0)  # fmt: skip
+            why = f"render: {type(e).__name__}: {e}"
+            return _fallback(self.eager(items, instance), why, t0)
         t1 = time.perf_counter()
         try:
             memo: dict = {}  # the hashes, per block size: affine routing's are the plan's
@@ -439,14 +183,13 @@ class Planner:
                     )
                 decision = self._plan(rendered, occ_items, items, instance, memo, external)
         except (_NoPlan, InvalidArgument) as e:
-            decision = replace(self.eager(items, instance), no_plan=f"plan: {e}")
+            decision = _fallback(self.eager(items, instance), f"plan: {e}")
         except Exception as e:
             logger.exception("planning failed")
-            decision = replace(
-                self.eager(items, instance), no_plan=f"plan: {type(e).__name__}: {e}"
-            )
+            decision = _fallback(self.eager(items, instance), f"plan: {type(e).__name__}: {e}")
         t2 = time.perf_counter()
-        return replace(decision, render_s=t1 - t0, decide_s=t2 - t1)
+        trace = replace(decision.trace, render_s=t1 - t0, decide_s=t2 - t1)
+        return replace(decision, trace=trace)
 
     def _ask_instead(
         self, instance: int, *, usable: bool | None = None, complete: bool | None = None
@@ -569,12 +312,10 @@ class Planner:
         try:
             answer = await client.ask(query, self.config.views.demand_timeout_s)
         except DemandUnavailable as e:
-            return replace(
-                self.eager(items, instance),
-                identifiers=identifiers,
-                cache_salt=rendered.cache_salt,
-                no_plan=f"demand: {e}",
+            decision = replace(
+                self.eager(items, instance), identifiers=identifiers, cache_salt=rendered.cache_salt
             )
+            return _fallback(decision, f"demand: {e}")
         try:
             sent = dispatch(
                 [
@@ -645,8 +386,8 @@ class Planner:
             plan=plan,
             identifiers=_identifiers(rendered, occ_items, len(items)),
             cache_salt=rendered.cache_salt,
-            blind=blind,
             in_store=availability.p_external,
+            trace=DecideTrace(blind=blind) if blind else NO_TRACE,
         )
 
     def _availability(
@@ -678,28 +419,18 @@ class Planner:
             self.e_side.sent([decision.identifiers[i] for i in e_items], decision.cache_salt)
 
 
-def _unplannable(request: Mapping[str, Any], uuids: Sequence[Any]) -> str | None:
-    """Why a request is not planned on, if it is not: the proxy's records (E-side
-    availability, demand queries) take identifiers and salts within the demand wire's bounds,
-    so that a client cannot make them hold megabytes per entry."""
-    for i, uid in enumerate(uuids):
-        if not isinstance(uid, str):
-            return f"item {i}'s uuid is a {type(uid).__name__}, not a string"
-        if len(uid) > MAX_IDENT_CHARS:
-            return f"item {i}'s uuid has {len(uid)} characters (at most {MAX_IDENT_CHARS} are planned on)"
-    salt = request.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        return f"cache_salt is a {type(salt).__name__}, not a string"
-    if salt is not None and len(salt) > MAX_SALT_CHARS:
-        return f"cache_salt has {len(salt)} characters (at most {MAX_SALT_CHARS} are planned on)"
-    return None
-
-
 _NOTHING_COMPUTED = GivenCoverage(0)  # a view that cannot be used: planned as holding nothing
 
 
 class _NoPlan(Exception):
     """Planning is not possible for this request; it is served as under eager."""
+
+
+def _fallback(decision: Decision, why: str, render_t0: float | None = None) -> Decision:
+    """`decision` (as under eager) marked with why no plan was made, and the render's seconds
+    where it was started at `render_t0`."""
+    render_s = 0.0 if render_t0 is None else time.perf_counter() - render_t0
+    return replace(decision, trace=replace(decision.trace, no_plan=why, render_s=render_s))
 
 
 def _with_arrival(d: Decision, arrival: Arrival, uuids: Sequence[str]) -> Decision:
@@ -708,7 +439,8 @@ def _with_arrival(d: Decision, arrival: Arrival, uuids: Sequence[str]) -> Decisi
     if not arrival.now:
         return d
     merged = d.dispatch.with_arrival(arrival.now, arrival.shares, uuids, arrival.e_cached)
-    return replace(d, dispatch=merged, blind=d.blind or arrival.blind)
+    trace = replace(d.trace, blind=True) if arrival.blind and not d.trace.blind else d.trace
+    return replace(d, dispatch=merged, trace=trace)
 
 
 def _occurrence_items(rendered: RenderedPrompt, items: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -769,4 +501,4 @@ def _identifiers(rendered: RenderedPrompt, occ_items: list[int], n: int) -> tupl
     return tuple(out)
 
 
-__all__ = ["Arrival", "Decision", "Planner"]
+__all__ = ["Planner"]

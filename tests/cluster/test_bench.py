@@ -26,7 +26,7 @@ def record(rid, idents, classes, encoded=()):
 
 
 def out(rid, e_items, idents, classes, encoded=(), status=200, ttft=10.0, raw=()):
-    decision = NS(dispatch=Dispatch(tuple(e_items), frozenset(raw)))
+    decision = NS(dispatch=Dispatch(tuple(e_items), frozenset(raw)), trace=NS(render_s=0.0))
     return RequestOutcome(rid, status, ttft, decision, [record(rid, idents, classes, encoded)])
 
 
@@ -136,12 +136,12 @@ def test_observe_reads_ttft_items_e_and_render():
 
     r = req(0, "a", "b", "c")
     o = out(0, [0, 2], "abc", ["p_external"] * 3, ttft=42.0)
-    o.decision.render_s = 0.0125
+    o.decision.trace.render_s = 0.0125
     assert observe(r, o) == Observed(42.0, 3, 2, 12.5)
     o.e_records = [e_rec("ab", ["e_compute"] * 2, [0, 1]), e_rec("c", ["p_local"])]
     assert observe(r, o).e_items == 3  # E's own account wins over the decision
     failed = out(0, [0], "abc", ["p_external"] * 3, status=-2, ttft=5.0)
-    failed.decision.render_s = 0.0
+    failed.decision.trace.render_s = 0.0
     assert observe(r, failed) == Observed(None, 3, 1, None)  # failed: no TTFT; not rendered
     assert observe(r, RequestOutcome(0, 200, 7.0)) == Observed(7.0, 3, 0, None)  # no decision
 

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmreuse.cluster.instance import free_ports
-from mmreuse.proxy.policy import Decision
+from mmreuse.proxy.records import Decision
 from tests.support.epd_proxy import epd
 from tests.support.index_proxy import (
     TEXT,
@@ -101,7 +101,7 @@ async def test_placeholders_out_of_item_order_keep_each_item_its_identifier():
         s.pd[0].render = reordered
         assert (await s.post(chat(TEXT, img(A), img(B), img(A)))).status == 200
         [d] = decisions
-        assert d.no_plan is not None or d.identifiers == (sha(A), sha(B), sha(A))
+        assert d.trace.no_plan is not None or d.identifiers == (sha(A), sha(B), sha(A))
         assert orphans(s) == []
 
 

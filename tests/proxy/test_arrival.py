@@ -182,7 +182,7 @@ async def test_a_failing_split_costs_the_split_not_the_request(monkeypatch):
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("a bug in the split")
 
-        monkeypatch.setattr(s.proxy.planner, "split", broken)
+        monkeypatch.setattr(s.proxy.planner.arrivals, "split", broken)
         assert (await s.post(chat(TEXT, img(A), img(B)))).status == 200
         assert s.sample("mmreuse_proxy_errors_total", stage="arrival") == 1
         assert s.sample("mmreuse_proxy_arrival_requests_total", split="whole") == 1
@@ -194,7 +194,8 @@ def test_items_sent_at_arrival_keep_the_class_they_had_when_sent():
     # it was sent as e_compute (and what E already held when it was sent, as e_cached).
     from mmreuse.decision import Dispatch
     from mmreuse.demand import ItemClass as K
-    from mmreuse.proxy.policy import Arrival, Decision, _with_arrival
+    from mmreuse.proxy.policy import _with_arrival
+    from mmreuse.proxy.records import Arrival, Decision
 
     uuids = ["x", "y", "x", "z"]
     classes = (K.E_CACHED, K.E_CACHED, K.DUPLICATE, K.KV_COVERED)

@@ -3,7 +3,6 @@ tests: the proxy's aiohttp test client, its app and the fakes."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from aiohttp.test_utils import TestClient
 from mmreuse.proxy.config import parse_args
 from mmreuse.proxy.server import PROXY_KEY, build_app
 
+from .proxy_config import seeded
 from .proxy_fakes import Fake, proxy_client
 
 
@@ -64,10 +64,7 @@ async def epd(
     if p:
         argv += ["--prefill-servers-urls", ",".join(f.url for f in p)]
     config = parse_args([*argv, *flags], env=env or {})
-    if seed is not None:
-        planning = dataclasses.replace(config.planning, seed=seed)
-        config = dataclasses.replace(config, planning=planning)
-    app = build_app(config)
+    app = build_app(config if seed is None else seeded(config, seed))
     try:
         async with proxy_client(app) as client:
             yield Setup(client, app, e, p, d)

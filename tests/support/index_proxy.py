@@ -26,6 +26,7 @@ from mmreuse.proxy.server import build_app
 
 from .demand_p import FakeP
 from .kv_publisher import TestPublisher
+from .proxy_config import seeded
 from .proxy_fakes import Fake, ProxyHandle, proxy_client, sha
 from .waiting import async_wait_for
 
@@ -186,10 +187,7 @@ async def index_proxy(
             "--kv-events-replay-endpoints", ",".join(p.replay_endpoint for p in pubs),
         ]  # fmt: skip
     config = parse_args(argv, env={})
-    if seed is not None:
-        planning = dataclasses.replace(config.planning, seed=seed)
-        config = dataclasses.replace(config, planning=planning)
-    app = build_app(config)
+    app = build_app(config if seed is None else seeded(config, seed))
     try:
         async with proxy_client(app) as client:
             yield Setup(client, app, e, pds, pubs, d, ps)

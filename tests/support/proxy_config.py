@@ -38,3 +38,8 @@ def config_of(**fields: Any) -> ProxyConfig:
             sections.setdefault(section, {})[key] = value
     built = {name: SECTIONS[name](**values) for name, values in sections.items()}
     return ProxyConfig(**top, **built)
+
+
+def seeded(config: ProxyConfig, seed: int) -> ProxyConfig:
+    """`config` with its routing draws seeded (`planning.seed`)."""
+    return dataclasses.replace(config, planning=dataclasses.replace(config.planning, seed=seed))
