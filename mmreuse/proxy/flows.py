@@ -19,8 +19,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..decision import Policy
 from .encoder import EMPTY, EncodeResult, EncoderFanout, Encoding
@@ -33,8 +32,7 @@ from .views import InstanceView
 logger = logging.getLogger("mmreuse.proxy")
 
 
-@dataclass(frozen=True, slots=True)
-class Decided:
+class Decided(NamedTuple):
     """A flow's result: the decision, and E's answers where E was sent its items already
     (the arrival split, opportunistic; None: the forward step encodes)."""
 
@@ -50,16 +48,19 @@ class EWork:
         self.planner = planner
         self.metrics = metrics
 
-    async def encode(self, client: ClientRequest, decision: Decision) -> EncodeResult:
-        """E encodes the decision's e_items (and the counts: sent, skipped, sub-requests)."""
+    async def encode(
+        self, client: ClientRequest, decision: Decision, uuids: list[str]
+    ) -> EncodeResult:
+        """E encodes the decision's e_items under `uuids` (the client's, or a retry's fresh
+        ones), and the counts: sent, skipped, sub-requests."""
         te = time.perf_counter()
         e_items = decision.dispatch.e_items
         result = EMPTY
         if e_items:
             result = await self.encoders.encode(
-                client.body, client.items, e_items, client.request_id, client.uuids
+                client.body, client.items, e_items, client.request_id, uuids
             )
-        self.account(decision, result, te, items=len(client.items), sent=len(e_items))
+        self.account(decision, result, te, len(client.items), len(e_items))
         return result
 
     def account(
@@ -67,7 +68,6 @@ class EWork:
         decision: Decision,
         result: EncodeResult,
         started: float,
-        *,
         items: int,
         sent: int,
         abandoned: int = 0,
@@ -101,16 +101,13 @@ class WholeFlow:
 
     async def decide(self, client: ClientRequest) -> Decided:
         """The decision (and E's answers where already in), its facts counted."""
-        decided = await (self.decide_media(client) if client.items else self.whole(client))
-        self.observe(decided.decision, client.request_id)
-        return decided
-
-    async def whole(self, client: ClientRequest) -> Decided:
-        return Decided(await self.planner.decide(client.body, client.items, client.uuids))
-
-    async def decide_media(self, client: ClientRequest) -> Decided:
-        """A request with media items: the policy's own way (here: whole)."""
-        return await self.whole(client)
+        planner = self.planner
+        if planner.renders:
+            decision = await planner.decide(client.body, client.items, client.uuids)
+        else:  # eager, random routing: no render, no plan (what decide would answer)
+            decision = planner.eager(client.items)
+        self.observe(decision, client.request_id)
+        return Decided(decision)
 
     def observe(self, decision: Decision, req_id: str) -> None:
         m, trace = self.metrics, decision.trace
@@ -134,7 +131,14 @@ class WholeFlow:
 class SplitFlow(WholeFlow):
     """Index / demand: split at arrival, then plan (or ask P) for what waits."""
 
-    async def decide_media(self, client: ClientRequest) -> Decided:
+    async def decide(self, client: ClientRequest) -> Decided:
+        if not client.items:
+            return await super().decide(client)
+        decided = await self._split(client)
+        self.observe(decided.decision, client.request_id)
+        return decided
+
+    async def _split(self, client: ClientRequest) -> Decided:
         m, planner = self.metrics, self.planner
         req, items, uuids, req_id = client.body, client.items, client.uuids, client.request_id
         ta = time.perf_counter()
@@ -146,7 +150,7 @@ class SplitFlow(WholeFlow):
             arrival = None
         if arrival is None:
             m.arrival_split("whole").inc()
-            return await self.whole(client)
+            return Decided(await planner.decide(req, items, uuids))
         arrival = planner.arrivals.on_p(arrival)
         if arrival.on_p:
             m.arrival_items.labels("p_encodes").inc()
@@ -170,19 +174,15 @@ class SplitFlow(WholeFlow):
                 decision = await planner.decide(req, items, uuids, arrival=arrival)
             sent = set(arrival.now)
             later = [i for i in decision.dispatch.e_items if i not in sent]
-            rest = await self.encoders.encode(req, items, later, req_id, uuids)
+            rest = await self.encoders.encode(req, items, later, req_id, uuids) if later else EMPTY
             first = EMPTY if early is None else await early.finish()
         except BaseException:
             if early is not None:
                 early.cancel()
             raise
-        result = EncodeResult(
-            {**first.item_meta, **rest.item_meta},
-            {**first.ec_params, **rest.ec_params},
-            first.subrequests + rest.subrequests,
-        )
+        result = _merged(first, rest)
         e_items = decision.dispatch.e_items
-        self.e_work.account(decision, result, te, items=len(items), sent=len(e_items))
+        self.e_work.account(decision, result, te, len(items), len(e_items))
         return Decided(decision, result)
 
 
@@ -192,7 +192,14 @@ class OpportunisticFlow(WholeFlow):
     (they go to P raw with their uuid); one that fails, or comes once E is done, changes
     nothing (eager)."""
 
-    async def decide_media(self, client: ClientRequest) -> Decided:
+    async def decide(self, client: ClientRequest) -> Decided:
+        if not client.items:
+            return await super().decide(client)
+        decided = await self._race(client)
+        self.observe(decided.decision, client.request_id)
+        return decided
+
+    async def _race(self, client: ClientRequest) -> Decided:
         m, planner = self.metrics, self.planner
         req, items, uuids, req_id = client.body, client.items, client.uuids, client.request_id
         n = len(items)
@@ -239,8 +246,21 @@ class OpportunisticFlow(WholeFlow):
             raise
         m.opportunistic(outcome).inc()
         abandoned = len(decision.dispatch.raw_items)
-        self.e_work.account(decision, result, te, items=n, sent=n, abandoned=abandoned)
+        self.e_work.account(decision, result, te, n, n, abandoned)
         return Decided(decision, result)
+
+
+def _merged(first: EncodeResult, rest: EncodeResult) -> EncodeResult:
+    """E's answers to the sub-requests sent at arrival (`first`) and after the plan (`rest`)."""
+    if rest is EMPTY:
+        return first
+    if first is EMPTY:
+        return rest
+    return EncodeResult(
+        {**first.item_meta, **rest.item_meta},
+        {**first.ec_params, **rest.ec_params},
+        first.subrequests + rest.subrequests,
+    )
 
 
 def _abandon(encoding: Encoding, decision: Decision) -> tuple[str, Decision]:

@@ -17,8 +17,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
@@ -56,18 +55,8 @@ def _kv_params() -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class Route:
-    """Where one request goes: P (None: the PD does both) and D."""
-
-    p_url: str | None
-    d_url: str
-    instance: int
-
-
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """One try at P and D.
+class Attempt(NamedTuple):
+    """One try at P and D (a NamedTuple: one per request, on the hot path).
 
     Attributes:
         decision: what E and P get this time (the flow's, then a retry's).
@@ -84,8 +73,7 @@ class Attempt:
     relost: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Sent:
+class Sent(NamedTuple):
     """What decode was sent in an attempt, to read its answer by.
 
     Attributes:
@@ -127,27 +115,41 @@ class Forwarder:
     async def close(self) -> None:
         await self.upstream.close()
 
-    def route(self, decision: Decision) -> Route:
-        """The P (or PD) the decision chose, and a D at random (E + P + D)."""
+    def route(self, decision: Decision) -> tuple[str | None, str]:
+        """Where the decision goes: its P (None where the PD does both) and a D at random
+        (E + P + D). The one place an instance is chosen per role."""
         cfg = self.config
         if cfg.prefill_urls:
             d_url = cfg.decode_urls[self.rng.randrange(len(cfg.decode_urls))]
-            return Route(cfg.prefill_urls[decision.instance], d_url, decision.instance)
-        return Route(None, cfg.decode_urls[decision.instance], decision.instance)
+            return cfg.prefill_urls[decision.instance], d_url
+        return None, cfg.decode_urls[decision.instance]
 
     async def forward(
         self, request: web.Request, client: ClientRequest, decided: Decided
     ) -> web.StreamResponse:
         """Encode, prefill and decode as decided; a decode 500 retried by re-encoding
         everything (--decode-retries), a lost embedding once (`_after_loss`)."""
-        route = self.route(decided.decision)
+        p_url, d_url = self.route(decided.decision)
         attempt = Attempt(decided.decision, client.uuids, decided.encoded)
+        no_rewrite = self.config.serving.no_rewrite
         while True:
+            decision = attempt.decision
+            dispatch = decision.dispatch
             try:
-                sent = await self._send(client, attempt, route)
+                body = await self._prepare(client, attempt, p_url)
+                # PD may have items only as E's reference, or raw under a uuid its processor
+                # cache may hold as one (an item planned as held): its connector fails the
+                # request if the store lost one (E + P + D: `_prefill` checks P's answer)
+                refs = p_url is None and bool(dispatch.e_items or dispatch.raw_items)
+                refs = refs and not no_rewrite
+                # (on the retry nothing is taken for lost: P's answer is the client's)
+                held_raw = (
+                    frozenset() if attempt.relost else _uuids_at(attempt.uuids, dispatch.raw_items)
+                )
+                sent = Sent(body, refs, held_raw, decision, time.perf_counter())
                 resp = await self.upstream.post(
-                    chat_url(route.d_url),
-                    await encode_body(sent.body),
+                    chat_url(d_url),
+                    await encode_body(body),
                     {"x-request-id": client.request_id, "Content-Type": "application/json"},
                 )
                 try:
@@ -161,25 +163,6 @@ class Forwarder:
                     resp.release()
             except _EmbeddingLost as lost:
                 attempt = self._after_loss(lost, attempt, client.request_id)
-
-    async def _send(self, client: ClientRequest, attempt: Attempt, route: Route) -> Sent:
-        """The attempt's body for decode (`_prepare`: encode, rewrite, prefill), and what to
-        read decode's answer by."""
-        decision = attempt.decision
-        body = await self._prepare(client, attempt, route.p_url)
-        # PD may have items only as E's reference, or raw under a uuid its processor cache may
-        # hold as one (an item planned as held): its connector fails the request if the store
-        # lost one (E + P + D: `_prefill` checks P's answer)
-        refs = (
-            route.p_url is None
-            and bool(decision.dispatch.e_items or decision.dispatch.raw_items)
-            and not self.config.serving.no_rewrite
-        )
-        # (on the retry nothing is taken for lost: P's answer is the client's)
-        held_raw = (
-            frozenset() if attempt.relost else _uuids_at(attempt.uuids, decision.dispatch.raw_items)
-        )
-        return Sent(body, refs, held_raw, decision, time.perf_counter())
 
     async def _after_500(
         self, resp: UpstreamResponse, sent: Sent, attempt: Attempt, client: ClientRequest
@@ -203,9 +186,7 @@ class Forwarder:
         self.metrics.fallbacks.labels(view.name, "retry").inc()
         instance = attempt.decision.instance
         eager = self.planner.eager(client.items, instance)
-        return dataclasses.replace(
-            attempt, decision=eager, encoded=None, retries=attempt.retries + 1
-        )
+        return attempt._replace(decision=eager, encoded=None, retries=attempt.retries + 1)
 
     async def _answer(
         self, request: web.Request, resp: UpstreamResponse, sent: Sent, client: ClientRequest
@@ -265,9 +246,7 @@ class Forwarder:
         decision = dataclasses.replace(
             current, dispatch=current.dispatch.resend(again), demand_id=None
         )
-        return dataclasses.replace(
-            attempt, decision=decision, uuids=uuids, encoded=None, relost=True
-        )
+        return attempt._replace(decision=decision, uuids=uuids, encoded=None, relost=True)
 
     async def _prepare(
         self, client: ClientRequest, attempt: Attempt, p_url: str | None
@@ -278,8 +257,7 @@ class Forwarder:
         decision, uuids, req = attempt.decision, attempt.uuids, client.body
         result = attempt.encoded
         if result is None:
-            encode = dataclasses.replace(client, uuids=uuids)
-            result = await self.e_work.encode(encode, decision)
+            result = await self.e_work.encode(client, decision, uuids)
         item_meta = result.item_meta
         shares = decision.dispatch.shares
         raw_items = decision.dispatch.raw_items

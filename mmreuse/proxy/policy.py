@@ -79,7 +79,8 @@ class Planner:
                 f"demand has {len(self.demand)} clients for "
                 f"{len(config.prefill_instances)} P/PD instances"
             )
-        self._needs_render = self.policy.renders or config.planning.routing == "affine"
+        # a request is rendered (and planned) at all: otherwise every decision is `eager`'s
+        self.renders = self.policy.renders or config.planning.routing == "affine"
         e_side = sources.e_side
         self.e_side = e_side if e_side is not None else ESide(config, availability, None)
         self.arrivals = ArrivalSplitter(config, sources, self.e_side, rng, self._ask_instead)
@@ -140,7 +141,7 @@ class Planner:
         routed: Callable[[int], None],
         arrival: Arrival | None = None,
     ) -> Decision:
-        if not self._needs_render or (not items and self.config.planning.routing == "random"):
+        if not self.renders or (not items and self.config.planning.routing == "random"):
             return self.eager(items, instance)
         if uuids is None:
             uuids = [item_uuid(item) for item in items]

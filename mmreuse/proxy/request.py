@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -34,10 +33,9 @@ _ABSENT = object()
 OFF_LOOP_BYTES = 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class ClientRequest:
+class ClientRequest(NamedTuple):
     """What the client sent, read once (`RequestReader.read`); never changed afterwards, so a
-    retry starts from the original media.
+    retry starts from the original media (a NamedTuple: one per request, on the hot path).
 
     Attributes:
         body: the request, without the fields only the proxy sets.
@@ -45,6 +43,7 @@ class ClientRequest:
         uuids: each item's uuid (--uuid-policy).
         request_id: the client's x-request-id, else a fresh uuid4 (as the reference).
         blobs: a large body's inline media, kept out of `body` (`proxy.body`), else None.
+        stream: the client asked for a stream.
     """
 
     body: dict[str, Any]
@@ -52,14 +51,7 @@ class ClientRequest:
     uuids: list[str]
     request_id: str
     blobs: Blobs | None = None
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream", False))
-
-    @property
-    def cache_salt(self) -> Any:
-        return self.body.get("cache_salt")
+    stream: bool = False
 
 
 _Parsed = tuple[dict[str, Any], list[dict[str, Any]], list[str] | None, Blobs | None]
@@ -106,7 +98,7 @@ class RequestReader:
         req_id = request.headers.get("x-request-id")
         if req_id is None:  # as the reference: an empty header stays empty
             req_id = new_uuid4()
-        return ClientRequest(req, items, uuids, req_id, blobs)
+        return ClientRequest(req, items, uuids, req_id, blobs, bool(req.get("stream", False)))
 
     def parse(self, body: bytes | bytearray) -> _Parsed:
         """The client's request (`proxy.body.decode`, within --max-body-*), without the fields
