@@ -1,10 +1,12 @@
 """mmreuse: avoid redundant encoder work in multimodal Encoder/Prefill/Decode serving.
 
-The top level holds the core: vLLM-exact block hashes (`mmreuse.hashing`), `compute_demand` and
-admission plans. Around it: the live view of P and E from their events (`mmreuse.events`,
-`mmreuse.availability`), the EPD proxy (`mmreuse.proxy`), the plug-ins loaded into vLLM
-(`mmreuse.integrations`), the simulator (`mmreuse.sim`) and the real-cluster harness
-(`mmreuse.cluster`); `mmreuse` on the command line (`mmreuse.cli`).
+The top level is the core a caller plans with: `BlockHasher` (vLLM-exact block hashes;
+`mmreuse.hashing`, the hash types in `mmreuse.blockhash`), `MMOccurrence`, `compute_demand`
+and `kv_coverage` over an `Availability` (`mmreuse.demand`), and `plan_admission`
+(`mmreuse.plan`). Around it, each in its own package: the live view of P and E from their
+events (`mmreuse.events`, `mmreuse.availability`), the EPD proxy (`mmreuse.proxy`), the
+plug-ins loaded into vLLM (`mmreuse.integrations`), the simulator (`mmreuse.sim`) and the
+real-cluster harness (`mmreuse.cluster`); `mmreuse` on the command line (`mmreuse.cli`).
 """
 
 from ._version import __version__
