@@ -37,6 +37,7 @@ from .demand import DemandClient
 from .encoder import EncoderFanout
 from .errors import ProxyError
 from .eside import ESide
+from .failover import named_ejections
 from .flows import EWork, flow_for
 from .forward import Forwarder
 from .metrics import ProxyMetrics
@@ -116,6 +117,8 @@ class Proxy:
             lambda: self.upstream,
             max_batch_size=config.serving.encoder_max_batch_size,
             no_rewrite=config.serving.no_rewrite,
+            health=named_ejections("E", config.encode_urls, self.metrics.instance_changed),
+            on_failover=self.metrics.failovers.labels("E").inc,
         )
         self.reader = RequestReader(config.media, self.encoders, self.media, self.metrics)
         e_work = EWork(self.encoders, self.planner, self.metrics)

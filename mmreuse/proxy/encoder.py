@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ import yarl
 
 from .body import Blobs, encode_body, size_of
 from .errors import ProxyError
+from .failover import FAILED_CONNECTION, Ejections
 from .ids import new_hex
 from .media import EMBEDS_TYPES, item_uuid, uses_audio_in_video
 from .upstream import Upstream
@@ -69,18 +70,22 @@ class EncoderFanout:
         *,
         max_batch_size: int = 0,
         no_rewrite: bool = False,
+        health: Ejections | None = None,
+        on_failover: Callable[[], None] | None = None,
     ) -> None:
+        """`health`: which E's are up (`failover.Ejections`; made here where not given);
+        `on_failover()`: called for each sub-request sent to another E after its own failed."""
         self.urls = list(urls)
         self._upstream = upstream  # () -> Upstream (created on startup)
         self.max_batch_size = max_batch_size
         self.no_rewrite = no_rewrite
-        self._cursor = 0  # asyncio is single-threaded: no lock needed around a sync update
+        self.health = health if health is not None else Ejections("E", self.urls)
+        self._on_failover = on_failover
 
     def assign(self, count: int) -> list[str]:
-        """The next `count` encoders in the rotation (contiguous across requests)."""
-        urls, start = self.urls, self._cursor
-        self._cursor = (start + count) % len(urls)
-        return [urls[(start + i) % len(urls)] for i in range(count)]
+        """The next `count` encoders in the rotation (contiguous across requests), those
+        ejected skipped (`failover.Ejections.assign`)."""
+        return self.health.assign(count)
 
     def subrequests_bound(self, items: Sequence[Mapping[str, Any]]) -> int:
         """The most sub-requests `items` can take (`groups`, whichever E gets them): one per
@@ -150,7 +155,10 @@ class EncoderFanout:
             return EMPTY
         subs = self._build(request, items, indices, req_id, uuids)
         upstream = self._upstream()
-        posts = [_post(upstream, url, body, headers) for url, body, headers in subs.requests]
+        posts = [
+            self._post(upstream, target, req, req_id)
+            for (target, _), req in zip(subs.groups, subs.requests, strict=True)
+        ]
         if len(posts) == 1:  # the common case: no gather (a task per sub-request) needed
             try:
                 results: list[Any] = [await posts[0]]
@@ -173,10 +181,45 @@ class EncoderFanout:
         subs = self._build(request, items, indices, req_id, uuids)
         upstream = self._upstream()
         tasks = [
-            asyncio.ensure_future(_post(upstream, url, body, headers))
-            for url, body, headers in subs.requests
+            asyncio.ensure_future(self._post(upstream, target, req, req_id))
+            for (target, _), req in zip(subs.groups, subs.requests, strict=True)
         ]
         return Encoding(subs, items, req_id, tasks)
+
+    async def _post(
+        self,
+        upstream: Upstream,
+        target: str,
+        req: tuple[yarl.URL, dict[str, Any], dict[str, str]],
+        req_id: str,
+    ) -> tuple[int, bytes]:
+        """One sub-request to `target`; where its connection fails, `target` is ejected and
+        the sub-request goes once to the next live E (it encodes the items again: E's
+        embedding is the items', whichever E makes it)."""
+        url, body, headers = req
+        health = self.health
+        try:
+            result = await _post(upstream, url, body, headers)
+        except FAILED_CONNECTION as e:
+            health.eject(target)
+            other = health.instead_of(target)
+            if other is None:
+                raise
+            logger.warning(
+                "[%s] encoder %s failed (%s: %s); ejected, the sub-request goes to %s",
+                req_id, target, type(e).__name__, e, other,
+            )  # fmt: skip
+            if self._on_failover is not None:
+                self._on_failover()
+            try:
+                result = await _post(upstream, chat_url(other), body, headers)
+            except FAILED_CONNECTION:
+                health.eject(other)
+                raise
+            health.ok(other)
+            return result
+        health.ok(target)
+        return result
 
     def _build(
         self,

@@ -31,6 +31,7 @@ class ProxyMetrics:
         self._view_facts(r)
         self._inputs(r)
         self._demand_and_arrival(r)
+        self._instances(r)
         # Children bound once: a `.labels()` lookup per use costs more than the update.
         self.stage = {stage: self.stage_seconds.labels(stage) for stage in STAGES}
         self.e_sent = self.e_items.labels("sent")
@@ -119,6 +120,34 @@ class ProxyMetrics:
             ["instance"],
             registry=r,
         )
+
+    def _instances(self, r: CollectorRegistry) -> None:
+        """Which backends are up, as their requests found them (`proxy.failover`)."""
+        self.instance_up = Gauge(
+            "mmreuse_proxy_instance_up",
+            "1 while an instance takes requests, 0 while it is ejected (its connection was "
+            "refused or reset; tried again after a back-off), by role (E) and instance",
+            ["role", "instance"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "mmreuse_proxy_ejections_total",
+            "times an instance was ejected after a failed connection, by role and instance",
+            ["role", "instance"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "mmreuse_proxy_failovers_total",
+            "sub-requests sent to another instance of their role after theirs failed",
+            ["role"],
+            registry=r,
+        )
+
+    def instance_changed(self, role: str, instance: str, up: bool) -> None:
+        """An instance ejected (`up` False) or back."""
+        self._child(self.instance_up, role, instance).set(int(up))
+        if not up:
+            self._child(self.ejections, role, instance).inc()
 
     def _inputs(self, r: CollectorRegistry) -> None:
         """What the proxy stripped, fetched or failed on, and its embedding-store queries."""

@@ -1,0 +1,134 @@
+"""Instances that fail are routed around: passive health per role (`Ejections`).
+
+A request that finds an instance's connection refused or reset ejects that instance for a
+back-off (MIN_BACKOFF_S, doubling while it keeps failing, at most MAX_BACKOFF_S), and its
+sub-request goes once to the next live instance of the same role. Once the back-off is over,
+requests try the instance again (the probe is real traffic): a success clears it, a failure
+ejects it again for twice as long. The choice among live instances keeps the rotation the
+reference uses, skipping the ejected ones; with every instance ejected, all are tried, so a
+role that came back is found by the next request rather than after a back-off.
+
+Only a connection failure ejects: a status from the instance (a 500, a 400) is its answer and
+goes to the client as before, and a stalled instance is the request deadline's to bound.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from ..validate import check_float, check_str
+
+MIN_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+
+# What ejects an instance: the connection refused, reset, or closed before the answer
+# (aiohttp's, as `proxy.upstream` raises them). Not a malformed answer (ClientPayloadError):
+# that instance is up, and answered.
+FAILED_CONNECTION = (aiohttp.ClientConnectionError, ConnectionError)
+
+
+@dataclass(slots=True)
+class _Health:
+    down_until: float = 0.0  # monotonic: ejected until then
+    backoff_s: float = 0.0  # the last back-off (0: not failing)
+    failing: bool = False  # ejected since its last success (reported down)
+
+
+class Ejections:
+    """Which instances of one role are up, as their requests found them (module doc).
+
+    `role`: "E", "P" or "D" (metric labels); `urls`: the role's instances in rotation order;
+    `on_change(role, url, up)`: called when an instance is ejected or comes back (metrics);
+    `clock`: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        urls: Sequence[str],
+        *,
+        on_change: Callable[[str, str, bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        min_backoff_s: float = MIN_BACKOFF_S,
+        max_backoff_s: float = MAX_BACKOFF_S,
+    ) -> None:
+        self.role = check_str("role", role)
+        self.urls = [check_str("urls[]", u) for u in urls]
+        self.min_backoff_s = check_float("min_backoff_s", min_backoff_s, 0.0)
+        self.max_backoff_s = check_float("max_backoff_s", max_backoff_s, self.min_backoff_s)
+        self._health = {u: _Health() for u in self.urls}
+        self._on_change = on_change
+        self._clock = clock
+        self._cursor = 0
+
+    def up(self, url: str) -> bool:
+        """Whether `url` may be given requests now (not ejected, or its back-off is over)."""
+        return self._health[url].down_until <= self._clock()
+
+    def down(self) -> list[str]:
+        """The instances ejected now, in order."""
+        now = self._clock()
+        return [u for u in self.urls if self._health[u].down_until > now]
+
+    def eject(self, url: str) -> None:
+        """`url`'s connection failed: no requests for a back-off, twice the last one."""
+        h = self._health[url]
+        h.backoff_s = min(self.max_backoff_s, max(self.min_backoff_s, 2 * h.backoff_s))
+        h.down_until = self._clock() + h.backoff_s
+        if not h.failing:
+            h.failing = True
+            if self._on_change is not None:
+                self._on_change(self.role, url, False)
+
+    def ok(self, url: str) -> None:
+        """`url` answered: no longer failing."""
+        h = self._health[url]
+        if h.failing:
+            h.failing = False
+            h.backoff_s = h.down_until = 0.0
+            if self._on_change is not None:
+                self._on_change(self.role, url, True)
+
+    def assign(self, count: int) -> list[str]:
+        """The next `count` instances in the rotation (contiguous across requests), the
+        ejected ones skipped; every instance where all are ejected."""
+        urls, n = self.urls, len(self.urls)
+        now = self._clock()
+        live = [u for u in urls if self._health[u].down_until <= now]
+        if len(live) == n or not live:  # the reference's rotation, exactly
+            start = self._cursor
+            self._cursor = (start + count) % n
+            return [urls[(start + i) % n] for i in range(count)]
+        out = []
+        for _ in range(count):  # the rotation, from the cursor, over the live ones only
+            while self._health[urls[self._cursor]].down_until > now:
+                self._cursor = (self._cursor + 1) % n
+            out.append(urls[self._cursor])
+            self._cursor = (self._cursor + 1) % n
+        return out
+
+    def instead_of(self, failed: str) -> str | None:
+        """The live instance to send `failed`'s request to (the next in rotation order after
+        it), or None where no other is up."""
+        urls, n = self.urls, len(self.urls)
+        at = urls.index(failed)
+        for step in range(1, n):
+            url = urls[(at + step) % n]
+            if url != failed and self.up(url):
+                return url
+        return None
+
+
+def named_ejections(
+    role: str, urls: Sequence[str], on_change: Callable[[str, str, bool], None]
+) -> Ejections:
+    """`Ejections` for `role` whose `on_change(role, name, up)` names each instance as the
+    proxy's views do (E0, E1, ...), every one reported up to begin with."""
+    names = {url: f"{role}{i}" for i, url in enumerate(urls)}
+    for name in names.values():
+        on_change(role, name, True)
+    return Ejections(role, urls, on_change=lambda r, url, up: on_change(r, names[url], up))

@@ -1,0 +1,149 @@
+"""mmreuse.proxy.failover: an E whose connection fails is ejected and its sub-requests go to a
+live E, once; the rotation is the reference's while every E is up."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from mmreuse.errors import InvalidArgument
+from mmreuse.proxy.failover import Ejections, named_ejections
+from tests.support.epd_proxy import epd
+from tests.support.proxy_fakes import Fake, chat, img, refused_url
+
+A, B, C, D = "http://e0", "http://e1", "http://e2", "http://e3"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_rotation_is_the_references_while_every_instance_is_up():
+    h = Ejections("E", [A, B, C])
+    assert h.assign(2) + h.assign(2) + h.assign(1) == [A, B, C, A, B]  # contiguous across calls
+
+
+def test_an_ejected_instance_is_skipped_until_its_back_off_is_over_then_tried_again():
+    clock, changes = Clock(), []
+    h = Ejections("E", [A, B, C], clock=clock, on_change=lambda *c: changes.append(c))
+    h.eject(B)
+    assert changes == [("E", B, False)] and h.down() == [B] and not h.up(B)
+    assert h.assign(4) == [A, C, A, C]
+    clock.now += 1.0  # MIN_BACKOFF_S
+    assert h.up(B) and h.down() == []
+    h.eject(B)  # it failed again: twice as long
+    clock.now += 1.5
+    assert not h.up(B)
+    clock.now += 0.5
+    assert h.up(B)
+    h.ok(B)  # it answered: clear, and said once
+    assert changes[-1] == ("E", B, True)
+    h.eject(B)
+    clock.now += 1.0  # back to the shortest back-off
+    assert h.up(B)
+
+
+def test_the_back_off_is_capped():
+    clock = Clock()
+    h = Ejections("E", [A, B], clock=clock, max_backoff_s=4.0)
+    for _ in range(10):
+        h.eject(A)
+    clock.now += 4.0
+    assert h.up(A)
+
+
+def test_with_every_instance_ejected_all_are_tried_in_rotation():
+    h = Ejections("E", [A, B], clock=Clock())
+    h.eject(A)
+    h.eject(B)
+    assert h.assign(3) == [A, B, A] and h.instead_of(A) is None
+
+
+def test_instead_of_is_the_next_live_instance_after_the_failed_one():
+    h = Ejections("E", [A, B, C, D], clock=Clock())
+    h.eject(C)
+    assert h.instead_of(B) == D and h.instead_of(D) == A
+    assert Ejections("E", [A]).instead_of(A) is None
+
+
+def test_named_ejections_report_each_instance_by_name():
+    changes = []
+    h = named_ejections("E", [A, B], lambda *c: changes.append(c))
+    assert changes == [("E", "E0", True), ("E", "E1", True)]
+    h.eject(B)
+    assert changes[-1] == ("E", "E1", False)
+
+
+@pytest.mark.parametrize("kw", [{"min_backoff_s": -1.0}, {"max_backoff_s": 0.5}])
+def test_bad_back_offs_are_refused_by_name(kw):
+    with pytest.raises(InvalidArgument, match=next(iter(kw))):
+        Ejections("E", [A], **kw)
+
+
+# ---- through the proxy --------------------------------------------------------------------
+
+
+async def test_a_dead_e_costs_no_request_and_is_ejected(fakes):
+    dead, live = refused_url(), await fakes("e")
+    async with epd(e_urls=[dead, live.url]) as s:
+        for i in range(6):
+            r = await s.post(chat(img(f"http://x/{i}.png")), request_id=f"r{i}")
+            assert r.status == 200, await r.text()
+        assert len(live.chats()) == 6  # one failed over, then the dead one skipped
+        assert s.sample("mmreuse_proxy_failovers_total", role="E") == 1
+        assert s.sample("mmreuse_proxy_ejections_total", role="E", instance="E0") == 1
+        assert s.sample("mmreuse_proxy_instance_up", role="E", instance="E0") == 0
+        assert s.sample("mmreuse_proxy_instance_up", role="E", instance="E1") == 1
+        body = await (await s.client.get("/health")).json()
+        assert body["mmreuse"]["ejected"] == {"E": [dead]}
+        assert any("E ejected" in p for p in body["mmreuse"]["problems"])
+
+
+async def test_an_e_that_comes_back_takes_requests_again():
+    async with epd(n_e=2) as s:
+        gone = s.e[1]
+        port = gone.server.port
+        await gone.close()
+        for i in range(4):
+            assert (await s.post(chat(img(f"http://x/{i}.png")), request_id=f"a{i}")).status == 200
+        assert s.sample("mmreuse_proxy_instance_up", role="E", instance="E1") == 0
+        back = Fake("e")
+        back.server = TestServer(_app(back), host="127.0.0.1", port=port)
+        await back.server.start_server()
+        try:
+            ejections = _proxy(s).encoders.health
+            ejections.min_backoff_s = ejections.max_backoff_s = 0.0  # its back-off is over
+            for url in ejections.down():
+                ejections.eject(url)  # re-ejected for 0 s: tried by the next request
+            for i in range(4):
+                r = await s.post(chat(img(f"http://y/{i}.png")), request_id=f"b{i}")
+                assert r.status == 200
+            assert back.chats(), "the E that came back got sub-requests again"
+            assert s.sample("mmreuse_proxy_instance_up", role="E", instance="E1") == 1
+        finally:
+            await back.close()
+
+
+async def test_with_its_only_e_dead_a_request_fails_as_before():
+    async with epd(e_urls=[refused_url()]) as s:
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status == 502
+        assert s.sample("mmreuse_proxy_failovers_total", role="E") == 0
+
+
+def _proxy(s):
+    from mmreuse.proxy.server import PROXY_KEY
+
+    return s.app[PROXY_KEY]
+
+
+def _app(fake: Fake):
+    from aiohttp import web
+
+    app = web.Application(client_max_size=1 << 28)
+    app.router.add_route("*", "/{tail:.*}", fake.handle)
+    return app
