@@ -90,6 +90,12 @@ class Proxy:
             HeldReferences() if config.planning.held_items is HeldItems.REFERENCE else None
         )
         clients = _demand_clients(config, self.views, self.metrics)
+        changed = self.metrics.instance_changed
+        p_role = "P" if config.prefill_urls else "PD"
+        p_health = named_ejections(p_role, config.prefill_instances, changed)
+        d_health = (
+            named_ejections("D", config.decode_urls, changed) if config.prefill_urls else p_health
+        )
         self.demand = [c for c in clients if c is not None]
         self.store = (
             StoreTruth(
@@ -110,6 +116,7 @@ class Proxy:
             store=self.store,
             e_side=self.e_side,
             references=self.references,
+            p_health=p_health,
         )
         self.planner = Planner(config, sources, self._post_json, self.rng)
         self.encoders = EncoderFanout(
@@ -124,8 +131,9 @@ class Proxy:
         e_work = EWork(self.encoders, self.planner, self.metrics)
         self.flow = flow_for(self.planner, e_work, self.metrics, self.views)
         self.forwarder = Forwarder(
-            config, self.upstream, e_work, self.views, self.references, self.rng
-        )
+            config, self.upstream, e_work, self.views, self.references, self.rng,
+            (p_health, d_health),
+        )  # fmt: skip
         self.after_decide = after_decide
 
     # ---- lifecycle ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from ..decision import arrival_classes, dispatch_at_arrival
 from ..demand import ItemClass
 from .config import EncodeOnP, MixedPlan, ProxyConfig
 from .eside import ESide
+from .failover import choose
 from .records import NO_TRACE, Arrival, DecideTrace, Decision, Sources, unplannable
 
 
@@ -41,7 +42,10 @@ class ArrivalSplitter:
         self._asks = self.policy.asks_p
 
     def random_instance(self) -> int:
-        return self._rng.randrange(len(self.config.prefill_instances))
+        health = self.sources.p_health
+        if health is None or not health.failing:  # every one up: the reference's draw
+            return self._rng.randrange(len(self.config.prefill_instances))
+        return choose(self._rng, len(self.config.prefill_instances), health)
 
     async def arrival(
         self,
@@ -151,8 +155,7 @@ class ArrivalSplitter:
         if self.config.planning.routing != "affine" or len(self.sources.views) == 1:
             return self.random_instance()
         scores = [sum(map(view.holds_identifier, identifiers)) for view in self.sources.views]
-        best = max(scores)
-        return self._rng.choice([i for i, sc in enumerate(scores) if sc == best])
+        return choose(self._rng, scores, self.sources.p_health)
 
     def on_p(self, arrival: Arrival) -> Arrival:
         """`arrival` as --encode-on-p has it: single sends a request's one item, new, to P

@@ -82,11 +82,6 @@ class EncoderFanout:
         self.health = health if health is not None else Ejections("E", self.urls)
         self._on_failover = on_failover
 
-    def assign(self, count: int) -> list[str]:
-        """The next `count` encoders in the rotation (contiguous across requests), those
-        ejected skipped (`failover.Ejections.assign`)."""
-        return self.health.assign(count)
-
     def subrequests_bound(self, items: Sequence[Mapping[str, Any]]) -> int:
         """The most sub-requests `items` can take (`groups`, whichever E gets them): one per
         audio or video item, one per encoder batch of images."""
@@ -130,7 +125,8 @@ class EncoderFanout:
         """(encoder url, item indices) per sub-request."""
         groups: list[tuple[str, list[int]]] = []
         image_groups: dict[str, list[int]] = {}
-        for idx, target in zip(indices, self.assign(len(indices)), strict=True):
+        # the next encoders in the rotation (contiguous across requests), the ejected skipped
+        for idx, target in zip(indices, self.health.assign(len(indices)), strict=True):
             if items[idx]["type"] == "image_url":
                 batch = image_groups.get(target)
                 if batch is None or (self.max_batch_size and len(batch) >= self.max_batch_size):
@@ -199,26 +195,47 @@ class EncoderFanout:
         url, body, headers = req
         health = self.health
         try:
-            result = await _post(upstream, url, body, headers)
+            resp = await upstream.post(url, await encode_body(body), headers)
         except FAILED_CONNECTION as e:
-            health.eject(target)
-            other = health.instead_of(target)
-            if other is None:
-                raise
-            logger.warning(
-                "[%s] encoder %s failed (%s: %s); ejected, the sub-request goes to %s",
-                req_id, target, type(e).__name__, e, other,
-            )  # fmt: skip
-            if self._on_failover is not None:
-                self._on_failover()
-            try:
-                result = await _post(upstream, chat_url(other), body, headers)
-            except FAILED_CONNECTION:
-                health.eject(other)
-                raise
-            health.ok(other)
-            return result
-        health.ok(target)
+            return await self._fail_over(upstream, target, req, req_id, e)
+        try:
+            result = resp.status, await resp.read()
+        except FAILED_CONNECTION as e:
+            return await self._fail_over(upstream, target, req, req_id, e)
+        finally:
+            resp.release()
+        if health.failing:
+            health.ok(target)
+        return result
+
+    async def _fail_over(
+        self,
+        upstream: Upstream,
+        target: str,
+        req: tuple[yarl.URL, dict[str, Any], dict[str, str]],
+        req_id: str,
+        error: BaseException,
+    ) -> tuple[int, bytes]:
+        """`target` failed with `error`: eject it, and send the sub-request once to the next
+        live E (or raise `error` where there is none)."""
+        health = self.health
+        health.eject(target)
+        other = health.instead_of(target)
+        if other is None:
+            raise error
+        logger.warning(
+            "[%s] encoder %s failed (%s: %s); ejected, the sub-request goes to %s",
+            req_id, target, type(error).__name__, error, other,
+        )  # fmt: skip
+        if self._on_failover is not None:
+            self._on_failover()
+        _, body, headers = req
+        try:
+            result = await _post(upstream, chat_url(other), body, headers)
+        except FAILED_CONNECTION:
+            health.eject(other)
+            raise
+        health.ok(other)
         return result
 
     def _build(

@@ -14,6 +14,7 @@ goes to the client as before, and a stalled instance is the request deadline's t
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ class Ejections:
         self._on_change = on_change
         self._clock = clock
         self._cursor = 0
+        # instances ejected since their last success: while 0, callers skip every check
+        self.failing = 0
 
     def up(self, url: str) -> bool:
         """Whether `url` may be given requests now (not ejected, or its back-off is over)."""
@@ -81,6 +84,7 @@ class Ejections:
         h.down_until = self._clock() + h.backoff_s
         if not h.failing:
             h.failing = True
+            self.failing += 1
             if self._on_change is not None:
                 self._on_change(self.role, url, False)
 
@@ -89,6 +93,7 @@ class Ejections:
         h = self._health[url]
         if h.failing:
             h.failing = False
+            self.failing -= 1
             h.backoff_s = h.down_until = 0.0
             if self._on_change is not None:
                 self._on_change(self.role, url, True)
@@ -97,19 +102,29 @@ class Ejections:
         """The next `count` instances in the rotation (contiguous across requests), the
         ejected ones skipped; every instance where all are ejected."""
         urls, n = self.urls, len(self.urls)
+        if self.failing:
+            now = self._clock()
+            live = sum(1 for u in urls if self._health[u].down_until <= now)
+            if 0 < live < n:  # the rotation, from the cursor, over the live ones only
+                out = []
+                for _ in range(count):
+                    while self._health[urls[self._cursor]].down_until > now:
+                        self._cursor = (self._cursor + 1) % n
+                    out.append(urls[self._cursor])
+                    self._cursor = (self._cursor + 1) % n
+                return out
+        start = self._cursor  # every one up (or none): the reference's rotation, exactly
+        self._cursor = (start + count) % n
+        return [urls[(start + i) % n] for i in range(count)]
+
+    def live(self) -> list[int] | None:
+        """The indices of the instances up now, None where every one is (or none is: then
+        all are tried)."""
+        if not self.failing:
+            return None
         now = self._clock()
-        live = [u for u in urls if self._health[u].down_until <= now]
-        if len(live) == n or not live:  # the reference's rotation, exactly
-            start = self._cursor
-            self._cursor = (start + count) % n
-            return [urls[(start + i) % n] for i in range(count)]
-        out = []
-        for _ in range(count):  # the rotation, from the cursor, over the live ones only
-            while self._health[urls[self._cursor]].down_until > now:
-                self._cursor = (self._cursor + 1) % n
-            out.append(urls[self._cursor])
-            self._cursor = (self._cursor + 1) % n
-        return out
+        up = [i for i, u in enumerate(self.urls) if self._health[u].down_until <= now]
+        return None if len(up) == len(self.urls) or not up else up
 
     def instead_of(self, failed: str) -> str | None:
         """The live instance to send `failed`'s request to (the next in rotation order after
@@ -132,3 +147,16 @@ def named_ejections(
     for name in names.values():
         on_change(role, name, True)
     return Ejections(role, urls, on_change=lambda r, url, up: on_change(r, names[url], up))
+
+
+def choose(rng: random.Random, scores: Sequence[float] | int, health: Ejections | None) -> int:
+    """An instance index, at random among those with the best score (`scores` an int: that
+    many instances, all equal), the ejected ones left out while another is up. With every
+    instance up, the draws are exactly the reference's (`rng.randrange(n)`) and affine
+    routing's (`rng.choice` of the best)."""
+    live = None if health is None or not health.failing else health.live()
+    if isinstance(scores, int):
+        return rng.randrange(scores) if live is None else rng.choice(live)
+    candidates = range(len(scores)) if live is None else live
+    best = max(scores[i] for i in candidates)
+    return rng.choice([i for i in candidates if scores[i] == best])

@@ -30,6 +30,7 @@ from .body import encode_body
 from .config import ProxyConfig
 from .encoder import EncodeResult, chat_url
 from .errors import ProxyError
+from .failover import FAILED_CONNECTION, Ejections, choose
 from .flows import Decided, EWork
 from .ids import new_hex
 from .media import EMBEDS_PARTS, rewrite_for_decode
@@ -64,6 +65,7 @@ class Attempt(NamedTuple):
         encoded: E's answers already in (the first attempt only; None: encode now).
         retries: decode 500s retried so far (--decode-retries).
         relost: this is the one retry of a request whose embedding the store lost.
+        failed_over: this is the one try on another instance after one's connection failed.
     """
 
     decision: Decision
@@ -71,6 +73,7 @@ class Attempt(NamedTuple):
     encoded: EncodeResult | None = None
     retries: int = 0
     relost: bool = False
+    failed_over: bool = False
 
 
 class Sent(NamedTuple):
@@ -102,8 +105,12 @@ class Forwarder:
         views: Sequence[InstanceView],
         references: HeldReferences | None,
         rng: random.Random,
+        health: tuple[Ejections, Ejections],
     ) -> None:
+        """`health`: which P's (or PD's) and D's are up (`failover.Ejections`; in E + PD the
+        same one twice)."""
         self.config = config
+        self.p_health, self.d_health = health
         self.upstream = upstream
         self.e_work = e_work
         self.planner = e_work.planner
@@ -120,7 +127,7 @@ class Forwarder:
         (E + P + D). The one place an instance is chosen per role."""
         cfg = self.config
         if cfg.prefill_urls:
-            d_url = cfg.decode_urls[self.rng.randrange(len(cfg.decode_urls))]
+            d_url = cfg.decode_urls[choose(self.rng, len(cfg.decode_urls), self.d_health)]
             return cfg.prefill_urls[decision.instance], d_url
         return None, cfg.decode_urls[decision.instance]
 
@@ -147,11 +154,16 @@ class Forwarder:
                     frozenset() if attempt.relost else _uuids_at(attempt.uuids, dispatch.raw_items)
                 )
                 sent = Sent(body, refs, held_raw, decision, time.perf_counter())
-                resp = await self.upstream.post(
-                    chat_url(d_url),
-                    await encode_body(body),
-                    {"x-request-id": client.request_id, "Content-Type": "application/json"},
-                )
+                try:
+                    resp = await self.upstream.post(
+                        chat_url(d_url),
+                        await encode_body(body),
+                        {"x-request-id": client.request_id, "Content-Type": "application/json"},
+                    )
+                except FAILED_CONNECTION as e:  # nothing reached the client yet
+                    raise _InstanceFailed("decode", d_url, e) from e
+                if self.d_health.failing:
+                    self.d_health.ok(d_url)
                 try:
                     if resp.status == 500:
                         retry = await self._after_500(resp, sent, attempt, client)
@@ -163,6 +175,38 @@ class Forwarder:
                     resp.release()
             except _EmbeddingLost as lost:
                 attempt = self._after_loss(lost, attempt, client.request_id)
+            except _InstanceFailed as failed:
+                attempt, p_url, d_url = self._fail_over(failed, attempt, client, p_url, d_url)
+
+    def _fail_over(
+        self,
+        failed: _InstanceFailed,
+        attempt: Attempt,
+        client: ClientRequest,
+        p_url: str | None,
+        d_url: str,
+    ) -> tuple[Attempt, str | None, str]:
+        """The one try on another instance after `failed`'s connection failed (it is ejected):
+        another D keeps the decision (P prefills again); another P (or PD) gets eager's (E
+        encodes every item: the plan was that P's). `failed`'s error where there is no
+        other, or this was the try already."""
+        to_d = failed.stage == "decode" and p_url is not None
+        health = self.d_health if to_d else self.p_health
+        health.eject(failed.url)
+        other = None if attempt.failed_over else health.instead_of(failed.url)
+        if other is None:
+            raise failed.error
+        self.metrics.failovers.labels(health.role).inc()
+        logger.warning(
+            "[%s] %s at %s failed (%s: %s); ejected, the request goes to %s",
+            client.request_id, failed.stage, failed.url, type(failed.error).__name__,
+            failed.error, other,
+        )  # fmt: skip
+        if to_d:
+            return attempt._replace(failed_over=True), p_url, other
+        eager = self.planner.eager(client.items, health.urls.index(other))
+        attempt = attempt._replace(decision=eager, encoded=None, failed_over=True)
+        return (attempt, other, d_url) if p_url is not None else (attempt, None, other)
 
     async def _after_500(
         self, resp: UpstreamResponse, sent: Sent, attempt: Attempt, client: ClientRequest
@@ -359,9 +403,14 @@ class Forwarder:
             finally:
                 resp.release()
         except aiohttp.ClientError as e:
-            raise ProxyError(
+            error = ProxyError(
                 502, {"error": "Prefill processing error", "message": str(e)}, stage="prefill"
-            ) from e
+            )
+            if isinstance(e, FAILED_CONNECTION):
+                raise _InstanceFailed("prefill", p_url, error) from e
+            raise error from e
+        if self.p_health.failing:
+            self.p_health.ok(p_url)
         self.metrics.stage["prefill"].observe(time.perf_counter() - tp)
         if status != 200:
             text = payload.decode("utf-8", "replace")
@@ -478,6 +527,16 @@ _REQUEST_ERROR = {"message": "Internal server error", "type": "InternalServerErr
 HOLD_BYTES = 1 << 20  # a stream held for its first token: at most this much, then forwarded
 _PREAMBLE = b'"delta":{"role"'  # vLLM's first event of a choice (pydantic's compact JSON)
 _PREAMBLE_SPACED = b'"delta": {"role"'  # ... as Python's json.dumps spaces it
+
+
+class _InstanceFailed(Exception):
+    """The connection to an instance failed before anything reached the client: `stage`
+    prefill (E + P + D's P) or decode (the PD, or D), `url` the instance, `error` what the
+    client gets where no other instance takes the request."""
+
+    def __init__(self, stage: str, url: str, error: BaseException) -> None:
+        super().__init__(stage, url, error)
+        self.stage, self.url, self.error = stage, url, error
 
 
 class _EmbeddingLost(Exception):

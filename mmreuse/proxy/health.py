@@ -73,9 +73,14 @@ class Operations:
                 f"e store: last query {store['last_outcome']}: {store['last_error']} "
                 "(planned with this proxy's own record meanwhile)"
             )
-        down = self.proxy.encoders.health.down()
-        if down:
-            problems.append(f"E ejected (connection failed, retried after a back-off): {down}")
+        fwd = self.proxy.forwarder
+        roles = {h.role: h for h in (self.proxy.encoders.health, fwd.p_health, fwd.d_health)}
+        ejected = {role: h.down() for role, h in roles.items()}
+        for role, down in ejected.items():
+            if down:
+                problems.append(
+                    f"{role} ejected (connection failed, tried again after a back-off): {down}"
+                )
         demand = {c.name: c.health() for c in self.proxy.demand}
         for name, h in demand.items():
             if not h["running"]:
@@ -95,7 +100,7 @@ class Operations:
                 "status": "degraded" if problems else "ok",
                 "problems": problems,
                 "e_side": self.proxy.e_side.health(),  # events, per-replica, or None (eager)
-                "ejected": {"E": down},
+                "ejected": ejected,
                 "views": views,
                 **({"e_views": e_views} if e_views else {}),
                 **({"e_store": store} if store is not None else {}),

@@ -42,6 +42,7 @@ from .arrival import ArrivalSplitter
 from .config import ProxyConfig
 from .demand import DemandUnavailable
 from .eside import ESide
+from .failover import choose
 from .ids import new_hex
 from .media import MODALITY, item_uuid, rewrite_for_decode, with_uuids
 from .records import NO_TRACE, Arrival, DecideTrace, Decision, Sources, unplannable
@@ -63,6 +64,7 @@ class Planner:
     ) -> None:
         """`post`: async (url, body) -> (status, bytes), for the render; `rng`: the routing
         draws."""
+        self.sources = sources
         self.store = sources.store
         self.references = sources.references
         self.config = config
@@ -86,7 +88,11 @@ class Planner:
         self.arrivals = ArrivalSplitter(config, sources, self.e_side, rng, self._ask_instead)
 
     def random_instance(self) -> int:
-        return self._rng.randrange(len(self.config.prefill_instances))
+        """A P (or PD) at random, an ejected one only where every one is (`failover`)."""
+        health = self.sources.p_health
+        if health is None or not health.failing:  # every one up: the reference's draw
+            return self._rng.randrange(len(self.config.prefill_instances))
+        return choose(self._rng, len(self.config.prefill_instances), health)
 
     def eager(self, items: Sequence[Mapping[str, Any]], instance: int | None = None) -> Decision:
         inst = self.random_instance() if instance is None else instance
@@ -288,8 +294,7 @@ class Planner:
                 hashes = self._hashes(rendered, view, memo)
                 bs = view.hasher.block_size if view.hasher else 0
                 hits.append(view.hit_blocks(hashes) * bs)
-            best = max(hits)
-            instance = self._rng.choice([i for i, h in enumerate(hits) if h == best])
+            instance = choose(self._rng, hits, self.sources.p_health)
         return rendered, occ_items, instance
 
     async def _ask(

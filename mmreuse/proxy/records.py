@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ..availability import EmbeddingAvailability
     from .demand import DemandClient
     from .eside import ESide
+    from .failover import Ejections
     from .models import ModelCatalog
     from .references import HeldReferences
     from .store import StoreTruth
@@ -120,6 +121,8 @@ class Sources:
         e_side: what E holds (None: one made from the config, without E views).
         references: E's metadata kept per item (--held-items reference), which the render is
             given in place of the media.
+        p_health: which P's (or PD's) are up (`failover.Ejections`): an ejected one is chosen
+            only where every one is (None: all taken as up).
     """
 
     views: Sequence[InstanceView]
@@ -129,6 +132,7 @@ class Sources:
     store: StoreTruth | None = None
     e_side: ESide | None = None
     references: HeldReferences | None = None
+    p_health: Ejections | None = None
 
 
 def unplannable(request: Mapping[str, Any], uuids: Sequence[Any]) -> str | None:

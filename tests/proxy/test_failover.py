@@ -99,7 +99,7 @@ async def test_a_dead_e_costs_no_request_and_is_ejected(fakes):
         assert s.sample("mmreuse_proxy_instance_up", role="E", instance="E0") == 0
         assert s.sample("mmreuse_proxy_instance_up", role="E", instance="E1") == 1
         body = await (await s.client.get("/health")).json()
-        assert body["mmreuse"]["ejected"] == {"E": [dead]}
+        assert body["mmreuse"]["ejected"] == {"E": [dead], "PD": []}
         assert any("E ejected" in p for p in body["mmreuse"]["problems"])
 
 
@@ -147,3 +147,49 @@ def _app(fake: Fake):
     app = web.Application(client_max_size=1 << 28)
     app.router.add_route("*", "/{tail:.*}", fake.handle)
     return app
+
+
+async def test_a_dead_pd_costs_no_request_the_next_goes_where_it_is_up(fakes):
+    # E + PD, the first draw the dead PD's (seed 1): the request goes to the other as eager
+    # (E encodes every item: the plan, if any, was the dead one's), then the dead one is not
+    # drawn while ejected.
+    live = await fakes("pd")
+    async with epd(d_urls=[refused_url(), live.url], seed=1) as s:
+        for i in range(5):
+            r = await s.post(chat(img(f"http://x/{i}.png")), request_id=f"r{i}")
+            assert r.status == 200, await r.text()
+        assert len(live.chats()) == 5
+        assert s.sample("mmreuse_proxy_failovers_total", role="PD") == 1
+        assert s.sample("mmreuse_proxy_instance_up", role="PD", instance="PD0") == 0
+        assert len(s.e[0].chats()) == 6  # the failed-over request's item encoded again
+
+
+async def test_a_dead_d_costs_no_request_p_prefills_again_for_the_other():
+    async with epd(n_p=1, n_d=2, seed=1) as s:
+        await s.d[0].close()  # D0 is the first drawn (seed 1)
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status == 200, await r.text()
+        assert len(s.d[1].chats()) == 1 and len(s.p[0].chats()) == 2  # prefilled again
+        assert s.sample("mmreuse_proxy_failovers_total", role="D") == 1
+        assert s.sample("mmreuse_proxy_instance_up", role="D", instance="D0") == 0
+        r = await s.post(chat(img("http://x/1.png")), request_id="r2")
+        assert r.status == 200 and len(s.d[1].chats()) == 2  # D0 skipped now
+
+
+async def test_a_dead_p_costs_no_request_the_other_p_takes_it_as_eager():
+    async with epd(n_p=2, n_d=1, seed=1) as s:
+        await s.p[0].close()  # P0 is the first drawn (seed 1)
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status == 200, await r.text()
+        assert len(s.p[1].chats()) == 1 and len(s.pd.chats()) == 1
+        assert s.sample("mmreuse_proxy_failovers_total", role="P") == 1
+        assert s.sample("mmreuse_proxy_instance_up", role="P", instance="P0") == 0
+
+
+async def test_one_failover_a_request_then_its_error():
+    # Both PDs dead: the request tries the second once, then fails as it did before.
+    async with epd(d_urls=[refused_url(), refused_url()], seed=1) as s:
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status >= 500
+        assert s.sample("mmreuse_proxy_failovers_total", role="PD") == 1
+        assert s.sample("mmreuse_proxy_ejections_total", role="PD", instance="PD1") == 1
