@@ -126,6 +126,7 @@ class Proxy:
             no_rewrite=config.serving.no_rewrite,
             health=named_ejections("E", config.encode_urls, self.metrics.instance_changed),
             on_failover=self.metrics.failovers.labels("E").inc,
+            timeout_s=config.serving.encode_timeout_s,
         )
         self.reader = RequestReader(config.media, self.encoders, self.media, self.metrics)
         e_work = EWork(self.encoders, self.planner, self.metrics)

@@ -111,6 +111,7 @@ FLAGS: Mapping[str, str] = {
     "serving.metrics_host": "--metrics-host",
     "serving.workers": "--workers",
     "serving.worker_stall_timeout": "--worker-stall-timeout",
+    "serving.encode_timeout_s": "--encode-timeout",
     "serving.decode_retries": "--decode-retries",
     "serving.no_rewrite": "--no-rewrite",
     "media.uuid_policy": "--uuid-policy",
@@ -297,6 +298,9 @@ class ServingConfig:
     # --worker-stall-timeout: a worker whose event loop has not turned for this long is killed
     # and started again (0: never)
     worker_stall_timeout: float = 30.0
+    # --encode-timeout: an E sub-request not answered within it ejects its E and goes once to
+    # another (0: none, as the reference)
+    encode_timeout_s: float = 0.0
     log_requests: bool = False
     decode_retries: int = 1
     no_rewrite: bool = False
@@ -345,6 +349,11 @@ class ServingConfig:
         if not _at_least(self.decode_retries, 0):
             raise ConfigError(
                 "{serving/decode_retries}={v!r} must be an int >= 0", v=self.decode_retries
+            )
+        timeout = self.encode_timeout_s
+        if not (_is_number(timeout) and math.isfinite(timeout) and timeout >= 0):
+            raise ConfigError(
+                "{serving/encode_timeout_s}={v} must be seconds >= 0 (0: none)", v=_g(timeout)
             )
         if not _at_least(self.encoder_max_batch_size, 0):
             raise ConfigError(
@@ -740,6 +749,17 @@ _SERVING: tuple[_Flag, ...] = (
             "each a replica with its own views: how a proxy node uses its cores. A worker that "
             "dies is restarted and rejoins as a late replica does. Needs --metrics-port, where "
             '/metrics and /health are every worker\'s, labelled worker="i"',
+        },
+    ),
+    (
+        "--encode-timeout",
+        {
+            "type": float,
+            "default": 0.0,
+            "metavar": "SECONDS",
+            "help": "an E sub-request not answered within this long (a stalled E) ejects that E "
+            "for a back-off and goes once to another E; the request fails with 504 where there "
+            "is none. 0 (the default): no bound, as the reference",
         },
     ),
     (
@@ -1293,6 +1313,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
             metrics_host=args.metrics_host,
             workers=args.workers,
             worker_stall_timeout=args.worker_stall_timeout,
+            encode_timeout_s=args.encode_timeout,
             log_requests=args.log_requests,
             decode_retries=args.decode_retries,
             no_rewrite=args.no_rewrite,

@@ -72,15 +72,18 @@ class EncoderFanout:
         no_rewrite: bool = False,
         health: Ejections | None = None,
         on_failover: Callable[[], None] | None = None,
+        timeout_s: float = 0.0,
     ) -> None:
         """`health`: which E's are up (`failover.Ejections`; made here where not given);
-        `on_failover()`: called for each sub-request sent to another E after its own failed."""
+        `on_failover()`: called for each sub-request sent to another E after its own failed;
+        `timeout_s`: how long an E may take to answer a sub-request (0: no bound)."""
         self.urls = list(urls)
         self._upstream = upstream  # () -> Upstream (created on startup)
         self.max_batch_size = max_batch_size
         self.no_rewrite = no_rewrite
         self.health = health if health is not None else Ejections("E", self.urls)
         self._on_failover = on_failover
+        self.timeout_s = timeout_s
 
     def subrequests_bound(self, items: Sequence[Mapping[str, Any]]) -> int:
         """The most sub-requests `items` can take (`groups`, whichever E gets them): one per
@@ -193,19 +196,16 @@ class EncoderFanout:
         the sub-request goes once to the next live E (it encodes the items again: E's
         embedding is the items', whichever E makes it)."""
         url, body, headers = req
-        health = self.health
         try:
-            resp = await upstream.post(url, await encode_body(body), headers)
-        except FAILED_CONNECTION as e:
+            if self.timeout_s:
+                async with asyncio.timeout(self.timeout_s):
+                    result = await _post(upstream, url, body, headers)
+            else:
+                result = await _post(upstream, url, body, headers)
+        except (*FAILED_CONNECTION, TimeoutError) as e:
             return await self._fail_over(upstream, target, req, req_id, e)
-        try:
-            result = resp.status, await resp.read()
-        except FAILED_CONNECTION as e:
-            return await self._fail_over(upstream, target, req, req_id, e)
-        finally:
-            resp.release()
-        if health.failing:
-            health.ok(target)
+        if self.health.failing:
+            self.health.ok(target)
         return result
 
     async def _fail_over(
@@ -222,7 +222,7 @@ class EncoderFanout:
         health.eject(target)
         other = health.instead_of(target)
         if other is None:
-            raise error
+            raise _timed_out(error, target)
         logger.warning(
             "[%s] encoder %s failed (%s: %s); ejected, the sub-request goes to %s",
             req_id, target, type(error).__name__, error, other,
@@ -231,10 +231,14 @@ class EncoderFanout:
             self._on_failover()
         _, body, headers = req
         try:
-            result = await _post(upstream, chat_url(other), body, headers)
-        except FAILED_CONNECTION:
+            if self.timeout_s:
+                async with asyncio.timeout(self.timeout_s):
+                    result = await _post(upstream, chat_url(other), body, headers)
+            else:
+                result = await _post(upstream, chat_url(other), body, headers)
+        except (*FAILED_CONNECTION, TimeoutError) as e:
             health.eject(other)
-            raise
+            raise _timed_out(e, other) from e
         health.ok(other)
         return result
 
@@ -346,6 +350,14 @@ class Encoding:
         return _collect(self._subs, self._items, results, self._req_id, self.abandoned)
 
 
+def _timed_out(error: BaseException, url: str) -> BaseException:
+    """A timed-out sub-request as the client's error (504, naming the E); any other error as
+    it is."""
+    if isinstance(error, TimeoutError):
+        return ProxyError(504, f"Encoder {url} did not answer in time", stage="encode")
+    return error
+
+
 def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
@@ -366,6 +378,8 @@ def _collect(
         if g in skip:
             continue
         first = batch[0]
+        if isinstance(result, ProxyError):  # a sub-request's own status (504: timed out)
+            raise result
         if isinstance(result, BaseException):
             logger.error("[%s] encoder request #%d raised: %s", req_id, first, result)
             raise ProxyError(502, f"Encoder request failed: {result}", stage="encode")

@@ -193,3 +193,33 @@ async def test_one_failover_a_request_then_its_error():
         assert r.status >= 500
         assert s.sample("mmreuse_proxy_failovers_total", role="PD") == 1
         assert s.sample("mmreuse_proxy_ejections_total", role="PD", instance="PD1") == 1
+
+
+async def test_a_stalled_e_costs_its_timeout_once_then_is_skipped(fakes):
+    stalled = await fakes("e", delay=lambda body: 30.0)
+    live = await fakes("e")
+    flags = ("--encode-timeout", "0.2")
+    async with epd(e_urls=[stalled.url, live.url], flags=flags) as s:
+        for i in range(4):
+            r = await s.post(chat(img(f"http://x/{i}.png")), request_id=f"r{i}")
+            assert r.status == 200, await r.text()
+        assert len(live.chats()) == 4 and len(stalled.chats()) == 1
+        assert s.sample("mmreuse_proxy_failovers_total", role="E") == 1
+        assert s.sample("mmreuse_proxy_instance_up", role="E", instance="E0") == 0
+
+
+async def test_with_its_only_e_stalled_a_request_ends_with_504(fakes):
+    stalled = await fakes("e", delay=lambda body: 30.0)
+    async with epd(e_urls=[stalled.url], flags=("--encode-timeout", "0.2")) as s:
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status == 504
+        assert "did not answer in time" in await r.text()
+
+
+def test_the_encode_timeout_is_checked():
+    from mmreuse.proxy.config import ServingConfig
+
+    assert ServingConfig().encode_timeout_s == 0.0  # none, as the reference
+    for bad in (-1.0, float("inf"), float("nan"), "5"):
+        with pytest.raises(InvalidArgument, match="encode_timeout_s"):
+            ServingConfig(encode_timeout_s=bad)
