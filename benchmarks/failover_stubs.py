@@ -2,11 +2,13 @@
 vLLM's reference proxy, side by side, in front of the same 2 E + 2 PD stubs
 (`stub_backends.py`).
 
-For each fault (one E killed, one PD killed: SIGKILL of that stub's process group), fresh
-stubs and proxies are started, a few requests warm them up, the fault is made, and then
-`--requests` requests go one at a time through each proxy in turn (so both see the same dead
-instance). It prints, per fault and proxy, how many requests failed and their statuses, and
-how long the slowest took. Run from the repository root:
+For each fault (one E killed, one PD killed: SIGKILL of that stub's process group; one E
+stopped: SIGSTOP, with `mmreuse proxy --encode-timeout 2`), fresh stubs and proxies are
+started, a few requests warm them up, the fault is made, and then requests go one at a time
+through each proxy in turn (so both see the same faulty instance): `--requests` of them, or
+`--stall-requests` for the stopped E, each client giving up after `--timeout` seconds (status
+0). It prints, per fault and proxy, how many requests failed and their statuses, and how long
+the slowest took. Run from the repository root:
 
     .venv/bin/python benchmarks/failover_stubs.py [--requests 40] [--no-reference]
 
@@ -104,7 +106,9 @@ def run_fault(
 
         proxies = ["mmreuse"]
         port = free_port()
-        argv = [str(Path(sys.executable).parent / "mmreuse"), "proxy", *flags(port)]
+        stall = fault == "E stopped"
+        timeout = ["--encode-timeout", "2"] if stall else []
+        argv = [str(Path(sys.executable).parent / "mmreuse"), "proxy", *flags(port), *timeout]
         procs["mmreuse"] = Proc("mmreuse proxy", argv, logdir / f"{fault}-mmreuse.log", port)
         if reference is not None:
             port = free_port()
@@ -120,11 +124,16 @@ def run_fault(
         for i in range(4):  # warm: every instance used once by each
             for name in proxies:
                 _request(int(procs[name].port or 0), i, rnd, args.timeout)
-        _kill(procs["e1" if fault == "E killed" else "pd1"])
+        faulty = procs["pd1" if fault == "PD killed" else "e1"]
+        if stall:
+            assert faulty.popen is not None
+            os.killpg(faulty.popen.pid, signal.SIGSTOP)
+        else:
+            _kill(faulty)
         out: dict[str, Any] = {
             name: {"failed": 0, "statuses": {}, "slowest_s": 0.0} for name in proxies
         }
-        for i in range(args.requests):
+        for i in range(args.stall_requests if stall else args.requests):
             for name in proxies:
                 status, took = _request(int(procs[name].port or 0), 100 + i, rnd, args.timeout)
                 row = out[name]
@@ -134,13 +143,17 @@ def run_fault(
         return out
     finally:
         for proc in procs.values():
+            if proc.popen is not None and proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGCONT)
             proc.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=40)
-    p.add_argument("--timeout", type=float, default=25.0, help="a client's patience, seconds")
+    p.add_argument("--stall-requests", type=int, default=6)
+    p.add_argument("--timeout", type=float, default=10.0, help="a client's patience, seconds")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--reference-python", default=None)
     args = p.parse_args(argv)
@@ -151,10 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         ref_py = Path(args.reference_python) if args.reference_python else reference_python()
         reference = (ref_py, fetch_reference())
     logdir = Path(tempfile.mkdtemp(prefix="mmreuse-failover-"))
-    print(f"2 E + 2 PD stubs, {args.requests} sequential requests after the fault (logs: {logdir})")
+    print(
+        f"2 E + 2 PD stubs, {args.requests} sequential requests after a kill, "
+        f"{args.stall_requests} after a stop, clients patient for {args.timeout:g} s "
+        f"(logs: {logdir})"
+    )
     print("| fault | proxy | failed | statuses | slowest s |")
     print("|---|---|---|---|---|")
-    for fault in ("E killed", "PD killed"):
+    for fault in ("E killed", "PD killed", "E stopped"):
         for name, row in run_fault(fault, args, reference, logdir).items():
             statuses = ", ".join(f"{k}: {v}" for k, v in sorted(row["statuses"].items()))
             print(f"| {fault} | {name} | {row['failed']} | {statuses} | {row['slowest_s']:.2f} |")
