@@ -1283,6 +1283,13 @@ def _media(args: argparse.Namespace) -> MediaLimits | None:
     return MediaLimits(**given)
 
 
+def _section(kind: type[Any], args: argparse.Namespace, **given: Any) -> Any:
+    """The section `kind` from the flags named as its fields (`--block-size` -> block_size)
+    and `given` for the others; a field with neither (`planning.seed`) keeps its default."""
+    names = [f.name for f in dataclasses.fields(kind) if f.name not in given]
+    return kind(**{n: getattr(args, n) for n in names if hasattr(args, n)}, **given)
+
+
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyConfig:
     """The ProxyConfig the flags (and `env`) say: flags mapped to fields, the record checks."""
     for flag, what in _UNSUPPORTED.items():
@@ -1306,44 +1313,22 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
         prefill_urls=prefill,
         instances=tuple(PrefillInstance(u, **s) for u, s in zip(urls, slots, strict=True)),
         encoders=tuple(EncodeInstance(u, **s) for u, s in zip(e_urls, e_slots, strict=True)),
-        serving=ServingConfig(
-            host=args.host,
-            port=args.port,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-            workers=args.workers,
-            worker_stall_timeout=args.worker_stall_timeout,
+        serving=_section(
+            ServingConfig,
+            args,
             encode_timeout_s=args.encode_timeout,
-            log_requests=args.log_requests,
-            decode_retries=args.decode_retries,
-            no_rewrite=args.no_rewrite,
             encoder_max_batch_size=_env_number(env, "ENCODER_MAX_BATCH_SIZE", "0", int),
             backend_keep_alive_s=_env_number(env, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5", float),
             api_key=env.get("OPENAI_API_KEY", ""),
         ),
-        media=MediaConfig(
-            uuid_policy=args.uuid_policy,
-            fetch=_media(args),
-            limit_mm_per_prompt=args.limit_mm_per_prompt,
-            max_body_bytes=args.max_body_bytes,
-            max_body_values=args.max_body_values,
-            max_body_text_bytes=args.max_body_text_bytes,
-        ),
-        planning=PlanningConfig(
-            policy=args.policy,
-            routing=args.routing,
-            mixed_plan=args.mixed_plan,
-            encode_on_p=args.encode_on_p,
-            held_items=args.held_items,
+        media=_section(MediaConfig, args, fetch=_media(args)),
+        planning=_section(
+            PlanningConfig,
+            args,
             render_url=args.render_url.rstrip("/") if args.render_url else None,
             render_timeout_s=args.render_timeout,
         ),
-        views=ViewsConfig(
-            hash_algo=args.hash_algo,
-            hash_seed=args.hash_seed,
-            block_size=args.block_size,
-            demand_timeout_s=args.demand_timeout,
-        ),
+        views=_section(ViewsConfig, args, demand_timeout_s=args.demand_timeout),
         store=StoreConfig(
             url=args.e_store_url.rstrip("/") if args.e_store_url else None,
             namespace=args.e_store_namespace,

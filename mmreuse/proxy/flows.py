@@ -128,17 +128,25 @@ class WholeFlow:
                 m.occurrence(item_class).inc(classes.count(item_class))
 
 
-class SplitFlow(WholeFlow):
-    """Index / demand: split at arrival, then plan (or ask P) for what waits."""
+class _MediaFlow(WholeFlow):
+    """A flow with its own way for a request with media items (`_decide_media`); the others
+    are decided whole."""
 
     async def decide(self, client: ClientRequest) -> Decided:
         if not client.items:
             return await super().decide(client)
-        decided = await self._split(client)
+        decided = await self._decide_media(client)
         self.observe(decided.decision, client.request_id)
         return decided
 
-    async def _split(self, client: ClientRequest) -> Decided:
+    async def _decide_media(self, client: ClientRequest) -> Decided:
+        raise NotImplementedError
+
+
+class SplitFlow(_MediaFlow):
+    """Index / demand: split at arrival, then plan (or ask P) for what waits."""
+
+    async def _decide_media(self, client: ClientRequest) -> Decided:
         m, planner = self.metrics, self.planner
         req, items, uuids, req_id = client.body, client.items, client.uuids, client.request_id
         ta = time.perf_counter()
@@ -186,20 +194,13 @@ class SplitFlow(WholeFlow):
         return Decided(decision, result)
 
 
-class OpportunisticFlow(WholeFlow):
+class OpportunisticFlow(_MediaFlow):
     """E gets every item at once while the planner renders and asks P. An answer that comes
     while sub-requests are in flight abandons each one all of whose items the answer rules out
     (they go to P raw with their uuid); one that fails, or comes once E is done, changes
     nothing (eager)."""
 
-    async def decide(self, client: ClientRequest) -> Decided:
-        if not client.items:
-            return await super().decide(client)
-        decided = await self._race(client)
-        self.observe(decided.decision, client.request_id)
-        return decided
-
-    async def _race(self, client: ClientRequest) -> Decided:
+    async def _decide_media(self, client: ClientRequest) -> Decided:
         m, planner = self.metrics, self.planner
         req, items, uuids, req_id = client.body, client.items, client.uuids, client.request_id
         n = len(items)
