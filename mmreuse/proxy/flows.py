@@ -99,15 +99,25 @@ class WholeFlow:
         self.metrics = metrics
         self.views = views
 
+    # whether a request with media items is decided its own way (`_decide_media`)
+    by_media = False
+
     async def decide(self, client: ClientRequest) -> Decided:
         """The decision (and E's answers where already in), its facts counted."""
-        planner = self.planner
-        if planner.renders:
-            decision = await planner.decide(client.body, client.items, client.uuids)
-        else:  # eager, random routing: no render, no plan (what decide would answer)
-            decision = planner.eager(client.items)
-        self.observe(decision, client.request_id)
-        return Decided(decision)
+        if client.items and self.by_media:
+            decided = await self._decide_media(client)
+        else:
+            planner = self.planner
+            if planner.renders:
+                decision = await planner.decide(client.body, client.items, client.uuids)
+            else:  # eager, random routing: no render, no plan (what decide would answer)
+                decision = planner.eager(client.items)
+            decided = Decided(decision)
+        self.observe(decided.decision, client.request_id)
+        return decided
+
+    async def _decide_media(self, client: ClientRequest) -> Decided:
+        raise NotImplementedError
 
     def observe(self, decision: Decision, req_id: str) -> None:
         m, trace = self.metrics, decision.trace
@@ -128,23 +138,10 @@ class WholeFlow:
                 m.occurrence(item_class).inc(classes.count(item_class))
 
 
-class _MediaFlow(WholeFlow):
-    """A flow with its own way for a request with media items (`_decide_media`); the others
-    are decided whole."""
-
-    async def decide(self, client: ClientRequest) -> Decided:
-        if not client.items:
-            return await super().decide(client)
-        decided = await self._decide_media(client)
-        self.observe(decided.decision, client.request_id)
-        return decided
-
-    async def _decide_media(self, client: ClientRequest) -> Decided:
-        raise NotImplementedError
-
-
-class SplitFlow(_MediaFlow):
+class SplitFlow(WholeFlow):
     """Index / demand: split at arrival, then plan (or ask P) for what waits."""
+
+    by_media = True
 
     async def _decide_media(self, client: ClientRequest) -> Decided:
         m, planner = self.metrics, self.planner
@@ -194,11 +191,13 @@ class SplitFlow(_MediaFlow):
         return Decided(decision, result)
 
 
-class OpportunisticFlow(_MediaFlow):
+class OpportunisticFlow(WholeFlow):
     """E gets every item at once while the planner renders and asks P. An answer that comes
     while sub-requests are in flight abandons each one all of whose items the answer rules out
     (they go to P raw with their uuid); one that fails, or comes once E is done, changes
     nothing (eager)."""
+
+    by_media = True
 
     async def _decide_media(self, client: ClientRequest) -> Decided:
         m, planner = self.metrics, self.planner
