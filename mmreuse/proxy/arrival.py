@@ -37,6 +37,7 @@ class ArrivalSplitter:
         ask_instead: Callable[..., bool],
     ) -> None:
         self.config, self.sources, self.e_side = config, sources, e_side
+        self.views, self.availability = sources.views, sources.availability  # read per request
         self._rng, self._ask_instead = rng, ask_instead
         self.policy = config.planning.policy
         self._asks = self.policy.asks_p
@@ -114,7 +115,7 @@ class ArrivalSplitter:
         distinct = set(uuids)
         if instance is None:
             instance = self._instance(distinct)
-        view = self.sources.views[instance]
+        view = self.views[instance]
         usable, complete = view.usable, view.complete
         if (self._asks and not (usable and complete)) or self._ask_instead(
             instance, usable=usable, complete=complete
@@ -123,7 +124,7 @@ class ArrivalSplitter:
         else:
             # P's encoder cache, from its events (untenanted, as vLLM's cache is)
             salt = None if view.ec_stream is not None else request.get("cache_salt")
-            new = distinct - self.sources.availability.p_holds(view.name, distinct, cache_salt=salt)
+            new = distinct - self.availability.p_holds(view.name, distinct, cache_salt=salt)
             if external:
                 new -= external
             if usable:  # unusable: planned under index as holding nothing (demand: above)
@@ -152,9 +153,9 @@ class ArrivalSplitter:
     def _instance(self, identifiers: set[str]) -> int:
         """Random routing: a random P. Affine: the P whose view knows a block carrying the most
         of these identifiers (ties at random), instead of a render and a prefix match."""
-        if self.config.planning.routing != "affine" or len(self.sources.views) == 1:
+        if self.config.planning.routing != "affine" or len(self.views) == 1:
             return self.random_instance()
-        scores = [sum(map(view.holds_identifier, identifiers)) for view in self.sources.views]
+        scores = [sum(map(view.holds_identifier, identifiers)) for view in self.views]
         return choose(self._rng, scores, self.sources.p_health)
 
     def on_p(self, arrival: Arrival) -> Arrival:

@@ -154,10 +154,7 @@ class EncoderFanout:
             return EMPTY
         subs = self._build(request, items, indices, req_id, uuids)
         upstream = self._upstream()
-        posts = [
-            self._post(upstream, target, req, req_id)
-            for (target, _), req in zip(subs.groups, subs.requests, strict=True)
-        ]
+        posts = [self._post(upstream, req, req_id) for req in subs.requests]
         if len(posts) == 1:  # the common case: no gather (a task per sub-request) needed
             try:
                 results: list[Any] = [await posts[0]]
@@ -179,23 +176,14 @@ class EncoderFanout:
         task, so that some can be abandoned while in flight (`Encoding`)."""
         subs = self._build(request, items, indices, req_id, uuids)
         upstream = self._upstream()
-        tasks = [
-            asyncio.ensure_future(self._post(upstream, target, req, req_id))
-            for (target, _), req in zip(subs.groups, subs.requests, strict=True)
-        ]
+        tasks = [asyncio.ensure_future(self._post(upstream, req, req_id)) for req in subs.requests]
         return Encoding(subs, items, req_id, tasks)
 
-    async def _post(
-        self,
-        upstream: Upstream,
-        target: str,
-        req: tuple[yarl.URL, dict[str, Any], dict[str, str]],
-        req_id: str,
-    ) -> tuple[int, bytes]:
-        """One sub-request to `target`; where its connection fails, `target` is ejected and
-        the sub-request goes once to the next live E (it encodes the items again: E's
+    async def _post(self, upstream: Upstream, req: _SubRequest, req_id: str) -> tuple[int, bytes]:
+        """One sub-request to its E (`target`); where its connection fails, that E is ejected
+        and the sub-request goes once to the next live E (it encodes the items again: E's
         embedding is the items', whichever E makes it)."""
-        url, body, headers = req
+        target, url, body, headers = req
         try:
             if self.timeout_s:
                 async with asyncio.timeout(self.timeout_s):
@@ -216,7 +204,7 @@ class EncoderFanout:
         self,
         upstream: Upstream,
         target: str,
-        req: tuple[yarl.URL, dict[str, Any], dict[str, str]],
+        req: _SubRequest,
         req_id: str,
         error: BaseException,
     ) -> tuple[int, bytes]:
@@ -233,7 +221,7 @@ class EncoderFanout:
         )  # fmt: skip
         if self._on_failover is not None:
             self._on_failover()
-        _, body, headers = req
+        _, _, body, headers = req
         try:
             if self.timeout_s:
                 async with asyncio.timeout(self.timeout_s):
@@ -287,16 +275,20 @@ class EncoderFanout:
             for key in E_COPIED_KEYS:
                 if key in request:
                     body[key] = request[key]
-            requests.append((chat_url(target), body, headers))
+            requests.append((target, chat_url(target), body, headers))
         return _SubRequests(groups, requests, item_uuids, transfer_ids)
+
+
+_SubRequest = tuple[str, yarl.URL, dict[str, Any], dict[str, str]]  # E, its URL, body, headers
 
 
 @dataclass(frozen=True, slots=True)
 class _SubRequests:
-    """One request's E sub-requests: (encoder, item indices) and (url, body, headers) each."""
+    """One request's E sub-requests: (encoder, item indices) and (encoder, url, body,
+    headers) each."""
 
     groups: list[tuple[str, list[int]]]
-    requests: list[tuple[yarl.URL, dict[str, Any], dict[str, str]]]
+    requests: list[_SubRequest]
     item_uuids: dict[int, str]
     transfer_ids: dict[int, list[str]]
 
