@@ -112,6 +112,7 @@ FLAGS: Mapping[str, str] = {
     "serving.workers": "--workers",
     "serving.worker_stall_timeout": "--worker-stall-timeout",
     "serving.encode_timeout_s": "--encode-timeout",
+    "serving.prefill_timeout_s": "--prefill-timeout",
     "serving.decode_retries": "--decode-retries",
     "serving.no_rewrite": "--no-rewrite",
     "media.uuid_policy": "--uuid-policy",
@@ -301,6 +302,9 @@ class ServingConfig:
     # --encode-timeout: an E sub-request not answered within it ejects its E and goes once to
     # another (0: none, as the reference)
     encode_timeout_s: float = 0.0
+    # --prefill-timeout: E + P + D's prefill not answered within it ejects its P and goes once
+    # to another (0: none, as the reference)
+    prefill_timeout_s: float = 0.0
     log_requests: bool = False
     decode_retries: int = 1
     no_rewrite: bool = False
@@ -350,11 +354,12 @@ class ServingConfig:
             raise ConfigError(
                 "{serving/decode_retries}={v!r} must be an int >= 0", v=self.decode_retries
             )
-        timeout = self.encode_timeout_s
-        if not (_is_number(timeout) and math.isfinite(timeout) and timeout >= 0):
-            raise ConfigError(
-                "{serving/encode_timeout_s}={v} must be seconds >= 0 (0: none)", v=_g(timeout)
-            )
+        for key in ("encode_timeout_s", "prefill_timeout_s"):
+            timeout = getattr(self, key)
+            if not (_is_number(timeout) and math.isfinite(timeout) and timeout >= 0):
+                raise ConfigError(
+                    f"{{serving/{key}}}={{v}} must be seconds >= 0 (0: none)", v=_g(timeout)
+                )
         if not _at_least(self.encoder_max_batch_size, 0):
             raise ConfigError(
                 "{serving/encoder_max_batch_size}={v!r} must be non-negative",
@@ -760,6 +765,17 @@ _SERVING: tuple[_Flag, ...] = (
             "help": "an E sub-request not answered within this long (a stalled E) ejects that E "
             "for a back-off and goes once to another E; the request fails with 504 where there "
             "is none. 0 (the default): no bound, as the reference",
+        },
+    ),
+    (
+        "--prefill-timeout",
+        {
+            "type": float,
+            "default": 0.0,
+            "metavar": "SECONDS",
+            "help": "E + P + D: a prefill (max_tokens 1) not answered within this long (a stalled "
+            "P) ejects that P for a back-off and the request goes once to another P, as eager; "
+            "504 where there is none. 0 (the default): no bound, as the reference",
         },
     ),
     (
@@ -1317,6 +1333,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
             ServingConfig,
             args,
             encode_timeout_s=args.encode_timeout,
+            prefill_timeout_s=args.prefill_timeout,
             encoder_max_batch_size=_env_number(env, "ENCODER_MAX_BATCH_SIZE", "0", int),
             backend_keep_alive_s=_env_number(env, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5", float),
             api_key=env.get("OPENAI_API_KEY", ""),

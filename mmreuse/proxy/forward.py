@@ -392,16 +392,20 @@ class Forwarder:
             body["max_completion_tokens"] = 1
         body.pop("stream_options", None)
         try:
-            resp = await self.upstream.post(
-                chat_url(p_url),
-                await encode_body(body),
-                {"x-request-id": req_id, "Content-Type": "application/json"},
-            )
-            try:
-                payload = await resp.read()
-                status = resp.status
-            finally:
-                resp.release()
+            async with asyncio.timeout(self.config.serving.prefill_timeout_s or None):
+                resp = await self.upstream.post(
+                    chat_url(p_url),
+                    await encode_body(body),
+                    {"x-request-id": req_id, "Content-Type": "application/json"},
+                )
+                try:
+                    payload = await resp.read()
+                    status = resp.status
+                finally:
+                    resp.release()
+        except TimeoutError as e:  # a stalled P (--prefill-timeout)
+            stalled = ProxyError(504, f"Prefill {p_url} did not answer in time", stage="prefill")
+            raise _InstanceFailed("prefill", p_url, stalled) from e
         except aiohttp.ClientError as e:
             error = ProxyError(
                 502, {"error": "Prefill processing error", "message": str(e)}, stage="prefill"

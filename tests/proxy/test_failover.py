@@ -223,3 +223,30 @@ def test_the_encode_timeout_is_checked():
     for bad in (-1.0, float("inf"), float("nan"), "5"):
         with pytest.raises(InvalidArgument, match="encode_timeout_s"):
             ServingConfig(encode_timeout_s=bad)
+
+
+async def test_a_stalled_p_costs_its_prefill_timeout_once_then_is_skipped():
+    async with epd(n_p=2, n_d=1, seed=1, flags=("--prefill-timeout", "0.2")) as s:
+        s.p[0].delay = lambda body: 30.0  # P0, the first drawn (seed 1), stalls
+        for i in range(3):
+            r = await s.post(chat(img(f"http://x/{i}.png")), request_id=f"r{i}")
+            assert r.status == 200, await r.text()
+        assert len(s.p[1].chats()) == 3 and len(s.p[0].chats()) == 1
+        assert s.sample("mmreuse_proxy_failovers_total", role="P") == 1
+        assert s.sample("mmreuse_proxy_instance_up", role="P", instance="P0") == 0
+
+
+async def test_with_its_only_p_stalled_a_request_ends_with_504():
+    async with epd(n_p=1, n_d=1, flags=("--prefill-timeout", "0.2")) as s:
+        s.p[0].delay = lambda body: 30.0
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status == 504
+        assert "did not answer in time" in await r.text()
+
+
+def test_the_prefill_timeout_is_checked():
+    from mmreuse.proxy.config import ServingConfig
+
+    assert ServingConfig().prefill_timeout_s == 0.0  # none, as the reference
+    with pytest.raises(InvalidArgument, match="prefill_timeout_s"):
+        ServingConfig(prefill_timeout_s=-1.0)
