@@ -24,9 +24,9 @@ from .records import NO_TRACE, Arrival, DecideTrace, Decision, Sources, unplanna
 
 class ArrivalSplitter:
     """Splits requests at arrival for one Planner: from its `sources` (the views, what E and
-    each P hold, the store, the kept references) and E's side, with its routing draws (`rng`,
-    the Planner's own), asking P instead of reading an instance's view where
-    `ask_instead(instance, usable=, complete=)` says so."""
+    each P hold, the store, the kept references) and E's side, with the Planner's routing
+    draws (`rng` for affine's choice, `random_instance` for a P at random), asking P instead
+    of reading an instance's view where `ask_instead(instance, usable=, complete=)` says so."""
 
     def __init__(
         self,
@@ -35,18 +35,14 @@ class ArrivalSplitter:
         e_side: ESide,
         rng: random.Random,
         ask_instead: Callable[..., bool],
+        random_instance: Callable[[], int],
     ) -> None:
         self.config, self.sources, self.e_side = config, sources, e_side
         self.views, self.availability = sources.views, sources.availability  # read per request
         self._rng, self._ask_instead = rng, ask_instead
+        self._random_instance = random_instance  # the Planner's draw (its one home)
         self.policy = config.planning.policy
         self._asks = self.policy.asks_p
-
-    def random_instance(self) -> int:
-        health = self.sources.p_health
-        if health is None or not health.failing:  # every one up: the reference's draw
-            return self._rng.randrange(len(self.config.prefill_instances))
-        return choose(self._rng, len(self.config.prefill_instances), health)
 
     async def arrival(
         self,
@@ -154,7 +150,7 @@ class ArrivalSplitter:
         """Random routing: a random P. Affine: the P whose view knows a block carrying the most
         of these identifiers (ties at random), instead of a render and a prefix match."""
         if self.config.planning.routing != "affine" or len(self.views) == 1:
-            return self.random_instance()
+            return self._random_instance()
         scores = [sum(map(view.holds_identifier, identifiers)) for view in self.views]
         return choose(self._rng, scores, self.sources.p_health)
 

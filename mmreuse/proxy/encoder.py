@@ -223,10 +223,7 @@ class EncoderFanout:
             self._on_failover()
         _, _, body, headers = req
         try:
-            if self.timeout_s:
-                async with asyncio.timeout(self.timeout_s):
-                    result = await _post(upstream, chat_url(other), body, headers)
-            else:
+            async with asyncio.timeout(self.timeout_s or None):
                 result = await _post(upstream, chat_url(other), body, headers)
         except (*FAILED_CONNECTION, TimeoutError) as e:
             health.eject(other)

@@ -85,7 +85,9 @@ class Planner:
         self.renders = self.policy.renders or config.planning.routing == "affine"
         e_side = sources.e_side
         self.e_side = e_side if e_side is not None else ESide(config, availability, None)
-        self.arrivals = ArrivalSplitter(config, sources, self.e_side, rng, self._ask_instead)
+        self.arrivals = ArrivalSplitter(
+            config, sources, self.e_side, rng, self._ask_instead, self.random_instance
+        )
 
     def random_instance(self) -> int:
         """A P (or PD) at random, an ejected one only where every one is (`failover`)."""
