@@ -14,6 +14,7 @@ The server is `proxy.server`, the other routes `proxy.health`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -37,7 +38,7 @@ from .demand import DemandClient
 from .encoder import EncoderFanout
 from .errors import ProxyError
 from .eside import ESide
-from .failover import named_ejections
+from .failover import HealthProbe, named_ejections
 from .flows import EWork, flow_for
 from .forward import Forwarder
 from .metrics import ProxyMetrics
@@ -119,14 +120,18 @@ class Proxy:
             p_health=p_health,
         )
         self.planner = Planner(config, sources, self._post_json, self.rng)
+        e_health = named_ejections("E", config.encode_urls, self.metrics.instance_changed)
+        # an ejected instance is asked for its health each second: back once it answers
+        self.probe = HealthProbe((e_health, p_health, d_health), self._health_status)
+        self._probing: asyncio.Task[None] | None = None
         self.encoders = EncoderFanout(
             config.encode_urls,
             lambda: self.upstream,
             max_batch_size=config.serving.encoder_max_batch_size,
             no_rewrite=config.serving.no_rewrite,
-            health=named_ejections("E", config.encode_urls, self.metrics.instance_changed),
+            health=e_health,
             on_failover=self.metrics.failovers.labels("E").inc,
-            timeout_s=config.serving.encode_timeout_s,
+            timeout_s=config.serving.encode_bound_s,
         )
         self.reader = RequestReader(config.media, self.encoders, self.media, self.metrics)
         e_work = EWork(self.encoders, self.planner, self.metrics)
@@ -162,8 +167,14 @@ class Proxy:
             await asyncio.to_thread(view.start)
         for client in self.demand:
             client.start()
+        self.metrics.watch_runtime(asyncio.get_running_loop(), self.upstream.connections)
+        self._probing = asyncio.ensure_future(self.probe.run())
 
     async def stop(self, _app: web.Application | None = None) -> None:
+        if self._probing is not None:
+            self._probing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probing
         for client in self.demand:
             await client.close()
         views: list[InstanceView | EncoderView] = [*self.views, *self.e_views]
@@ -182,6 +193,12 @@ class Proxy:
     async def _get(self, url: str) -> tuple[int, bytes]:
         async with self._session().get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
             return r.status, await r.read()
+
+    async def _health_status(self, url: str, timeout_s: float) -> int:
+        """GET `url` (an instance's /health, `HealthProbe`): its status."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self._session().get(url, timeout=timeout) as r:
+            return r.status
 
     async def _fetch_media(
         self, url: str, cap: int, timeout_s: float, charge: Callable[[int], None]
@@ -207,11 +224,22 @@ class Proxy:
         t0 = time.perf_counter()
         m = self.metrics
         policy = self.config.planning.policy
+        deadline = self.config.serving.request_timeout_s or None
         try:
-            response = await self._chat(request)
+            async with asyncio.timeout(deadline) as scope:
+                response = await self._chat(request, scope)
         except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler)
             m.request(policy, "client_gone").inc()
             raise
+        except TimeoutError:
+            if not scope.expired():  # not the deadline's: some part's own
+                raise
+            # --request-timeout: what ran for the request was cancelled (its connections
+            # to E, P and D closed, so vLLM aborts it), and nothing had reached the client
+            m.errors.labels("deadline").inc()
+            m.request(policy, "server_error").inc()
+            detail = f"the request was not answered within --request-timeout ({deadline:g} s)"
+            return web.json_response({"detail": detail}, status=504)
         except ProxyError as e:
             m.errors.labels(e.stage).inc()
             m.request(policy, _outcome(e.status)).inc()
@@ -229,7 +257,7 @@ class Proxy:
         m.stage["total"].observe(time.perf_counter() - t0)
         return response
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _chat(self, request: web.Request, scope: asyncio.Timeout) -> web.StreamResponse:
         # 1. read: the client's request, its media items and their uuids
         client = await self.reader.read(request)
         if client.blobs is not None:  # a large body: its inline media spliced into, and its
@@ -241,7 +269,7 @@ class Proxy:
                 dataclasses.replace(decided.decision, request_id=client.request_id)
             )
         # 3. forward: encode the rest, rewrite, prefill, decode (and the retries)
-        return await self.forwarder.forward(request, client, decided)
+        return await self.forwarder.forward(request, client, decided, scope)
 
 
 @functools.lru_cache(maxsize=256)

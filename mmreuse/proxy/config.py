@@ -113,6 +113,7 @@ FLAGS: Mapping[str, str] = {
     "serving.worker_stall_timeout": "--worker-stall-timeout",
     "serving.encode_timeout_s": "--encode-timeout",
     "serving.prefill_timeout_s": "--prefill-timeout",
+    "serving.request_timeout_s": "--request-timeout",
     "serving.decode_retries": "--decode-retries",
     "serving.no_rewrite": "--no-rewrite",
     "media.uuid_policy": "--uuid-policy",
@@ -305,6 +306,9 @@ class ServingConfig:
     # --prefill-timeout: E + P + D's prefill not answered within it ejects its P and goes once
     # to another (0: none, as the reference)
     prefill_timeout_s: float = 0.0
+    # --request-timeout: a request not answered within it ends with a 504 (a stream already
+    # begun: with an error event); E's and P's bounds default to half of it (0: none)
+    request_timeout_s: float = 0.0
     log_requests: bool = False
     decode_retries: int = 1
     no_rewrite: bool = False
@@ -354,7 +358,7 @@ class ServingConfig:
             raise ConfigError(
                 "{serving/decode_retries}={v!r} must be an int >= 0", v=self.decode_retries
             )
-        for key in ("encode_timeout_s", "prefill_timeout_s"):
+        for key in ("encode_timeout_s", "prefill_timeout_s", "request_timeout_s"):
             timeout = getattr(self, key)
             if not (_is_number(timeout) and math.isfinite(timeout) and timeout >= 0):
                 raise ConfigError(
@@ -368,6 +372,18 @@ class ServingConfig:
         keep = self.backend_keep_alive_s
         if not (_is_number(keep) and math.isfinite(keep) and keep >= 0):
             raise ConfigError("{serving/backend_keep_alive_s}={v!r} must be seconds >= 0", v=keep)
+
+    @property
+    def encode_bound_s(self) -> float:
+        """How long an E may take to answer a sub-request before it is taken for stalled:
+        --encode-timeout, else half of --request-timeout (room for the failover try), else
+        0 (no bound)."""
+        return self.encode_timeout_s or self.request_timeout_s / 2
+
+    @property
+    def prefill_bound_s(self) -> float:
+        """As `encode_bound_s`, for E + P + D's prefill (--prefill-timeout)."""
+        return self.prefill_timeout_s or self.request_timeout_s / 2
         if not isinstance(self.api_key, str):
             raise ConfigError(
                 "{serving/api_key} must be a str, got a {t}", t=type(self.api_key).__name__
@@ -776,6 +792,20 @@ _SERVING: tuple[_Flag, ...] = (
             "help": "E + P + D: a prefill (max_tokens 1) not answered within this long (a stalled "
             "P) ejects that P for a back-off and the request goes once to another P, as eager; "
             "504 where there is none. 0 (the default): no bound, as the reference",
+        },
+    ),
+    (
+        "--request-timeout",
+        {
+            "type": float,
+            "default": 0.0,
+            "metavar": "SECONDS",
+            "help": "an end-to-end deadline per request: one not answered within this long ends "
+            "with a 504 (a stream already begun ends with an error event, then [DONE]), and "
+            "what still runs for it on E, P and D is cancelled (their connections closed: vLLM "
+            "aborts the request). Where --encode-timeout or --prefill-timeout is not given, it "
+            "is half of this, so a stalled E or P leaves time to fail over. 0 (the default): "
+            "none, as the reference",
         },
     ),
     (
@@ -1334,6 +1364,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> ProxyC
             args,
             encode_timeout_s=args.encode_timeout,
             prefill_timeout_s=args.prefill_timeout,
+            request_timeout_s=args.request_timeout,
             encoder_max_batch_size=_env_number(env, "ENCODER_MAX_BATCH_SIZE", "0", int),
             backend_keep_alive_s=_env_number(env, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5", float),
             api_key=env.get("OPENAI_API_KEY", ""),

@@ -8,15 +8,21 @@ ejects it again for twice as long. The choice among live instances keeps the rot
 reference uses, skipping the ejected ones; with every instance ejected, all are tried, so a
 role that came back is found by the next request rather than after a back-off.
 
-Only a connection failure ejects: a status from the instance (a 500, a 400) is its answer and
-goes to the client as before, and a stalled instance is the request deadline's to bound.
+Only a connection failure ejects, or a stage bound passing (--encode-timeout, --prefill-timeout):
+a status from the instance (a 500, a 400) is its answer and goes to the client as before.
+
+`HealthProbe` brings an ejected instance back without waiting for its back-off or for a
+request to risk it: once a second it asks each ejected instance's /health (vLLM's answers 200
+once its engine serves), and an instance that answers is up again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -25,6 +31,10 @@ from ..validate import check_float, check_str
 
 MIN_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
+PROBE_INTERVAL_S = 1.0  # how often each ejected instance's /health is asked
+PROBE_TIMEOUT_S = 1.0  # a probe not answered within it: still down
+
+logger = logging.getLogger("mmreuse.proxy")
 
 # What ejects an instance: the connection refused, reset, or closed before the answer
 # (aiohttp's, as `proxy.upstream` raises them). Not a malformed answer (ClientPayloadError):
@@ -98,6 +108,10 @@ class Ejections:
             if self._on_change is not None:
                 self._on_change(self.role, url, True)
 
+    def ejected(self) -> list[str]:
+        """The instances ejected since their last success (back-off over or not), in order."""
+        return [u for u in self.urls if self._health[u].failing] if self.failing else []
+
     def assign(self, count: int) -> list[str]:
         """The next `count` instances in the rotation (contiguous across requests), the
         ejected ones skipped; every instance where all are ejected."""
@@ -136,6 +150,50 @@ class Ejections:
             if url != failed and self.up(url):
                 return url
         return None
+
+
+class HealthProbe:
+    """Asks each ejected instance of `roles` for its health every `interval_s`; one that
+    answers `get(url + "/health")` with 200 within `timeout_s` is up again (`Ejections.ok`).
+    Costs nothing while every instance is up. `run()` until cancelled."""
+
+    def __init__(
+        self,
+        roles: Sequence[Ejections],
+        get: Callable[[str, float], Awaitable[int]],
+        *,
+        interval_s: float = PROBE_INTERVAL_S,
+        timeout_s: float = PROBE_TIMEOUT_S,
+    ) -> None:
+        self.roles = list({id(r): r for r in roles}.values())  # E + PD: P's and D's are one
+        self._get = get
+        self.interval_s = check_float("interval_s", interval_s, 0.0)
+        self.timeout_s = check_float("timeout_s", timeout_s, 0.0)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.once()
+
+    async def once(self) -> None:
+        """One round: every ejected instance asked at once."""
+        pending = [(r, u) for r in self.roles if r.failing for u in r.ejected()]
+        if not pending:
+            return
+        answers = await asyncio.gather(
+            *(self._probe(url) for _, url in pending), return_exceptions=True
+        )
+        for (role, url), answer in zip(pending, answers, strict=True):
+            if answer is True and url in role.ejected():
+                logger.info("%s instance %s answers /health again: back in", role.role, url)
+                role.ok(url)
+
+    async def _probe(self, url: str) -> bool:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._get(url.rstrip("/") + "/health", self.timeout_s) == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
 
 
 def named_ejections(

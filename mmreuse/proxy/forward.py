@@ -5,7 +5,8 @@ Two retries live here, each over a fresh `Attempt`: a decode 500 is retried by r
 everything (--decode-retries), and a request whose E embedding the store lost is retried once
 (E encodes it again under a fresh uuid, P gets it raw). Unlike the reference, a streaming client
 gets its status line only once the decode instance has accepted the request, so an E, P or D
-failure is an HTTP error, not a broken 200 stream. The instances a decision is sent to are
+failure is an HTTP error, not a broken 200 stream; a stream that breaks later, or that the
+request's deadline cuts, ends with an error event. The instances a decision is sent to are
 chosen in one place (`Forwarder.route`).
 """
 
@@ -132,10 +133,16 @@ class Forwarder:
         return None, cfg.decode_urls[decision.instance]
 
     async def forward(
-        self, request: web.Request, client: ClientRequest, decided: Decided
+        self,
+        request: web.Request,
+        client: ClientRequest,
+        decided: Decided,
+        deadline: asyncio.Timeout | None = None,
     ) -> web.StreamResponse:
         """Encode, prefill and decode as decided; a decode 500 retried by re-encoding
-        everything (--decode-retries), a lost embedding once (`_after_loss`)."""
+        everything (--decode-retries), a lost embedding once (`_after_loss`). `deadline`: the
+        request's (--request-timeout), which a stream takes over once its status line is out
+        (`_stream`)."""
         p_url, d_url = self.route(decided.decision)
         attempt = Attempt(decided.decision, client.uuids, decided.encoded)
         no_rewrite = self.config.serving.no_rewrite
@@ -170,7 +177,7 @@ class Forwarder:
                         if retry is not None:
                             attempt = retry
                             continue
-                    return await self._answer(request, resp, sent, client)
+                    return await self._answer(request, resp, sent, client, deadline)
                 finally:
                     resp.release()
             except _EmbeddingLost as lost:
@@ -233,7 +240,12 @@ class Forwarder:
         return attempt._replace(decision=eager, encoded=None, retries=attempt.retries + 1)
 
     async def _answer(
-        self, request: web.Request, resp: UpstreamResponse, sent: Sent, client: ClientRequest
+        self,
+        request: web.Request,
+        resp: UpstreamResponse,
+        sent: Sent,
+        client: ClientRequest,
+        deadline: asyncio.Timeout | None,
     ) -> web.StreamResponse:
         """The client's answer from decode's (not a retried 500): its error, its stream (held
         for its first token where it may carry vLLM's error for a lost reference: `refs`), or
@@ -249,7 +261,7 @@ class Forwarder:
                 lost = _reference_uuids(sent.body, sent.held_raw) if error else frozenset()
                 if lost:
                     raise _EmbeddingLost("stream", lost, error or "")
-            return await self._stream(request, resp, sent.started, held)
+            return await self._stream(request, resp, sent.started, held, deadline)
         out = await resp.read()
         self.metrics.stage["decode"].observe(time.perf_counter() - sent.started)
         decision = sent.decision
@@ -392,7 +404,7 @@ class Forwarder:
             body["max_completion_tokens"] = 1
         body.pop("stream_options", None)
         try:
-            async with asyncio.timeout(self.config.serving.prefill_timeout_s or None):
+            async with asyncio.timeout(self.config.serving.prefill_bound_s or None):
                 resp = await self.upstream.post(
                     chat_url(p_url),
                     await encode_body(body),
@@ -465,31 +477,46 @@ class Forwarder:
         return bytes(held), None
 
     async def _stream(
-        self, request: web.Request, resp: UpstreamResponse, td: float, held: bytes = b""
+        self,
+        request: web.Request,
+        resp: UpstreamResponse,
+        td: float,
+        held: bytes = b"",
+        deadline: asyncio.Timeout | None = None,
     ) -> web.StreamResponse:
         """Forward decode's bytes as they come (no SSE parsing), after `held` (what `_hold`
-        read); the status line goes out only now that decode has accepted the request."""
+        read); the status line goes out only now that decode has accepted the request. From
+        here the request's `deadline` is this loop's: a stream it cuts, or one decode breaks,
+        ends with an error event and [DONE] (as vLLM ends a stream it fails), never silently."""
         out = web.StreamResponse(
             status=resp.status,
             headers={"Content-Type": resp.headers.get("content-type", "text/event-stream")},
         )
+        when = None
+        if deadline is not None and (when := deadline.when()) is not None:
+            deadline.reschedule(None)  # a 504 is no longer possible: the cut is an event
         await out.prepare(request)
+        try:
+            async with asyncio.timeout_at(when):
+                return await self._pipe(out, resp, td, held)
+        except TimeoutError:
+            logger.error("decode stream cut at the request's deadline (--request-timeout)")
+            self.metrics.errors.labels("deadline").inc()
+            return await _end_with_error(request, out, 504, "the request's deadline passed")
+        except (aiohttp.ClientError, ConnectionError) as e:
+            logger.error("decode stream broke after it started: %s", e)
+            self.metrics.errors.labels("decode").inc()
+            return await _end_with_error(request, out, 502, f"the decode stream broke: {e}")
+
+    async def _pipe(
+        self, out: web.StreamResponse, resp: UpstreamResponse, td: float, chunk: bytes
+    ) -> web.StreamResponse:
+        """Decode's bytes to the client (what `_hold` read, `chunk`, first) until decode's
+        end; decode's failure raised, the client's leaving marked on `out`."""
         first = True
-        chunk = held  # what `_hold` read goes out first, as one chunk
         while True:
             if not chunk:
-                try:
-                    chunk = await resp.readany()
-                except (TimeoutError, aiohttp.ClientError, ConnectionError) as e:
-                    # The status line is out: the one honest signal left is a broken stream
-                    # (no terminating chunk), never a second response.
-                    logger.error("decode stream broke after it started: %s", e)
-                    self.metrics.errors.labels("decode").inc()
-                    out.force_close()
-                    if request.transport is not None:
-                        request.transport.close()
-                    out.mmreuse_outcome = "stream_broken"  # type: ignore[attr-defined]
-                    return out
+                chunk = await resp.readany()
                 if not chunk:
                     break
             if first:
@@ -529,6 +556,7 @@ class Forwarder:
 # carries no finer reason to the client.
 _REQUEST_ERROR = {"message": "Internal server error", "type": "InternalServerError", "code": 500}
 HOLD_BYTES = 1 << 20  # a stream held for its first token: at most this much, then forwarded
+ERROR_WRITE_S = 5.0  # a stream's closing error event: the client's time to take it
 _PREAMBLE = b'"delta":{"role"'  # vLLM's first event of a choice (pydantic's compact JSON)
 _PREAMBLE_SPACED = b'"delta": {"role"'  # ... as Python's json.dumps spaces it
 
@@ -601,6 +629,28 @@ def _reference_uuids(
                 if isinstance(uuid, str):
                     out.add(uuid)
     return frozenset(out)
+
+
+async def _end_with_error(
+    request: web.Request, out: web.StreamResponse, code: int, message: str
+) -> web.StreamResponse:
+    """End a stream whose status line is out with an error event and [DONE], as vLLM ends a
+    stream it fails (`create_streaming_error_response`), so the client's SDK raises rather
+    than taking a cut answer for a whole one. A client that does not take them within
+    ERROR_WRITE_S is cut off."""
+    kind = "GatewayTimeoutError" if code == 504 else "BadGatewayError"
+    error = {"message": message, "type": kind, "param": None, "code": code}
+    event = b"data: " + msgspec.json.encode({"error": error}) + b"\n\ndata: [DONE]\n\n"
+    out.mmreuse_outcome = "stream_broken"  # type: ignore[attr-defined]
+    try:
+        async with asyncio.timeout(ERROR_WRITE_S):
+            await out.write(event)
+            await out.write_eof()
+    except (TimeoutError, ConnectionError, RuntimeError):
+        out.force_close()
+        if request.transport is not None:
+            request.transport.close()
+    return out
 
 
 def _event_end(buf: bytearray, start: int) -> int | None:

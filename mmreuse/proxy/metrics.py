@@ -4,9 +4,11 @@ defined once in `mmreuse.metrics` and registered here alongside (`ProxyMetrics.v
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from ..metrics import Metrics
 
@@ -32,6 +34,7 @@ class ProxyMetrics:
         self._inputs(r)
         self._demand_and_arrival(r)
         self._instances(r)
+        self._runtime(r)
         # Children bound once: a `.labels()` lookup per use costs more than the update.
         self.stage = {stage: self.stage_seconds.labels(stage) for stage in STAGES}
         self.e_sent = self.e_items.labels("sent")
@@ -143,6 +146,29 @@ class ProxyMetrics:
             registry=r,
         )
 
+    def _runtime(self, r: CollectorRegistry) -> None:
+        """The process (memory, descriptors, CPU: prometheus_client's standard names, as vLLM
+        exports them), its asyncio tasks and its pooled connections, read at each scrape:
+        what a soak watches stay flat. `watch_runtime` binds the last two."""
+        ProcessCollector(registry=r)
+        self.tasks = Gauge(
+            "mmreuse_proxy_tasks", "asyncio tasks alive in the proxy's event loop", registry=r
+        )
+        self.upstream_connections = Gauge(
+            "mmreuse_proxy_upstream_connections",
+            "the proxy's connections to E, P and D for requests: idle (pooled) or busy",
+            ["state"],
+            registry=r,
+        )
+
+    def watch_runtime(
+        self, loop: asyncio.AbstractEventLoop, connections: Callable[[], tuple[int, int]]
+    ) -> None:
+        """Read `loop`'s task count and `connections()` (idle, busy) at each scrape."""
+        self.tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
+        self.upstream_connections.labels("idle").set_function(lambda: connections()[0])
+        self.upstream_connections.labels("busy").set_function(lambda: connections()[1])
+
     def instance_changed(self, role: str, instance: str, up: bool) -> None:
         """An instance ejected (`up` False) or back."""
         self._child(self.instance_up, role, instance).set(int(up))
@@ -167,7 +193,7 @@ class ProxyMetrics:
         self.errors = Counter(
             "mmreuse_proxy_errors_total",
             "errors by stage (media, arrival, render, plan, demand, encode, prefill, decode, "
-            "proxy)",
+            "deadline: --request-timeout passed, proxy)",
             ["stage"],
             registry=r,
         )

@@ -443,6 +443,11 @@ class Upstream:
         conn.idle_since = asyncio.get_running_loop().time()
         self._idle.setdefault(conn.key, []).append(conn)
 
+    def connections(self) -> tuple[int, int]:
+        """How many connections are open: idle (pooled) and busy (a request on them)."""
+        idle = sum(len(conns) for conns in self._idle.values())
+        return idle, len(self._open) - idle
+
     def forget(self, conn: _Connection) -> None:
         self._open.discard(conn)
         idle = self._idle.get(conn.key)

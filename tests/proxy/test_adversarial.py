@@ -430,18 +430,23 @@ async def test_a_client_hanging_up_is_not_a_decode_error(fakes):
         assert await _metric(client, base, "mmreuse_proxy_errors_total", stage="decode") == 0
 
 
-async def test_a_broken_decode_stream_is_not_counted_ok():
+async def test_a_broken_decode_stream_ends_with_an_error_event_not_counted_ok():
     async with epd() as s:
         s.pd.chunks, s.pd.abort_after = STREAM, 1
         r = await s.post(chat(img(A), stream=True))
-        with pytest.raises(aiohttp.ClientPayloadError):
-            await asyncio.wait_for(r.read(), HANG_GUARD_S)
+        got = await asyncio.wait_for(r.read(), HANG_GUARD_S)  # ended, not cut
+        assert got.startswith(STREAM[0])
+        *_, error, done, tail = got.split(b"\n\n")
+        assert (done, tail) == (b"data: [DONE]", b"")
+        assert json.loads(error.removeprefix(b"data: "))["error"]["code"] == 502
 
         def ended() -> bool:
             return s.sample("mmreuse_proxy_errors_total", stage="decode") == 1
 
         await until(ended, "the request never ended")
         assert s.sample("mmreuse_proxy_requests_total", policy="eager", outcome="ok") == 0
+        broken = s.sample("mmreuse_proxy_requests_total", policy="eager", outcome="stream_broken")
+        assert broken == 1
 
 
 # ---- metrics ------------------------------------------------------------------------------------

@@ -1,13 +1,19 @@
 """mmreuse.proxy.failover: an E whose connection fails is ejected and its sub-requests go to a
-live E, once; the rotation is the reference's while every E is up."""
+live E, once; the rotation is the reference's while every E is up. The request's deadline
+(--request-timeout) and the active probe that brings an instance back."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
 from mmreuse.errors import InvalidArgument
-from mmreuse.proxy.failover import Ejections, named_ejections
+from mmreuse.proxy.failover import Ejections, HealthProbe, named_ejections
 from tests.support.epd_proxy import epd
 from tests.support.proxy_fakes import Fake, chat, img, refused_url
 
@@ -250,3 +256,139 @@ def test_the_prefill_timeout_is_checked():
     assert ServingConfig().prefill_timeout_s == 0.0  # none, as the reference
     with pytest.raises(InvalidArgument, match="prefill_timeout_s"):
         ServingConfig(prefill_timeout_s=-1.0)
+
+
+# ---- --request-timeout: one clear ending in bounded time ------------------------------------
+
+STREAM = (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n")
+
+
+async def test_a_decode_past_the_deadline_ends_with_504_in_bounded_time():
+    async with epd(flags=("--request-timeout", "0.5")) as s:
+        s.pd.delay = lambda body: 30.0  # a stalled PD (its JSON answer never comes)
+        t0 = time.monotonic()
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status == 504 and "--request-timeout" in await r.text()
+        assert time.monotonic() - t0 < 5.0
+        assert s.sample("mmreuse_proxy_errors_total", stage="deadline") == 1
+        assert s.sample("mmreuse_proxy_requests_total", policy="eager", outcome="server_error") == 1
+
+
+async def test_a_stream_held_for_its_first_token_past_the_deadline_is_a_504_and_hung_up():
+    # E's reference: the stream is held for its first token (nothing reached the client yet),
+    # so the deadline is still a status; the PD's connection is closed (vLLM aborts on it)
+    async with epd(flags=("--request-timeout", "0.5")) as s:
+        s.pd.chunks, s.pd.stall_after = STREAM, 0
+        r = await s.post(chat(img("http://x/0.png"), stream=True))
+        assert r.status == 504
+        assert await until_true(lambda: s.pd.hung_up == 1)
+
+
+async def test_a_stream_cut_by_the_deadline_ends_with_an_error_event_and_done():
+    async with epd(flags=("--request-timeout", "0.5", "--no-rewrite")) as s:
+        s.pd.chunks, s.pd.stall_after = STREAM, 1
+        r = await s.post(chat(img("http://x/0.png"), stream=True))
+        assert r.status == 200
+        got = await asyncio.wait_for(r.read(), 5.0)
+        first, error, done, tail = got.split(b"\n\n")
+        assert (first + b"\n\n", done, tail) == (STREAM[0], b"data: [DONE]", b"")
+        assert json.loads(error.removeprefix(b"data: "))["error"]["code"] == 504
+        assert await until_true(lambda: s.pd.hung_up == 1)
+        assert s.sample("mmreuse_proxy_requests_total", policy="eager", outcome="stream_broken")
+
+
+async def test_the_deadline_derives_e_s_bound_so_a_stalled_e_leaves_time_to_fail_over(fakes):
+    stalled = await fakes("e", delay=lambda body: 30.0)
+    live = await fakes("e")
+    async with epd(e_urls=[stalled.url, live.url], flags=("--request-timeout", "1")) as s:
+        t0 = time.monotonic()
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status == 200, await r.text()
+        assert 0.4 < time.monotonic() - t0 < 1.0  # E's bound: half the deadline
+        assert s.sample("mmreuse_proxy_failovers_total", role="E") == 1
+
+
+def test_the_request_timeout_is_checked_and_gives_the_stage_bounds():
+    from mmreuse.proxy.config import ServingConfig
+
+    assert ServingConfig().request_timeout_s == 0.0  # none, as the reference
+    with pytest.raises(InvalidArgument, match="request_timeout_s"):
+        ServingConfig(request_timeout_s=-1.0)
+    c = ServingConfig(request_timeout_s=10.0)
+    assert (c.encode_bound_s, c.prefill_bound_s) == (5.0, 5.0)
+    c = ServingConfig(request_timeout_s=10.0, encode_timeout_s=2.0, prefill_timeout_s=3.0)
+    assert (c.encode_bound_s, c.prefill_bound_s) == (2.0, 3.0)
+    assert (ServingConfig().encode_bound_s, ServingConfig().prefill_bound_s) == (0.0, 0.0)
+
+
+# ---- the active probe ----------------------------------------------------------------------
+
+
+async def test_the_probe_brings_back_an_instance_that_answers_health():
+    asked: list[str] = []
+    answers = {A: 200, B: 503}
+
+    async def get(url: str, timeout_s: float) -> int:
+        asked.append(url)
+        return answers[url.removesuffix("/health")]
+
+    h = Ejections("E", [A, B, C], clock=Clock())
+    probe = HealthProbe([h, h], get)  # a role given twice is asked once
+    await probe.once()
+    assert asked == []  # nothing ejected: nothing asked
+    h.eject(A)
+    h.eject(B)
+    await probe.once()
+    assert sorted(asked) == [A + "/health", B + "/health"]
+    assert h.ejected() == [B] and h.failing == 1
+
+
+@pytest.mark.parametrize("failure", ["refused", "timeout"])
+async def test_a_probe_that_fails_or_hangs_leaves_the_instance_out(failure):
+    async def get(url: str, timeout_s: float) -> int:
+        if failure == "refused":
+            raise aiohttp.ClientConnectionError("refused")
+        await asyncio.sleep(30)
+        return 200
+
+    h = Ejections("E", [A, B], clock=Clock())
+    h.eject(A)
+    t0 = time.monotonic()
+    await HealthProbe([h], get, timeout_s=0.1).once()
+    assert h.ejected() == [A] and time.monotonic() - t0 < 2.0
+
+
+async def test_a_stalled_e_is_back_once_it_answers_health_without_a_request_risked(fakes):
+    slow = {"s": 30.0}
+    stalled = await fakes("e", delay=lambda body: slow["s"])
+    live = await fakes("e")
+    async with epd(e_urls=[stalled.url, live.url], flags=("--encode-timeout", "0.2")) as s:
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status == 200
+        assert s.sample("mmreuse_proxy_instance_up", role="E", instance="E0") == 0
+        slow["s"] = 0.0  # it answers again: the probe (once a second) finds it
+        assert await until_true(
+            lambda: s.sample("mmreuse_proxy_instance_up", role="E", instance="E0") == 1, 5.0
+        )
+        assert len(stalled.chats()) == 1  # no request was sent to find out
+
+
+async def test_metrics_show_the_process_its_tasks_and_its_connections():
+    async with epd() as s:
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status == 200
+        text = await (await s.client.get("/metrics")).text()
+        assert s.sample("mmreuse_proxy_tasks") >= 1
+        idle = s.sample("mmreuse_proxy_upstream_connections", state="idle")
+        busy = s.sample("mmreuse_proxy_upstream_connections", state="busy")
+        assert (idle, busy) == (2, 0)  # E's and the PD's, pooled
+        assert "process_open_fds" in text and "process_resident_memory_bytes" in text
+
+
+async def until_true(check, timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > end:
+            return False
+        await asyncio.sleep(0.02)
+    return True
