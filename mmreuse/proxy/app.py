@@ -224,15 +224,19 @@ class Proxy:
         t0 = time.perf_counter()
         m = self.metrics
         policy = self.config.planning.policy
-        deadline = self.config.serving.request_timeout_s or None
+        deadline = self.config.serving.request_timeout_s
+        scope = None
         try:
-            async with asyncio.timeout(deadline) as scope:
-                response = await self._chat(request, scope)
+            if deadline:
+                async with asyncio.timeout(deadline) as scope:
+                    response = await self._chat(request, scope)
+            else:  # no deadline (the default, as the reference): no scope to enter
+                response = await self._chat(request, None)
         except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler)
             m.request(policy, "client_gone").inc()
             raise
         except TimeoutError:
-            if not scope.expired():  # not the deadline's: some part's own
+            if scope is None or not scope.expired():  # not the deadline's: some part's own
                 raise
             # --request-timeout: what ran for the request was cancelled (its connections
             # to E, P and D closed, so vLLM aborts it), and nothing had reached the client
@@ -257,7 +261,9 @@ class Proxy:
         m.stage["total"].observe(time.perf_counter() - t0)
         return response
 
-    async def _chat(self, request: web.Request, scope: asyncio.Timeout) -> web.StreamResponse:
+    async def _chat(
+        self, request: web.Request, scope: asyncio.Timeout | None
+    ) -> web.StreamResponse:
         # 1. read: the client's request, its media items and their uuids
         client = await self.reader.read(request)
         if client.blobs is not None:  # a large body: its inline media spliced into, and its
