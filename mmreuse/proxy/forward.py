@@ -169,6 +169,9 @@ class Forwarder:
                     )
                 except FAILED_CONNECTION as e:  # nothing reached the client yet
                     raise _InstanceFailed("decode", d_url, e) from e
+                except asyncio.CancelledError:
+                    self._if_stalled(deadline, d_url, client.request_id)
+                    raise
                 if self.d_health.failing:
                     self.d_health.ok(d_url)
                 try:
@@ -178,12 +181,26 @@ class Forwarder:
                             attempt = retry
                             continue
                     return await self._answer(request, resp, sent, client, deadline)
+                except asyncio.CancelledError:
+                    self._if_stalled(deadline, d_url, client.request_id)
+                    raise
                 finally:
                     resp.release()
             except _EmbeddingLost as lost:
                 attempt = self._after_loss(lost, attempt, client.request_id)
             except _InstanceFailed as failed:
                 attempt, p_url, d_url = self._fail_over(failed, attempt, client, p_url, d_url)
+
+    def _if_stalled(self, deadline: asyncio.Timeout | None, d_url: str, req_id: str) -> None:
+        """The request's deadline passed while decode (a PD or D) had not answered, or not
+        begun its stream: that instance is ejected as stalled, so the next requests go to a
+        live one. One that is only busy answers the probe's /health and is back within a
+        second (`failover.HealthProbe`)."""
+        if deadline is not None and deadline.expired():
+            logger.warning(
+                "[%s] decode at %s did not answer by the deadline; ejected", req_id, d_url
+            )
+            self.d_health.eject(d_url)
 
     def _fail_over(
         self,

@@ -274,6 +274,33 @@ async def test_a_decode_past_the_deadline_ends_with_504_in_bounded_time():
         assert s.sample("mmreuse_proxy_requests_total", policy="eager", outcome="server_error") == 1
 
 
+async def test_a_pd_silent_past_the_deadline_is_ejected_the_next_requests_go_to_the_other():
+    # PD stalls (alive, silent, its /health too, as a stopped process): the request in flight
+    # on it ends with a 504 at the deadline, and the ones after it go to the live PD
+    async with epd(n_d=2, flags=("--request-timeout", "0.5")) as s:
+        stalled: list[int] = []
+
+        def stall_first(i: int):
+            def delay(body) -> float:
+                if not stalled:
+                    stalled.append(i)
+                return 30.0 if stalled == [i] else 0.0
+
+            return delay
+
+        for i, pd in enumerate(s.d):
+            pd.delay = stall_first(i)
+            pd.fail["/health"] = [503] * 100
+        r = await s.post(chat(img("http://x/0.png")), request_id="r0")
+        assert r.status == 504
+        for i in range(1, 5):
+            r = await s.post(chat(img(f"http://x/{i}.png")), request_id=f"r{i}")
+            assert r.status == 200, await r.text()
+        (bad,) = stalled
+        assert len(s.d[bad].chats()) == 1 and len(s.d[1 - bad].chats()) == 4
+        assert s.sample("mmreuse_proxy_instance_up", role="PD", instance=f"PD{bad}") == 0
+
+
 async def test_a_stream_held_for_its_first_token_past_the_deadline_is_a_504_and_hung_up():
     # E's reference: the stream is held for its first token (nothing reached the client yet),
     # so the deadline is still a status; the PD's connection is closed (vLLM aborts on it)
