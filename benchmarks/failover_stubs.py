@@ -3,10 +3,11 @@ vLLM's reference proxy, side by side, in front of the same 2 E + 2 PD stubs
 (`stub_backends.py`).
 
 For each fault (one E killed, one PD killed: SIGKILL of that stub's process group; one E
-stopped: SIGSTOP, with `mmreuse proxy --encode-timeout 2`), fresh stubs and proxies are
+stopped: SIGSTOP, with `mmreuse proxy --encode-timeout 2`; one PD stopped, with
+`--request-timeout 4`), fresh stubs and proxies are
 started, a few requests warm them up, the fault is made, and then requests go one at a time
 through each proxy in turn (so both see the same faulty instance): `--requests` of them, or
-`--stall-requests` for the stopped E, each client giving up after `--timeout` seconds (status
+`--stall-requests` for a stopped one, each client giving up after `--timeout` seconds (status
 0). It prints, per fault and proxy, how many requests failed and their statuses, and how long
 the slowest took. Run from the repository root:
 
@@ -106,8 +107,9 @@ def run_fault(
 
         proxies = ["mmreuse"]
         port = free_port()
-        stall = fault == "E stopped"
-        timeout = ["--encode-timeout", "2"] if stall else []
+        stall = fault.endswith("stopped")
+        bounds = {"E stopped": ["--encode-timeout", "2"], "PD stopped": ["--request-timeout", "4"]}
+        timeout = bounds.get(fault, [])
         argv = [str(Path(sys.executable).parent / "mmreuse"), "proxy", *flags(port), *timeout]
         procs["mmreuse"] = Proc("mmreuse proxy", argv, logdir / f"{fault}-mmreuse.log", port)
         if reference is not None:
@@ -124,7 +126,7 @@ def run_fault(
         for i in range(4):  # warm: every instance used once by each
             for name in proxies:
                 _request(int(procs[name].port or 0), i, rnd, args.timeout)
-        faulty = procs["pd1" if fault == "PD killed" else "e1"]
+        faulty = procs["pd1" if fault.startswith("PD") else "e1"]
         if stall:
             assert faulty.popen is not None
             os.killpg(faulty.popen.pid, signal.SIGSTOP)
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| fault | proxy | failed | statuses | slowest s |")
     print("|---|---|---|---|---|")
-    for fault in ("E killed", "PD killed", "E stopped"):
+    for fault in ("E killed", "PD killed", "E stopped", "PD stopped"):
         for name, row in run_fault(fault, args, reference, logdir).items():
             statuses = ", ".join(f"{k}: {v}" for k, v in sorted(row["statuses"].items()))
             print(f"| {fault} | {name} | {row['failed']} | {statuses} | {row['slowest_s']:.2f} |")

@@ -1,25 +1,27 @@
-"""Instances that fail are routed around: passive health per role (`Ejections`).
+"""Instances that fail are routed around: passive health per role (`Ejections`), and an
+active probe that brings them back (`HealthProbe`).
 
-A request that finds an instance's connection refused or reset ejects that instance for a
-back-off (MIN_BACKOFF_S, doubling while it keeps failing, at most MAX_BACKOFF_S), and its
-sub-request goes once to the next live instance of the same role. Once the back-off is over,
-requests try the instance again (the probe is real traffic): a success clears it, a failure
-ejects it again for twice as long. The choice among live instances keeps the rotation the
-reference uses, skipping the ejected ones; with every instance ejected, all are tried, so a
-role that came back is found by the next request rather than after a back-off.
+A request that finds an instance's connection refused or reset, or that it stalled past a
+bound, ejects that instance, and its sub-request goes once to the next live instance of the
+same role. The ejected instance gets no request until the probe finds it answering: after a
+back-off (MIN_BACKOFF_S; doubled, at most MAX_BACKOFF_S, for one that fails again soon after it
+came back) its /health is asked once a second (vLLM answers 200 once its engine serves), and
+the first 200 brings it back. So a dead or stopped instance costs the requests that found it
+so, once, and no request is risked to learn it is back. Without a probe (`Ejections` alone),
+requests try it again once its back-off is over. The choice among live instances keeps the
+rotation the reference uses, skipping the ejected ones; with every instance ejected, all are
+tried, so a role that came back is found by the next request too.
 
-Only a connection failure ejects, or a stage bound passing (--encode-timeout, --prefill-timeout):
-a status from the instance (a 500, a 400) is its answer and goes to the client as before.
-
-`HealthProbe` brings an ejected instance back without waiting for its back-off or for a
-request to risk it: once a second it asks each ejected instance's /health (vLLM's answers 200
-once its engine serves), and an instance that answers is up again.
+Only a failed connection ejects, or a bound passing (--encode-timeout, --prefill-timeout, and
+--request-timeout for a PD or D): a status from the instance (a 500, a 400) is its answer and
+goes to the client as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -44,8 +46,10 @@ FAILED_CONNECTION = (aiohttp.ClientConnectionError, ConnectionError)
 
 @dataclass(slots=True)
 class _Health:
-    down_until: float = 0.0  # monotonic: ejected until then
-    backoff_s: float = 0.0  # the last back-off (0: not failing)
+    down_until: float = 0.0  # monotonic: ejected until then (inf: until the probe's 200)
+    probe_at: float = 0.0  # monotonic: the probe asks it from then (its back-off over)
+    backoff_s: float = 0.0  # the last back-off
+    back_since: float = -math.inf  # monotonic: when it last came back
     failing: bool = False  # ejected since its last success (reported down)
 
 
@@ -54,7 +58,9 @@ class Ejections:
 
     `role`: "E", "P" or "D" (metric labels); `urls`: the role's instances in rotation order;
     `on_change(role, url, up)`: called when an instance is ejected or comes back (metrics);
-    `clock`: monotonic seconds (tests pass their own).
+    `clock`: monotonic seconds (tests pass their own). `probed` (set by `HealthProbe`): an
+    ejected instance is out until the probe finds it answering, its back-off only delaying
+    the first question; without, its back-off over, requests try it again.
     """
 
     def __init__(
@@ -75,6 +81,8 @@ class Ejections:
         self._on_change = on_change
         self._clock = clock
         self._cursor = 0
+        self.probed = False
+        self.on_eject: Callable[[], None] | None = None  # the probe's wake-up
         # instances ejected since their last success: while 0, callers skip every check
         self.failing = 0
 
@@ -88,29 +96,43 @@ class Ejections:
         return [u for u in self.urls if self._health[u].down_until > now]
 
     def eject(self, url: str) -> None:
-        """`url`'s connection failed: no requests for a back-off, twice the last one."""
+        """`url`'s connection failed (or it stalled): out for a back-off, twice the last one
+        where it fails again within MAX_BACKOFF_S of coming back (a flapping instance), the
+        shortest otherwise; with a probe, out until the probe finds it answering."""
         h = self._health[url]
+        now = self._clock()
+        if not h.failing and now - h.back_since > self.max_backoff_s:
+            h.backoff_s = 0.0  # up long enough: its history is forgotten
         h.backoff_s = min(self.max_backoff_s, max(self.min_backoff_s, 2 * h.backoff_s))
-        h.down_until = self._clock() + h.backoff_s
+        h.probe_at = now + h.backoff_s
+        h.down_until = math.inf if self.probed else h.probe_at
         if not h.failing:
             h.failing = True
             self.failing += 1
             if self._on_change is not None:
                 self._on_change(self.role, url, False)
+        if self.on_eject is not None:
+            self.on_eject()
 
     def ok(self, url: str) -> None:
-        """`url` answered: no longer failing."""
+        """`url` answered (a request, or the probe): back in."""
         h = self._health[url]
         if h.failing:
             h.failing = False
             self.failing -= 1
-            h.backoff_s = h.down_until = 0.0
+            h.down_until = h.probe_at = 0.0
+            h.back_since = self._clock()
             if self._on_change is not None:
                 self._on_change(self.role, url, True)
 
     def ejected(self) -> list[str]:
         """The instances ejected since their last success (back-off over or not), in order."""
         return [u for u in self.urls if self._health[u].failing] if self.failing else []
+
+    def due(self) -> list[str]:
+        """The ejected instances whose back-off is over: the probe's to ask."""
+        now = self._clock()
+        return [u for u in self.ejected() if self._health[u].probe_at <= now]
 
     def assign(self, count: int) -> list[str]:
         """The next `count` instances in the rotation (contiguous across requests), the
@@ -153,9 +175,10 @@ class Ejections:
 
 
 class HealthProbe:
-    """Asks each ejected instance of `roles` for its health every `interval_s`; one that
-    answers `get(url + "/health")` with 200 within `timeout_s` is up again (`Ejections.ok`).
-    Costs nothing while every instance is up. `run()` until cancelled."""
+    """Asks each ejected instance of `roles` for its health every `interval_s` once its
+    back-off is over; one that answers `get(url + "/health")` with 200 within `timeout_s` is
+    up again (`Ejections.ok`). While every instance is up it waits for an ejection, so it
+    costs nothing. `run()` until cancelled."""
 
     def __init__(
         self,
@@ -166,18 +189,25 @@ class HealthProbe:
         timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
         self.roles = list({id(r): r for r in roles}.values())  # E + PD: P's and D's are one
+        self._wake = asyncio.Event()  # set by an ejection: the probe sleeps while none is out
+        for role in self.roles:
+            role.probed = True
+            role.on_eject = self._wake.set
         self._get = get
         self.interval_s = check_float("interval_s", interval_s, 0.0)
         self.timeout_s = check_float("timeout_s", timeout_s, 0.0)
 
     async def run(self) -> None:
         while True:
+            if not any(role.failing for role in self.roles):
+                await self._wake.wait()  # nothing out: no timer, no cost per request
+            self._wake.clear()
             await asyncio.sleep(self.interval_s)
             await self.once()
 
     async def once(self) -> None:
         """One round: every ejected instance asked at once."""
-        pending = [(r, u) for r in self.roles if r.failing for u in r.ejected()]
+        pending = [(r, u) for r in self.roles if r.failing for u in r.due()]
         if not pending:
             return
         answers = await asyncio.gather(

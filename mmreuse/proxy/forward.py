@@ -514,6 +514,8 @@ class Forwarder:
             deadline.reschedule(None)  # a 504 is no longer possible: the cut is an event
         await out.prepare(request)
         try:
+            if when is None:  # no deadline: no scope to enter on this per-stream path
+                return await self._pipe(out, resp, td, held)
             async with asyncio.timeout_at(when):
                 return await self._pipe(out, resp, td, held)
         except TimeoutError:

@@ -48,9 +48,29 @@ def test_an_ejected_instance_is_skipped_until_its_back_off_is_over_then_tried_ag
     assert h.up(B)
     h.ok(B)  # it answered: clear, and said once
     assert changes[-1] == ("E", B, True)
-    h.eject(B)
-    clock.now += 1.0  # back to the shortest back-off
+    h.eject(B)  # failing again soon after it came back (flapping): twice as long again
+    clock.now += 3.0
+    assert not h.up(B)
+    clock.now += 1.0
     assert h.up(B)
+    h.ok(B)
+    clock.now += 31.0  # up for longer than the longest back-off: its history forgotten
+    h.eject(B)
+    clock.now += 1.0
+    assert h.up(B)
+
+
+def test_with_a_probe_an_ejected_instance_is_out_until_the_probe_finds_it():
+    clock = Clock()
+    h = Ejections("E", [A, B], clock=clock)
+    h.probed = True
+    h.eject(B)
+    assert h.due() == []  # the back-off first
+    clock.now += 100.0
+    assert not h.up(B) and h.down() == [B] and h.due() == [B]
+    assert h.assign(3) == [A, A, A]
+    h.ok(B)
+    assert h.up(B) and h.due() == [] and h.assign(2) == [B, A]
 
 
 def test_the_back_off_is_capped():
@@ -121,10 +141,11 @@ async def test_an_e_that_comes_back_takes_requests_again():
         back.server = TestServer(_app(back), host="127.0.0.1", port=port)
         await back.server.start_server()
         try:
-            ejections = _proxy(s).encoders.health
-            ejections.min_backoff_s = ejections.max_backoff_s = 0.0  # its back-off is over
-            for url in ejections.down():
-                ejections.eject(url)  # re-ejected for 0 s: tried by the next request
+            # the probe asks it once its back-off (1 s) is over, once a second: back in
+            assert await until_true(
+                lambda: s.sample("mmreuse_proxy_instance_up", role="E", instance="E1") == 1, 5.0
+            )
+            assert not back.chats()  # no request was risked to find out
             for i in range(4):
                 r = await s.post(chat(img(f"http://y/{i}.png")), request_id=f"b{i}")
                 assert r.status == 200
@@ -359,12 +380,16 @@ async def test_the_probe_brings_back_an_instance_that_answers_health():
         asked.append(url)
         return answers[url.removesuffix("/health")]
 
-    h = Ejections("E", [A, B, C], clock=Clock())
+    clock = Clock()
+    h = Ejections("E", [A, B, C], clock=clock)
     probe = HealthProbe([h, h], get)  # a role given twice is asked once
     await probe.once()
     assert asked == []  # nothing ejected: nothing asked
     h.eject(A)
     h.eject(B)
+    await probe.once()
+    assert asked == []  # their back-off first
+    clock.now += 1.0
     await probe.once()
     assert sorted(asked) == [A + "/health", B + "/health"]
     assert h.ejected() == [B] and h.failing == 1
@@ -378,8 +403,10 @@ async def test_a_probe_that_fails_or_hangs_leaves_the_instance_out(failure):
         await asyncio.sleep(30)
         return 200
 
-    h = Ejections("E", [A, B], clock=Clock())
+    clock = Clock()
+    h = Ejections("E", [A, B], clock=clock)
     h.eject(A)
+    clock.now += 1.0
     t0 = time.monotonic()
     await HealthProbe([h], get, timeout_s=0.1).once()
     assert h.ejected() == [A] and time.monotonic() - t0 < 2.0
