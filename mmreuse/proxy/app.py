@@ -235,23 +235,20 @@ class Proxy:
         except asyncio.CancelledError:  # the client hung up (aiohttp cancels the handler)
             m.request(policy, "client_gone").inc()
             raise
-        except TimeoutError:
-            if scope is None or not scope.expired():  # not the deadline's: some part's own
-                raise
-            # --request-timeout: what ran for the request was cancelled (its connections
-            # to E, P and D closed, so vLLM aborts it), and nothing had reached the client
-            m.errors.labels("deadline").inc()
-            m.request(policy, "server_error").inc()
-            detail = f"the request was not answered within --request-timeout ({deadline:g} s)"
-            return web.json_response({"detail": detail}, status=504)
         except ProxyError as e:
             m.errors.labels(e.stage).inc()
             m.request(policy, _outcome(e.status)).inc()
             return web.json_response({"detail": e.detail}, status=e.status)
-        except Exception as e:  # what the reference answers: 500 with the error
-            logger.exception("chat completion failed")
-            m.errors.labels("proxy").inc()
+        except Exception as e:
             m.request(policy, "server_error").inc()
+            if isinstance(e, TimeoutError) and scope is not None and scope.expired():
+                # --request-timeout: what ran for the request was cancelled (its connections
+                # to E, P and D closed, so vLLM aborts it), and nothing had reached the client
+                m.errors.labels("deadline").inc()
+                detail = f"the request was not answered within --request-timeout ({deadline:g} s)"
+                return web.json_response({"detail": detail}, status=504)
+            logger.exception("chat completion failed")  # what the reference answers: a 500
+            m.errors.labels("proxy").inc()
             return web.json_response({"detail": f"Proxy error: {e}"}, status=500)
         finally:
             if bodies.CURRENT.get() is not None:  # set by `_chat` for a large body
