@@ -779,8 +779,8 @@ _SERVING: tuple[_Flag, ...] = (
             "default": 0.0,
             "metavar": "SECONDS",
             "help": "an E sub-request not answered within this long (a stalled E) ejects that E "
-            "for a back-off and goes once to another E; the request fails with 504 where there "
-            "is none. 0 (the default): no bound, as the reference",
+            "and goes once to another E; it applies only while another E is up (a lone E is "
+            "waited for). 0 (the default): no bound, as the reference",
         },
     ),
     (
@@ -790,8 +790,9 @@ _SERVING: tuple[_Flag, ...] = (
             "default": 0.0,
             "metavar": "SECONDS",
             "help": "E + P + D: a prefill (max_tokens 1) not answered within this long (a stalled "
-            "P) ejects that P for a back-off and the request goes once to another P, as eager; "
-            "504 where there is none. 0 (the default): no bound, as the reference",
+            "P) ejects that P and the request goes once to another P, as eager; it applies "
+            "only while another P is up (a lone P is waited for). 0 (the default): no bound, "
+            "as the reference",
         },
     ),
     (

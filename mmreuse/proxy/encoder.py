@@ -180,12 +180,15 @@ class EncoderFanout:
         return Encoding(subs, items, req_id, tasks)
 
     async def _post(self, upstream: Upstream, req: _SubRequest, req_id: str) -> tuple[int, bytes]:
-        """One sub-request to its E (`target`); where its connection fails, that E is ejected
-        and the sub-request goes once to the next live E (it encodes the items again: E's
-        embedding is the items', whichever E makes it)."""
+        """One sub-request to its E (`target`); where its connection fails, or it stalls past
+        the bound while another E is up, that E is ejected and the sub-request goes once to the
+        next live E (it encodes the items again: E's embedding is the items', whichever E makes
+        it)."""
         target, url, body, headers = req
         try:
-            if self.timeout_s:
+            # the bound only where another E could take the sub-request: a lone E stalled is
+            # waited for (as the reference waits), bounded by the request's deadline alone
+            if self.timeout_s and self.health.instead_of(target) is not None:
                 async with asyncio.timeout(self.timeout_s):
                     result = await _post(upstream, url, body, headers)
             else:  # `_post`, inline: one coroutine less per sub-request
@@ -223,7 +226,8 @@ class EncoderFanout:
             self._on_failover()
         _, _, body, headers = req
         try:
-            async with asyncio.timeout(self.timeout_s or None):
+            bound = self.timeout_s if health.instead_of(other) is not None else 0.0
+            async with asyncio.timeout(bound or None):
                 result = await _post(upstream, chat_url(other), body, headers)
         except (*FAILED_CONNECTION, TimeoutError) as e:
             health.eject(other)

@@ -421,7 +421,11 @@ class Forwarder:
             body["max_completion_tokens"] = 1
         body.pop("stream_options", None)
         try:
-            async with asyncio.timeout(self.config.serving.prefill_bound_s or None):
+            # the bound only where another P could take the request (a lone P is waited for)
+            bound = self.config.serving.prefill_bound_s
+            if bound and self.p_health.instead_of(p_url) is None:
+                bound = 0.0
+            async with asyncio.timeout(bound or None):
                 resp = await self.upstream.post(
                     chat_url(p_url),
                     await encode_body(body),

@@ -235,12 +235,24 @@ async def test_a_stalled_e_costs_its_timeout_once_then_is_skipped(fakes):
         assert s.sample("mmreuse_proxy_instance_up", role="E", instance="E0") == 0
 
 
-async def test_with_its_only_e_stalled_a_request_ends_with_504(fakes):
-    stalled = await fakes("e", delay=lambda body: 30.0)
-    async with epd(e_urls=[stalled.url], flags=("--encode-timeout", "0.2")) as s:
+async def test_a_lone_e_slow_past_the_bound_is_waited_for_not_ejected(fakes):
+    # no other E to take it: the bound would only turn a slow answer into an error
+    slow = await fakes("e", delay=lambda body: 0.6)
+    async with epd(e_urls=[slow.url], flags=("--encode-timeout", "0.2")) as s:
+        t0 = time.monotonic()
         r = await s.post(chat(img("http://x/0.png")))
-        assert r.status == 504
-        assert "did not answer in time" in await r.text()
+        assert r.status == 200 and time.monotonic() - t0 >= 0.6
+        assert s.sample("mmreuse_proxy_instance_up", role="E", instance="E0") == 1
+
+
+async def test_with_its_only_e_stalled_a_request_ends_with_504_at_its_deadline(fakes):
+    stalled = await fakes("e", delay=lambda body: 30.0)
+    flags = ("--encode-timeout", "0.2", "--request-timeout", "1")
+    async with epd(e_urls=[stalled.url], flags=flags) as s:
+        t0 = time.monotonic()
+        r = await s.post(chat(img("http://x/0.png")))
+        assert r.status == 504 and "--request-timeout" in await r.text()
+        assert 0.9 < time.monotonic() - t0 < 3.0
 
 
 def test_the_encode_timeout_is_checked():
@@ -263,12 +275,15 @@ async def test_a_stalled_p_costs_its_prefill_timeout_once_then_is_skipped():
         assert s.sample("mmreuse_proxy_instance_up", role="P", instance="P0") == 0
 
 
-async def test_with_its_only_p_stalled_a_request_ends_with_504():
-    async with epd(n_p=1, n_d=1, flags=("--prefill-timeout", "0.2")) as s:
+async def test_with_its_only_p_stalled_it_is_waited_for_until_the_deadline():
+    flags = ("--prefill-timeout", "0.2", "--request-timeout", "1")
+    async with epd(n_p=1, n_d=1, flags=flags) as s:
         s.p[0].delay = lambda body: 30.0
+        t0 = time.monotonic()
         r = await s.post(chat(img("http://x/0.png")))
-        assert r.status == 504
-        assert "did not answer in time" in await r.text()
+        assert r.status == 504 and "--request-timeout" in await r.text()
+        assert 0.9 < time.monotonic() - t0 < 3.0
+        assert s.sample("mmreuse_proxy_instance_up", role="P", instance="P0") == 1
 
 
 def test_the_prefill_timeout_is_checked():
