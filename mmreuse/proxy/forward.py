@@ -219,7 +219,16 @@ class Forwarder:
         health.eject(failed.url)
         other = None if attempt.failed_over else health.instead_of(failed.url)
         if other is None:
-            raise failed.error
+            error = failed.error
+            if isinstance(error, ProxyError):
+                raise error
+            # decode's connection, with no other instance: the reference's answer (a 500,
+            # "Proxy error: ..."), logged in a line, not a traceback per request
+            logger.error(
+                "[%s] %s at %s failed (%s: %s); no other instance is up",
+                client.request_id, failed.stage, failed.url, type(error).__name__, error,
+            )  # fmt: skip
+            raise ProxyError(500, f"Proxy error: {error}", stage=failed.stage) from error
         self.metrics.failovers.labels(health.role).inc()
         logger.warning(
             "[%s] %s at %s failed (%s: %s); ejected, the request goes to %s",

@@ -770,12 +770,15 @@ async def test_unreachable_encoder_is_502(stream):
         assert s.pd.chats() == []
 
 
-async def test_unreachable_decode_is_500():
-    # forward_non_stream: any other exception -> 500 "Proxy error: ...".
+async def test_unreachable_decode_is_500(caplog):
+    # forward_non_stream: any other exception -> 500 "Proxy error: ...". mmreuse counts it as
+    # decode's and logs it in a line: a dead PD under load is not a traceback per request.
     async with epd(d_urls=[refused_url()]) as s:
         r = await s.post(chat(img("http://img/a.png")))
         assert r.status == 500
         assert (await r.json())["detail"].startswith("Proxy error: ")
+        assert s.sample("mmreuse_proxy_errors_total", stage="decode") == 1
+        assert not [rec for rec in caplog.records if rec.exc_info]
 
 
 async def test_invalid_json_body_is_an_error():
