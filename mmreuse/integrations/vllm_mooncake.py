@@ -33,8 +33,10 @@ every call, counted as "unkeyable", never a raise. An item P got only as an embe
 reference (a proxy's `*_embeds` rewrite, no media) that the store lost fails its request
 instead (retryable), before the scheduler could plan an encode of nothing. The lookup grants
 the item a Mooncake lease (the master's `default_kv_lease_ttl`), so a load misses only when the
-master or the holder failed in between; for a reference-only item that one case is left (its
-worker has nothing to encode).
+master or the holder failed in between. A reference-only item's worker has nothing to encode,
+so its load is tried again for up to `load_timeout_s` (a master killed and started again:
+the scheduler's client finds the item on the new master before the worker's client has left
+the old one); only a store gone for longer leaves its worker without the item.
 
 **Start-up checks** (each process, both roles). The running vLLM must be one the connector was
 verified with (`VERIFIED_VLLM`: 0.32.0 live, 0.33.0 and 0.34.0 in the oracle); the verified one
@@ -148,6 +150,7 @@ _OVERRIDE = f'ec_connector_extra_config {{"{_ALLOW_KEY}": true}} or {ALLOW_ENV}=
 _SETUP_WAIT_S = 10.0
 # a namespace card's time bucket: every instance must use the same (it is in the card's key)
 CARD_PERIOD_S = 60.0
+REFERENCE_RETRY_S = 0.25  # between a reference-only item's loads, after a miss
 
 
 def _wall() -> float:
@@ -164,6 +167,9 @@ class Load:
     req_id: str
     input_id: int
     modality: str = ""
+    # the request has it only as an embedding reference (no media): the worker cannot
+    # encode it, so a miss is tried again (`start_load_caches`)
+    reference_only: bool = False
 
 
 @dataclass
@@ -536,7 +542,7 @@ class MooncakeStoreConnector(ECExampleConnector):
             return
         self._loads[mm_hash] = Load(
             mm_hash, request.get_num_encoder_embeds(index), request.request_id, index,
-            feature.modality,
+            feature.modality, self._reference_only(feature),
         )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: Any) -> MooncakeStoreConnectorMetadata:
@@ -569,6 +575,8 @@ class MooncakeStoreConnector(ECExampleConnector):
             if load.mm_hash in encoder_cache:
                 continue
             tensor, why = self._load(load)
+            if tensor is None and load.reference_only:
+                tensor, why = self._load_again(load, why)
             if tensor is not None:
                 encoder_cache[load.mm_hash] = tensor.to(device)
                 self.stats["loads"] += 1
@@ -581,6 +589,24 @@ class MooncakeStoreConnector(ECExampleConnector):
                 "%s: %s for request %s input %d (%s); encoding it here",
                 LOAD_MISS_LOG, load.mm_hash, load.req_id, load.input_id, why,
             )  # fmt: skip
+
+    def _load_again(self, load: Load, why: str) -> tuple[torch.Tensor | None, str]:
+        """A reference-only item's load missed: this worker has nothing to encode it from, so
+        it is tried again for up to `load_timeout_s` (a master restarting: the scheduler's
+        client found it on the new master, this one's connection is still the old one's),
+        each try after the store's back-off."""
+        deadline = time.monotonic() + self.settings.load_timeout
+        tensor: torch.Tensor | None = None
+        while tensor is None and time.monotonic() < deadline:
+            self.stats["reference_retries"] = self.stats.get("reference_retries", 0) + 1
+            logger.warning(
+                "mmreuse: %s, which request %s has only as an embedding reference, missed at "
+                "load (%s): trying again (this worker cannot encode it)",
+                load.mm_hash, load.req_id, why,
+            )  # fmt: skip
+            time.sleep(min(REFERENCE_RETRY_S, max(0.0, deadline - time.monotonic())))
+            tensor, why = self._load(load)
+        return tensor, why
 
     def _load(self, load: Load) -> tuple[torch.Tensor | None, str]:
         key = self._key(load.mm_hash)

@@ -137,6 +137,28 @@ try:
 finally:
     STORE.fail = False
 
+# ---- a reference-only item's load while the master restarts: tried again, then loaded; and
+# with the store gone for longer than load_timeout_s, a bounded miss ----
+for case, port, back_after in (("master_back", 5, 0.6), ("master_gone", 6, None)):
+    cfg = v2.config(model, "ec_both", own_client(port, store_backoff_s=0.1, load_timeout_s=2.0))
+    worker = Connector(cfg, WORKER)
+    worker.bind_connector_metadata(vm.MooncakeStoreConnectorMetadata(
+        loads=[vm.Load("unit-a", 5, f"r-{case}", 0, "image", True)], publish=[],
+        encoder_inputs={}))
+    STORE.fail = True
+    if back_after is not None:
+        threading.Timer(back_after, lambda: setattr(STORE, "fail", False)).start()
+    got = {}
+    try:
+        out[case] = {
+            "load": raised(lambda: worker.start_load_caches(got)),
+            "loaded": sorted(got),
+            "encode_instead": worker._get_connector_metadata().encoder_inputs,
+            "retries": worker.stats.get("reference_retries", 0),
+        }
+    finally:
+        STORE.fail = False
+
 # ---- start-up: the running vLLM, a verified one, starts and is logged ----
 LOG.take()
 Connector(v2.config(model, "ec_both"), WORKER)
@@ -309,6 +331,17 @@ def test_a_stalled_or_failing_store_is_a_bounded_miss_never_a_raise(unit, case):
     assert got["put_misses"] == {"failed": 1}
     # stalled: the first call timed out, the rest answered at once (its thread still stuck)
     assert got["misses"] == (["busy", "timeout"] if case == "stall" else ["error"])
+
+
+@pytest.mark.oracle
+def test_a_reference_only_load_that_misses_is_tried_again_until_the_master_is_back(unit):
+    # the worker has nothing to encode such an item from: encoding it would kill the engine
+    got = unit["master_back"]
+    assert got["load"] is None and got["loaded"] == ["unit-a"] and got["encode_instead"] == {}
+    assert got["retries"] >= 1
+    gone = unit["master_gone"]  # the store gone past load_timeout_s: bounded, then a miss
+    assert gone["load"] is None and gone["loaded"] == []
+    assert gone["encode_instead"] == {"r-master_gone": [0]} and gone["retries"] >= 2
 
 
 @pytest.mark.oracle
