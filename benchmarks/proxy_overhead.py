@@ -107,22 +107,21 @@ def chat_request(
     for _ in range(images):
         url = "data:image/png;base64," + base64.b64encode(png(px, rnd)).decode()
         content.append({"type": "image_url", "image_url": {"url": url}})
-    body = json.dumps(
-        {
-            "model": "stub-model",
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": 16,
-            "stream": stream,
-        },
-        separators=(",", ":"),
-    ).encode()
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": content}],
+            "max_tokens": 16, "stream": stream}  # fmt: skip
+    return chat_post(port, body)
+
+
+def chat_post(port: int, body: dict[str, Any]) -> bytes:
+    """A POST /v1/chat/completions of `body` (compact JSON) to 127.0.0.1:`port`, as bytes."""
+    data = json.dumps(body, separators=(",", ":")).encode()
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\n"
         f"host: 127.0.0.1:{port}\r\n"
         "content-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        f"content-length: {len(data)}\r\n\r\n"
     ).encode()
-    return head + body
+    return head + data
 
 
 class ClientProtocol(asyncio.Protocol):

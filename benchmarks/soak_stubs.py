@@ -83,6 +83,7 @@ sys.path.insert(0, str(REPO))
 from proxy_overhead import (  # noqa: E402  (this script's folder)
     ClientProtocol,
     Proc,
+    chat_post,
     cpu_model,
     free_port,
     http_get,
@@ -311,22 +312,9 @@ class Requests:
             content = [{"type": "text", "text": f"#{self.n} {PRE}"}, *parts]
             content.append({"type": "text", "text": POST})
         stream = rnd.random() < 0.25
-        body = json.dumps(
-            {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": content}],
-                "max_tokens": 8,
-                "stream": stream,
-            },
-            separators=(",", ":"),
-        ).encode()
-        head = (
-            "POST /v1/chat/completions HTTP/1.1\r\n"
-            f"host: 127.0.0.1:{port}\r\n"
-            "content-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n\r\n"
-        ).encode()
-        return head + body, stream
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
+                "max_tokens": 8, "stream": stream}  # fmt: skip
+        return chat_post(port, body), stream
 
 
 class Tally:
