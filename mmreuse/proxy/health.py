@@ -79,7 +79,7 @@ class Operations:
         for role, down in ejected.items():
             if down:
                 problems.append(
-                    f"{role} ejected (connection failed, tried again after a back-off): {down}"
+                    f"{role} ejected (connection failed or stalled; back once its /health answers): {down}"
                 )
         demand = {c.name: c.health() for c in self.proxy.demand}
         for name, h in demand.items():

@@ -129,7 +129,7 @@ class ProxyMetrics:
         self.instance_up = Gauge(
             "mmreuse_proxy_instance_up",
             "1 while an instance takes requests, 0 while it is ejected (its connection was "
-            "refused or reset; tried again after a back-off), by role (E) and instance",
+            "refused or reset, or it stalled; back once its /health answers), by role and instance",
             ["role", "instance"],
             registry=r,
         )
