@@ -292,6 +292,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def group_stat(pgid: int) -> dict[int, list[str]]:
+    """Each live process of group `pgid`: its /proc stat fields after its name (the state
+    first; the group is [2], utime and stime [11] and [12])."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            out[int(entry)] = fields
+    return out
+
+
 @dataclass
 class Proc:
     """A child in its own process group, with its output in a log file."""
@@ -330,18 +346,8 @@ class Proc:
         """utime + stime of every live process in this one's group (seconds)."""
         if self.popen is None:
             return 0.0
-        pgid, total, tick = self.popen.pid, 0, os.sysconf("SC_CLK_TCK")
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:  # fields[0] is state; pgrp is field 5 overall
-                total += int(fields[11]) + int(fields[12])
-        return total / tick
+        ticks = sum(int(f[11]) + int(f[12]) for f in group_stat(self.popen.pid).values())
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.popen is None or self.popen.poll() is not None:

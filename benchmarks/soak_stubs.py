@@ -86,6 +86,7 @@ from proxy_overhead import (  # noqa: E402  (this script's folder)
     chat_post,
     cpu_model,
     free_port,
+    group_stat,
     http_get,
     png,
     wait_healthy,
@@ -466,26 +467,12 @@ def metrics_of(port: int) -> list[tuple[str, dict[str, str], float]]:
     return parse_metrics(body.decode(errors="replace")) if status == 200 else []
 
 
-def group_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-            pids.append(int(entry))
-    return pids
-
-
 def proc_sample(proc: Proc) -> dict[str, Any]:
     """RSS, fds and threads summed over the proxy's process group (one process at --workers 1),
     and its CPU seconds so far."""
     assert proc.popen is not None
     rss_kib = threads = fds = 0
-    pids = group_pids(proc.popen.pid)
+    pids = list(group_stat(proc.popen.pid))
     for pid in pids:
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
