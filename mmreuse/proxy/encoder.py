@@ -188,8 +188,8 @@ class EncoderFanout:
         try:
             # the bound only where another E could take the sub-request: a lone E stalled is
             # waited for (as the reference waits), bounded by the request's deadline alone
-            if self.timeout_s and self.health.instead_of(target) is not None:
-                async with asyncio.timeout(self.timeout_s):
+            if (bound := self.health.bound(target, self.timeout_s)) is not None:
+                async with asyncio.timeout(bound):
                     result = await _post(upstream, url, body, headers)
             else:  # `_post`, inline: one coroutine less per sub-request
                 resp = await upstream.post(url, await encode_body(body), headers)
@@ -226,8 +226,7 @@ class EncoderFanout:
             self._on_failover()
         _, _, body, headers = req
         try:
-            bound = self.timeout_s if health.instead_of(other) is not None else 0.0
-            async with asyncio.timeout(bound or None):
+            async with asyncio.timeout(health.bound(other, self.timeout_s)):
                 result = await _post(upstream, chat_url(other), body, headers)
         except (*FAILED_CONNECTION, TimeoutError) as e:
             health.eject(other)

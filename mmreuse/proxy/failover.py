@@ -134,6 +134,11 @@ class Ejections:
         now = self._clock()
         return [u for u in self.ejected() if self._health[u].probe_at <= now]
 
+    def bound(self, url: str, bound_s: float) -> float | None:
+        """How long `url` may take before it is taken for stalled: `bound_s` while another
+        instance could take its request, else None (a lone instance is waited for)."""
+        return bound_s if bound_s and self.instead_of(url) is not None else None
+
     def assign(self, count: int) -> list[str]:
         """The next `count` instances in the rotation (contiguous across requests), the
         ejected ones skipped; every instance where all are ejected."""

@@ -431,10 +431,9 @@ class Forwarder:
         body.pop("stream_options", None)
         try:
             # the bound only where another P could take the request (a lone P is waited for)
-            bound = self.config.serving.prefill_bound_s
-            if bound and self.p_health.instead_of(p_url) is None:
-                bound = 0.0
-            async with asyncio.timeout(bound or None):
+            async with asyncio.timeout(
+                self.p_health.bound(p_url, self.config.serving.prefill_bound_s)
+            ):
                 resp = await self.upstream.post(
                     chat_url(p_url),
                     await encode_body(body),
